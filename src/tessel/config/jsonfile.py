@@ -1,0 +1,114 @@
+"""Read the JSON config files as CANN's documents write them.
+
+The published examples carry `//` comments, trailing commas and, in one policy example, a missing
+comma between two members. Each is repaired before `json.loads`; anything else is an error that
+names the file, line and column.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from tessel.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_VALUE_END = set('"}]0123456789el')  # last char of a string, object, array, number, true/false/null
+
+
+def _strip_comments(text: str) -> str:
+    out: list[str] = []
+    i, n, in_str = 0, len(text), False
+    while i < n:
+        c = text[i]
+        if in_str:
+            out.append(c)
+            if c == "\\" and i + 1 < n:
+                out.append(text[i + 1])
+                i += 1
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+            out.append(c)
+        elif text.startswith("//", i):
+            while i < n and text[i] != "\n":
+                i += 1
+            continue
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = n if end < 0 else end + 2
+            continue
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _repair_commas(text: str) -> tuple[str, int]:
+    """Drop trailing commas; add a comma between a value and a key that starts the next line."""
+    out: list[str] = []
+    repairs = 0
+    i, n, in_str = 0, len(text), False
+    last_sig = ""  # last significant character outside strings
+    newline_since = False
+    while i < n:
+        c = text[i]
+        if in_str:
+            out.append(c)
+            if c == "\\" and i + 1 < n:
+                out.append(text[i + 1])
+                i += 1
+            elif c == '"':
+                in_str = False
+                last_sig, newline_since = '"', False
+            i += 1
+            continue
+        if c.isspace():
+            newline_since = newline_since or c == "\n"
+            out.append(c)
+            i += 1
+            continue
+        if c in "}]" and last_sig == ",":
+            # remove the trailing comma we emitted
+            for j in range(len(out) - 1, -1, -1):
+                if out[j] == ",":
+                    del out[j]
+                    break
+            repairs += 1
+        elif c == '"' and newline_since and last_sig in _VALUE_END:
+            out.append(",")
+            repairs += 1
+        if c == '"':
+            in_str = True
+        out.append(c)
+        last_sig, newline_since = c, False
+        i += 1
+    return "".join(out), repairs
+
+
+def load_json(path: str | Path) -> Any:
+    """Parse a config file; errors name the file and the position."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(path, None, "file not found (expected a JSON file)")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, None, f"cannot be read as UTF-8 text: {exc}") from exc
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        pass
+    text, repairs = _repair_commas(_strip_comments(raw))
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            path, None, f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from exc
+    log.debug("%s: read with comments or %d comma repairs", path, repairs)
+    return value

@@ -1,0 +1,53 @@
+"""Documented defaults per `--soc_version`: what a device can do when the cluster file is silent.
+
+Figures are public peak numbers; the cost model only needs their ratios to be right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessel.config.errors import ConfigError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class SocProfile:
+    name: str
+    device_type: str  # the torch device type its workers use: cpu, cuda, npu
+    backend: str  # the torch.distributed backend: gloo, nccl, hccl
+    peak_flops: float  # fp32 FLOP/s per device
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int  # device memory
+    link_bandwidth: float  # bytes/s between devices of one node
+    network_bandwidth: float  # bytes/s between nodes
+    link_latency: float  # seconds per collective step (alpha)
+
+
+SOCS: dict[str, SocProfile] = {
+    p.name: p
+    for p in [
+        # Local CPU processes talking through gloo over loopback.
+        SocProfile("cpu", "cpu", "gloo", 50e9, 10e9, 16 * GiB, 2e9, 1.25e9, 60e-6),
+        SocProfile("A100", "cuda", "nccl", 19.5e12, 2.0e12, 80 * GiB, 300e9, 25e9, 8e-6),
+        SocProfile("H100", "cuda", "nccl", 67e12, 3.35e12, 80 * GiB, 450e9, 50e9, 6e-6),
+        SocProfile("H200", "cuda", "nccl", 67e12, 4.8e12, 141 * GiB, 450e9, 50e9, 6e-6),
+        SocProfile("Ascend910B", "npu", "hccl", 94e12, 1.6e12, 64 * GiB, 56e9, 25e9, 10e-6),
+        SocProfile("Ascend910", "npu", "hccl", 64e12, 1.2e12, 32 * GiB, 30e9, 12.5e9, 10e-6),
+    ]
+}
+_ALIASES = {"h200": "H200", "h100": "H100", "a100": "A100", "gpu": "H100", "cuda": "H100"}
+
+
+def soc_profile(name: str, source: str = "--soc_version") -> SocProfile:
+    """The profile for a soc name; Ascend names with a suffix (Ascend910B1) map to their family."""
+    key = name.strip()
+    if key in SOCS:
+        return SOCS[key]
+    if key.lower() in _ALIASES:
+        return SOCS[_ALIASES[key.lower()]]
+    for family in ("Ascend910B", "Ascend910"):
+        if key.startswith(family):
+            return SOCS[family]
+    raise ConfigError(source, None, f"unknown soc {name!r}; known: {', '.join(SOCS)}")

@@ -1,0 +1,1 @@
+"""DataFlow: graphs of function and model nodes deployed on chosen devices."""

@@ -1,0 +1,1 @@
+"""mindspore.parallel-style API for PyTorch: Layout, strategy files, checkpoint conversion."""
