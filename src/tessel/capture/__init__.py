@@ -1,0 +1,5 @@
+"""Model capture: an nn.Module (or a saved .pt2) becomes an ATen graph with shapes on every node."""
+
+from tessel.capture.export import CapturedModel, capture, load_model_spec
+
+__all__ = ["CapturedModel", "capture", "load_model_spec"]

@@ -1,0 +1,117 @@
+"""torch.export capture, decomposed to core ATen so every node has a DTensor rule to look up."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from tessel.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FRAMEWORKS = ("pytorch",)
+# SDPA is kept whole if decomposing it fails (the fused CPU kernel's strides differ from the
+# decomposition's); it then runs replicated and is reported as a fallback.
+_SDPA_OPS = (
+    "aten.scaled_dot_product_attention.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+)
+
+
+@dataclass
+class CapturedModel:
+    """A decomposed ExportedProgram plus the flat list of user inputs it takes."""
+
+    program: ExportedProgram
+    example_inputs: list[torch.Tensor]
+    input_names: list[str]
+
+
+def capture(
+    model: torch.nn.Module | ExportedProgram,
+    example_inputs: tuple | list | dict | None = None,
+    example_kwargs: dict | None = None,
+) -> CapturedModel:
+    """Export `model` with its example inputs and decompose it to core ATen."""
+    if isinstance(model, ExportedProgram):
+        ep = model
+    else:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError("model", None, f"expected an nn.Module or ExportedProgram, found {type(model).__name__}")
+        args, kwargs = _split_inputs(example_inputs, example_kwargs)
+        model = model.eval()
+        with torch.no_grad():
+            ep = torch.export.export(model, args, kwargs)
+    try:
+        ep = ep.run_decompositions()
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds here
+        log.info("full decomposition failed (%s); keeping scaled_dot_product_attention whole", exc)
+        table = torch.export.default_decompositions()
+        for name in _SDPA_OPS:
+            op = _resolve(name)
+            if op is not None:
+                table.pop(op, None)
+        ep = ep.run_decompositions(table)
+    names, values = _user_inputs(ep)
+    return CapturedModel(ep, values, names)
+
+
+def load_model_spec(spec: str) -> tuple[Any, Any]:
+    """`--model`: a `.pt2` file, or `file.py:function` returning `(module, example_inputs)`."""
+    if spec.endswith(".pt2"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ConfigError("--model", None, f"file not found: {spec}")
+        return torch.export.load(str(path)), None
+    if ":" not in spec:
+        raise ConfigError("--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}")
+    file, func = spec.rsplit(":", 1)
+    path = Path(file)
+    if not path.is_file() or path.suffix != ".py":
+        raise ConfigError("--model", None, f"expected a Python file before ':', found {file!r}")
+    module_spec = importlib.util.spec_from_file_location(f"tessel_user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, func):
+        raise ConfigError("--model", None, f"{file} has no function {func!r}")
+    result = getattr(module, func)()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ConfigError("--model", None, f"{spec} must return (module, example_inputs)")
+    return result
+
+
+def _split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), {**example_inputs, **(example_kwargs or {})}
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), dict(example_kwargs or {})
+    return tuple(example_inputs or ()), dict(example_kwargs or {})
+
+
+def _user_inputs(ep: ExportedProgram) -> tuple[list[str], list[torch.Tensor]]:
+    names = [
+        s.arg.name
+        for s in ep.graph_signature.input_specs
+        if s.kind.name == "USER_INPUT" and hasattr(s.arg, "name")
+    ]
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    tensor_names = [n for n in names if isinstance(placeholders[n].meta.get("val"), torch.Tensor)]
+    values = [_example_from_meta(placeholders[n].meta["val"]) for n in tensor_names]
+    return tensor_names, values
+
+
+def _example_from_meta(val: Any) -> torch.Tensor:
+    return torch.zeros(tuple(val.shape), dtype=val.dtype)
+
+
+def _resolve(name: str) -> Any:
+    ns, op, overload = name.split(".")
+    packet = getattr(getattr(torch.ops, ns), op, None)
+    return getattr(packet, overload, None) if packet is not None else None

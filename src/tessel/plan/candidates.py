@@ -1,0 +1,145 @@
+"""Candidate strategies for every node of a captured graph."""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._op_schema import TupleStrategy
+from torch.utils._pytree import tree_flatten
+
+from tessel.plan import cost
+from tessel.plan.strategies import (
+    DTensorSpec,
+    Replicate,
+    Strategy,
+    as_op_strategy,
+    op_strategies,
+    placement_strategies,
+    tensor_meta,
+)
+
+log = logging.getLogger(__name__)
+
+# Ops with no output or no effect on values; lowering drops them.
+DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class NodeChoices:
+    """What the solver may choose for one node."""
+
+    node: fx.Node
+    kind: str  # "param", "input", "const", "op", "getitem", "fallback", "factory", "drop"
+    strategies: list[Strategy]
+    args: list[fx.Node] = field(default_factory=list)  # tensor args, in the order of Strategy.inputs
+    owner: fx.Node | None = None  # the node whose decision this one shares (getitem, repeated layer)
+    out_index: int | None = None  # for getitem: which output of the owner
+    reason: str = ""  # why a fallback replicated it
+
+    def out_spec(self, k: int) -> DTensorSpec | None:
+        return self.strategies[k].output_at(self.out_index)
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node)]
+
+
+def enumerate_candidates(
+    graph: fx.Graph,
+    mesh: DeviceMesh,
+    param_names: set[str],
+    templates: dict[fx.Node, fx.Node],
+) -> dict[fx.Node, NodeChoices]:
+    """Strategies per node; nodes of repeated layers reuse their template's list."""
+    choices: dict[fx.Node, NodeChoices] = {}
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            if not isinstance(val, torch.Tensor):
+                choices[n] = NodeChoices(n, "const", [Strategy(None, ())])
+            elif n.name in param_names:
+                choices[n] = NodeChoices(n, "param", placement_strategies(mesh, val))
+            else:
+                choices[n] = NodeChoices(n, "input", placement_strategies(mesh, val, True))
+            continue
+        if n.op != "call_function":
+            choices[n] = _replicated(n, mesh, "fallback", f"{n.op} node")
+            continue
+        template = templates.get(n)
+        if template is not None and template is not n:
+            t = choices[template]
+            choices[n] = NodeChoices(
+                n, t.kind, t.strategies, tensor_args(n), owner=t.owner or template,
+                out_index=t.out_index, reason=t.reason,
+            )
+            continue
+        if n.target is operator.getitem:
+            src = n.args[0]
+            owner_choice = choices[src]
+            choices[n] = NodeChoices(
+                n, "getitem", owner_choice.strategies, [], owner=owner_choice.owner or src,
+                out_index=n.args[1],
+            )
+            continue
+        if n.target in DROPPED:
+            choices[n] = NodeChoices(n, "drop", [Strategy(None, ())])
+            continue
+        args = tensor_args(n)
+        if not args:
+            choices[n] = _replicated(n, mesh, "factory", "")
+            continue
+        choices[n] = _op_choices(n, args, mesh, choices)
+    return choices
+
+
+def _op_choices(
+    n: fx.Node, args: list[fx.Node], mesh: DeviceMesh, choices: dict[fx.Node, NodeChoices]
+) -> NodeChoices:
+    def to_strategy(a):
+        if isinstance(a, fx.Node):
+            c = choices[a]
+            outs = [c.out_spec(k) for k in range(len(c.strategies))]
+            return as_op_strategy(outs, mesh, tensor_meta(a.meta.get("val")))
+        if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return TupleStrategy([to_strategy(x) for x in a])
+        return a
+
+    s_args = tuple(to_strategy(a) for a in n.args)
+    s_kwargs = {k: to_strategy(v) for k, v in n.kwargs.items()}
+    try:
+        found = op_strategies(n.target, s_args, s_kwargs, n.meta.get("val"), mesh)
+    except Exception as exc:  # noqa: BLE001 - a rule that cannot handle this call
+        return _replicated(n, mesh, "fallback", f"rule raised {type(exc).__name__}: {exc}"[:200])
+    if found is None:
+        return _replicated(n, mesh, "fallback", "no DTensor sharding rule")
+    found = [s for s in found if len(s.inputs) == len(args)]
+    if not found:
+        return _replicated(n, mesh, "fallback", "rule gave no strategy for these arguments")
+    return NodeChoices(n, "op", found, args)
+
+
+def _replicated(n: fx.Node, mesh: DeviceMesh, kind: str, reason: str) -> NodeChoices:
+    val = n.meta.get("val")
+    rep = (Replicate(),) * mesh.ndim
+    if isinstance(val, (tuple, list)):
+        out = tuple(DTensorSpec(mesh, rep, tensor_meta(v)) if isinstance(v, torch.Tensor) else None for v in val)
+    else:
+        out = DTensorSpec(mesh, rep, tensor_meta(val)) if isinstance(val, torch.Tensor) else None
+    args = tensor_args(n)
+    ins = tuple(DTensorSpec(mesh, rep, tensor_meta(a.meta.get("val"))) for a in args)
+    if reason:
+        log.debug("replicating %s (%s): %s", n.name, n.target, reason)
+    return NodeChoices(n, kind, [Strategy(out, ins)], args, reason=reason)
+
+
+def node_flops(n: fx.Node) -> float:
+    ins = [a.meta.get("val") for a in tensor_args(n)]
+    return cost.flops(str(n.target), n.meta.get("val"), ins)

@@ -1,0 +1,135 @@
+"""The cost model: compute roofline, alpha-beta collectives, resharding between placements.
+
+One formula per collective; `tessel inspect` and the solver both use these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement
+
+from tessel.config.cluster import ClusterConfig
+
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidth (bytes/s) and latency (s) of the links a mesh dimension's collectives cross."""
+
+    bandwidth: float
+    latency: float
+
+    @classmethod
+    def of(cls, cluster: ClusterConfig, ranks: list[int] | None = None) -> Links:
+        ranks = ranks if ranks is not None else list(range(cluster.world_size))
+        return cls(cluster.bandwidth(ranks), cluster.soc.link_latency)
+
+
+def all_reduce_time(nbytes: float, n: int, links: Links) -> float:
+    """Ring all-reduce: each rank sends and receives 2(n-1)/n of the buffer."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * links.latency + 2 * (n - 1) / n * nbytes / links.bandwidth
+
+
+def all_gather_time(nbytes: float, n: int, links: Links) -> float:
+    """Ring all-gather of a tensor of `nbytes` in total (each rank holds nbytes/n)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * links.latency + (n - 1) / n * nbytes / links.bandwidth
+
+
+def reduce_scatter_time(nbytes: float, n: int, links: Links) -> float:
+    """Ring reduce-scatter of a tensor of `nbytes` (the same volume as an all-gather)."""
+    return all_gather_time(nbytes, n, links)
+
+
+def all_to_all_time(nbytes: float, n: int, links: Links) -> float:
+    """Each rank exchanges (n-1)/n of its nbytes/n share."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * links.latency + (n - 1) / n * (nbytes / n) / links.bandwidth
+
+
+def transition(src: Placement, dst: Placement) -> str | None:
+    """The collective that moves one mesh dimension from `src` to `dst` (None: local or free)."""
+    if src == dst:
+        return None
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return "all_reduce"
+        if isinstance(dst, Shard):
+            return "reduce_scatter"
+        return "all_reduce"
+    if isinstance(src, Shard):
+        if isinstance(dst, Shard):
+            return "all_to_all"
+        return "all_gather"  # to Replicate, or to Partial through Replicate
+    return None  # Replicate -> Shard / Partial is a local slice or zero-fill
+
+
+_TIME = {
+    "all_reduce": all_reduce_time,
+    "all_gather": all_gather_time,
+    "reduce_scatter": reduce_scatter_time,
+    "all_to_all": all_to_all_time,
+}
+
+
+def redistribute_time(
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    nbytes: float,
+    mesh_shape: tuple[int, ...],
+    links: list[Links],
+) -> float:
+    """Time to move a tensor of `nbytes` (global) from placements `src` to `dst`."""
+    total = 0.0
+    for d, (a, b) in enumerate(zip(src, dst)):
+        kind = transition(a, b)
+        if kind is None:
+            continue
+        # the tensor's size on this mesh dim: global bytes over the shards of the other dims
+        others = math.prod(
+            n for i, (p, n) in enumerate(zip(src, mesh_shape)) if i != d and isinstance(p, Shard)
+        )
+        total += _TIME[kind](nbytes / max(others, 1), mesh_shape[d], links[d])
+    return total
+
+
+def shard_factor(placements: tuple[Placement, ...] | None, mesh_shape: tuple[int, ...]) -> int:
+    """How many ways the work or the bytes of a tensor with these placements are divided."""
+    if placements is None:
+        return 1
+    return math.prod(n for p, n in zip(placements, mesh_shape) if isinstance(p, (Shard, Partial)))
+
+
+def nbytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(nbytes(v) for v in val)
+    return 0
+
+
+def flops(op_name: str, out_val: object, in_vals: list[object]) -> float:
+    """Floating-point operations of one node (matmuls exactly; others one per output element)."""
+    base = op_name.split(".")[1] if "." in op_name else op_name
+    if base in _MATMUL_OPS and isinstance(out_val, torch.Tensor):
+        tensors = [v for v in in_vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
+        if tensors:
+            k = tensors[-1].shape[-2]
+            return 2.0 * out_val.numel() * k
+    if isinstance(out_val, torch.Tensor):
+        return float(out_val.numel())
+    return 0.0
+
+
+def compute_time(op_flops: float, moved_bytes: float, peak_flops: float, bandwidth: float) -> float:
+    """Roofline: the slower of arithmetic and memory traffic."""
+    return max(op_flops / peak_flops, moved_bytes / bandwidth)

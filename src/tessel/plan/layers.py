@@ -1,0 +1,64 @@
+"""Find repeated layers so that identical layers share one set of decision variables."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from torch import fx
+
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+def layer_of(node: fx.Node) -> tuple[str, int] | None:
+    """(`model.layers.*`, 3) for a node inside `model.layers.3`, else None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _cls in stack.values():
+        m = _INDEXED.match(path or "")
+        if m:
+            return m.group(1) + ".*", int(m.group(2))
+    return None
+
+
+def _signature(nodes: list[fx.Node]) -> tuple:
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def arg_key(a):
+        if isinstance(a, fx.Node):
+            return ("in", index[a]) if a in index else ("ext",)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg_key(x) for x in a)
+        return repr(a)
+
+    sig = []
+    for n in nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        sig.append((n.op, str(n.target), shape, arg_key(n.args), arg_key(tuple(n.kwargs.values()))))
+    return tuple(sig)
+
+
+def template_map(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[str, list[int]]]:
+    """Map every node of a repeated layer to the same-position node of its group's first layer.
+
+    Returns the map (template nodes map to themselves; nodes outside layers are absent) and,
+    per layer family, the layer indices found.
+    """
+    layers: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        key = layer_of(n)
+        if key is not None:
+            layers[key].append(n)
+    templates: dict[tuple, list[fx.Node]] = {}
+    mapping: dict[fx.Node, fx.Node] = {}
+    families: dict[str, list[int]] = defaultdict(list)
+    for (family, idx), nodes in sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        families[family].append(idx)
+        sig = (family, _signature(nodes))
+        template = templates.setdefault(sig, nodes)
+        for n, t in zip(nodes, template):
+            mapping[n] = t
+    return mapping, dict(families)

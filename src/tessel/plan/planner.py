@@ -1,0 +1,289 @@
+"""Choose a placement for every node: candidates, costs, the ILP, and an explainable plan."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+
+from tessel.capture import CapturedModel
+from tessel.config.cluster import ClusterConfig
+from tessel.config.parallel_option import ParallelOption
+from tessel.plan import cost
+from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
+from tessel.plan.ilp import InfeasibleError, Problem, solve
+from tessel.plan.layers import layer_of, template_map
+from tessel.plan.strategies import Replicate, Strategy
+
+log = logging.getLogger(__name__)
+
+
+class PlanError(RuntimeError):
+    """The model cannot be placed on the cluster as asked."""
+
+
+@dataclass
+class Plan:
+    """A chosen strategy for every node of the captured graph on a device mesh."""
+
+    mesh_shape: tuple[int, ...]
+    choices: dict[fx.Node, NodeChoices]
+    choice: dict[fx.Node, int]  # decision owner -> strategy index
+    param_targets: dict[str, str]  # placeholder name -> parameter FQN
+    estimated_time: float
+    timings: dict[str, float] = field(default_factory=dict)
+    solver: dict[str, object] = field(default_factory=dict)
+
+    def strategy(self, node: fx.Node) -> Strategy:
+        c = self.choices[node]
+        return c.strategies[self.choice[c.owner or node]]
+
+    def out_placements(self, node: fx.Node) -> tuple:
+        c = self.choices[node]
+        spec = c.out_spec(self.choice[c.owner or node])
+        return tuple(spec.placements) if spec is not None else ()
+
+    def param_placements(self) -> dict[str, tuple]:
+        return {
+            fqn: self.out_placements(n)
+            for n in self.choices
+            if (fqn := self.param_targets.get(n.name)) is not None
+        }
+
+    def fallbacks(self) -> list[tuple[str, str, str]]:
+        seen = {}
+        for n, c in self.choices.items():
+            if c.kind == "fallback" and (c.owner is None or c.owner is n):
+                seen[n.name] = (n.name, str(n.target), c.reason)
+        return list(seen.values())
+
+
+def mesh_for(world_size: int) -> DeviceMesh:
+    """A 1-D mesh for planning; needs no process group."""
+    return DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=0)
+
+
+def make_plan(
+    captured: CapturedModel,
+    cluster: ClusterConfig,
+    option: ParallelOption,
+    time_limit: float = 60.0,
+) -> Plan:
+    """Solve for the placement of every node on a 1-D mesh over all devices."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    ep = captured.program
+    graph = ep.graph_module.graph
+    world = cluster.world_size
+    mesh = mesh_for(world)
+    param_targets = {
+        s.arg.name: s.target
+        for s in ep.graph_signature.input_specs
+        if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") and s.target is not None
+    }
+    weight_names = {
+        s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"
+    }
+    templates, families = template_map(graph)
+    _map_layer_params(templates, weight_names)
+    choices = enumerate_candidates(graph, mesh, weight_names, templates)
+    timings["strategies"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    problem = _problem(graph, choices, cluster, mesh)
+    budget = min(d.memory_bytes for d in cluster.devices) - _activation_bytes(graph, weight_names)
+    problem.memory_budget = float(budget)
+    try:
+        solution = solve(problem, time_limit)
+    except InfeasibleError as exc:
+        need = sum(
+            float(m.min()) * 1 for m in problem.memory.values()
+        )
+        raise PlanError(
+            f"the model does not fit: even with every weight sharded it needs {need / 2**30:.2f} GiB "
+            f"per device plus {_activation_bytes(graph, weight_names) / 2**30:.2f} GiB of "
+            f"activations, but the smallest device in {cluster.source} has "
+            f"{min(d.memory_bytes for d in cluster.devices) / 2**30:.2f} GiB ({exc})"
+        ) from exc
+    timings["solve"] = time.perf_counter() - t1
+    layers = {f: len(ix) for f, ix in families.items()}
+    return Plan(
+        mesh_shape=tuple(mesh.shape),
+        choices=choices,
+        choice=solution.choice,
+        param_targets=param_targets,
+        estimated_time=solution.objective,
+        timings=timings,
+        solver={
+            "opt_level": option.opt_level,
+            "variables": solution.num_variables,
+            "constraints": solution.num_constraints,
+            "status": solution.status,
+            "decisions": len(problem.sizes),
+            "repeated_layers": layers,
+        },
+    )
+
+
+def _map_layer_params(templates: dict[fx.Node, fx.Node], weight_names: set[str]) -> None:
+    """Weights of repeated layers share their template layer's weight decision."""
+    for n, t in list(templates.items()):
+        if n is t:
+            continue
+        for a, b in zip(_flat_nodes(n), _flat_nodes(t)):
+            if (
+                a.op == "placeholder"
+                and b.op == "placeholder"
+                and a.name in weight_names
+                and b.name in weight_names
+                and a is not b
+                and a.meta["val"].shape == b.meta["val"].shape
+                and a.meta["val"].dtype == b.meta["val"].dtype
+            ):
+                templates.setdefault(a, b)
+                templates.setdefault(b, b)
+
+
+def _flat_nodes(n: fx.Node) -> list[fx.Node]:
+    from tessel.plan.candidates import tensor_args
+
+    return tensor_args(n)
+
+
+def _owner(choices: dict[fx.Node, NodeChoices], n: fx.Node) -> fx.Node:
+    return choices[n].owner or n
+
+
+def _problem(
+    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], cluster: ClusterConfig, mesh: DeviceMesh
+) -> Problem:
+    soc = cluster.soc
+    mesh_shape = tuple(mesh.shape)
+    links = [cost.Links.of(cluster)] * mesh.ndim
+    sizes: dict[fx.Node, int] = {}
+    linear: dict[fx.Node, np.ndarray] = {}
+    memory: dict[fx.Node, np.ndarray] = {}
+    for n, c in choices.items():
+        v = c.owner or n
+        sizes[v] = len(choices[v].strategies)
+
+    # compute cost, once per decision, times the nodes that share it
+    multiplicity: dict[fx.Node, int] = defaultdict(int)
+    for n, c in choices.items():
+        if c.kind in ("op", "fallback", "factory"):
+            multiplicity[c.owner or n] += 1
+        if c.kind == "param":
+            multiplicity[c.owner or n] += 1
+    for v, count in multiplicity.items():
+        c = choices[v]
+        val = v.meta.get("val")
+        if c.kind == "param":
+            b = cost.nbytes(val)
+            memory[v] = np.array(
+                [count * b / cost.shard_factor(s.output.placements, mesh_shape) for s in c.strategies]
+            )
+            continue
+        f = node_flops(v)
+        moved = cost.nbytes(val) + sum(cost.nbytes(a.meta.get("val")) for a in c.args)
+        linear[v] = np.array(
+            [
+                count
+                * cost.compute_time(f, moved, soc.peak_flops, soc.memory_bandwidth)
+                / cost.shard_factor(_placements(s.output), mesh_shape)
+                for s in c.strategies
+            ]
+        )
+
+    # resharding on every edge, aggregated over identical layers
+    edges: dict[tuple, int] = defaultdict(int)
+    for n, c in choices.items():
+        if c.kind not in ("op", "fallback"):
+            continue
+        for j, a in enumerate(c.args):
+            if a not in choices or choices[a].kind in ("const", "drop"):
+                continue
+            key = (_owner(choices, a), choices[a].out_index, c.owner or n, j, cost.nbytes(a.meta.get("val")))
+            edges[key] += 1
+    pairs: dict[tuple, np.ndarray] = defaultdict(lambda: 0)
+    for (vp, out_index, vc, j, b), count in edges.items():
+        cp, cc = choices[vp], choices[vc]
+        src = [_placements(s.output_at(out_index)) for s in cp.strategies]
+        dst = [_placements(s.inputs[j]) if j < len(s.inputs) else None for s in cc.strategies]
+        m = np.array(
+            [
+                [
+                    0.0 if (sp is None or dp is None) else cost.redistribute_time(sp, dp, b, mesh_shape, links)
+                    for dp in dst
+                ]
+                for sp in src
+            ]
+        ) * count
+        if vp is vc:
+            linear[vp] = linear.get(vp, np.zeros(sizes[vp])) + np.diag(m)
+        else:
+            pairs[(vp, vc)] = pairs[(vp, vc)] + m
+
+    # outputs are returned whole
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    rep = (Replicate(),) * mesh.ndim
+    for a in _flat_nodes(out_node):
+        if a not in choices:
+            continue
+        c = choices[a]
+        v = c.owner or a
+        b = cost.nbytes(a.meta.get("val"))
+        extra = np.array(
+            [
+                0.0 if (p := _placements(s.output_at(c.out_index))) is None
+                else cost.redistribute_time(p, rep, b, mesh_shape, links)
+                for s in choices[v].strategies
+            ]
+        )
+        linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
+    return Problem(sizes, linear, dict(pairs), memory)
+
+
+def _placements(spec) -> tuple | None:
+    if spec is None:
+        return None
+    if isinstance(spec, tuple):
+        spec = next((s for s in spec if s is not None), None)
+        if spec is None:
+            return None
+    return tuple(spec.placements)
+
+
+def _activation_bytes(graph: fx.Graph, weight_names: set[str]) -> int:
+    """Peak bytes of live activations, counted at their full (replicated) size: an upper bound."""
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    last_use = {}
+    for i, n in enumerate(graph.nodes):
+        for a in _flat_nodes(n):
+            last_use[a] = i
+    live = 0
+    peak = 0
+    dying: dict[int, int] = defaultdict(int)
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder" and n.name in weight_names:
+            continue
+        b = cost.nbytes(n.meta.get("val"))
+        live += b
+        dying[last_use.get(n, i)] += b
+        peak = max(peak, live)
+        live -= dying.pop(i, 0)
+    return peak
+
+
+def layer_name(node: fx.Node) -> str:
+    key = layer_of(node)
+    return key[0].replace("*", str(key[1])) if key else ""
+
+
+__all__ = ["Plan", "PlanError", "make_plan", "mesh_for", "layer_name", "math"]

@@ -1,0 +1,179 @@
+"""Candidate shardings per graph node from DTensor's own sharding rules.
+
+This is the only module that touches DTensor's private strategy registries (torch 2.13 keeps
+them in two places: `op_strategy_funcs` and `op_single_dim_strategy_funcs`). A torch upgrade
+touches this file alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _insert_single_dim_replication_strategy,
+)
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import Partial, Placement
+
+__all__ = [
+    "DTensorSpec",
+    "OpSpec",
+    "OpStrategy",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "Strategy",
+    "op_strategies",
+    "placement_strategies",
+    "tensor_meta",
+]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: the spec of its output and the spec each tensor input must have."""
+
+    output: DTensorSpec | tuple[DTensorSpec | None, ...] | None
+    inputs: tuple[DTensorSpec | None, ...]
+
+    def output_at(self, index: int | None) -> DTensorSpec | None:
+        """The spec of output `index` (None: the single output)."""
+        if isinstance(self.output, tuple):
+            return self.output[index or 0]
+        return self.output
+
+
+def tensor_meta(val: Any) -> TensorMeta | None:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(val.shape, val.stride(), val.dtype)
+    return None
+
+
+def placement_strategies(mesh: DeviceMesh, val: torch.Tensor, replicate_only: bool = False) -> list[Strategy]:
+    """Every evenly divisible (Replicate | Shard(d)) per mesh dim, for graph inputs and weights."""
+    meta = tensor_meta(val)
+    options: list[list[Placement]] = []
+    for size in mesh.shape:
+        dims: list[Placement] = [Replicate()]
+        if not replicate_only:
+            dims += [Shard(d) for d, n in enumerate(val.shape) if n % size == 0 and n >= size]
+        options.append(dims)
+    out = []
+    for combo in itertools.product(*options):
+        if _even(val.shape, combo, mesh.shape):
+            out.append(Strategy(DTensorSpec(mesh, tuple(combo), meta), ()))
+    return out
+
+
+def _even(shape: torch.Size, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> bool:
+    local = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if local[p.dim] % n:
+                return False
+            local[p.dim] //= n
+    return True
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_rule(op: Any) -> bool:
+    prop = _propagator()
+    return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
+
+
+def op_strategies(
+    op: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    out_val: Any,
+    mesh: DeviceMesh,
+) -> list[Strategy] | None:
+    """The strategies DTensor allows for `op` when its tensor args may take the given candidates.
+
+    `args`/`kwargs` hold an OpStrategy where the graph passes a tensor. Returns None when DTensor
+    has no rule for the op (the caller replicates it and reports the fallback).
+    """
+    prop = _propagator()
+    if isinstance(out_val, (tuple, list)):
+        out_meta: Any = tuple(tensor_meta(v) for v in out_val)
+    else:
+        out_meta = tensor_meta(out_val)
+    if op in prop.op_strategy_funcs:
+        info = prop.op_to_schema_info.get(op)
+        schema = OpSchema(op, args, kwargs, schema_info=info)
+        result = prop.op_strategy_funcs[op](schema)
+    elif op in prop.op_single_dim_strategy_funcs:
+        info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        schema = OpSchema(op, args, kwargs, schema_info=info)
+        rule = prop.op_single_dim_strategy_funcs[op]
+        rules = rule.func(op, schema.args_meta, schema.kwargs_meta)
+        n_in = len(schema.args_strategy) + len(schema.kwargs_strategy)
+        if not rules:
+            return None
+        n_out = len(rules[0]) - n_in
+        rules = _insert_single_dim_replication_strategy(list(rules), n_out, n_in, out_meta)
+        rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+        result = expand_to_full_mesh_op_strategy(
+            mesh,
+            schema,
+            rules,
+            output_tensor_meta=out_meta,
+            input_index=n_out,
+            allow_uneven_sharding=False,
+        )
+    else:
+        return None
+    if not isinstance(result, OpStrategy):
+        return None
+    return _dedup(result)
+
+
+def _dedup(result: OpStrategy) -> list[Strategy]:
+    seen: set = set()
+    out: list[Strategy] = []
+    for spec in result.strategies:
+        output = spec.output_specs
+        if isinstance(output, list):
+            output = tuple(output)
+        inputs = tuple(spec.input_specs or ())
+        out_key = tuple(_key(o) for o in output) if isinstance(output, tuple) else _key(output)
+        key = (out_key, tuple(_key(s) for s in inputs))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(Strategy(output, inputs))
+    return out
+
+
+def _key(spec: DTensorSpec | None) -> Any:
+    return None if spec is None else tuple(spec.placements)
+
+
+def as_op_strategy(
+    outputs: list[DTensorSpec | None], mesh: DeviceMesh, meta: TensorMeta | None
+) -> OpStrategy:
+    """Producer candidates in the form DTensor's rules take as an argument."""
+    specs = []
+    seen = set()
+    for out in outputs:
+        out = out or DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
+        if out.tensor_meta is None:
+            out = DTensorSpec(mesh, out.placements, meta)
+        key = tuple(out.placements)
+        if key in seen:
+            continue
+        seen.add(key)
+        specs.append(OpSpec(out))
+    return OpStrategy(specs)
