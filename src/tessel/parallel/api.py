@@ -1,0 +1,639 @@
+"""The mindspore.parallel checkpoint API (seed 004 names) on top of sources, plans and jobs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessel.parallel.boxes import Box, device_box
+from tessel.parallel.convert import execute, shape_bytes
+from tessel.parallel.errors import CheckpointError, StrategyError
+from tessel.parallel.plan import FileJob, needed_holders, plan_file
+from tessel.parallel.sources import (
+    DCPSource,
+    FullSource,
+    RankSource,
+    Source,
+    find_rank_files,
+    is_dcp_dir,
+)
+from tessel.parallel.st_io import read_header
+from tessel.parallel.strategy import (
+    ParamLayout,
+    Strategy,
+    load_strategy,
+    merge_stage_prefixed,
+    write_strategy,
+)
+
+StrategyArg = str | os.PathLike | Strategy | None
+Progress = Callable[[int], None] | None
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _full_strategy_from_file(path: str) -> Strategy:
+    """A strategy for one unsharded checkpoint file: every tensor whole on rank 0."""
+    hdr = read_header(path)[0]
+    params = {
+        n: ParamLayout((1,), tuple(() for _ in loc.shape), loc.shape, loc.dtype)
+        for n, loc in hdr.items()
+    }
+    return Strategy(params, f"{path} (unsharded)")
+
+
+def _open_source(
+    src_dir: str | os.PathLike, src_strategy_file: StrategyArg, need_strategy: bool = True
+) -> Source:
+    if is_dcp_dir(src_dir):
+        return DCPSource(src_dir)
+    files = find_rank_files(src_dir)
+    strategy = load_strategy(src_strategy_file)
+    if strategy is None:
+        if files and need_strategy:
+            if len(files) == 1 and 0 in files:
+                return RankSource(_full_strategy_from_file(files[0]), files)
+            raise StrategyError(
+                str(src_dir),
+                "src_strategy_file",
+                f"is needed: the directory holds {len(files)} rank files (only a DCP "
+                "directory or a single unsharded rank_0 file needs no strategy)",
+            )
+        return FullSource(src_dir)
+    if not files:
+        raise CheckpointError(
+            str(src_dir), None, "holds no rank_{r}/*.safetensors files and no DCP .metadata"
+        )
+    return RankSource(strategy, files)
+
+
+def _resolve_dst(dst: Strategy, source: Source) -> Strategy:
+    """Fill unknown shapes/dtypes of the destination from the source; check the known ones."""
+    names = set(source.names())
+    out = {}
+    for name, p in dst.params.items():
+        if name not in names:
+            raise CheckpointError(
+                source.label,
+                name,
+                f"is in the destination strategy ({dst.source}) but not in the source checkpoint",
+            )
+        shape, dtype = source.info(name)
+        if p.shape is not None and tuple(p.shape) != tuple(shape):
+            raise StrategyError(
+                dst.source,
+                f"params.{name}.shape",
+                f"is {list(p.shape)} but the source checkpoint has {list(shape)}",
+            )
+        if p.dtype is not None and p.dtype != dtype:
+            raise StrategyError(
+                dst.source,
+                f"params.{name}.dtype",
+                f"is {p.dtype} but the source checkpoint has {dtype}",
+            )
+        from dataclasses import replace
+
+        from tessel.parallel.boxes import check_tiling
+
+        q = replace(p, shape=tuple(shape), dtype=dtype)
+        check_tiling(name, q, dst.source)
+        out[name] = q
+    return Strategy(out, dst.source, dict(dst.extra))
+
+
+def _rank_entries(dst: Strategy, rank: int) -> list[tuple[str, Box]]:
+    out = []
+    for name in dst.params_of_rank(rank):
+        p = dst.params[name]
+        out.append((name, device_box(p, dst.holders(name)[rank], p.shape)))
+    return out
+
+
+def _full_dst(source: Source) -> Strategy:
+    params = {}
+    for n in source.names():
+        shape, dt = source.info(n)
+        params[n] = ParamLayout((1,), tuple(() for _ in shape), shape, dt)
+    return Strategy(params, "<unsharded destination>")
+
+
+def _rank_jobs(
+    source: Source, dst: Strategy, prefix: str, ranks: Sequence[int] | None = None
+) -> list[FileJob]:
+    jobs = []
+    allowed = None
+    if isinstance(source, RankSource):
+        allowed = set(source.files)
+    for r in ranks if ranks is not None else range(dst.world_size):
+        entries = _rank_entries(dst, r)
+        if not entries:
+            continue
+        prefer = r if isinstance(source, RankSource) else None
+        jobs.append(
+            plan_file(
+                source,
+                entries,
+                f"rank_{r}/{prefix}{r}.safetensors",
+                prefer=prefer,
+                allowed=allowed,
+                metadata={"format": "pt", "tessel_rank": str(r)},
+            )
+        )
+    return jobs
+
+
+def _check_format(output_format: str) -> None:
+    if output_format != "safetensors":
+        raise CheckpointError(
+            None,
+            "output_format",
+            f"is {output_format!r}; tessel writes only 'safetensors' (no pickle formats)",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the API
+
+
+def rank_list_for_convert(
+    rank_id: int, src_strategy_file: StrategyArg = None, dst_strategy_file: StrategyArg = None
+) -> list[int]:
+    """Source ranks whose files are needed to build destination rank ``rank_id`` (descending).
+
+    Exactly the ranks read: if a slice has replicas, one is chosen so the set is irredundant
+    (the destination rank itself is preferred). ``src_strategy_file=None`` means an unsharded
+    source, so the answer is ``[0]``. No checkpoint files are read.
+    """
+    src = load_strategy(src_strategy_file)
+    if src is None:
+        return [0]
+    dst = load_strategy(dst_strategy_file)
+    names = list(src.params) if dst is None else dst.params_of_rank(rank_id)
+    if dst is not None:
+        for n in names:
+            if n not in src.params:
+                raise StrategyError(
+                    dst.source, f"params.{n}", f"is not in the source strategy {src.source}"
+                )
+    # boxes do not depend on the scale of the shape: use a small shape each layout divides
+    resolved: dict[str, ParamLayout] = {}
+    for n in names:
+        p = src.params[n]
+        q = dst.params[n] if dst is not None else None
+        shape = p.shape or (q.shape if q is not None else None)
+        if shape is None:
+            ks = [list(p.splits())] + ([list(q.splits())] if q is not None else [])
+            for k, lay in zip(ks, [p, q], strict=False):
+                if k and lay is not None:
+                    k[0] *= lay.opt_shard_size or 1
+            shape = tuple(math.lcm(*[k[d] for k in ks]) for d in range(len(ks[0])))
+        resolved[n] = shape
+    from dataclasses import replace
+
+    src_r = Strategy(
+        {n: replace(src.params[n], shape=resolved[n], dtype="float32") for n in names},
+        src.source,
+        dict(src.extra),
+    )
+    source = RankSource(src_r, {})
+    entries = []
+    for n in names:
+        if dst is None:
+            entries.append((n, tuple((0, s) for s in resolved[n])))
+        else:
+            q = replace(dst.params[n], shape=resolved[n])
+            from tessel.parallel.boxes import check_tiling
+
+            check_tiling(n, q, dst.source)
+            entries.append((n, device_box(q, dst.holders(n)[rank_id], q.shape)))
+    return sorted(needed_holders(source, entries, prefer=rank_id), reverse=True)
+
+
+def convert_checkpoint_by_rank(
+    rank_id: int,
+    checkpoint_files_map: Mapping[int, str | os.PathLike],
+    save_checkpoint_file_name: str | os.PathLike,
+    src_strategy_file: StrategyArg = None,
+    dst_strategy_file: StrategyArg = None,
+) -> str:
+    """Build destination rank ``rank_id``'s safetensors file from ``{src rank: file}``.
+
+    Only the files ``rank_list_for_convert`` names are needed. The output is written under a
+    temporary name and renamed when complete.
+    """
+    save = Path(save_checkpoint_file_name)
+    if save.suffix != ".safetensors":
+        raise CheckpointError(str(save), "save_checkpoint_file_name", "must end with .safetensors")
+    files = {int(r): str(f) for r, f in checkpoint_files_map.items()}
+    for r, f in files.items():
+        if not Path(f).is_file():
+            raise CheckpointError(f, None, f"checkpoint file of source rank {r} does not exist")
+    src = load_strategy(src_strategy_file)
+    if src is None:
+        if set(files) != {0}:
+            raise StrategyError(
+                None, "src_strategy_file", "is None, so give exactly one file, for rank 0"
+            )
+        src = _full_strategy_from_file(files[0])
+    source = RankSource(src, files)
+    dst = load_strategy(dst_strategy_file)
+    dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
+    entries = (
+        _rank_entries(dst, rank_id)
+        if dst_strategy_file is not None
+        else [(n, tuple((0, s) for s in dst.params[n].shape)) for n in dst.params]
+    )
+    if not entries:
+        raise StrategyError(dst.source, None, f"rank {rank_id} holds no parameter")
+    job = plan_file(source, entries, save.name, prefer=rank_id, allowed=set(files),
+                    metadata={"format": "pt", "tessel_rank": str(rank_id)})  # fmt: skip
+    execute([job], save.parent, forbidden=list(files.values()))
+    return str(save)
+
+
+def convert_checkpoints(
+    src_checkpoints_dir: str | os.PathLike,
+    dst_checkpoints_dir: str | os.PathLike,
+    ckpt_prefix: str,
+    src_strategy_file: StrategyArg = None,
+    dst_strategy_file: StrategyArg = None,
+    process_num: int = 1,
+    output_format: str = "safetensors",
+    progress: Progress = None,
+) -> list[str]:
+    """Convert a whole distributed checkpoint to another strategy.
+
+    Source: ``src/rank_{r}/*.safetensors`` plus its strategy, or a DCP directory (no strategy
+    needed). Output: ``dst/rank_{r}/{ckpt_prefix}{r}.safetensors`` for every destination rank.
+    ``process_num`` destination files are written in parallel by separate processes.
+    """
+    _check_format(output_format)
+    source = _open_source(src_checkpoints_dir, src_strategy_file)
+    dst = load_strategy(dst_strategy_file)
+    dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
+    jobs = _rank_jobs(source, dst, ckpt_prefix)
+    return execute(jobs, dst_checkpoints_dir, process_num, progress, source.holder_files())
+
+
+def plan_convert(
+    src_checkpoints_dir: str | os.PathLike,
+    src_strategy_file: StrategyArg,
+    dst_strategy_file: StrategyArg,
+    ckpt_prefix: str = "checkpoint_",
+) -> tuple[list[FileJob], Source]:
+    """The jobs convert_checkpoints would run (used by the CLI for sizes and progress)."""
+    source = _open_source(src_checkpoints_dir, src_strategy_file)
+    dst = load_strategy(dst_strategy_file)
+    dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
+    return _rank_jobs(source, dst, ckpt_prefix), source
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper()
+    for unit, mul in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9),
+                      ("MB", 10**6), ("KB", 10**3), ("B", 1)):  # fmt: skip
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mul)
+    return int(s)
+
+
+def plan_unify(
+    src_dir: str | os.PathLike,
+    src_strategy_file: StrategyArg = None,
+    max_shard_size: int | str = "5GB",
+    choice_func: Callable[[str], bool | str] | None = None,
+) -> tuple[list[FileJob], dict[str, str], int, Source]:
+    """Jobs for unified_safetensors, the index weight map and the total size."""
+    source = _open_source(src_dir, src_strategy_file)
+    limit = _parse_size(max_shard_size)
+    groups: list[list[tuple[str, str, Box]]] = [[]]
+    size = 0
+    total = 0
+    for name in source.names():
+        out_name = name
+        if choice_func is not None:
+            c = choice_func(name)
+            if c is False:
+                continue
+            if isinstance(c, str):
+                out_name = c
+        shape, dt = source.info(name)
+        nb = shape_bytes(shape, dt)
+        if groups[-1] and size + nb > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, out_name, tuple((0, s) for s in shape)))
+        size += nb
+        total += nb
+    n = len(groups)
+    jobs = []
+    weight_map = {}
+    for k, g in enumerate(groups, 1):
+        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+        job = plan_file(source, [(nm, box) for nm, _, box in g], fname, metadata={"format": "pt"})
+        for op, (_, out_name, _) in zip(job.params, g, strict=False):
+            op.name = out_name
+            weight_map[out_name] = fname
+        jobs.append(job)
+    return jobs, weight_map, total, source
+
+
+def unified_safetensors(
+    src_dir: str | os.PathLike,
+    src_strategy_file: StrategyArg = None,
+    dst_dir: str | os.PathLike = ".",
+    merge_with_redundancy: bool = True,
+    file_suffix: str | None = None,
+    max_process_num: int = 1,
+    choice_func: Callable[[str], bool | str] | None = None,
+    split_dst_file: tuple[int, int] | tuple = (),
+    max_shard_size: int | str = "5GB",
+    progress: Progress = None,
+) -> list[str]:
+    """Merge a distributed checkpoint into Hugging Face style full-tensor shards.
+
+    Writes ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` into
+    ``dst_dir``. A DCP source needs no strategy. ``choice_func(name)`` may drop a tensor (False)
+    or rename it (a str). ``split_dst_file=(k, n)`` writes only the k-th of n parts of the shard
+    list, so several machines can share the work; the index is written by part 1.
+    """
+    if file_suffix is not None or not merge_with_redundancy:
+        raise CheckpointError(
+            None,
+            "file_suffix/merge_with_redundancy",
+            "are MindSpore .ckpt options that tessel does not support",
+        )
+    jobs, weight_map, total, source = plan_unify(src_dir, src_strategy_file, max_shard_size,
+                                                 choice_func)  # fmt: skip
+    write_index = True
+    if split_dst_file:
+        k, n = split_dst_file
+        if not (1 <= k <= n):
+            raise CheckpointError(None, "split_dst_file", f"is {split_dst_file}; need 1 <= k <= n")
+        jobs = [j for i, j in enumerate(jobs) if i % n == k - 1]
+        write_index = k == 1
+    out = execute(jobs, dst_dir, max_process_num, progress, source.holder_files())
+    if write_index:
+        idx = Path(dst_dir) / "model.safetensors.index.json"
+        tmp = idx.with_name(f".{idx.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                  indent=2))  # fmt: skip
+        os.replace(tmp, idx)
+        out.append(str(idx))
+    return out
+
+
+def shard_checkpoint(
+    hf_dir: str | os.PathLike,
+    dst_dir: str | os.PathLike,
+    dst_strategy_file: StrategyArg,
+    dst_prefix: str = "checkpoint_",
+    process_num: int = 1,
+    progress: Progress = None,
+) -> list[str]:
+    """Pre-shard full tensors (a Hugging Face directory, or a DCP directory) for a strategy.
+
+    Writes ``dst/rank_{r}/{dst_prefix}{r}.safetensors`` for every rank, without a job.
+    """
+    source: Source = DCPSource(hf_dir) if is_dcp_dir(hf_dir) else FullSource(hf_dir)
+    dst = load_strategy(dst_strategy_file)
+    if dst is None:
+        raise StrategyError(None, "dst_strategy_file", "is required")
+    dst = _resolve_dst(dst, source)
+    jobs = _rank_jobs(source, dst, dst_prefix)
+    return execute(jobs, dst_dir, process_num, progress, source.holder_files())
+
+
+def build_searched_strategy(strategy_filename: str | os.PathLike) -> dict[str, ParamLayout]:
+    """Every parameter's layout in a strategy file (tessel JSON, MindSpore JSON or protobuf)."""
+    if not isinstance(strategy_filename, (str, os.PathLike)):
+        raise TypeError(f"strategy_filename must be a str, got {type(strategy_filename).__name__}")
+    st = load_strategy(strategy_filename)
+    assert st is not None
+    return dict(st.params)
+
+
+def merge_pipeline_strategys(
+    src_strategy_dirs: str | os.PathLike | Sequence[str | os.PathLike],
+    dst_strategy_file: str | os.PathLike,
+) -> Strategy:
+    """Merge the strategy files of all pipeline stages into one tessel strategy file.
+
+    Every ``*.json`` or ``*.ckpt`` file in the directories is read (byte-identical copies, as
+    written by ranks of one stage, count once). A parameter listed by several stages (a shared
+    weight) keeps all of them.
+    """
+    dirs = (
+        [src_strategy_dirs]
+        if isinstance(src_strategy_dirs, (str, os.PathLike))
+        else list(src_strategy_dirs)
+    )
+    files: list[Path] = []
+    for d in dirs:
+        d = Path(d)
+        if d.is_file():
+            files.append(d)
+            continue
+        if not d.is_dir():
+            raise StrategyError(str(d), None, "strategy directory does not exist")
+        files += sorted(d.glob("*.json")) + sorted(d.glob("*.ckpt"))
+    kinds = {f.suffix for f in files}
+    if not files:
+        raise StrategyError(str(dirs), None, "holds no *.json or *.ckpt strategy files")
+    if len(kinds) > 1:
+        raise StrategyError(str(dirs), None, "mixes .json and .ckpt strategy files")
+    seen: set[bytes] = set()
+    pairs = []
+    for f in files:
+        raw = f.read_bytes()
+        if raw in seen:
+            continue
+        seen.add(raw)
+        st = load_strategy(f)
+        assert st is not None
+        pairs += list(st.params.items())
+    merged = Strategy(merge_stage_prefixed(pairs, str(dst_strategy_file), prefixed=False),
+                      str(dst_strategy_file))  # fmt: skip
+    merged.stage_device_num  # noqa: B018 - all stages must agree on the per-stage device count
+    write_strategy(merged, dst_strategy_file)
+    return merged
+
+
+def restore_group_info_list(group_info_file_name: str | os.PathLike) -> list[int]:
+    """The ranks whose checkpoints equal this rank's, from a MindSpore group-info file."""
+    from tessel.parallel.mindspore_proto import read_group_info
+
+    p = Path(group_info_file_name)
+    if not p.is_file():
+        raise StrategyError(str(p), None, "group info file does not exist")
+    raw = p.read_bytes()
+    if not raw:
+        raise StrategyError(str(p), None, "group info file is empty")
+    return read_group_info(raw, str(p))
+
+
+def load_segmented_checkpoints(
+    ckpt_file_dir: str | os.PathLike,
+    net: torch.nn.Module | None = None,
+    strict_load: bool = False,
+    filter_prefix: str | Sequence[str] | None = None,
+    specify_prefix: str | Sequence[str] | None = None,
+    choice_func: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load and merge every ``*.safetensors`` file in a directory (no pickle), optionally into net."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(ckpt_file_dir)
+    if not d.is_dir():
+        raise CheckpointError(str(d), None, "directory does not exist")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(str(d), None, "holds no .safetensors files")
+    fp = (filter_prefix,) if isinstance(filter_prefix, str) else tuple(filter_prefix or ())
+    sp = (specify_prefix,) if isinstance(specify_prefix, str) else tuple(specify_prefix or ())
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        read_header(f)  # clear errors for truncated/corrupt files
+        try:
+            tensors = load_file(f)
+        except SafetensorError as e:
+            raise CheckpointError(str(f), None, f"cannot be read: {e}") from None
+        for k, v in tensors.items():
+            if fp and k.startswith(fp):
+                continue
+            if sp and not k.startswith(sp):
+                continue
+            if choice_func is not None and not choice_func(k):
+                continue
+            out[k] = v
+    if net is not None:
+        net.load_state_dict(out, strict=strict_load)
+    return out
+
+
+def _read_entries(source: Source, entries: list[tuple[str, Box]]) -> dict[str, torch.Tensor]:
+    from tessel.parallel.convert import _Fds
+    from tessel.parallel.st_io import fill
+
+    out = {}
+    fds = _Fds()
+    try:
+        for name, box in entries:
+            job = plan_file(source, [(name, box)], "<memory>")
+            op = job.params[0]
+            buf = torch.empty(op.shape, dtype=getattr(torch, op.dtype))
+            for p in op.pieces:
+                fill(buf, p, fds.get(p.loc.path), name)
+            out[name] = buf
+    finally:
+        fds.close()
+    return out
+
+
+def load_distributed_checkpoint(
+    network: torch.nn.Module | None,
+    checkpoint_filenames: Sequence[str | os.PathLike] | str | os.PathLike | None = None,
+    predict_strategy: StrategyArg = None,
+    train_strategy_filename: StrategyArg = None,
+    strict_load: bool = False,
+    rank_id: int | None = None,
+    unified_safetensors_dir: str | os.PathLike | None = None,
+    return_param_dict: bool = False,
+) -> dict[str, Any] | None:
+    """Load a distributed checkpoint into ``network`` for this rank's layout, reading only slices.
+
+    Source: ``checkpoint_filenames`` (one safetensors file per training rank, in rank order, or a
+    checkpoint / DCP directory) with ``train_strategy_filename``; or ``unified_safetensors_dir``.
+    Target: ``predict_strategy`` and ``rank_id`` (default: this process's rank, else 0); None means
+    full tensors. Parameters of ``network`` that are DTensors get their own local shard.
+    """
+    if unified_safetensors_dir is not None:
+        source: Source = FullSource(unified_safetensors_dir)
+    elif isinstance(checkpoint_filenames, (str, os.PathLike)):
+        source = _open_source(checkpoint_filenames, train_strategy_filename)
+    elif checkpoint_filenames:
+        files = {i: str(f) for i, f in enumerate(checkpoint_filenames)}
+        for r, f in files.items():
+            if not Path(f).is_file():
+                raise CheckpointError(f, None, f"checkpoint file of rank {r} does not exist")
+        st = load_strategy(train_strategy_filename)
+        if st is None:
+            if len(files) != 1:
+                raise StrategyError(None, "train_strategy_filename", "is needed for >1 file")
+            st = _full_strategy_from_file(files[0])
+        source = RankSource(st, files)
+    else:
+        raise CheckpointError(None, "checkpoint_filenames", "give files or a directory")
+    if rank_id is None:
+        import torch.distributed as dist
+
+        rank_id = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    dst = load_strategy(predict_strategy)
+    if dst is not None:
+        dst = _resolve_dst(dst, source)
+    wanted = list(network.state_dict()) if network is not None else source.names()
+    local = dict(network.state_dict()) if network is not None else {}
+    entries: list[tuple[str, Box]] = []
+    dtensors: dict[str, Any] = {}
+    names = set(source.names())
+    for n in wanted:
+        if n not in names:
+            if strict_load:
+                raise CheckpointError(source.label, n, "is not in the checkpoint")
+            continue
+        shape, _ = source.info(n)
+        t = local.get(n)
+        if t is not None and _is_dtensor(t):
+            box, spec = _dtensor_box(n, t, shape)
+            entries.append((n, box))
+            dtensors[n] = spec
+        elif dst is not None and n in dst.params:
+            if rank_id not in dst.holders(n):
+                continue
+            p = dst.params[n]
+            entries.append((n, device_box(p, dst.holders(n)[rank_id], p.shape)))
+        else:
+            entries.append((n, tuple((0, s) for s in shape)))
+    tensors: dict[str, Any] = _read_entries(source, entries)
+    for n, (mesh, placements) in dtensors.items():
+        from torch.distributed.tensor import DTensor
+
+        tensors[n] = DTensor.from_local(tensors[n], mesh, placements, run_check=False)
+    if network is not None:
+        network.load_state_dict(tensors, strict=strict_load)
+    return tensors if (return_param_dict or network is None) else None
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_box(name: str, t: Any, shape: Sequence[int]) -> tuple[Box, tuple]:
+    from tessel.parallel.dtensor import layout_from_dtensor
+    from tessel.parallel.strategy import param_from_layout
+
+    mesh = t.device_mesh
+    lay = layout_from_dtensor(mesh, t.placements, t.ndim)
+    p = param_from_layout(name, lay, shape, None, src="DTensor")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise CheckpointError("DTensor", name, "this rank is not in the parameter's mesh")
+    index = 0
+    for c, s in zip(coord, mesh.shape, strict=False):
+        index = index * s + c
+    return device_box(p, index, shape), (mesh, t.placements)

@@ -1,0 +1,169 @@
+"""Execute file jobs: stream each output safetensors file, one parameter at a time, atomically.
+
+For every output file the header is written first (all shapes are known from the plan), then each
+tensor's bytes at its offset. A tensor whose pieces are long contiguous runs is copied file to file
+by the kernel (``copy_file_range``); otherwise one buffer the size of that output slice is filled
+from the source regions and written. So peak memory is about the largest output slice.
+
+All outputs are written under a staging directory inside the destination and moved into place
+only when every file is complete; on any error (or Ctrl-C) the staging directory is removed and the
+destination is left as it was. Sources are only ever opened read-only.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from tessel.parallel.errors import CheckpointError
+from tessel.parallel.plan import FileJob, OutParam
+from tessel.parallel.st_io import (
+    DIRECT_RUN_BYTES,
+    build_header,
+    copy_range,
+    direct_runs,
+    fill,
+    write_all,
+)
+
+MAX_DIRECT_RUNS = 4096
+
+
+class _Fds:
+    """Read-only file descriptors of the source files one job touches."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def get(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(path, None, "source file disappeared") from None
+            self.fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _write_param(op: OutParam, out_fd: int, offset: int, fds: _Fds) -> None:
+    runs = [direct_runs(p, op.shape) for p in op.pieces]
+    n_runs = sum(len(s) for s, _, _ in runs)
+    if runs and n_runs <= MAX_DIRECT_RUNS and all(nb >= DIRECT_RUN_BYTES for _, _, nb in runs):
+        for p, (s, d, nb) in zip(op.pieces, runs, strict=False):
+            fd = fds.get(p.loc.path)
+            for so, do in zip(s.tolist(), d.tolist(), strict=False):
+                copy_range(fd, out_fd, so, offset + do, nb, p.loc.path, op.name)
+        return
+    buf = torch.empty(op.shape, dtype=getattr(torch, op.dtype))
+    for p in op.pieces:
+        fill(buf, p, fds.get(p.loc.path), op.name)
+    if buf.numel():
+        write_all(out_fd, buf.view(-1).view(torch.uint8).numpy(), offset)
+    del buf
+
+
+def run_job(job: FileJob, staging: str) -> int:
+    """Write one output file under ``staging``; returns the bytes of tensor data written."""
+    path = Path(staging) / job.rel_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head, offsets = build_header([(o.name, o.dtype, o.shape) for o in job.params], job.metadata)
+    total = len(head) + sum(nb for _, nb in offsets.values())
+    fds = _Fds()
+    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(out_fd, head, 0)
+        os.ftruncate(out_fd, total)
+        for op in job.params:
+            _write_param(op, out_fd, offsets[op.name][0], fds)
+    finally:
+        os.close(out_fd)
+        fds.close()
+    return total - len(head)
+
+
+def _worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates us
+    torch.set_num_threads(1)
+
+
+def _run_job_star(args: tuple[FileJob, str]) -> tuple[str, int]:
+    job, staging = args
+    return job.rel_path, run_job(job, staging)
+
+
+def execute(
+    jobs: Sequence[FileJob],
+    dst_dir: str | os.PathLike,
+    process_num: int = 1,
+    progress: Callable[[int], None] | None = None,
+    forbidden: Sequence[str] = (),
+) -> list[str]:
+    """Write all jobs into ``dst_dir`` atomically; returns the output paths.
+
+    ``forbidden`` lists source files that must never be overwritten.
+    """
+    dst = Path(dst_dir)
+    bad = {os.path.realpath(f) for f in forbidden}
+    for j in jobs:
+        target = os.path.realpath(dst / j.rel_path)
+        if target in bad:
+            raise CheckpointError(
+                str(dst / j.rel_path), None, "output would overwrite a source file"
+            )
+    created = not dst.exists()
+    dst.mkdir(parents=True, exist_ok=True)
+    staging = dst / f".tessel-staging-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    ok = False
+    try:
+        if process_num <= 1 or len(jobs) <= 1:
+            for j in jobs:
+                n = run_job(j, str(staging))
+                if progress:
+                    progress(n)
+        else:
+            ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
+            pool = ctx.Pool(min(process_num, len(jobs)), initializer=_worker_init)
+            try:
+                order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
+                for _, n in pool.imap_unordered(_run_job_star, [(j, str(staging)) for j in order]):
+                    if progress:
+                        progress(n)
+                pool.close()
+            finally:
+                pool.terminate()
+                pool.join()
+        outputs = []
+        for j in jobs:
+            final = dst / j.rel_path
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / j.rel_path, final)
+            outputs.append(str(final))
+        ok = True
+        return outputs
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not ok and created:
+            shutil.rmtree(dst, ignore_errors=True)
+
+
+def nbytes_of(jobs: Sequence[FileJob]) -> int:
+    return sum(j.nbytes for j in jobs)
+
+
+def shape_bytes(shape: Sequence[int], dtype: str) -> int:
+    return math.prod(shape) * getattr(torch, dtype).itemsize

@@ -1,0 +1,249 @@
+"""Low-level safetensors I/O: validated header reads, region reads and a streaming writer.
+
+Why not ``safe_open(...).get_slice``: it maps the whole file, and every page touched stays in the
+process's RSS until the handle is dropped. Reading a region with ``os.preadv`` straight into the
+destination buffer (or ``os.copy_file_range`` file to file, when the region is made of long
+contiguous runs) needs no intermediate copy and keeps RSS at the destination slice. The header is
+JSON (no pickle); it is checked against the file size so truncated files are caught up front.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tessel.parallel.errors import CheckpointError
+from tessel.parallel.strategy import ST_DTYPES, TORCH_TO_ST, dtype_name
+
+Box = tuple[tuple[int, int], ...]
+MAX_HEADER = 100 * 1024 * 1024
+DIRECT_RUN_BYTES = 1 << 20  # runs this long are copied file to file by the kernel
+PREAD_RUN_BYTES = 4096  # runs this long are read one by one; shorter ones in row blocks
+BLOCK_BYTES = 64 << 20
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name such as "bfloat16"."""
+    return getattr(torch, dtype).itemsize
+
+
+@dataclass(frozen=True)
+class TensorLoc:
+    """Where one stored tensor (or DCP chunk) lies: file, absolute byte offset, dtype, shape."""
+
+    path: str
+    offset: int
+    dtype: str  # canonical name, e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorLoc], dict[str, str]]:
+    """Parse and check a safetensors header; returns ``({name: TensorLoc}, __metadata__)``."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(path, None, f"is truncated: {size} bytes, no header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(
+                    path,
+                    None,
+                    f"is truncated or not safetensors: header length {n}, file size {size}",
+                )
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(path, None, "file does not exist") from None
+    except IsADirectoryError:
+        raise CheckpointError(path, None, "is a directory, expected a safetensors file") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, None, f"has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, None, "has a corrupt safetensors header (not an object)")
+    meta = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    out: dict[str, TensorLoc] = {}
+    for name, info in header.items():
+        try:
+            code, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+            shape = tuple(int(s) for s in shape)
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(path, name, "has a corrupt header entry") from None
+        if code not in ST_DTYPES:
+            raise CheckpointError(path, name, f"has dtype {code!r}, which tessel cannot read")
+        dt = dtype_name(ST_DTYPES[code])
+        loc = TensorLoc(path, data_start + b, dt, shape)
+        if e - b != loc.nbytes or b < 0:
+            raise CheckpointError(
+                path, name, f"header says {e - b} bytes for shape {list(shape)} {dt}"
+            )
+        if data_start + e > size:
+            raise CheckpointError(
+                path,
+                name,
+                f"is truncated: data ends at byte {data_start + e} but the file has {size}",
+            )
+        out[name] = loc
+    return out, {str(k): str(v) for k, v in meta.items()}
+
+
+def _runs(region: Box, src_shape: Sequence[int], dst_region: Box, dst_shape: Sequence[int]):
+    """Split a region into runs contiguous in both the source and destination arrays.
+
+    Returns ``(k, run_elems)``: dims ``k+1..`` are whole in both, so each run covers dim ``k``'s
+    extent times the trailing sizes.
+    """
+    nd = len(src_shape)
+    k = nd - 1
+    while k > 0:
+        lo, hi = region[k]
+        dlo, dhi = dst_region[k]
+        if lo == 0 and hi == src_shape[k] and dlo == 0 and dhi == dst_shape[k]:
+            k -= 1
+        else:
+            break
+    run = (region[k][1] - region[k][0]) * math.prod(src_shape[k + 1 :]) if nd else 1
+    return k, run
+
+
+def _run_offsets(region: Box, shape: Sequence[int], k: int) -> np.ndarray:
+    """Element offsets (row-major in ``shape``) of the start of every run of ``region``."""
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    offs = np.array([region[k][0] * strides[k]], dtype=np.int64) if shape else np.zeros(1, np.int64)
+    for i in range(k - 1, -1, -1):
+        lo, hi = region[i]
+        offs = (np.arange(lo, hi, dtype=np.int64) * strides[i])[:, None] + offs[None, :]
+        offs = offs.reshape(-1)
+    return offs
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int, path: str, name: str) -> None:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n <= 0:
+            raise CheckpointError(path, name, f"is truncated: short read at byte {offset + got}")
+        got += n
+
+
+@dataclass
+class Piece:
+    """Copy ``src_region`` (local to the stored chunk) into ``dst_region`` of the output slice."""
+
+    loc: TensorLoc
+    src_region: Box
+    dst_region: Box
+
+
+def direct_runs(piece: Piece, dst_shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Byte offsets (source-absolute, destination-relative) and byte length of each run."""
+    k, run = _runs(piece.src_region, piece.loc.shape, piece.dst_region, dst_shape)
+    isz = piece.loc.itemsize
+    s = _run_offsets(piece.src_region, piece.loc.shape, k) * isz + piece.loc.offset
+    d = _run_offsets(piece.dst_region, dst_shape, k) * isz
+    return s, d, run * isz
+
+
+def fill(buf: torch.Tensor, piece: Piece, fd: int, name: str) -> None:
+    """Read ``piece`` from the open source file ``fd`` into ``buf`` (the whole output slice)."""
+    loc = piece.loc
+    isz = loc.itemsize
+    shape = tuple(buf.shape)
+    k, run = _runs(piece.src_region, loc.shape, piece.dst_region, shape)
+    raw = buf.view(-1).view(torch.uint8).numpy() if buf.numel() else None
+    if raw is None:
+        return
+    mv = memoryview(raw)
+    if run * isz >= PREAD_RUN_BYTES or len(loc.shape) <= 1:
+        s = _run_offsets(piece.src_region, loc.shape, k) * isz + loc.offset
+        d = _run_offsets(piece.dst_region, shape, k) * isz
+        nb = run * isz
+        for so, do in zip(s.tolist(), d.tolist(), strict=False):
+            _pread_exact(fd, mv[do : do + nb], so, loc.path, name)
+        return
+    # short runs: read whole rows of dim 0 in bounded blocks, then copy the sub-box
+    row_elems = math.prod(loc.shape[1:])
+    r0, r1 = piece.src_region[0]
+    rows_per = max(1, BLOCK_BYTES // max(1, row_elems * isz))
+    torch_dt = getattr(torch, loc.dtype)
+    dst_view = buf[tuple(slice(a, b) for a, b in piece.dst_region)]
+    tail = tuple(slice(a, b) for a, b in piece.src_region[1:])
+    for r in range(r0, r1, rows_per):
+        re = min(r1, r + rows_per)
+        tmp = torch.empty((re - r, *loc.shape[1:]), dtype=torch_dt)
+        tv = memoryview(tmp.view(-1).view(torch.uint8).numpy())
+        _pread_exact(fd, tv, loc.offset + r * row_elems * isz, loc.path, name)
+        dst_view[r - r0 : re - r0].copy_(tmp[(slice(None), *tail)])
+
+
+def build_header(
+    entries: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Safetensors header bytes for ``(name, dtype name, shape)`` entries in the given order.
+
+    Returns the header (length prefix included, padded to 8 bytes) and each entry's
+    ``(absolute offset, nbytes)`` in the file.
+    """
+    hdr: dict[str, object] = {}
+    if metadata:
+        hdr["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    pos = 0
+    rel: dict[str, tuple[int, int]] = {}
+    for name, dt, shape in entries:
+        tdt = getattr(torch, dt)
+        nb = math.prod(shape) * torch.empty((), dtype=tdt).element_size()
+        hdr[name] = {
+            "dtype": TORCH_TO_ST[tdt],
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nb],
+        }
+        rel[name] = (pos, nb)
+        pos += nb
+    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    head = struct.pack("<Q", len(js)) + js
+    return head, {n: (len(head) + o, nb) for n, (o, nb) in rel.items()}
+
+
+def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int, path: str, name: str):
+    """Copy ``n`` bytes file to file in the kernel (falls back to pread/pwrite)."""
+    while n > 0:
+        try:
+            got = os.copy_file_range(src_fd, dst_fd, n, src_off, dst_off)
+        except OSError:
+            got = -1
+        if got <= 0:
+            data = os.pread(src_fd, min(n, BLOCK_BYTES), src_off)
+            if not data:
+                raise CheckpointError(path, name, f"is truncated: short read at byte {src_off}")
+            got = os.pwrite(dst_fd, data, dst_off)
+        src_off += got
+        dst_off += got
+        n -= got
+
+
+def write_all(fd: int, data, offset: int) -> None:
+    mv = memoryview(data).cast("B")
+    done = 0
+    while done < len(mv):
+        done += os.pwrite(fd, mv[done:], offset + done)
