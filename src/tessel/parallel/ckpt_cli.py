@@ -1,8 +1,11 @@
-"""`tessel ckpt ...`: distributed checkpoint tools (owned by the checkpoint work)."""
+"""`tessel ckpt ...`: convert, unify, shard, plan and inspect distributed checkpoints."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -11,3 +14,161 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "ckpt", help="convert, unify, shard and inspect distributed checkpoints"
     )
     p.set_defaults(func=lambda args: p.error("a ckpt subcommand is required"))
+    sub = p.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
+
+    c = sub.add_parser("convert", help="convert a distributed checkpoint to another strategy")
+    c.add_argument("src", help="source dir: rank_{r}/*.safetensors, or a DCP directory")
+    c.add_argument("dst", help="destination dir (rank_{r}/{prefix}{r}.safetensors)")
+    c.add_argument("--src-strategy", help="source strategy file (not needed for DCP)")
+    c.add_argument("--dst-strategy", help="destination strategy file (default: unsharded)")
+    c.add_argument("--prefix", default="checkpoint_", help="output file prefix")
+    _common(c)
+    c.set_defaults(func=_convert)
+
+    u = sub.add_parser("unify", help="merge into Hugging Face style full-tensor shards")
+    u.add_argument("src", help="source dir: rank_{r}/*.safetensors, or a DCP directory")
+    u.add_argument("dst", help="output dir (model-0000k-of-0000n.safetensors + index)")
+    u.add_argument("--strategy", help="source strategy file (not needed for DCP)")
+    u.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    _common(u)
+    u.set_defaults(func=_unify)
+
+    s = sub.add_parser("shard", help="pre-shard a Hugging Face checkpoint for a strategy")
+    s.add_argument("hf_dir", help="directory of full-tensor safetensors (or a DCP directory)")
+    s.add_argument("dst", help="destination dir (rank_{r}/{prefix}{r}.safetensors)")
+    s.add_argument("--strategy", required=True, help="destination strategy file")
+    s.add_argument("--prefix", default="checkpoint_", help="output file prefix")
+    _common(s)
+    s.set_defaults(func=_shard)
+
+    r = sub.add_parser("ranks", help="source ranks needed to build one destination rank")
+    r.add_argument("rank", type=int)
+    r.add_argument("--src-strategy", help="source strategy file (none: unsharded source)")
+    r.add_argument("--dst-strategy", help="destination strategy file (none: unsharded)")
+    r.set_defaults(func=_ranks)
+
+    i = sub.add_parser("inspect", help="describe a strategy file or a checkpoint directory")
+    i.add_argument("path", help="strategy file, rank_{r} checkpoint dir, DCP dir or HF dir")
+    i.add_argument("--strategy", help="strategy of a rank_{r} checkpoint directory")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(func=_inspect)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-j", "--processes", type=int, default=1, help="parallel writer processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _run(jobs, dst, args, forbidden) -> list[str]:
+    from tqdm import tqdm
+
+    from tessel.parallel.convert import execute, nbytes_of
+
+    total = nbytes_of(jobs)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"writing {len(jobs)} files",
+        disable=args.no_progress,
+        file=sys.stderr,
+    )
+    try:
+        return execute(jobs, dst, args.processes, bar.update, forbidden)
+    finally:
+        bar.close()
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from tessel.parallel.api import plan_convert
+
+    jobs, source = plan_convert(args.src, args.src_strategy, args.dst_strategy, args.prefix)
+    out = _run(jobs, args.dst, args, source.holder_files())
+    print(f"wrote {len(out)} files to {args.dst}")
+    return 0
+
+
+def _unify(args: argparse.Namespace) -> int:
+    import os
+
+    from tessel.parallel.api import plan_unify
+
+    jobs, weight_map, total, source = plan_unify(args.src, args.strategy, args.max_shard_size)
+    out = _run(jobs, args.dst, args, source.holder_files())
+    idx = Path(args.dst) / "model.safetensors.index.json"
+    tmp = idx.with_name(f".{idx.name}.tmp")
+    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    os.replace(tmp, idx)
+    print(f"wrote {len(out)} shards ({_gib(total)}) and {idx}")
+    return 0
+
+
+def _shard(args: argparse.Namespace) -> int:
+    from tessel.parallel.api import _rank_jobs, _resolve_dst
+    from tessel.parallel.sources import DCPSource, FullSource, is_dcp_dir
+    from tessel.parallel.strategy import load_strategy
+
+    source = DCPSource(args.hf_dir) if is_dcp_dir(args.hf_dir) else FullSource(args.hf_dir)
+    dst = _resolve_dst(load_strategy(args.strategy), source)
+    jobs = _rank_jobs(source, dst, args.prefix)
+    out = _run(jobs, args.dst, args, source.holder_files())
+    print(f"wrote {len(out)} rank files to {args.dst}")
+    return 0
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    from tessel.parallel.api import rank_list_for_convert
+
+    print(
+        " ".join(map(str, rank_list_for_convert(args.rank, args.src_strategy, args.dst_strategy)))
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from tessel.parallel.api import _open_source
+    from tessel.parallel.convert import shape_bytes
+    from tessel.parallel.sources import RankSource
+    from tessel.parallel.strategy import load_strategy
+
+    path = Path(args.path)
+    rows = []
+    if path.is_file():
+        st = load_strategy(path)
+        assert st is not None
+        info = {
+            "kind": "strategy",
+            "stage_device_num": st.stage_device_num,
+            "stages": st.num_stages,
+            "world_size": st.world_size,
+        }
+        for n, p in st.params.items():
+            rows.append({"name": n, **p.to_json()})
+    else:
+        source = _open_source(path, args.strategy)
+        info = {"kind": source.label, "files": len(source.holder_files())}
+        total = 0
+        for n in source.names():
+            shape, dt = source.info(n)
+            total += shape_bytes(shape, dt)
+            row = {"name": n, "shape": list(shape), "dtype": dt, "chunks": len(source.chunks(n))}
+            if isinstance(source, RankSource):
+                p = source.layout(n)
+                row.update(
+                    dev_matrix=list(p.dev_matrix), tensor_map=[list(a) for a in p.tensor_map]
+                )
+            rows.append(row)
+        info["total_bytes"] = total
+    if args.json:
+        print(json.dumps({**info, "params": rows}, indent=1))
+        return 0
+    print("  ".join(f"{k}={v}" for k, v in info.items()))
+    for r in rows:
+        extra = {k: v for k, v in r.items() if k not in ("name",) and v not in (None, [], 0)}
+        print(f"  {r['name']}: " + " ".join(f"{k}={v}" for k, v in extra.items()))
+    return 0

@@ -1,0 +1,1 @@
+"""Lowering: a plan becomes per-rank local programs with explicit collectives and weight shards."""

@@ -1,0 +1,34 @@
+"""Slice full weights into each rank's local shard, as DTensor lays them out."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
+
+
+def mesh_coordinate(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major coordinate of `rank` in a mesh of `mesh_shape`."""
+    coord = []
+    for n in reversed(mesh_shape):
+        coord.append(rank % n)
+        rank //= n
+    return tuple(reversed(coord))
+
+
+def local_shard(
+    tensor: torch.Tensor, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], rank: int
+) -> torch.Tensor:
+    """The part of `tensor` that `rank` holds; Replicate and Partial keep the whole tensor."""
+    out = tensor
+    for p, n, c in zip(placements, mesh_shape, mesh_coordinate(rank, mesh_shape)):
+        if isinstance(p, Shard):
+            out = out.chunk(n, dim=p.dim)[c]
+    return out.contiguous()
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    name = type(p).__name__
+    return {"Replicate": "R", "Partial": "P"}.get(name, name)

@@ -1,0 +1,12 @@
+"""The offline model file: write, read, verify."""
+
+from tessel.package.format import (
+    FORMAT_VERSION,
+    SUFFIX,
+    Package,
+    PackageError,
+    tensors_to_bytes,
+    write_package,
+)
+
+__all__ = ["FORMAT_VERSION", "SUFFIX", "Package", "PackageError", "tensors_to_bytes", "write_package"]

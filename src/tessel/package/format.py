@@ -1,0 +1,135 @@
+"""The offline model: one file holding a manifest, a program and weights per rank, and layouts.
+
+The file is a zip archive (stored, not compressed) of JSON and safetensors members; the manifest
+records a SHA-256 for every member. Nothing in it is pickled, and reading it runs no code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+FORMAT = "tessel.offline_model"
+FORMAT_VERSION = 1
+SUFFIX = ".tessel"
+MANIFEST = "manifest.json"
+
+
+class PackageError(ValueError):
+    """A package that cannot be used: missing, truncated, altered, or of an unknown version."""
+
+    def __init__(self, path: str | Path, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_package(path: str | Path, manifest: dict, members: dict[str, bytes]) -> Path:
+    """Write atomically: a temporary file in the same folder, renamed when complete."""
+    path = Path(path)
+    if path.suffix != SUFFIX:
+        path = path.with_name(path.name + SUFFIX)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    manifest = {**manifest, "files": {name: _sha(data) for name, data in members.items()}}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
+            zf.writestr(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+            for name, data in members.items():
+                zf.writestr(name, data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save_safetensors({k: v.contiguous() for k, v in tensors.items()})
+
+
+@dataclass
+class Package:
+    """An opened offline model; members are verified against their checksums when read."""
+
+    path: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, path: str | Path) -> Package:
+        path = Path(path)
+        if not path.is_file():
+            raise PackageError(path, "file not found")
+        try:
+            with zipfile.ZipFile(path) as zf:
+                raw = zf.read(MANIFEST)
+        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+            raise PackageError(path, f"not a tessel offline model, or truncated ({exc})") from exc
+        try:
+            manifest = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise PackageError(path, f"manifest is not valid JSON ({exc})") from exc
+        if manifest.get("format") != FORMAT:
+            raise PackageError(path, f"not a tessel offline model (format {manifest.get('format')!r})")
+        version = manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PackageError(
+                path,
+                f"format version {version!r} is not supported; this tessel reads version "
+                f"{FORMAT_VERSION} (rebuild the model with this tessel)",
+            )
+        return cls(path, manifest)
+
+    def read(self, name: str) -> bytes:
+        expected = self.manifest.get("files", {}).get(name)
+        if expected is None:
+            raise PackageError(self.path, f"member {name!r} is not listed in the manifest")
+        try:
+            with zipfile.ZipFile(self.path) as zf:
+                data = zf.read(name)
+        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+            raise PackageError(self.path, f"member {name!r} cannot be read ({exc})") from exc
+        if _sha(data) != expected:
+            raise PackageError(self.path, f"member {name!r} fails its checksum: the file was altered")
+        return data
+
+    def verify(self) -> None:
+        """Read every member and check its checksum."""
+        for name in self.manifest.get("files", {}):
+            self.read(name)
+
+    def json(self, name: str) -> Any:
+        return json.loads(self.read(name))
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        data = self.read(name)
+        try:
+            return load_safetensors(data)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise PackageError(self.path, f"member {name!r} is not valid safetensors ({exc})") from exc
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    def submodel(self, rank: int) -> dict:
+        return self.manifest["submodels"][rank]
+
+
+def read_manifest_bytes(data: bytes) -> dict:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return json.loads(zf.read(MANIFEST))

@@ -1,0 +1,5 @@
+"""The runtime: initialize/finalize, Session with load_graph/run_graph, one worker per device."""
+
+from tessel.runtime.session import Session, WorkerError, finalize, initialize
+
+__all__ = ["Session", "WorkerError", "finalize", "initialize"]
