@@ -1,0 +1,234 @@
+"""`tessel.build`: a model, a cluster and a policy become one offline model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tessel
+from tessel.capture import CapturedModel, capture
+from tessel.config.cluster import ClusterConfig, local_cluster, read_cluster_config
+from tessel.config.errors import ConfigError
+from tessel.config.parallel_option import ParallelOption, read_parallel_option
+from tessel.lower.trace import RankProgram, lower_rank, weight_inputs
+from tessel.lower.weights import local_shard, placement_str
+from tessel.package.format import FORMAT, FORMAT_VERSION, tensors_to_bytes, write_package
+from tessel.plan import Plan, make_plan
+from tessel.plan.planner import layer_name
+from tessel.lower.program import collectives, groups_in
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltModel:
+    """An offline model held in memory until `save` writes it."""
+
+    manifest: dict
+    members: dict[str, bytes]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> Path:
+        t = time.perf_counter()
+        out = write_package(path, self.manifest, self.members)
+        self.timings["save"] = time.perf_counter() - t
+        return out
+
+
+def save(model: BuiltModel, path: str | Path) -> Path:
+    """Write an offline model to `path` (the `.tessel` suffix is added if missing)."""
+    return model.save(path)
+
+
+def build(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example_inputs: Any = None,
+    *,
+    cluster: ClusterConfig | str | Path | int | None = None,
+    policy: ParallelOption | str | Path | None = None,
+    soc_version: str = "cpu",
+    graph_parallel: bool = True,
+    example_kwargs: dict | None = None,
+    time_limit: float = 60.0,
+) -> BuiltModel:
+    """Build an offline model for `cluster`.
+
+    With `graph_parallel` the planner shards every node over the cluster's devices (seed 000's
+    algorithm-based partitioning); without it the whole model is deployed to every device and
+    runs are load-balanced over the replicas.
+    """
+    timings: dict[str, float] = {}
+    cluster = _cluster(cluster, soc_version)
+    if isinstance(policy, (str, Path)):
+        policy = read_parallel_option(policy, cluster.world_size)
+    policy = policy or ParallelOption()
+    if policy.tensor_parallel_size not in (None, cluster.world_size):
+        raise ConfigError(
+            policy.source,
+            "graph_parallel_option.tensor_parallel_option.tensor_parallel_size",
+            f"is {policy.tensor_parallel_size} but the cluster has {cluster.world_size} devices",
+        )
+
+    t = time.perf_counter()
+    captured = capture(model, example_inputs, example_kwargs)
+    timings["capture"] = time.perf_counter() - t
+
+    plan_world = cluster.world_size if graph_parallel else 1
+    plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
+    plan = make_plan(captured, plan_cluster, policy, time_limit)
+    timings.update(plan.timings)
+
+    t = time.perf_counter()
+    programs = _lower_all(captured, plan, plan_world)
+    timings["lower"] = time.perf_counter() - t
+    manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
+    manifest["timings"] = timings
+    return BuiltModel(manifest, members, timings)
+
+
+def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
+    if cluster is None:
+        return local_cluster(4, soc_version)
+    if isinstance(cluster, int):
+        return local_cluster(cluster, soc_version)
+    if isinstance(cluster, (str, Path)):
+        return read_cluster_config(cluster, soc_version)
+    return cluster
+
+
+def _lower_all(captured: CapturedModel, plan: Plan, world: int) -> list[RankProgram]:
+    """Trace rank 0 and 1; ranks share one program when these two agree (nothing rank-specific)."""
+    first = lower_rank(captured, plan, 0)
+    if world == 1:
+        return [first]
+    second = lower_rank(captured, plan, 1)
+    if second.program == first.program and not first.constants:
+        return [first] * world
+    return [first, second] + [lower_rank(captured, plan, r) for r in range(2, world)]
+
+
+def _pack(
+    captured: CapturedModel,
+    plan: Plan,
+    programs: list[RankProgram],
+    cluster: ClusterConfig,
+    soc_version: str,
+    graph_parallel: bool,
+) -> tuple[dict, dict[str, bytes]]:
+    ep = captured.program
+    state = {**ep.state_dict, **ep.constants}
+    weights = weight_inputs(captured, plan)
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    members: dict[str, bytes] = {}
+    program_member: dict[int, str] = {}
+    submodels = []
+    ranks_report = []
+    for rank, device in enumerate(cluster.devices):
+        mesh_rank = rank if graph_parallel else 0
+        rp = programs[mesh_rank]
+        key = id(rp)
+        if key not in program_member:
+            name = f"programs/program_{len(program_member)}.json"
+            members[name] = json.dumps(rp.program).encode()
+            program_member[key] = name
+        shards = {}
+        for ph, fqn in weights:
+            placements = plan.out_placements(placeholders[ph])
+            shards[fqn] = local_shard(state[fqn], placements, plan.mesh_shape, mesh_rank).clone()
+        for cname, value in rp.constants.items():
+            shards[f"__constant__.{cname}"] = value.clone()
+        weights_name = f"weights/rank_{rank}.safetensors" if graph_parallel else "weights/replica.safetensors"
+        if weights_name not in members:
+            members[weights_name] = tensors_to_bytes(shards)
+        weight_bytes = sum(t.numel() * t.element_size() for t in shards.values())
+        colls = collectives(rp.program, rp.shapes)
+        submodels.append(
+            {
+                "rank": rank,
+                "logical_device": device.logical_id,
+                "node_id": device.node_id,
+                "device_id": device.device_id,
+                "program": program_member[key],
+                "weights": weights_name,
+                "weight_order": [fqn for _, fqn in weights],
+                "comm_groups": groups_in(rp.program) if graph_parallel else [],
+            }
+        )
+        ranks_report.append(
+            {
+                "rank": rank,
+                "logical_device": device.logical_id,
+                "weight_bytes": weight_bytes,
+                "collectives": [
+                    {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)} for c in colls
+                ],
+            }
+        )
+    out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    outputs = [
+        {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+        for a in torch.utils._pytree.tree_leaves(out_node.args[0])
+        if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
+    ]
+    layouts = {
+        fqn: {
+            "shape": list(state[fqn].shape),
+            "dtype": str(state[fqn].dtype).removeprefix("torch."),
+            "mesh_shape": list(plan.mesh_shape),
+            "placements": [placement_str(p) for p in plan.out_placements(placeholders[ph])],
+        }
+        for ph, fqn in weights
+    }
+    members["layouts.json"] = json.dumps(layouts, indent=1).encode()
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tessel_version": tessel.__version__,
+        "torch_version": torch.__version__,
+        "mode": "partitioned" if graph_parallel else "replicated",
+        "soc_version": soc_version,
+        "device_type": cluster.soc.device_type,
+        "backend": cluster.soc.backend,
+        "world_size": cluster.world_size,
+        "cluster": cluster.raw,
+        "mesh": {"shape": list(plan.mesh_shape), "dim_names": ["tp"]},
+        "inputs": [
+            {"name": n, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+            for n, x in zip(captured.input_names, captured.example_inputs)
+        ],
+        "outputs": outputs,
+        "submodels": submodels,
+        "layouts": "layouts.json",
+        "plan": _explain(plan, layouts, ranks_report),
+    }
+    return manifest, members
+
+
+def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:
+    """What `tessel inspect` shows: placements per layer, collectives and memory per rank."""
+    layers: dict[str, dict[str, list[str]]] = defaultdict(dict)
+    placeholders = {n.name: n for n in plan.choices}
+    for n in plan.choices:
+        fqn = plan.param_targets.get(n.name)
+        if fqn is None or fqn not in layouts:
+            continue
+        users = [u for u in n.users if layer_name(u)]
+        layer = layer_name(users[0]) if users else ""
+        layers[layer or "(outside layers)"][fqn] = layouts[fqn]["placements"]
+    del placeholders
+    fallbacks = Counter(target for _, target, _ in plan.fallbacks())
+    return {
+        "estimated_time_s": plan.estimated_time,
+        "solver": plan.solver,
+        "layers": layers,
+        "fallbacks": [{"node": n, "op": t, "reason": r} for n, t, r in plan.fallbacks()],
+        "fallback_ops": dict(fallbacks),
+        "ranks": ranks,
+    }
