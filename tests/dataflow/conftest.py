@@ -1,0 +1,110 @@
+"""Fixtures: a DataFlow session per test, cluster-config files, and a check that no worker
+process outlives its test."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import tessel.dataflow as df
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _forked_children() -> set[int]:
+    me = psutil.Process()
+    out = set()
+    for c in me.children(recursive=True):
+        try:
+            if c.cmdline() == me.cmdline():
+                out.add(c.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workers():
+    """Every worker this test forked is gone once the test has finalized."""
+    before = _forked_children()
+    yield
+    df.finalize()
+    deadline = time.monotonic() + 5
+    left = _forked_children() - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _forked_children() - before
+    assert not left, f"worker processes outlived the test: {sorted(left)}"
+
+
+def write_cluster(path: Path, nodes: list[int], soc_type: str = "cpu") -> Path:
+    """A numa_config with one entry per node, `nodes[i]` devices each, node_ids 0..n-1."""
+    cluster_nodes = []
+    for nid, count in enumerate(nodes):
+        cluster_nodes.append(
+            {
+                "node_id": nid,
+                "node_type": "T",
+                "ipaddr": f"127.0.0.{nid + 1}",
+                "port": 2509,
+                "is_local": nid == 0,
+                "item_list": [{"item_id": i, "device_id": i} for i in range(count)],
+            }
+        )
+    data = {
+        "cluster": [{"cluster_nodes": cluster_nodes}],
+        "node_def": [{"node_type": "T", "resource_type": "X86", "item_type": soc_type}],
+        "item_def": [{"item_type": soc_type, "memory": "[DDR:16GB]"}],
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def write_json(path: Path, data: object) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture
+def cluster4(tmp_path):
+    """df.init on a one-node cluster of 4 CPU devices."""
+    df.init({"ge.resourceConfigPath": str(write_cluster(tmp_path / "numa_config.json", [4]))})
+    yield
+    df.finalize()
+
+
+class _Affine(__import__("torch").nn.Module):
+    """y = x @ W + 1 with a fixed W, so tests can check the model really ran."""
+
+    def __init__(self) -> None:
+        import torch
+
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(16, dtype=torch.float32).reshape(4, 4) / 10)
+
+    def forward(self, x):
+        return x @ self.w + 1
+
+
+@pytest.fixture(scope="session")
+def pt2_model(tmp_path_factory) -> Path:
+    """A small .pt2 ExportedProgram (CPU): (2, 4) float -> (2, 4)."""
+    import torch
+
+    path = tmp_path_factory.mktemp("models") / "affine.pt2"
+    ep = torch.export.export(_Affine(), (torch.ones(2, 4),))
+    torch.export.save(ep, str(path))
+    return path
+
+
+def affine_reference(x):
+    import torch
+
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4) / 10
+    return x @ w + 1
