@@ -1,0 +1,70 @@
+"""Test helpers: an independent reference slicer and tiny checkpoint builders."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessel.parallel import shard_checkpoint
+from tessel.parallel.strategy import ParamLayout, Strategy, write_strategy
+
+
+def ref_slice(full: torch.Tensor, p: ParamLayout, index: int) -> torch.Tensor:
+    """The slice device ``index`` holds, by nested splitting (outer axis first), not boxes.py."""
+    coord = np.unravel_index(index, p.dev_matrix) if p.dev_matrix else ()
+    n = len(p.dev_matrix)
+    t = full
+    for d, axes in enumerate(p.tensor_map):
+        for a in axes:
+            m = n - 1 - a
+            t = t.tensor_split(p.dev_matrix[m], dim=d)[int(coord[m])]
+    if p.opt_shard_size:
+        t = t.tensor_split(p.opt_shard_size, dim=0)[(index // p.opt_shard_step) % p.opt_shard_size]
+    return t
+
+
+def ref_rank_slices(full: dict[str, torch.Tensor], st: Strategy, rank: int) -> dict:
+    out = {}
+    for name in st.params_of_rank(rank):
+        out[name] = ref_slice(full[name], st.params[name], st.holders(name)[rank])
+    return out
+
+
+def make_full(shapes: dict[str, tuple], seed: int = 0, dtype=torch.float32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (n, s) in enumerate(shapes.items()):
+        t = torch.randn(s, generator=g)
+        out[n] = t.to(torch.bfloat16 if (dtype is None and i % 2) else (dtype or torch.float32))
+    return out
+
+
+def write_full(full: dict, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in full.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def write_sharded(full: dict, st: Strategy, root: Path, name: str = "A") -> tuple[Path, Path]:
+    """Write the full tensors as a distributed checkpoint of ``st``; returns (dir, strategy)."""
+    hf = write_full(full, root / f"{name}_hf")
+    sfile = root / f"{name}.json"
+    write_strategy(st, sfile)
+    shard_checkpoint(hf, root / name, sfile)
+    return root / name, sfile
+
+
+def load_rank(d: Path, rank: int, prefix: str = "checkpoint_") -> dict:
+    return load_file(str(d / f"rank_{rank}" / f"{prefix}{rank}.safetensors"))
+
+
+def files_bytes(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def prod(xs) -> int:
+    return math.prod(xs)
