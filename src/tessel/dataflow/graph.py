@@ -220,7 +220,8 @@ class FlowGraph:
 
     # ---- fetch ---------------------------------------------------------------------------
     def _next(self, timeout: int) -> tuple[list[Any], FlowInfo, int]:
-        ex = self._ensure_started()
+        # after finalize, what was fed can still be fetched (as failed)
+        ex = self._executor if self._executor is not None else self._ensure_started()
         t = _timeout_s(timeout)
         with self._lock:
             if not self._fed:

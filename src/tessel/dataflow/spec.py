@@ -78,7 +78,10 @@ def _functions(node: FlowNode) -> list[FuncSpec]:
             raise ValueError(
                 f"FlowNode {node.name!r}: process point input {ins.index(-1)} unmapped"
             )
-        return [FuncSpec(None, ins, outs)]
+        method = None
+        if isinstance(pp, FuncProcessPoint):
+            method = pp.default_functions(node.input_num, node.output_num)[0].method
+        return [FuncSpec(method, ins, outs)]
     if isinstance(pp, FuncProcessPoint):
         return pp.default_functions(node.input_num, node.output_num)
     return [FuncSpec(None, list(range(node.input_num)), list(range(node.output_num)))]

@@ -412,6 +412,7 @@ class LocalExecutor:
 
     def _worker_died(self, w: Worker) -> None:
         self.alive[w.gid] = 0
+        w.process.join(1.0)  # reap it, so the exit code is known
         code = w.process.exitcode
         err = f"worker process died (exit code {code})"
         for ch in w.inputs:

@@ -1,0 +1,366 @@
+"""Running graphs on the local executor: order, instances, failures, models, closures."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import tessel.dataflow as df
+from tessel.dataflow.transport import Channel
+
+from .conftest import affine_reference, write_json
+
+
+@df.pyflow
+def add(a, b):
+    return a + b
+
+
+@df.pyflow
+def inc(x):
+    return x + 1
+
+
+@df.pyflow
+def flaky(x):
+    """Fails on multiples of 7; records which instance ran it."""
+    if int(x) % 7 == 0:
+        raise ValueError(f"bad input {int(x)}")
+    return (int(x) * 10, df.get_running_instance_id())
+
+
+@df.pyflow
+def mortal(x):
+    if int(x) == 5:
+        os._exit(3)
+    return int(x)
+
+
+@df.pyflow(num_returns=2)
+def split(x):
+    return x * 2, x * 3
+
+
+def deploy(tmp_path, entries):
+    return {df.DEPLOY_INFO_OPTION: write_json(tmp_path / "deploy.json", {"batch_deploy_info": entries})}
+
+
+def drain(graph, n):
+    """Fetch n transactions: (ok values, failures), each in transaction order."""
+    ok, failed = [], []
+    for _ in range(n):
+        try:
+            outs, _ = graph.fetch(timeout=60_000)
+            ok.append(outs[0])
+        except df.TransactionFailed as exc:
+            failed.append(exc)
+    return ok, failed
+
+
+def test_objects_and_tensors_round_trip(cluster4):
+    a, b = df.FlowData(), df.FlowData()
+    g = df.FlowGraph([inc.fnode()(add.fnode()(a, b))])
+    g.feed({a: 1, b: 2})
+    assert g.fetch() == ([4], 0)
+    g.feed({a: np.arange(3), b: np.ones(3, dtype=np.int64)})
+    g.feed({a: "x", b: "y"})
+    g.feed_data({a: torch.arange(6.0).reshape(2, 3), b: torch.ones(2, 3)})
+    assert np.array_equal(g.fetch()[0][0], np.arange(3) + 2)
+    with pytest.raises(df.TransactionFailed, match="inc"):  # "xy" + 1 fails in node inc
+        g.fetch()
+    outs, info, code = g.fetch_data()
+    assert code == 0 and info.transaction_id == 4
+    assert torch.equal(outs[0], torch.arange(6.0).reshape(2, 3) + 2)
+
+
+def test_multi_instance_keeps_order_and_loses_nothing(tmp_path, cluster4):
+    x = df.FlowData()
+    node = flaky.fnode(name="flaky")
+    g = df.FlowGraph(
+        [node(x)], deploy(tmp_path, [{"flow_node_list": ["flaky"], "logic_device_list": "0:0:0~2"}])
+    )
+    n = 60
+    for i in range(1, n + 1):
+        g.feed({x: i})
+    ok, failed = drain(g, n)
+    expected_ok = [i for i in range(1, n + 1) if i % 7]
+    assert [v for v, _ in ok] == [i * 10 for i in expected_ok]
+    # round-robin by transaction id: transaction t ran on instance (t - 1) % 3
+    assert [inst for _, inst in ok] == [(i - 1) % 3 for i in expected_ok]
+    assert [f.transaction_id for f in failed] == [i for i in range(1, n + 1) if i % 7 == 0]
+    assert all(f.node == "flaky" and "ValueError: bad input" in f.error for f in failed)
+    assert "raise ValueError" in failed[0].traceback
+
+
+def test_join_after_multi_instance_fan_out_with_failures(tmp_path, cluster4):
+    x = df.FlowData()
+    left = flaky.fnode(name="left")(x)
+    right = inc.fnode(name="right")(x)
+
+    @df.pyflow
+    def pair(a, b):
+        return (a[0], int(b))
+
+    out = pair.fnode(name="pair")(left, right)
+    g = df.FlowGraph(
+        [out],
+        deploy(
+            tmp_path,
+            [
+                {"flow_node_list": ["left"], "logic_device_list": "0:0:0~1"},
+                {"flow_node_list": ["right", "pair"], "logic_device_list": "0:0:2,0:0:3"},
+            ],
+        ),
+    )
+    for i in range(1, 31):
+        g.feed({x: i})
+    ok, failed = drain(g, 30)
+    assert ok == [(i * 10, i + 1) for i in range(1, 31) if i % 7]
+    assert [f.transaction_id for f in failed] == [7, 14, 21, 28]
+
+
+def test_a_dead_worker_is_reported_and_the_graph_keeps_serving(tmp_path, cluster4):
+    x = df.FlowData()
+    g = df.FlowGraph(
+        [mortal.fnode(name="mortal")(x)],
+        deploy(tmp_path, [{"flow_node_list": ["mortal"], "logic_device_list": "0:0:0~1"}]),
+    )
+    for i in range(1, 21):
+        g.feed({x: i})
+    ok, failed = drain(g, 20)
+    assert len(ok) + len(failed) == 20
+    died = [f for f in failed if f.transaction_id == 5]
+    assert died and died[0].node == "mortal" and "exit code 3" in died[0].error
+    assert ok == sorted(ok) and set(ok) | {f.transaction_id for f in failed} == set(range(1, 21))
+    for i in range(21, 31):  # the surviving instance takes everything now
+        g.feed({x: i})
+    assert drain(g, 10) == (list(range(21, 31)), [])
+
+
+def test_udf_invokes_a_pt2_model(tmp_path, cluster4, pt2_model):
+    class Pre:
+        def __call__(self, x):
+            y = df.get_run_context().run_flow_model("affine", [x * 2])[0]
+            return y - 1
+
+    pp = df.FuncProcessPoint(py_func=Pre, name="pre")
+    pp.add_invoked_closure("affine", df.GraphProcessPoint(df.Framework.PYTORCH, str(pt2_model)))
+    x = df.FlowData()
+    out = df.FlowNode(1, 1, name="pre").add_process_point(pp)(x)
+    g = df.FlowGraph(
+        [out], deploy(tmp_path, [{"flow_node_list": ["pre"], "logic_device_list": "0:0:0,0:0:1"}])
+    )
+    inputs = [torch.randn(2, 4) for _ in range(6)]
+    for t in inputs:
+        g.feed_data({x: t})
+    for t in inputs:
+        outs, _, _ = g.fetch_data()
+        torch.testing.assert_close(outs[0], affine_reference(t * 2) - 1)
+
+
+def test_model_node_with_two_instances_between_udfs(tmp_path, cluster4, pt2_model):
+    x = df.FlowData()
+    model = df.GraphProcessPoint(df.Framework.PYTORCH, str(pt2_model), name="model").fnode()
+    out = inc.fnode(name="post")(model(inc.fnode(name="pre")(x)))
+    g = df.FlowGraph(
+        [out],
+        deploy(
+            tmp_path,
+            [
+                {"flow_node_list": ["pre", "post"], "logic_device_list": "0:0:0"},
+                {"flow_node_list": ["model"], "logic_device_list": "0:0:1~2"},
+            ],
+        ),
+    )
+    inputs = [torch.randn(2, 4) for _ in range(10)]
+    for t in inputs:
+        g.feed_data({x: t})
+    for t in inputs:
+        outs, _, _ = g.fetch_data(timeout=60_000)
+        torch.testing.assert_close(outs[0], affine_reference(t + 1) + 1)
+
+
+def test_pyflow_class_with_methods_and_two_outputs(cluster4):
+    @df.pyflow
+    class Calc:
+        def __init__(self, base):
+            self.base = base
+
+        @df.method
+        def plus(self, a, b):
+            return a + b + self.base
+
+        @df.method(num_returns=2)
+        def both(self, c):
+            return c * self.base, df.get_running_instance_num()
+
+    a, b, c = df.FlowData(), df.FlowData(), df.FlowData()
+    node = Calc.fnode(100)
+    s = node.plus(a, b)
+    m, num = node.both(c)
+    two = split.fnode()(a)
+    g = df.FlowGraph([s, m, num, *two])
+    g.feed({a: 1, b: 2, c: 3})
+    assert g.fetch() == ([103, 300, 1, 2, 3], 0)
+    g.feed({a: 1, b: 2, c: 3})
+    assert g.fetch(indexes=[3, 0]) == ([2, 103], 0)
+
+
+def test_func_process_point_class_with_init_params_and_mapping(cluster4):
+    class Scaler:
+        def init_flow_func(self, params):
+            self.k = params.get_attr("k")
+            self.n_in = params.get_input_num()
+
+        def proc(self, a, b):
+            return a * self.k - b, self.n_in
+
+    pp = df.FuncProcessPoint(py_func=Scaler).set_init_param("k", 10)
+    node = df.FlowNode(2, 2, name="scaler")
+    node.map_input(0, pp, 1).map_input(1, pp, 0).map_output(0, pp, 1).map_output(1, pp, 0)
+    a, b = df.FlowData(), df.FlowData()
+    g = df.FlowGraph([*node(a, b)])
+    g.feed({a: 1, b: 2})  # pp gets (b, a) = (2, 1): 2 * 10 - 1 = 19; outputs swapped
+    assert g.fetch() == ([2, 19], 0)
+
+
+def test_flow_info_user_data_eos_and_timeouts(cluster4):
+    @df.pyflow
+    def slow(x):
+        import time
+
+        time.sleep(0.5)
+        return x
+
+    x = df.FlowData()
+    g = df.FlowGraph([slow.fnode()(x)])
+    info = df.FlowInfo(flow_flags=df.FlowFlag.DATA_FLOW_FLAG_SEG)
+    info.set_user_data(b"hello", 2)
+    g.feed_data({x: torch.ones(2)}, info)
+    g.feed_data({}, df.FlowInfo(flow_flags=df.FlowFlag.DATA_FLOW_FLAG_EOS))
+    with pytest.raises(df.FlowTimeout):
+        g.fetch_data(timeout=10)
+    outs, got, code = g.fetch_data()
+    assert code == 0 and got.transaction_id == 1 and got.flow_flags == df.FlowFlag.DATA_FLOW_FLAG_SEG
+    assert got.get_user_data(5, 2) == b"hello" and got.end_time >= got.start_time > 0
+    outs, got, code = g.fetch_data()
+    assert outs == [] and got.eos and got.transaction_id == 2
+    with pytest.raises(ValueError, match="EOS"):
+        g.feed_data({})
+    with pytest.raises(ValueError):
+        info.set_user_data(b"x" * 65)
+
+
+def test_exception_catch_returns_a_code(cluster4):
+    x = df.FlowData()
+    g = df.FlowGraph([flaky.fnode()(x)]).set_exception_catch(True)
+    g.feed({x: 7})
+    g.feed({x: 8})
+    outs, code = g.fetch()
+    assert (outs, code) == ([], df.FAILED) and "bad input 7" in g.last_error.error
+    assert g.fetch() == ([(80, 0)], 0)
+
+
+def test_nested_flow_graph_as_invoked_closure(cluster4):
+    y = df.FlowData()
+    inner = df.FlowGraph([inc.fnode(name="inner_inc")(inc.fnode(name="inner_inc0")(y))])
+
+    class Outer:
+        def __call__(self, v):
+            return df.get_run_context().run_flow_model("sub", [v * 10])[0]
+
+    pp = df.FuncProcessPoint(py_func=Outer).add_invoked_closure("sub", df.FlowGraphProcessPoint(inner))
+    x = df.FlowData()
+    g = df.FlowGraph([df.FlowNode(1, 1, "outer").add_process_point(pp)(x)])
+    g.feed({x: 4})
+    assert g.fetch() == ([42], 0)
+
+
+def test_balance_scatter_delivers_everything_in_order(tmp_path, cluster4):
+    x = df.FlowData()
+    src = inc.fnode(name="src").set_balance_scatter()
+    out = flaky.fnode(name="work")(src(x))
+    g = df.FlowGraph(
+        [out],
+        deploy(
+            tmp_path,
+            [
+                {"flow_node_list": ["src"], "logic_device_list": "0:0:0"},
+                {"flow_node_list": ["work"], "logic_device_list": "0:0:1~3"},
+            ],
+        ),
+    )
+    for i in range(40):
+        g.feed({x: i})
+    ok, failed = drain(g, 40)
+    assert [v for v, _ in ok] == [(i + 1) * 10 for i in range(40) if (i + 1) % 7]
+    assert len(failed) == 5
+
+
+def test_udf_that_fails_to_start_names_its_node(cluster4):
+    class Broken:
+        def __init__(self):
+            raise OSError("no such resource")
+
+        def __call__(self, x):
+            return x
+
+    x = df.FlowData()
+    pp = df.FuncProcessPoint(py_func=Broken)
+    g = df.FlowGraph([df.FlowNode(1, 1, "broken").add_process_point(pp)(x)])
+    with pytest.raises(RuntimeError, match="'broken'.*no such resource"):
+        g.feed({x: 1})
+
+
+def test_tessel_offline_model_path_is_explicit(tmp_path, cluster4):
+    model = tmp_path / "m.om"
+    model.write_bytes(b"")
+    x = df.FlowData()
+    node = df.GraphProcessPoint(df.Framework.TESSEL, str(model), name="om").fnode()
+    g = df.FlowGraph([node(x)])
+    from tessel.dataflow.runners import _tessel_session_class
+
+    if _tessel_session_class() is None:
+        with pytest.raises(RuntimeError, match="not wired yet"):
+            g.feed({x: torch.ones(1)})
+
+
+@df.pyflow
+def sleepy(x):
+    import time
+
+    time.sleep(0.5)
+    return x
+
+
+def test_finalize_stops_workers_and_graph_refuses_feeds(cluster4):
+    x = df.FlowData()
+    g = df.FlowGraph([sleepy.fnode()(x)])
+    g.feed({x: 1})
+    df.finalize()
+    with pytest.raises(df.TransactionFailed, match="finalized"):
+        g.fetch()
+    with pytest.raises(RuntimeError):
+        g.feed({x: 1})
+
+
+def test_channel_moves_tensors_through_shared_pages():
+    import multiprocessing as mp
+
+    ch = Channel(mp.get_context("fork"), 2, 2 << 20, "test")
+    t = torch.randn(512, 512)  # 1 MiB
+    assert ch.acquire(None)
+    ch.put(7, 0, t, ())
+    msg = ch.reader.recv()
+    assert len(pickle.dumps(msg)) < 512  # the pipe carries a header, not the tensor
+    tid, _, slot, meta, _ = msg
+    view = ch.read(slot, meta, copy=False)
+    assert tid == 7 and torch.equal(view, t)
+    base = np.frombuffer(ch._mm, dtype=np.uint8).ctypes.data
+    assert base <= view.data_ptr() < base + len(ch._mm)
+    ch.release(slot)
+    assert ch.free.get_value() == 2
