@@ -94,6 +94,8 @@ class RankSource(Source):
     def __init__(self, strategy: Strategy, files: dict[int, str]) -> None:
         self.strategy = strategy
         self.files = dict(files)
+        first = next(iter(self.files.values()), None)
+        self.label = str(Path(first).parent.parent) if first else strategy.source
         self._headers = _HeaderCache()
         self._resolved: dict[str, ParamLayout] = {}
 
@@ -218,6 +220,7 @@ class FullSource(Source):
                     )
                 self.locs[name] = loc
         self.directory = str(d)
+        self.label = self.directory
 
     def names(self) -> list[str]:
         return list(self.locs)
@@ -246,6 +249,7 @@ class DCPSource(Source):
         from tessel.parallel.dcp import read_dcp_metadata
 
         self.directory = str(directory)
+        self.label = self.directory
         meta = read_dcp_metadata(directory)
         self._storage: dict[tuple[str, tuple[int, ...]], object] = {}
         for idx, info in (meta.storage_data or {}).items():

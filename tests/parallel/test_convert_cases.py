@@ -1,0 +1,330 @@
+"""Named conversion scenarios and every error case, each with a clear message."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessel.parallel import (
+    CheckpointError,
+    Layout,
+    StrategyError,
+    convert_checkpoint_by_rank,
+    convert_checkpoints,
+    load_distributed_checkpoint,
+    load_segmented_checkpoints,
+    rank_list_for_convert,
+    save_strategy_file,
+    shard_checkpoint,
+    unified_safetensors,
+)
+from tessel.parallel.strategy import load_strategy
+
+from .helpers import files_bytes, make_full, ref_rank_slices, write_full
+
+SHAPES = {"emb": (16, 8), "qkv": (24, 8), "out": (8, 24), "norm": (8,)}
+
+
+def _tp(n, path, stages=None, opt=None):
+    """Megatron-style TP layouts on a (dp, tp) mesh; optional optimizer sharding/pipelining."""
+    lay = Layout((n[0], n[1]), ("dp", "tp"))
+    stages = stages or {}
+    spec = {
+        "emb": (lay("tp", "None"), SHAPES["emb"]),
+        "qkv": (lay("tp", "None"), SHAPES["qkv"]),
+        "out": (lay("None", "tp"), SHAPES["out"]),
+        "norm": (lay("None"), SHAPES["norm"]),
+    }
+    params = {}
+    for k, (layout, shape) in spec.items():
+        o = {"stage": stages.get(k, 0)}
+        if opt and n[0] > 1:
+            o["opt_shard_size"] = opt
+        params[k] = (layout, shape, "float32", o)
+    save_strategy_file(path, params)
+    return path
+
+
+@pytest.fixture
+def full():
+    return make_full(SHAPES, seed=3)
+
+
+@pytest.fixture
+def src(tmp_path, full):
+    hf = write_full(full, tmp_path / "hf")
+    a = _tp((1, 4), tmp_path / "tp4.json")
+    shard_checkpoint(hf, tmp_path / "A", a)
+    return tmp_path / "A", a
+
+
+def _check(d, full, strat_file, prefix="checkpoint_"):
+    st = load_strategy(strat_file)
+    n = 0
+    for r in range(st.world_size):
+        want = ref_rank_slices(full, st, r)
+        if not want:
+            continue
+        got = load_file(str(d / f"rank_{r}" / f"{prefix}{r}.safetensors"))
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (r, k)
+        n += 1
+    return n
+
+
+def test_tp4_to_dp2_tp2_with_optimizer_shard_and_back(tmp_path, src, full):
+    a_dir, a = src
+    b = _tp((2, 2), tmp_path / "dp2tp2.json", opt=2)
+    assert convert_checkpoints(a_dir, tmp_path / "B", "checkpoint_", a, b)
+    assert _check(tmp_path / "B", full, b) == 4
+    # rank 1 (dp 0, tp 1) keeps only the first optimizer half of its TP slice of emb
+    got = load_file(str(tmp_path / "B/rank_1/checkpoint_1.safetensors"))
+    assert torch.equal(got["emb"], full["emb"][8:12])
+    convert_checkpoints(tmp_path / "B", tmp_path / "A2", "checkpoint_", b, a)
+    assert files_bytes(tmp_path / "A2") == files_bytes(a_dir)
+
+
+def test_to_tp8_and_pipeline_stages(tmp_path, src, full):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "pp2.json", stages={"emb": [0, 1], "qkv": 0, "out": 1, "norm": 1})
+    convert_checkpoints(a_dir, tmp_path / "B", "checkpoint_", a, b, process_num=2)
+    assert _check(tmp_path / "B", full, b) == 4
+    assert set(load_file(str(tmp_path / "B/rank_0/checkpoint_0.safetensors"))) == {"emb", "qkv"}
+    assert set(load_file(str(tmp_path / "B/rank_3/checkpoint_3.safetensors"))) == {
+        "emb", "out", "norm"
+    }  # fmt: skip
+    c = _tp((1, 8), tmp_path / "tp8.json")
+    convert_checkpoints(tmp_path / "B", tmp_path / "C", "checkpoint_", b, c)
+    assert _check(tmp_path / "C", full, c) == 8
+    unified_safetensors(tmp_path / "C", c, tmp_path / "U")
+    idx = json.loads((tmp_path / "U/model.safetensors.index.json").read_text())
+    assert set(idx["weight_map"]) == set(full)
+    assert idx["metadata"]["total_size"] == sum(t.numel() * 4 for t in full.values())
+    u = load_file(str(tmp_path / "U/model-00001-of-00001.safetensors"))
+    assert all(torch.equal(u[k], full[k]) for k in full)
+
+
+def test_device_counts_need_not_divide(tmp_path, full):
+    hf = write_full(full, tmp_path / "hf")
+    three = tmp_path / "three.json"
+    lay = Layout((3,), ("tp",))
+    save_strategy_file(three, {"qkv": (lay("tp", "None"), (24, 8), "float32"),
+                               "out": (lay("None", "tp"), (8, 24), "float32")})  # fmt: skip
+    two = tmp_path / "two.json"
+    lay2 = Layout((2,), ("tp",))
+    save_strategy_file(two, {"qkv": (lay2("None", "tp"), (24, 8), "float32"),
+                             "out": (lay2("tp", "None"), (8, 24), "float32")})  # fmt: skip
+    shard_checkpoint(hf, tmp_path / "A", three)
+    convert_checkpoints(tmp_path / "A", tmp_path / "B", "checkpoint_", three, two)
+    assert _check(tmp_path / "B", {k: full[k] for k in ("qkv", "out")}, two) == 2
+    assert rank_list_for_convert(1, three, two) == [2, 1, 0]
+
+
+def test_unify_split_dst_file_and_choice_func(tmp_path, src, full):
+    a_dir, a = src
+    kw = dict(max_shard_size=600, choice_func=lambda n: False if n == "norm" else "m." + n)
+    unified_safetensors(a_dir, a, tmp_path / "U", split_dst_file=(1, 2), **kw)
+    unified_safetensors(a_dir, a, tmp_path / "U", split_dst_file=(2, 2), **kw)
+    idx = json.loads((tmp_path / "U/model.safetensors.index.json").read_text())
+    got = {}
+    for f in set(idx["weight_map"].values()):
+        got.update(load_file(str(tmp_path / "U" / f)))
+    assert set(got) == {"m.emb", "m.qkv", "m.out"}
+    assert all(torch.equal(got["m." + k], full[k]) for k in ("emb", "qkv", "out"))
+    assert len(set(idx["weight_map"].values())) == 3
+
+
+def test_load_distributed_checkpoint(tmp_path, src, full):
+    a_dir, a = src
+    files = [a_dir / f"rank_{r}" / f"checkpoint_{r}.safetensors" for r in range(4)]
+    net = torch.nn.Module()
+    for k, v in full.items():
+        net.register_parameter(k, torch.nn.Parameter(torch.zeros_like(v)))
+    load_distributed_checkpoint(net, files, None, a)
+    assert all(torch.equal(getattr(net, k).detach(), full[k]) for k in full)
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    got = load_distributed_checkpoint(None, a_dir, b, a, rank_id=1)
+    assert torch.equal(got["out"], full["out"][:, 12:])
+
+
+def test_load_segmented_checkpoints(tmp_path, full):
+    d = tmp_path / "seg"
+    d.mkdir()
+    save_file({"emb": full["emb"]}, str(d / "net_part0.safetensors"))
+    save_file({"out": full["out"], "opt.m": full["norm"]}, str(d / "net_part1.safetensors"))
+    got = load_segmented_checkpoints(d, filter_prefix="opt.")
+    assert set(got) == {"emb", "out"} and torch.equal(got["out"], full["out"])
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+def _digest(d: Path) -> dict:
+    return {k: hashlib.sha256(v).hexdigest() for k, v in files_bytes(d).items()}
+
+
+def test_missing_rank_file(tmp_path, src):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    (a_dir / "rank_2" / "checkpoint_2.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="rank") as e:
+        convert_checkpoints(a_dir, tmp_path / "B", "checkpoint_", a, b)
+    assert "emb" in str(e.value) or "qkv" in str(e.value) or "out" in str(e.value)
+    assert not (tmp_path / "B").exists()
+
+
+def test_missing_file_in_map(tmp_path, src):
+    a_dir, a = src
+    with pytest.raises(CheckpointError, match="does not exist"):
+        convert_checkpoint_by_rank(0, {0: tmp_path / "nope.safetensors"}, tmp_path / "o.safetensors",
+                                   a, a)  # fmt: skip
+
+
+def test_shape_mismatch_between_strategy_and_files(tmp_path, src):
+    a_dir, a = src
+    bad = tmp_path / "bad.json"
+    lay = Layout((1, 4), ("dp", "tp"))
+    save_strategy_file(bad, {"emb": (lay("None", "tp"), (16, 8), "float32")})
+    only = tmp_path / "only.json"
+    save_strategy_file(only, {"emb": (Layout((2,), ("tp",))("tp", "None"), (16, 8), "float32")})
+    with pytest.raises(CheckpointError, match=r"emb.*\[4, 8\].*\[16, 2\]") as e:
+        convert_checkpoints(a_dir, tmp_path / "B", "p", bad, only)
+    assert "checkpoint_0.safetensors" in str(e.value) and "emb" in str(e.value)
+
+
+def test_dst_shape_or_dtype_disagrees_with_source(tmp_path, src):
+    a_dir, a = src
+    b = tmp_path / "b.json"
+    lay = Layout((2,), ("tp",))
+    save_strategy_file(b, {"emb": (lay("tp", "None"), (32, 8), "float32")})
+    with pytest.raises(StrategyError, match=r"emb.shape.*\[32, 8\].*\[16, 8\]"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, b)
+    save_strategy_file(b, {"emb": (lay("tp", "None"), (16, 8), "bfloat16")})
+    with pytest.raises(StrategyError, match="emb.dtype.*bfloat16.*float32"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, b)
+
+
+def test_dtype_mismatch_in_rank_file(tmp_path, src, full):
+    a_dir, a = src
+    f = a_dir / "rank_1" / "checkpoint_1.safetensors"
+    t = load_file(str(f))
+    t["emb"] = t["emb"].to(torch.bfloat16)
+    save_file(t, str(f))
+    with pytest.raises(CheckpointError, match="emb.*bfloat16.*float32") as e:
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
+    assert str(f) in str(e.value)
+
+
+def test_param_missing_from_rank_file(tmp_path, src):
+    a_dir, a = src
+    f = a_dir / "rank_0" / "checkpoint_0.safetensors"
+    t = load_file(str(f))
+    del t["qkv"]
+    save_file(t, str(f))
+    with pytest.raises(CheckpointError, match="qkv.*missing"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
+
+
+def test_param_not_in_source(tmp_path, src):
+    a_dir, a = src
+    b = tmp_path / "b.json"
+    save_strategy_file(b, {"nope": (Layout((2,), ("tp",))("tp"), (4,), "float32")})
+    with pytest.raises(CheckpointError, match="nope.*not in the source"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, b)
+
+
+def test_truncated_safetensors(tmp_path, src):
+    a_dir, a = src
+    f = a_dir / "rank_3" / "checkpoint_3.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes(raw[:-10])
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
+    assert str(f) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        (b"\x01\x02", "truncated"),
+        (struct.pack("<Q", 10**12) + b"{}", "header length"),
+        (struct.pack("<Q", 4) + b"{{{{", "corrupt"),
+        (struct.pack("<Q", 2) + b"[]", "corrupt"),
+    ],
+)
+def test_corrupt_safetensors(tmp_path, src, payload, words):
+    a_dir, a = src
+    f = a_dir / "rank_0" / "checkpoint_0.safetensors"
+    f.write_bytes(payload)
+    with pytest.raises(CheckpointError, match=words) as e:
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
+    assert str(f) in str(e.value)
+
+
+def test_corrupt_header_entry_names_parameter(tmp_path, src):
+    a_dir, a = src
+    f = a_dir / "rank_0" / "checkpoint_0.safetensors"
+    hdr = {"emb": {"dtype": "F32", "shape": [4, 8], "data_offsets": [0, 99]}}
+    js = json.dumps(hdr).encode()
+    f.write_bytes(struct.pack("<Q", len(js)) + js + b"\0" * 128)
+    with pytest.raises(CheckpointError, match="emb.*99 bytes"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
+
+
+def test_failure_leaves_destination_and_source_untouched(tmp_path, src):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    dst = tmp_path / "B"
+    (dst / "rank_0").mkdir(parents=True)
+    (dst / "rank_0" / "checkpoint_0.safetensors").write_bytes(b"old contents")
+    before_src, before_dst = _digest(a_dir), _digest(dst)
+    # rank 3's file is corrupt: ranks 0/1 of the destination could be written before it is read
+    f = a_dir / "rank_3" / "checkpoint_3.safetensors"
+    f.write_bytes(f.read_bytes()[:-4])
+    before_src = _digest(a_dir)
+    with pytest.raises(CheckpointError):
+        convert_checkpoints(a_dir, dst, "checkpoint_", a, b, process_num=2)
+    assert _digest(dst) == before_dst and _digest(a_dir) == before_src
+    assert [p.name for p in dst.iterdir()] == ["rank_0"]
+
+
+def test_interrupt_cleans_up_and_leaves_no_processes(tmp_path, src):
+    a_dir, a = src
+    b = _tp((1, 4), tmp_path / "tp4b.json")
+
+    def boom(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2, progress=boom)
+    assert not (tmp_path / "B").exists()
+    assert mp.active_children() == []
+
+
+def test_output_would_overwrite_source(tmp_path, src):
+    a_dir, a = src
+    with pytest.raises(CheckpointError, match="overwrite a source"):
+        convert_checkpoints(a_dir, a_dir, "checkpoint_", a, a)
+
+
+def test_output_format_and_suffix(tmp_path, src):
+    a_dir, a = src
+    with pytest.raises(CheckpointError, match="output_format"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", a, a, output_format="ckpt")
+    files = {0: a_dir / "rank_0" / "checkpoint_0.safetensors"}
+    with pytest.raises(CheckpointError, match=".safetensors"):
+        convert_checkpoint_by_rank(0, files, tmp_path / "x.ckpt", a, a)
+
+
+def test_sharded_dir_without_strategy(tmp_path, src):
+    a_dir, _ = src
+    with pytest.raises(StrategyError, match="src_strategy_file"):
+        convert_checkpoints(a_dir, tmp_path / "B", "p", None, None)
