@@ -1,3 +1,37 @@
-"""tessel: build, partition and deploy PyTorch foundation models across many devices."""
+"""tessel: build, partition and deploy PyTorch foundation models across many devices.
+
+Names are imported on first use, so a worker process that needs only the runtime stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "build": "tessel.build",
+    "save": "tessel.build",
+    "BuiltModel": "tessel.build",
+    "build_initialize": "tessel.build.seed_api",
+    "build_model": "tessel.build.seed_api",
+    "save_model": "tessel.build.seed_api",
+    "build_finalize": "tessel.build.seed_api",
+    "CLUSTER_CONFIG": "tessel.build.seed_api",
+    "DISTRIBUTED_CLUSTER_BUILD": "tessel.build.seed_api",
+    "ENABLE_GRAPH_PARALLEL": "tessel.build.seed_api",
+    "GRAPH_PARALLEL_OPTION_PATH": "tessel.build.seed_api",
+    "ConfigError": "tessel.config",
+    "Session": "tessel.runtime",
+    "WorkerError": "tessel.runtime",
+    "initialize": "tessel.runtime",
+    "finalize": "tessel.runtime",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tessel' has no attribute {name!r}")

@@ -1,12 +1,84 @@
-"""The `tessel` command line: build, inspect, run, demo, ckpt."""
+"""The `tessel` command line: build, inspect, run, serve, demo, ckpt."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from pathlib import Path
 
 from tessel.config.errors import ConfigError
 from tessel.parallel import ckpt_cli
+
+
+def _build(args: argparse.Namespace) -> int:
+    from tessel.build import build
+    from tessel.build.options import check_build_options
+    from tessel.capture import load_model_spec
+    from tessel.config.cluster import local_cluster, read_cluster_config
+    from tessel.report import format_plan
+
+    opts = check_build_options(
+        distributed_cluster_build=args.distributed_cluster_build,
+        enable_graph_parallel=args.enable_graph_parallel,
+        cluster_config=args.cluster_config,
+        graph_parallel_option_path=args.graph_parallel_option_path,
+        framework=args.framework,
+        soc_version=args.soc_version,
+        shard_model_dir=args.shard_model_dir,
+        model_relation_config=args.model_relation_config,
+    )
+    if opts.cluster_config:
+        cluster = read_cluster_config(opts.cluster_config, opts.soc_version)
+    else:
+        cluster = local_cluster(4 if opts.distributed_cluster_build else 1, opts.soc_version)
+    model, example_inputs = load_model_spec(args.model)
+    built = build(
+        model,
+        example_inputs,
+        cluster=cluster,
+        policy=opts.graph_parallel_option_path,
+        soc_version=opts.soc_version,
+        graph_parallel=opts.enable_graph_parallel,
+    )
+    path = built.save(args.output)
+    if logging.getLogger().isEnabledFor(logging.INFO):
+        print(format_plan(built.manifest))
+    print(f"wrote {path}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from tessel.package import Package
+    from tessel.report import format_plan, inspect_json
+
+    package = Package.open(args.model)
+    if args.verify:
+        package.verify()
+    if args.json:
+        print(json.dumps(inspect_json(package.manifest), indent=1))
+    else:
+        print(format_plan(package.manifest))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tessel.runtime.cli_run import run_command
+
+    return run_command(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tessel.runtime.cli_run import serve_command
+
+    return serve_command(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tessel.demo import run_demo
+
+    return run_demo(args.devices, args.layers)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -14,9 +86,58 @@ def make_parser() -> argparse.ArgumentParser:
         prog="tessel",
         description="Build, partition and deploy PyTorch models across many devices.",
     )
+    parser.add_argument("--log", default="warning", help="debug|info|warning|error|null (default warning)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    b = sub.add_parser("build", help="build one offline model for a cluster (ATC-style flags)")
+    b.add_argument("--model", required=True, help=".pt2 file from torch.export.save, or file.py:function returning (module, example_inputs)")
+    b.add_argument("--framework", default="pytorch", help="the model's framework (accepted: pytorch)")
+    b.add_argument("--soc_version", default="cpu", help="device kind: cpu, A100, H100, H200, Ascend910B, ...")
+    b.add_argument("--output", required=True, help="output path; .tessel is added")
+    b.add_argument("--cluster_config", help="cluster config (numa_config JSON)")
+    b.add_argument("--distributed_cluster_build", default="0", help="1: build for distributed deployment")
+    b.add_argument("--enable_graph_parallel", default="0", help="1: algorithm-based partitioning (needs the two above)")
+    b.add_argument("--graph_parallel_option_path", help="partitioning policy JSON (mandatory with --enable_graph_parallel=1)")
+    b.add_argument("--shard_model_dir", help="pre-sliced models (not built yet)")
+    b.add_argument("--model_relation_config", help="relations of pre-sliced models (not built yet)")
+    b.add_argument("--log", dest="sub_log", default=None, help="debug|info|warning|error|null")
+    b.set_defaults(func=_build)
+
+    i = sub.add_parser("inspect", help="print the plan: placements per layer, collectives and memory per device")
+    i.add_argument("model", help="a .tessel offline model")
+    i.add_argument("--json", action="store_true", help="print the plan as JSON")
+    i.add_argument("--verify", action="store_true", help="also check every member's checksum")
+    i.set_defaults(func=_inspect)
+
+    r = sub.add_parser("run", help="load an offline model on its devices and run it once")
+    r.add_argument("model", help="a .tessel offline model")
+    r.add_argument("--inputs", help="safetensors with input_0, input_1, ... (default: random inputs of the recorded shapes)")
+    r.add_argument("--output", help="write output_0, output_1, ... to this safetensors file")
+    r.add_argument("--node-id", type=int, default=None, help="the cluster node this host is (default: the head node)")
+    r.add_argument("--repeat", type=int, default=1, help="run this many times and print the latency")
+    r.set_defaults(func=_run)
+
+    s = sub.add_parser("serve", help="start this host's workers for a model whose cluster spans several nodes")
+    s.add_argument("model", help="a .tessel offline model")
+    s.add_argument("--node-id", type=int, required=True, help="the cluster node this host is")
+    s.set_defaults(func=_serve)
+
+    d = sub.add_parser("demo", help="build and run a small Llama on a local cluster of CPU devices")
+    d.add_argument("--devices", type=int, default=4)
+    d.add_argument("--layers", type=int, default=4)
+    d.set_defaults(func=_demo)
+
     ckpt_cli.register(sub)
     return parser
+
+
+def _configure_logging(value: str) -> None:
+    from tessel.build.options import log_level
+
+    level = log_level(value)
+    logging.basicConfig(level=level or logging.CRITICAL + 1, format="%(levelname)s %(name)s: %(message)s")
+    if level is None:
+        logging.disable(logging.CRITICAL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        _configure_logging(getattr(args, "sub_log", None) or args.log)
         return int(args.func(args) or 0)
-    except ConfigError as exc:
+    except (ConfigError, FileNotFoundError) as exc:
         print(f"tessel: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tessel: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - known failures get one line, not a traceback
+        from tessel.package import PackageError
+        from tessel.plan import PlanError
+        from tessel.runtime import WorkerError
+
+        if isinstance(exc, (PackageError, PlanError, WorkerError)):
+            print(f"tessel: error: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

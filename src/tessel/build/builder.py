@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-import tessel
+from tessel import __version__ as tessel_version
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import ClusterConfig, local_cluster, read_cluster_config
 from tessel.config.errors import ConfigError
@@ -77,7 +77,10 @@ def build(
         )
 
     t = time.perf_counter()
-    captured = capture(model, example_inputs, example_kwargs)
+    if isinstance(model, CapturedModel):
+        captured = model
+    else:
+        captured = capture(model, example_inputs, example_kwargs)
     timings["capture"] = time.perf_counter() - t
 
     plan_world = cluster.world_size if graph_parallel else 1
@@ -104,14 +107,8 @@ def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
 
 
 def _lower_all(captured: CapturedModel, plan: Plan, world: int) -> list[RankProgram]:
-    """Trace rank 0 and 1; ranks share one program when these two agree (nothing rank-specific)."""
-    first = lower_rank(captured, plan, 0)
-    if world == 1:
-        return [first]
-    second = lower_rank(captured, plan, 1)
-    if second.program == first.program and not first.constants:
-        return [first] * world
-    return [first, second] + [lower_rank(captured, plan, r) for r in range(2, world)]
+    """Trace every rank (programs differ: each takes its own chunk where a layout is split)."""
+    return [lower_rank(captured, plan, r) for r in range(world)]
 
 
 def _pack(
@@ -190,7 +187,7 @@ def _pack(
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "tessel_version": tessel.__version__,
+        "tessel_version": tessel_version,
         "torch_version": torch.__version__,
         "mode": "partitioned" if graph_parallel else "replicated",
         "soc_version": soc_version,
@@ -199,16 +196,20 @@ def _pack(
         "world_size": cluster.world_size,
         "cluster": cluster.raw,
         "mesh": {"shape": list(plan.mesh_shape), "dim_names": ["tp"]},
-        "inputs": [
-            {"name": n, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
-            for n, x in zip(captured.input_names, captured.example_inputs)
-        ],
+        "inputs": [_input_spec(n, x) for n, x in zip(captured.input_names, captured.example_inputs)],
         "outputs": outputs,
         "submodels": submodels,
         "layouts": "layouts.json",
         "plan": _explain(plan, layouts, ranks_report),
     }
     return manifest, members
+
+
+def _input_spec(name: str, x: torch.Tensor) -> dict:
+    spec = {"name": name, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+    if not x.dtype.is_floating_point and x.dtype != torch.bool and x.numel():
+        spec["high"] = int(x.max()) + 1  # `tessel run` draws random inputs below this bound
+    return spec
 
 
 def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:

@@ -16,8 +16,8 @@ from tessel.config.errors import ConfigError
 log = logging.getLogger(__name__)
 
 FRAMEWORKS = ("pytorch",)
-# SDPA is kept whole if decomposing it fails (the fused CPU kernel's strides differ from the
-# decomposition's); it then runs replicated and is reported as a fallback.
+# Attention stays one op: the planner shards it by batch or by head (tessel's own rule, since
+# DTensor has none for the CPU kernel), and its decomposition breaks some models' strides.
 _SDPA_OPS = (
     "aten.scaled_dot_product_attention.default",
     "aten._scaled_dot_product_attention_math.default",
@@ -40,26 +40,26 @@ def capture(
     example_kwargs: dict | None = None,
 ) -> CapturedModel:
     """Export `model` with its example inputs and decompose it to core ATen."""
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
     if isinstance(model, ExportedProgram):
         ep = model
     else:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError("model", None, f"expected an nn.Module or ExportedProgram, found {type(model).__name__}")
-        args, kwargs = _split_inputs(example_inputs, example_kwargs)
         model = model.eval()
         with torch.no_grad():
             ep = torch.export.export(model, args, kwargs)
-    try:
-        ep = ep.run_decompositions()
-    except Exception as exc:  # noqa: BLE001 - torch raises many kinds here
-        log.info("full decomposition failed (%s); keeping scaled_dot_product_attention whole", exc)
-        table = torch.export.default_decompositions()
-        for name in _SDPA_OPS:
-            op = _resolve(name)
-            if op is not None:
-                table.pop(op, None)
-        ep = ep.run_decompositions(table)
+    table = torch.export.default_decompositions()
+    for name in _SDPA_OPS:
+        op = _resolve(name)
+        if op is not None:
+            table.pop(op, None)
+    ep = ep.run_decompositions(table)
     names, values = _user_inputs(ep)
+    if not isinstance(model, ExportedProgram):
+        given = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if len(given) == len(values):
+            values = [g.detach().clone() for g in given]
     return CapturedModel(ep, values, names)
 
 

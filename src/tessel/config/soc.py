@@ -28,8 +28,9 @@ class SocProfile:
 SOCS: dict[str, SocProfile] = {
     p.name: p
     for p in [
-        # Local CPU processes talking through gloo over loopback.
-        SocProfile("cpu", "cpu", "gloo", 50e9, 10e9, 16 * GiB, 2e9, 1.25e9, 60e-6),
+        # Local CPU processes talking through gloo over loopback; the planner divides the
+        # compute figures among the devices that share one host's cores.
+        SocProfile("cpu", "cpu", "gloo", 100e9, 15e9, 16 * GiB, 1e9, 1e9, 200e-6),
         SocProfile("A100", "cuda", "nccl", 19.5e12, 2.0e12, 80 * GiB, 300e9, 25e9, 8e-6),
         SocProfile("H100", "cuda", "nccl", 67e12, 3.35e12, 80 * GiB, 450e9, 50e9, 6e-6),
         SocProfile("H200", "cuda", "nccl", 67e12, 4.8e12, 141 * GiB, 450e9, 50e9, 6e-6),

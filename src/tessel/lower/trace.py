@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tessel.capture import CapturedModel
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
+from tessel.plan.strategies import LOCAL_RULES
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.weights import local_shard
 
@@ -158,10 +159,23 @@ def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh) -> Any:
         args = _lookup(n.args, env, targets, mesh)
         kwargs = _lookup(n.kwargs, env, targets[_count_nodes(n.args) :], mesh)
         try:
+            if n.target in LOCAL_RULES:
+                return _run_local(n, args, kwargs, plan, mesh)
             return n.target(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - fall back to a replicated run of this node
             log.debug("%s (%s) replicated at lowering: %s", n.name, n.target, exc)
     return _replicated(n, env, mesh)
+
+
+def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh) -> Any:
+    """An op whose planned layout makes it shard-local: run it on the local tensors."""
+
+    def local(a: Any) -> Any:
+        return a.to_local() if isinstance(a, DTensor) else a
+
+    out = n.target(*tree_map(local, args), **tree_map(local, kwargs))
+    placements = plan.out_placements(n)
+    return DTensor.from_local(out, mesh, placements, run_check=False)
 
 
 def _count_nodes(args: Any) -> int:

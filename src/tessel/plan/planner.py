@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ def make_plan(
 
     t1 = time.perf_counter()
     problem = _problem(graph, choices, cluster, mesh)
-    budget = min(d.memory_bytes for d in cluster.devices) - _activation_bytes(graph, weight_names)
+    budget = min(d.memory_bytes for d in cluster.devices) - activation_bytes(graph, weight_names)
     problem.memory_budget = float(budget)
     try:
         solution = solve(problem, time_limit)
@@ -108,7 +109,7 @@ def make_plan(
         )
         raise PlanError(
             f"the model does not fit: even with every weight sharded it needs {need / 2**30:.2f} GiB "
-            f"per device plus {_activation_bytes(graph, weight_names) / 2**30:.2f} GiB of "
+            f"per device plus {activation_bytes(graph, weight_names) / 2**30:.2f} GiB of "
             f"activations, but the smallest device in {cluster.source} has "
             f"{min(d.memory_bytes for d in cluster.devices) / 2**30:.2f} GiB ({exc})"
         ) from exc
@@ -165,6 +166,12 @@ def _problem(
     graph: fx.Graph, choices: dict[fx.Node, NodeChoices], cluster: ClusterConfig, mesh: DeviceMesh
 ) -> Problem:
     soc = cluster.soc
+    peak, bandwidth = soc.peak_flops, soc.memory_bandwidth
+    if soc.device_type == "cpu":
+        # CPU devices of one node share its cores (this machine's count stands in for theirs).
+        per_node = max(len(n.devices) for n in cluster.nodes)
+        share = min(1.0, (os.cpu_count() or 1) / per_node)
+        peak, bandwidth = peak * share, bandwidth * share
     mesh_shape = tuple(mesh.shape)
     links = [cost.Links.of(cluster)] * mesh.ndim
     sizes: dict[fx.Node, int] = {}
@@ -195,7 +202,7 @@ def _problem(
         linear[v] = np.array(
             [
                 count
-                * cost.compute_time(f, moved, soc.peak_flops, soc.memory_bandwidth)
+                * cost.compute_time(f, moved, peak, bandwidth)
                 / cost.shard_factor(_placements(s.output), mesh_shape)
                 for s in c.strategies
             ]
@@ -260,7 +267,7 @@ def _placements(spec) -> tuple | None:
     return tuple(spec.placements)
 
 
-def _activation_bytes(graph: fx.Graph, weight_names: set[str]) -> int:
+def activation_bytes(graph: fx.Graph, weight_names: set[str]) -> int:
     """Peak bytes of live activations, counted at their full (replicated) size: an upper bound."""
     nodes = [n for n in graph.nodes if n.op != "output"]
     last_use = {}

@@ -105,6 +105,8 @@ def op_strategies(
     `args`/`kwargs` hold an OpStrategy where the graph passes a tensor. Returns None when DTensor
     has no rule for the op (the caller replicates it and reports the fallback).
     """
+    if op in LOCAL_RULES:
+        return LOCAL_RULES[op](args, kwargs, out_val, mesh)
     prop = _propagator()
     if isinstance(out_val, (tuple, list)):
         out_meta: Any = tuple(tensor_meta(v) for v in out_val)
@@ -138,6 +140,43 @@ def op_strategies(
     if not isinstance(result, OpStrategy):
         return None
     return _dedup(result)
+
+
+def _attention_strategies(args: tuple, kwargs: dict, out_val: Any, mesh: DeviceMesh) -> list[Strategy]:
+    """Attention is independent per batch row and per head: shard q, k, v (and a mask that has
+    the dim) on dim 0 or 1, get the output sharded the same way."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, OpStrategy)]
+    metas = [t.strategies[0].output_spec.tensor_meta for t in tensors]
+    q = metas[0]
+    out = []
+    for combo in itertools.product(*[(None, 0, 1) for _ in mesh.shape]):
+        ok = True
+        sizes = {0: 1, 1: 1}
+        for d, n in zip(combo, mesh.shape):
+            if d is not None:
+                sizes[d] *= n
+        ins = []
+        for i, m in enumerate(metas):
+            placements = []
+            for d in combo:
+                if d is None:
+                    placements.append(Replicate())
+                elif i >= 3 and m.shape[d] == 1:  # a mask broadcast over this dim
+                    placements.append(Replicate())
+                elif m.shape[d] % sizes[d] == 0 and (i >= 3 or m.shape[d] >= sizes[d]):
+                    placements.append(Shard(d))
+                else:
+                    ok = False
+            ins.append(DTensorSpec(mesh, tuple(placements), m) if ok else None)
+        if not ok or q.shape[0] % sizes[0] or q.shape[1] % sizes[1]:
+            continue
+        placements = tuple(Replicate() if d is None else Shard(d) for d in combo)
+        out.append(Strategy(DTensorSpec(mesh, placements, tensor_meta(out_val)), tuple(ins)))
+    return out
+
+
+LOCAL_RULES = {torch.ops.aten.scaled_dot_product_attention.default: _attention_strategies}
+"""Ops tessel places itself and lowers by running them on the local shards."""
 
 
 def _dedup(result: OpStrategy) -> list[Strategy]:

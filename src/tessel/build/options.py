@@ -1,0 +1,88 @@
+"""The ATC flag rules of seed 000/002, shared by the CLI and the seed-style build API."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tessel.capture.export import FRAMEWORKS
+from tessel.config.errors import ConfigError
+
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "null": None}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    distributed_cluster_build: bool
+    enable_graph_parallel: bool
+    cluster_config: str | None
+    graph_parallel_option_path: str | None
+    soc_version: str = "cpu"
+
+
+def _switch(value: object, name: str, source: str) -> bool:
+    text = str(value).strip().strip('"')
+    if text not in ("0", "1"):
+        raise ConfigError(source, name, f"expected 0 or 1, found {value!r}")
+    return text == "1"
+
+
+def check_build_options(
+    *,
+    distributed_cluster_build: object = 0,
+    enable_graph_parallel: object = 0,
+    cluster_config: str | None = None,
+    graph_parallel_option_path: str | None = None,
+    framework: str = "pytorch",
+    soc_version: str = "cpu",
+    shard_model_dir: str | None = None,
+    model_relation_config: str | None = None,
+    source: str = "command line",
+    names: dict[str, str] | None = None,
+) -> BuildOptions:
+    """Validate the build switches as ATC does; errors name the flag (or option key)."""
+    names = {
+        "distributed_cluster_build": "--distributed_cluster_build",
+        "enable_graph_parallel": "--enable_graph_parallel",
+        "cluster_config": "--cluster_config",
+        "graph_parallel_option_path": "--graph_parallel_option_path",
+        "framework": "--framework",
+        "shard_model_dir": "--shard_model_dir",
+        **(names or {}),
+    }
+    if str(framework).lower() not in FRAMEWORKS:
+        raise ConfigError(source, names["framework"], f"found {framework!r}; accepted: {', '.join(FRAMEWORKS)}")
+    dcb = _switch(distributed_cluster_build, names["distributed_cluster_build"], source)
+    egp = _switch(enable_graph_parallel, names["enable_graph_parallel"], source)
+    if shard_model_dir or model_relation_config:
+        raise ConfigError(
+            source,
+            names["shard_model_dir"],
+            "building from pre-sliced models (--shard_model_dir with --model_relation_config) is not "
+            "built yet in tessel; give the complete model and --enable_graph_parallel=1 instead",
+        )
+    if egp and not dcb:
+        raise ConfigError(
+            source, names["enable_graph_parallel"], f"=1 needs {names['distributed_cluster_build']}=1"
+        )
+    if egp and not cluster_config:
+        raise ConfigError(source, names["enable_graph_parallel"], f"=1 needs {names['cluster_config']}")
+    if egp and not graph_parallel_option_path:
+        raise ConfigError(
+            source,
+            names["graph_parallel_option_path"],
+            f"is mandatory when {names['enable_graph_parallel']}=1 (the partitioning policy file)",
+        )
+    if graph_parallel_option_path and not egp:
+        raise ConfigError(
+            source,
+            names["graph_parallel_option_path"],
+            f"is only used with {names['distributed_cluster_build']}=1 and {names['enable_graph_parallel']}=1",
+        )
+    return BuildOptions(dcb, egp, cluster_config, graph_parallel_option_path, soc_version)
+
+
+def log_level(value: str, source: str = "--log") -> int | None:
+    if value not in LOG_LEVELS:
+        raise ConfigError(source, None, f"found {value!r}; allowed: {'|'.join(LOG_LEVELS)}")
+    return LOG_LEVELS[value]

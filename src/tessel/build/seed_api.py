@@ -1,0 +1,73 @@
+"""The seed's build API names (aclgrphBuildInitialize/Model/SaveModel/Finalize) over `tessel.build`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessel.build.builder import BuiltModel, build
+from tessel.build.builder import save as _save
+from tessel.build.options import check_build_options
+from tessel.config.cluster import local_cluster, read_cluster_config
+
+CLUSTER_CONFIG = "ge.cluster_config"
+DISTRIBUTED_CLUSTER_BUILD = "ge.distributed_cluster_build"
+ENABLE_GRAPH_PARALLEL = "ge.enableGraphParallel"
+GRAPH_PARALLEL_OPTION_PATH = "ge.graphParallelOptionPath"
+SOC_VERSION = "ge.socVersion"
+MODEL_RELATION_CONFIG = "ge.offline_model_relation"
+
+_NAMES = {
+    "distributed_cluster_build": DISTRIBUTED_CLUSTER_BUILD,
+    "enable_graph_parallel": ENABLE_GRAPH_PARALLEL,
+    "cluster_config": CLUSTER_CONFIG,
+    "graph_parallel_option_path": GRAPH_PARALLEL_OPTION_PATH,
+    "shard_model_dir": MODEL_RELATION_CONFIG,
+}
+_global: dict[str, str] = {}
+
+
+def build_initialize(options: dict[str, str] | None = None) -> None:
+    """aclgrphBuildInitialize: global options, CLUSTER_CONFIG among them."""
+    _global.clear()
+    _global.update(options or {})
+
+
+def build_model(model: torch.nn.Module, example_inputs: Any, options: dict[str, str] | None = None) -> BuiltModel:
+    """aclgrphBuildModel: DISTRIBUTED_CLUSTER_BUILD, ENABLE_GRAPH_PARALLEL, GRAPH_PARALLEL_OPTION_PATH."""
+    merged = {**_global, **(options or {})}
+    checked = check_build_options(
+        distributed_cluster_build=merged.get(DISTRIBUTED_CLUSTER_BUILD, "0"),
+        enable_graph_parallel=merged.get(ENABLE_GRAPH_PARALLEL, "0"),
+        cluster_config=merged.get(CLUSTER_CONFIG),
+        graph_parallel_option_path=merged.get(GRAPH_PARALLEL_OPTION_PATH),
+        model_relation_config=merged.get(MODEL_RELATION_CONFIG),
+        soc_version=merged.get(SOC_VERSION, "cpu"),
+        source="build options",
+        names=_NAMES,
+    )
+    soc = checked.soc_version
+    if checked.cluster_config:
+        cluster = read_cluster_config(checked.cluster_config, soc)
+    else:
+        cluster = local_cluster(4 if checked.distributed_cluster_build else 1, soc)
+    return build(
+        model,
+        example_inputs,
+        cluster=cluster,
+        policy=checked.graph_parallel_option_path,
+        soc_version=soc,
+        graph_parallel=checked.enable_graph_parallel,
+    )
+
+
+def save_model(path: str | Path, model: BuiltModel) -> Path:
+    """aclgrphSaveModel: serialise the offline model to a file."""
+    return _save(model, path)
+
+
+def build_finalize() -> None:
+    """aclgrphBuildFinalize."""
+    _global.clear()

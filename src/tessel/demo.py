@@ -1,0 +1,99 @@
+"""`tessel demo` / `make demo`: tessel's main job on the embedded default.
+
+A small Llama (transformers, random weights) is built for a local cluster of CPU devices whose
+memory cannot hold the replicated weights, so the planner must shard them; the offline model is
+loaded on one worker per device, run, and checked against the single-device model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tessel.build import build
+from tessel.capture import capture
+from tessel.config.cluster import cluster_from_dict, local_cluster_dict
+from tessel.plan.planner import activation_bytes
+from tessel.report import format_plan
+from tessel.runtime import Session, finalize, initialize
+
+
+def demo_model(layers: int, hidden: int = 256, heads: int = 8, vocab: int = 8192):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tight_cluster(devices: int, weight_bytes: int, act_bytes: int) -> dict:
+    """A local CPU cluster whose devices hold about 1.3/N of the weights plus the activations."""
+    data = local_cluster_dict(devices)
+    mib = int((act_bytes + 1.3 * weight_bytes / devices) / 2**20) + 1
+    data["item_def"][0]["memory"] = f"[DDR:{mib}MB]"
+    return data
+
+
+def run_demo(devices: int = 4, layers: int = 4) -> int:
+    torch.manual_seed(0)
+    model = demo_model(layers)
+    input_ids = torch.randint(0, model.config.vocab_size, (4, 128))
+    kwargs = {"input_ids": input_ids, "use_cache": False}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model: Llama, {layers} layers, {weights / 2**20:.1f} MiB of fp32 weights; input {list(input_ids.shape)}")
+
+    t = time.perf_counter()
+    captured = capture(model, kwargs)
+    capture_s = time.perf_counter() - t
+    cluster = cluster_from_dict(
+        tight_cluster(devices, weights, activation_bytes(captured.program.graph_module.graph, set())),
+        "<embedded demo cluster>",
+    )
+    print(
+        f"cluster: {devices} local CPU devices with {cluster.devices[0].memory_bytes / 2**20:.0f} MiB "
+        "each (too small for replicated weights)"
+    )
+    built = build(captured, cluster=cluster)
+    built.timings["capture"] = capture_s
+    with tempfile.TemporaryDirectory(prefix="tessel-demo-") as tmp:
+        path = built.save(Path(tmp) / "llama")
+        print()
+        print(format_plan(built.manifest))
+        print()
+        with torch.no_grad():
+            reference = model(**kwargs).logits
+        initialize()
+        try:
+            session = Session()
+            t = time.perf_counter()
+            session.load_graph(0, {}, path)
+            load_s = time.perf_counter() - t
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                (logits,) = session.run_graph(0, [input_ids])
+                times.append(time.perf_counter() - t)
+        finally:
+            finalize()
+    t = time.perf_counter()
+    with torch.no_grad():
+        model(**kwargs)
+    eager_s = time.perf_counter() - t
+    diff = (logits - reference).abs().max().item()
+    print(f"load_graph on {devices} workers: {load_s:.2f} s")
+    print(f"run_graph: median {1e3 * sorted(times)[2]:.1f} ms; single-process eager: {1e3 * eager_s:.1f} ms")
+    print(f"max abs diff against the single-device model: {diff:.2e}")
+    ok = diff <= 1e-4
+    print("demo: OK" if ok else "demo: MISMATCH")
+    return 0 if ok else 1

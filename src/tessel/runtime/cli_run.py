@@ -1,0 +1,102 @@
+"""`tessel run` and `tessel serve`: a Session driven from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessel.config.errors import ConfigError
+from tessel.package import Package
+from tessel.runtime.session import Session, finalize, initialize
+
+
+def random_inputs(manifest: dict) -> list[torch.Tensor]:
+    """Inputs of the recorded shapes: integers below the example's bound, floats from N(0, 1)."""
+    out = []
+    for spec in manifest["inputs"]:
+        dtype = getattr(torch, spec["dtype"])
+        if dtype.is_floating_point:
+            out.append(torch.randn(spec["shape"], dtype=dtype))
+        elif dtype == torch.bool:
+            out.append(torch.ones(spec["shape"], dtype=dtype))
+        else:
+            out.append(torch.randint(0, int(spec.get("high", 2)), spec["shape"], dtype=dtype))
+    return out
+
+
+def read_inputs(path: str, manifest: dict) -> list[torch.Tensor]:
+    tensors = load_file(path)
+    names = [f"input_{i}" for i in range(len(manifest["inputs"]))]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ConfigError(path, None, f"missing tensors {missing}; expected {names}")
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        raise ConfigError(path, None, f"unexpected tensors {extra}; expected {names}")
+    return [tensors[n] for n in names]
+
+
+def write_outputs(path: str, outputs: list[torch.Tensor]) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        save_file({f"output_{i}": o.contiguous() for i, o in enumerate(outputs)}, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_command(args: argparse.Namespace) -> int:
+    manifest = Package.open(args.model).manifest
+    inputs = read_inputs(args.inputs, manifest) if args.inputs else random_inputs(manifest)
+    options = {} if args.node_id is None else {"tessel.node_id": args.node_id}
+    initialize()
+    try:
+        session = Session()
+        t = time.perf_counter()
+        session.load_graph(0, options, args.model)
+        print(f"loaded on {manifest['world_size']} devices in {time.perf_counter() - t:.2f} s")
+        times = []
+        for _ in range(max(1, args.repeat)):
+            t = time.perf_counter()
+            outputs = session.run_graph(0, inputs)
+            times.append(time.perf_counter() - t)
+        times.sort()
+        print(f"run_graph: {1e3 * times[len(times) // 2]:.1f} ms (median of {len(times)})")
+        for i, o in enumerate(outputs):
+            print(f"output_{i}: {list(o.shape)} {str(o.dtype).removeprefix('torch.')}")
+        if args.output:
+            write_outputs(args.output, outputs)
+            print(f"wrote {args.output}")
+    finally:
+        finalize()
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Run this node's workers until the head node's session stops them."""
+    initialize()
+    try:
+        session = Session()
+        session.load_graph(0, {"tessel.node_id": args.node_id}, args.model)
+        print(f"node {args.node_id}: workers joined; serving", flush=True)
+        graph = session._graphs[0]
+        stop = {"now": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+        while not stop["now"] and all(p.is_alive() for p in graph.procs):
+            time.sleep(0.2)
+        for p in graph.procs:
+            p.join(0)
+    finally:
+        finalize()
+    return 0
