@@ -52,8 +52,18 @@ def test_three_parts_mean_numa_zero_and_lists_keep_or_sort_order():
 
 @pytest.mark.parametrize(
     "text",
-    ["", "0:0", "0:0:0:0:0", "0:0:a:0", "0:0:3~1:0", "0:-1:0:0", "0:0:-1~2:0", "0:0:99999:0",
-     "0:0:0:0,0:0:0:0", "0:0:0~300:0~300"],
+    [
+        "",
+        "0:0",
+        "0:0:0:0:0",
+        "0:0:a:0",
+        "0:0:3~1:0",
+        "0:-1:0:0",
+        "0:0:-1~2:0",
+        "0:0:99999:0",
+        "0:0:0:0,0:0:0:0",
+        "0:0:0~300:0~300",
+    ],
 )
 def test_bad_device_lists_are_syntax_errors(text):
     with pytest.raises(DeployError) as e:
@@ -71,7 +81,11 @@ def test_invoke_entry_takes_one_of_file_or_list(tmp_path):
                     "flow_node_list": ["a"],
                     "logic_device_list": "0:0:0:0",
                     "invoke_list": [
-                        {"invoke_name": "m", "deploy_info_file": "x.json", "logic_device_list": "0:0:0"}
+                        {
+                            "invoke_name": "m",
+                            "deploy_info_file": "x.json",
+                            "logic_device_list": "0:0:0",
+                        }
                     ],
                 }
             ]

@@ -46,7 +46,9 @@ def split(x):
 
 
 def deploy(tmp_path, entries):
-    return {df.DEPLOY_INFO_OPTION: write_json(tmp_path / "deploy.json", {"batch_deploy_info": entries})}
+    return {
+        df.DEPLOY_INFO_OPTION: write_json(tmp_path / "deploy.json", {"batch_deploy_info": entries})
+    }
 
 
 def drain(graph, n):
@@ -245,7 +247,9 @@ def test_flow_info_user_data_eos_and_timeouts(cluster4):
     with pytest.raises(df.FlowTimeout):
         g.fetch_data(timeout=10)
     outs, got, code = g.fetch_data()
-    assert code == 0 and got.transaction_id == 1 and got.flow_flags == df.FlowFlag.DATA_FLOW_FLAG_SEG
+    assert (
+        code == 0 and got.transaction_id == 1 and got.flow_flags == df.FlowFlag.DATA_FLOW_FLAG_SEG
+    )
     assert got.get_user_data(5, 2) == b"hello" and got.end_time >= got.start_time > 0
     outs, got, code = g.fetch_data()
     assert outs == [] and got.eos and got.transaction_id == 2
@@ -273,7 +277,9 @@ def test_nested_flow_graph_as_invoked_closure(cluster4):
         def __call__(self, v):
             return df.get_run_context().run_flow_model("sub", [v * 10])[0]
 
-    pp = df.FuncProcessPoint(py_func=Outer).add_invoked_closure("sub", df.FlowGraphProcessPoint(inner))
+    pp = df.FuncProcessPoint(py_func=Outer).add_invoked_closure(
+        "sub", df.FlowGraphProcessPoint(inner)
+    )
     x = df.FlowData()
     g = df.FlowGraph([df.FlowNode(1, 1, "outer").add_process_point(pp)(x)])
     g.feed({x: 4})

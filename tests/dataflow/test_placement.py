@@ -72,7 +72,9 @@ def test_no_node_twice_by_name_and_alias(tmp_path, cluster4):
 
 
 def test_names_the_graph_lacks_are_rejected(tmp_path, cluster4):
-    g, p = two_nodes(tmp_path, [{"flow_node_list": ["a", "b", "zzz"], "logic_device_list": "0:0:0"}])
+    g, p = two_nodes(
+        tmp_path, [{"flow_node_list": ["a", "b", "zzz"], "logic_device_list": "0:0:0"}]
+    )
     expect(g, RULE_UNKNOWN_NODE, "zzz", p)
 
 
@@ -98,7 +100,8 @@ def test_udf_needing_a_gpu_on_a_cpu_device(tmp_path, cluster4):
     x = df.FlowData()
     out = needs_gpu.fnode(name="g")(x)
     p = write_json(
-        tmp_path / "d.json", {"batch_deploy_info": [{"flow_node_list": ["g"], "logic_device_list": "0:0:-1"}]}
+        tmp_path / "d.json",
+        {"batch_deploy_info": [{"flow_node_list": ["g"], "logic_device_list": "0:0:-1"}]},
     )
     msg = expect(df.FlowGraph([out], {df.DEPLOY_INFO_OPTION: p}), RULE_CAN_RUN, "g", p)
     assert "num_gpus=1" in msg and "host" in msg
@@ -111,13 +114,15 @@ def test_model_targeting_another_kind_of_device(tmp_path, pt2_model):
     x = df.FlowData()
     out = df.GraphProcessPoint(df.Framework.PYTORCH, str(pt2_model), name="m").fnode()(x)
     p = write_json(
-        tmp_path / "d.json", {"batch_deploy_info": [{"flow_node_list": ["m"], "logic_device_list": "0:0:1"}]}
+        tmp_path / "d.json",
+        {"batch_deploy_info": [{"flow_node_list": ["m"], "logic_device_list": "0:0:1"}]},
     )
     msg = expect(df.FlowGraph([out], {df.DEPLOY_INFO_OPTION: p}), RULE_CAN_RUN, "m", p)
     assert "targets cpu" in msg and "cuda" in msg
     # ... while on the host (a CPU) it can run
     p2 = write_json(
-        tmp_path / "d2.json", {"batch_deploy_info": [{"flow_node_list": ["m"], "logic_device_list": "0:0:-1"}]}
+        tmp_path / "d2.json",
+        {"batch_deploy_info": [{"flow_node_list": ["m"], "logic_device_list": "0:0:-1"}]},
     )
     placed = df.FlowGraph([out], {df.DEPLOY_INFO_OPTION: p2}).plan()
     assert placed.nodes["m"].instances[0].device.is_host
@@ -126,7 +131,9 @@ def test_model_targeting_another_kind_of_device(tmp_path, pt2_model):
 def _udf_with_model(pt2_model, invoked=None):
     x = df.FlowData()
     pp = df.FuncProcessPoint(py_func=CallsModel, name="u")
-    pp.add_invoked_closure("model", invoked or df.GraphProcessPoint(df.Framework.PYTORCH, str(pt2_model)))
+    pp.add_invoked_closure(
+        "model", invoked or df.GraphProcessPoint(df.Framework.PYTORCH, str(pt2_model))
+    )
     node = df.FlowNode(1, 1, name="u").add_process_point(pp)
     return node(x)
 
