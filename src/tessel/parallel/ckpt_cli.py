@@ -151,7 +151,7 @@ def _inspect(args: argparse.Namespace) -> int:
             rows.append({"name": n, **p.to_json()})
     else:
         source = _open_source(path, args.strategy)
-        info = {"kind": source.label, "files": len(source.holder_files())}
+        info = {"kind": source.kind, "files": len(source.holder_files())}
         total = 0
         for n in source.names():
             shape, dt = source.info(n)

@@ -34,6 +34,7 @@ class Source:
     """Interface: names(), info(name) -> (shape, dtype), chunks(name), loc(name, chunk, holder)."""
 
     label = "source"
+    kind = "source"
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -90,6 +91,7 @@ class RankSource(Source):
     """Per-rank safetensors files laid out by a strategy."""
 
     label = "rank"
+    kind = "rank"
 
     def __init__(self, strategy: Strategy, files: dict[int, str]) -> None:
         self.strategy = strategy
@@ -194,6 +196,7 @@ class FullSource(Source):
     """Full (unsharded) tensors in safetensors files, e.g. a Hugging Face model directory."""
 
     label = "file"
+    kind = "full"
 
     def __init__(self, directory: str | os.PathLike) -> None:
         d = Path(directory)
@@ -244,6 +247,7 @@ class DCPSource(Source):
     """A torch.distributed.checkpoint directory; chunk boxes come from its metadata."""
 
     label = "dcp"
+    kind = "dcp"
 
     def __init__(self, directory: str | os.PathLike) -> None:
         from tessel.parallel.dcp import read_dcp_metadata
