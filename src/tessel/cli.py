@@ -13,8 +13,8 @@ from tessel.parallel import ckpt_cli
 
 
 def _build(args: argparse.Namespace) -> int:
-    from tessel.build import build
-    from tessel.build.options import check_build_options
+    from tessel.builder import build
+    from tessel.builder.options import check_build_options
     from tessel.capture import load_model_spec
     from tessel.config.cluster import local_cluster, read_cluster_config
     from tessel.report import format_plan
@@ -132,7 +132,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _configure_logging(value: str) -> None:
-    from tessel.build.options import log_level
+    from tessel.builder.options import log_level
 
     level = log_level(value)
     logging.basicConfig(level=level or logging.CRITICAL + 1, format="%(levelname)s %(name)s: %(message)s")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tessel.build import build
+from tessel.builder import build
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.plan.planner import activation_bytes

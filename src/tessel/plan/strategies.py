@@ -21,7 +21,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _insert_single_dim_replication_strategy,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-from torch.distributed.tensor.placement_types import Partial, Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 __all__ = [
     "DTensorSpec",
@@ -189,11 +189,18 @@ def _dedup(result: OpStrategy) -> list[Strategy]:
         inputs = tuple(spec.input_specs or ())
         out_key = tuple(_key(o) for o in output) if isinstance(output, tuple) else _key(output)
         key = (out_key, tuple(_key(s) for s in inputs))
-        if key in seen:
+        if key in seen or _strided(output) or any(_strided(s) for s in inputs):
             continue
         seen.add(key)
         out.append(Strategy(output, inputs))
     return out
+
+
+def _strided(spec: Any) -> bool:
+    """Strided shards (a split dim merged into another) are left out of the search."""
+    if isinstance(spec, tuple):
+        return any(_strided(s) for s in spec)
+    return spec is not None and any(isinstance(p, _StridedShard) for p in spec.placements)
 
 
 def _key(spec: DTensorSpec | None) -> Any:

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from tessel.build.builder import BuiltModel, build
-from tessel.build.builder import save as _save
-from tessel.build.options import check_build_options
+from tessel.builder.pipeline import BuiltModel, build
+from tessel.builder.pipeline import save as _save
+from tessel.builder.options import check_build_options
 from tessel.config.cluster import local_cluster, read_cluster_config
 
 CLUSTER_CONFIG = "ge.cluster_config"
