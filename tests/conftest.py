@@ -1,0 +1,76 @@
+"""Shared fixtures: small real models from `transformers` with random weights, no downloads."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class LogitsOnly(torch.nn.Module):
+    """A causal LM that takes input ids and returns logits as a plain tensor."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def small_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return LogitsOnly(LlamaForCausalLM(cfg)).eval()
+
+
+def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=vocab, n_positions=128, n_embd=hidden, n_layer=layers, n_head=heads,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return LogitsOnly(GPT2LMHeadModel(cfg)).eval()
+
+
+def token_ids(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    """Python's multiprocessing resource tracker lives as long as the test process, by design."""
+    try:
+        return "resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workers():
+    """Every test must leave no worker process behind."""
+    yield
+    me = psutil.Process()
+    children = [p for p in me.children(recursive=True) if not _is_resource_tracker(p)]
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left behind: {[(p.pid, p.ppid(), p.status()) for p in alive]}"

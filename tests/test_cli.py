@@ -1,0 +1,139 @@
+"""`tessel build | inspect | run` as a user types them, and the ATC flag rules' messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessel.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TESSEL = [sys.executable, "-m", "tessel.cli"]
+MODEL_PY = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.conftest import small_llama, token_ids
+
+def build():
+    return small_llama(), (token_ids(),)
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "model.py").write_text(MODEL_PY.format(root=str(ROOT)))
+    cluster = json.loads((ROOT / "examples" / "cluster_4p.json").read_text())
+    cluster["cluster"][0]["cluster_nodes"][0]["item_list"] = [{"item_id": 0}, {"item_id": 1}]
+    (d / "cluster_2p.json").write_text(json.dumps(cluster))
+    option = {"graph_parallel_option": {"auto": True, "tensor_parallel_option": {"tensor_parallel_size": 2}}}
+    (d / "parallel_option.json").write_text(json.dumps(option))
+    return d
+
+
+def _build_args(d: Path, **extra: str) -> list[str]:
+    args = {
+        "--model": f"{d}/model.py:build",
+        "--framework": "pytorch",
+        "--soc_version": "cpu",
+        "--output": f"{d}/out/llama",
+        "--cluster_config": f"{d}/cluster_2p.json",
+        "--distributed_cluster_build": "1",
+        "--enable_graph_parallel": "1",
+        "--graph_parallel_option_path": f"{d}/parallel_option.json",
+        **extra,
+    }
+    return ["build"] + [f"{k}={v}" for k, v in args.items() if v is not None]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"--framework": "onnx"}, "--framework: found 'onnx'; accepted: pytorch"),
+        ({"--distributed_cluster_build": "0"}, "--enable_graph_parallel: =1 needs --distributed_cluster_build=1"),
+        ({"--cluster_config": None}, "--enable_graph_parallel: =1 needs --cluster_config"),
+        ({"--graph_parallel_option_path": None}, "--graph_parallel_option_path: is mandatory"),
+        ({"--enable_graph_parallel": "2"}, "--enable_graph_parallel: expected 0 or 1, found '2'"),
+        ({"--log": "loud"}, "--log: found 'loud'; allowed: debug|info|warning|error|null"),
+        ({"--shard_model_dir": "parts"}, "pre-sliced models"),
+        ({"--model": "nothing.onnx"}, "--model: expected a .pt2 file or file.py:function"),
+    ],
+)
+def test_flag_rules(files, capsys, change, words):
+    assert main(_build_args(files, **change)) == 2
+    err = capsys.readouterr().err
+    assert words in err, err
+    assert not (files / "out").exists()  # a refused build writes nothing
+
+
+def test_policy_size_must_match_cluster(files, capsys, tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text('{"graph_parallel_option": {"tensor_parallel_option": {"tensor_parallel_size": 4}}}')
+    assert main(_build_args(files, **{"--graph_parallel_option_path": str(bad)})) == 2
+    assert "tensor_parallel_size: is 4 but the cluster config has 2 devices" in capsys.readouterr().err
+
+
+def test_build_inspect_run(files):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(TESSEL + _build_args(files, **{"--log": "info"}), check=True, env=env, capture_output=True)
+    model = files / "out" / "llama.tessel"
+    assert model.is_file()
+    shown = subprocess.run(TESSEL + ["inspect", str(model)], check=True, env=env, capture_output=True, text=True).stdout
+    assert "placements per layer" in shown and "rank 1 (0:0:1)" in shown
+    data = json.loads(
+        subprocess.run(TESSEL + ["inspect", "--json", str(model)], check=True, env=env, capture_output=True).stdout
+    )
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for r in data["ranks"]:
+        assert {"rank", "logical_device", "weight_bytes", "collectives"} <= set(r)
+        for c in r["collectives"]:
+            assert isinstance(c["kind"], str) and c["group"] == [0, 1] and c["bytes"] > 0
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import small_llama, token_ids
+
+    ids = token_ids(seed=3)
+    save_file({"input_0": ids}, str(files / "x.safetensors"))
+    subprocess.run(
+        TESSEL + ["run", str(model), "--inputs", str(files / "x.safetensors"), "--output", str(files / "y.safetensors")],
+        check=True, env=env, capture_output=True,
+    )
+    out = load_file(str(files / "y.safetensors"))["output_0"]
+    with torch.no_grad():
+        reference = small_llama()(ids)
+    assert (out - reference).abs().max().item() <= 1e-4
+    # without --inputs: random inputs of the recorded shapes
+    shown = subprocess.run(TESSEL + ["run", str(model)], check=True, env=env, capture_output=True, text=True).stdout
+    assert "output_0: [2, 16, 256] float32" in shown
+
+
+def test_ctrl_c_leaves_no_worker(files):
+    model = files / "out" / "llama.tessel"
+    if not model.exists():
+        pytest.skip("needs the model built by test_build_inspect_run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(TESSEL + ["run", str(model), "--repeat", "100000"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    workers: list[psutil.Process] = []
+    while time.monotonic() < deadline and len(workers) < 2:
+        workers = [p for p in parent.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+        time.sleep(0.2)
+    assert len(workers) >= 2, "workers did not start"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode in (130, 1), proc.stderr.read()
+    gone, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"workers outlived Ctrl-C: {[p.pid for p in alive]}"
