@@ -377,6 +377,8 @@ class LocalExecutor:
                 ready = mpc.wait(watch, timeout=0.5)
             except OSError:
                 return
+            if self._closing:
+                return
             for r in ready:
                 if r in self.sinks:
                     ch, j = self.sinks[r]
