@@ -286,14 +286,30 @@ def evict(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-def run(name: str, *args: str, cold: list[Path] = ()) -> dict:
-    evict(list(cold))
-    cmd = [sys.executable, str(HERE), "--child", name, *map(str, args)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"task {name} failed:\n{out.stdout}\n{out.stderr}")
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[7:])
+REPEAT = 1
+
+
+def run(name: str, *args: str, cold: list[Path] = (), out: Path | None = None) -> dict:
+    """Run a task REPEAT times (output dir cleared between); median time, max peak RSS."""
+    results = []
+    for _ in range(REPEAT):
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+        evict(list(cold))
+        cmd = [sys.executable, str(HERE), "--child", name, *map(str, args)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"task {name} failed:\n{res.stdout}\n{res.stderr}")
+        line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[7:]))
+        if out is None:
+            break
+    times = sorted(r["seconds"] for r in results)
+    return {
+        "seconds": times[len(times) // 2],
+        "maxrss": max(r["maxrss"] for r in results),
+        "runs": times,
+    }
 
 
 def run_parallel(name: str, argsets: list[list[str]]) -> dict:
@@ -337,7 +353,10 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=2, help="process_num for the parallel run")
     ap.add_argument("--no-dcp", action="store_true", help="skip the torch DCP comparisons")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per timed task (median taken)")
     args = ap.parse_args()
+    global REPEAT
+    REPEAT = args.repeat
     size = parse_size(args.size)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -356,7 +375,8 @@ def main() -> None:
 
     def record(label, res, nbytes, kind):
         rows.append({"task": label, "kind": kind, "bytes": nbytes, **res})
-        print(f"  {label:<44} {res['seconds']:7.2f} s  {nbytes / res['seconds'] / 1e9:6.2f} GB/s"
+        runs = " ".join(f"{t:.1f}" for t in res.get("runs", []))
+        print(f"  {label:<44} {res['seconds']:7.2f} s [{runs}]  {nbytes / res['seconds'] / 1e9:6.2f} GB/s"
               f"  peak RSS {res['maxrss'] / 2**20:7.0f} MiB", flush=True)  # fmt: skip
 
     def clean(*ds):
@@ -377,28 +397,28 @@ def main() -> None:
         print("timed (sources evicted from the page cache before each run):", flush=True)
         out = work / "out"
         clean(out)
-        record("copy: shutil.copyfile (TP4 files)", run("copyfile", a4, out, cold=[a4]),
+        record("copy: shutil.copyfile (TP4 files)", run("copyfile", a4, out, cold=[a4], out=out),
                nbytes, "copy")  # fmt: skip
         clean(out)
-        record("copy: python read+write (TP4 files)", run("copy_rw", a4, out, cold=[a4]),
+        record("copy: python read+write (TP4 files)", run("copy_rw", a4, out, cold=[a4], out=out),
                nbytes, "copy")  # fmt: skip
         clean(out)
-        record("tessel TP4 -> TP2", run("convert", a4, out, s["tp4"], s["tp2"], 1, cold=[a4]),
+        record("tessel TP4 -> TP2", run("convert", a4, out, s["tp4"], s["tp2"], 1, cold=[a4], out=out),
                nbytes, "tessel")  # fmt: skip
         clean(out)
         record(f"tessel TP4 -> TP2 (process_num={args.processes})",
-               run("convert", a4, out, s["tp4"], s["tp2"], args.processes, cold=[a4]),
+               run("convert", a4, out, s["tp4"], s["tp2"], args.processes, cold=[a4], out=out),
                nbytes, "tessel")  # fmt: skip
         clean(out)
         n22 = tensor_bytes(a22)
         record(
             "tessel TP2xDP2+opt -> TP8",
-            run("convert", a22, out, s["dp2tp2"], s["tp8"], 1, cold=[a22]),
+            run("convert", a22, out, s["dp2tp2"], s["tp8"], 1, cold=[a22], out=out),
             n22,
             "tessel",
         )
         clean(out)
-        record("tessel unify TP4 -> HF shards", run("unify", a4, out, s["tp4"], cold=[a4]),
+        record("tessel unify TP4 -> HF shards", run("unify", a4, out, s["tp4"], cold=[a4], out=out),
                nbytes, "tessel")  # fmt: skip
         clean(out)
         if not args.no_dcp:
@@ -411,25 +431,25 @@ def main() -> None:
             record("(setup) torch dcp.save TP4, 4 gloo ranks", res, nbytes, "setup")
             record(
                 "torch DCP reshard TP4 -> TP2 (dcp.load)",
-                run("dcp_reshard", dcp_dir, out, 2, s["tp2"], cold=[dcp_dir]),
+                run("dcp_reshard", dcp_dir, out, 2, s["tp2"], cold=[dcp_dir], out=out),
                 nbytes,
                 "dcp",
             )
             clean(out)
             record("tessel DCP(TP4) -> TP2",
-                   run("convert", dcp_dir, out, "-", s["tp2"], 1, cold=[dcp_dir]), nbytes,
+                   run("convert", dcp_dir, out, "-", s["tp2"], 1, cold=[dcp_dir], out=out), nbytes,
                    "tessel")  # fmt: skip
             clean(out)
             record(
                 "torch dcp_to_torch_save (unify)",
-                run("dcp_unify", dcp_dir, out, cold=[dcp_dir]),
+                run("dcp_unify", dcp_dir, out, cold=[dcp_dir], out=out),
                 nbytes,
                 "dcp",
             )
             clean(out)
             record(
                 "tessel unify DCP(TP4) -> HF shards",
-                run("unify", dcp_dir, out, "-", cold=[dcp_dir]),
+                run("unify", dcp_dir, out, "-", cold=[dcp_dir], out=out),
                 nbytes,
                 "tessel",
             )

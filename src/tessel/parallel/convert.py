@@ -31,6 +31,8 @@ from tessel.parallel.st_io import (
     copy_range,
     direct_runs,
     fill,
+    release_scratch,
+    scratch,
     write_all,
 )
 
@@ -68,12 +70,11 @@ def _write_param(op: OutParam, out_fd: int, offset: int, fds: _Fds) -> None:
             for so, do in zip(s.tolist(), d.tolist(), strict=False):
                 copy_range(fd, out_fd, so, offset + do, nb, p.loc.path, op.name)
         return
-    buf = torch.empty(op.shape, dtype=getattr(torch, op.dtype))
+    buf = scratch(op.shape, getattr(torch, op.dtype))
     for p in op.pieces:
         fill(buf, p, fds.get(p.loc.path), op.name)
     if buf.numel():
         write_all(out_fd, buf.view(-1).view(torch.uint8).numpy(), offset)
-    del buf
 
 
 def run_job(job: FileJob, staging: str) -> int:
@@ -92,6 +93,7 @@ def run_job(job: FileJob, staging: str) -> int:
     finally:
         os.close(out_fd)
         fds.close()
+        release_scratch()
     return total - len(head)
 
 

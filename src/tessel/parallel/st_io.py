@@ -146,6 +146,31 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, path: str, name: str) ->
         got += n
 
 
+IOV_MAX = 1024
+
+
+def _read_runs(fd: int, mv: memoryview, s: list, d: list, nb: int, path: str, name: str) -> None:
+    """Read runs of ``nb`` bytes at file offsets ``s`` into ``mv`` at ``d``.
+
+    Runs that follow each other in the file are read with one ``preadv`` into many buffers
+    (e.g. a whole source slice scattered into every row of a wider destination slice).
+    """
+    i, n = 0, len(s)
+    while i < n:
+        j = i + 1
+        while j < n and j - i < IOV_MAX and s[j] == s[j - 1] + nb:
+            j += 1
+        if j - i == 1:
+            _pread_exact(fd, mv[d[i] : d[i] + nb], s[i], path, name)
+        else:
+            bufs = [mv[x : x + nb] for x in d[i:j]]
+            got = os.preadv(fd, bufs, s[i])
+            if got != nb * (j - i):  # short read: finish run by run
+                for x, y in zip(s[i:j], d[i:j], strict=True):
+                    _pread_exact(fd, mv[y : y + nb], x, path, name)
+        i = j
+
+
 @dataclass
 class Piece:
     """Copy ``src_region`` (local to the stored chunk) into ``dst_region`` of the output slice."""
@@ -177,9 +202,7 @@ def fill(buf: torch.Tensor, piece: Piece, fd: int, name: str) -> None:
     if run * isz >= PREAD_RUN_BYTES or len(loc.shape) <= 1:
         s = _run_offsets(piece.src_region, loc.shape, k) * isz + loc.offset
         d = _run_offsets(piece.dst_region, shape, k) * isz
-        nb = run * isz
-        for so, do in zip(s.tolist(), d.tolist(), strict=False):
-            _pread_exact(fd, mv[do : do + nb], so, loc.path, name)
+        _read_runs(fd, mv, s.tolist(), d.tolist(), run * isz, loc.path, name)
         return
     # short runs: read whole rows of dim 0 in bounded blocks, then copy the sub-box
     row_elems = math.prod(loc.shape[1:])
@@ -190,10 +213,28 @@ def fill(buf: torch.Tensor, piece: Piece, fd: int, name: str) -> None:
     tail = tuple(slice(a, b) for a, b in piece.src_region[1:])
     for r in range(r0, r1, rows_per):
         re = min(r1, r + rows_per)
-        tmp = torch.empty((re - r, *loc.shape[1:]), dtype=torch_dt)
+        tmp = scratch((re - r, *loc.shape[1:]), torch_dt, slot=1)
         tv = memoryview(tmp.view(-1).view(torch.uint8).numpy())
         _pread_exact(fd, tv, loc.offset + r * row_elems * isz, loc.path, name)
         dst_view[r - r0 : re - r0].copy_(tmp[(slice(None), *tail)])
+
+
+_SCRATCH: dict[int, torch.Tensor] = {}
+
+
+def scratch(shape: Sequence[int], dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
+    """A reusable uninitialised buffer (grow-only), so big slices do not re-fault fresh pages."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = _SCRATCH.get(slot)
+    if buf is None or buf.numel() < nbytes:
+        _SCRATCH.pop(slot, None)
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        _SCRATCH[slot] = buf
+    return buf[:nbytes].view(dtype).view(tuple(shape))
+
+
+def release_scratch() -> None:
+    _SCRATCH.clear()
 
 
 def build_header(
