@@ -27,6 +27,7 @@ _EXPORTS = {
     "WorkerError": "tessel.runtime",
     "initialize": "tessel.runtime",
     "finalize": "tessel.runtime",
+    "load_model": "tessel.runtime",
 }
 __all__ = sorted(_EXPORTS)
 

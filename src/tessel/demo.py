@@ -16,7 +16,7 @@ import torch
 from tessel.builder import build
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
-from tessel.plan.planner import activation_bytes
+from tessel.plan.planner import captured_activation_bytes
 from tessel.report import format_plan
 from tessel.runtime import Session, finalize, initialize
 
@@ -57,7 +57,7 @@ def run_demo(devices: int = 4, layers: int = 4) -> int:
     captured = capture(model, kwargs)
     capture_s = time.perf_counter() - t
     cluster = cluster_from_dict(
-        tight_cluster(devices, weights, activation_bytes(captured.program.graph_module.graph, set())),
+        tight_cluster(devices, weights, captured_activation_bytes(captured)),
         "<embedded demo cluster>",
     )
     print(

@@ -103,6 +103,19 @@ def pt2_model(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tessel_model(tmp_path_factory) -> Path:
+    """The same model built as a single-device tessel offline model (CPU)."""
+    import torch
+
+    import tessel
+
+    path = tmp_path_factory.mktemp("models") / "affine"
+    return tessel.save(
+        tessel.build(_Affine(), (torch.ones(2, 4),), cluster=1, graph_parallel=False), path
+    )
+
+
 def affine_reference(x):
     import torch
 

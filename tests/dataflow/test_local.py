@@ -322,17 +322,32 @@ def test_udf_that_fails_to_start_names_its_node(cluster4):
         g.feed({x: 1})
 
 
-def test_tessel_offline_model_path_is_explicit(tmp_path, cluster4):
-    model = tmp_path / "m.om"
-    model.write_bytes(b"")
-    x = df.FlowData()
-    node = df.GraphProcessPoint(df.Framework.TESSEL, str(model), name="om").fnode()
-    g = df.FlowGraph([node(x)])
-    from tessel.dataflow.runners import _tessel_session_class
+def test_udf_invokes_a_tessel_offline_model(tmp_path, cluster4, tessel_model):
+    class Pre:
+        def __call__(self, x):
+            return df.get_run_context().run_flow_model("om", [x])[0]
 
-    if _tessel_session_class() is None:
-        with pytest.raises(RuntimeError, match="not wired yet"):
-            g.feed({x: torch.ones(1)})
+    pp = df.FuncProcessPoint(py_func=Pre, name="pre")
+    om = df.GraphProcessPoint(df.Framework.TESSEL, str(tessel_model))
+    assert om.target_device_type() == "cpu"
+    pp.add_invoked_closure("om", om)
+    x = df.FlowData()
+    model_node = df.GraphProcessPoint(df.Framework.TESSEL, str(tessel_model), name="om2").fnode()
+    g = df.FlowGraph([model_node(df.FlowNode(1, 1, name="pre").add_process_point(pp)(x))])
+    ts = [torch.randn(2, 4) for _ in range(3)]
+    for t in ts:
+        g.feed_data({x: t})
+    for t in ts:
+        outs, _, _ = g.fetch_data(timeout=60_000)
+        torch.testing.assert_close(outs[0], affine_reference(affine_reference(t)))
+
+
+def test_a_file_that_is_no_tessel_model_is_refused(tmp_path, cluster4):
+    bogus = tmp_path / "m.tessel"
+    bogus.write_bytes(b"not a zip")
+    x = df.FlowData()
+    with pytest.raises(ValueError, match="m.tessel"):
+        df.FlowGraph([df.GraphProcessPoint(df.Framework.TESSEL, str(bogus)).fnode(1, 1)(x)]).plan()
 
 
 @df.pyflow

@@ -328,3 +328,20 @@ def test_sharded_dir_without_strategy(tmp_path, src):
     a_dir, _ = src
     with pytest.raises(StrategyError, match="src_strategy_file"):
         convert_checkpoints(a_dir, tmp_path / "B", "p", None, None)
+
+
+def test_layout_rank_list_places_slices_on_listed_ranks(tmp_path, full):
+    hf = write_full({"qkv": full["qkv"]}, tmp_path / "hf1")
+    rev = tmp_path / "rev.json"
+    save_strategy_file(
+        rev, {"qkv": (Layout((4,), ("tp",), rank_list=[3, 2, 1, 0])("tp", "None"), (24, 8),
+                      "float32")}
+    )  # fmt: skip
+    shard_checkpoint(hf, tmp_path / "R", rev)
+    got = load_file(str(tmp_path / "R/rank_3/checkpoint_3.safetensors"))
+    assert torch.equal(got["qkv"], full["qkv"][:6])  # device index 0 is global rank 3
+    plain = tmp_path / "plain.json"
+    save_strategy_file(plain, {"qkv": (Layout((2,), ("tp",))("tp", "None"), (24, 8), "float32")})
+    assert rank_list_for_convert(0, rev, plain) == [3, 2]
+    convert_checkpoints(tmp_path / "R", tmp_path / "P", "checkpoint_", rev, plain)
+    assert _check(tmp_path / "P", {"qkv": full["qkv"]}, plain) == 2

@@ -184,3 +184,40 @@ def test_placements_match_torch_distribute_tensor():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "BAD 0" in out.stdout, out.stdout + out.stderr
+
+
+def test_load_distributed_checkpoint_into_dtensor_params(tmp_path):
+    """A module whose parameters are DTensors gets exactly its local shards."""
+    from safetensors.torch import save_file
+
+    full = {"w": torch.arange(48.0).view(8, 6), "b": torch.arange(8.0)}
+    (tmp_path / "hf").mkdir()
+    save_file(full, str(tmp_path / "hf" / "model.safetensors"))
+    code = textwrap.dedent(
+        f"""
+        import torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import distribute_tensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+        from tessel.parallel import load_distributed_checkpoint
+        full = {{"w": torch.arange(48.0).view(8, 6), "b": torch.arange(8.0)}}
+        bad = 0
+        for r in range(4):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=4)
+            mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+            net = torch.nn.Module()
+            pl = {{"w": [Shard(1), Shard(0)], "b": [_StridedShard(0, split_factor=2), Shard(0)]}}
+            for k, v in full.items():
+                d = distribute_tensor(torch.zeros_like(v), mesh, pl[k], src_data_rank=None)
+                net.register_parameter(k, torch.nn.Parameter(d))
+            load_distributed_checkpoint(net, unified_safetensors_dir={str(tmp_path / "hf")!r})
+            for k, v in full.items():
+                want = distribute_tensor(v, mesh, pl[k], src_data_rank=None).to_local()
+                bad += not torch.equal(getattr(net, k).to_local(), want)
+            dist.destroy_process_group()
+        print("BAD", bad)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "BAD 0" in out.stdout, out.stdout + out.stderr

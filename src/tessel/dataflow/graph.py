@@ -71,6 +71,21 @@ class FlowGraph:
         self._next_tid = 1
         self._fed: deque[tuple[int, FlowInfo | None]] = deque()  # (tid, EOS info or None)
 
+    def __getstate__(self) -> dict:
+        # A nested graph travels to Ray actors: its definition only, not its running state.
+        state = dict(self.__dict__)
+        state.update(_executor=None, _lock=None, _fed=deque())
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of this graph's local workers (empty before the first feed, or on Ray)."""
+        ex = self._executor
+        return ex.worker_pids() if ex is not None and hasattr(ex, "worker_pids") else []
+
     # ---- settings ----------------------------------------------------------------------
     def set_contains_n_mapping_node(self, contains: bool) -> FlowGraph:
         if contains:

@@ -95,6 +95,10 @@ class NodeRuntime:
         global _current
         self.spec = spec
         self.inst = inst
+        if inst.kind == "cuda":  # bind the worker to its GPU: UDFs' default device too
+            import torch
+
+            torch.cuda.set_device(torch.device(inst.torch_device))
         closures: dict[str, Any] = {}
         for key, pp in spec.invoked.items():
             where = invoked[key]

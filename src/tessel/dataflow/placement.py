@@ -244,9 +244,7 @@ class Placer:
                     f"{len(parents)} ({', '.join(str(p.device) for p in parents)})",
                     n.deploy_name,
                 )
-            from tessel.dataflow.spec import build_spec
-
-            sub = pp.flow_graph.spec if hasattr(pp.flow_graph, "spec") else build_spec([], k)
+            sub = pp.flow_graph.spec
             if entry is not None and entry.nested is not None:
                 return self.place(sub, entry.nested, entry.nested.source)
             devs = entry.devices if entry is not None and entry.devices else [parents[0].device]

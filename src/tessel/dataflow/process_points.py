@@ -159,9 +159,18 @@ class GraphProcessPoint(ProcessPoint):
             self._target = model_target_kind(self)
         return self._target  # type: ignore[return-value]
 
-    def fnode(self, input_num: int = 1, output_num: int = 1, name: str | None = None) -> FlowNode:
-        """A FlowNode running this model, inputs and outputs mapped in order."""
+    def fnode(
+        self, input_num: int | None = None, output_num: int | None = None, name: str | None = None
+    ) -> FlowNode:
+        """A FlowNode running this model, inputs and outputs mapped in order; counts default to
+        the model's own (a .pt2's user inputs and outputs)."""
         from tessel.dataflow.nodes import FlowNode
+        from tessel.dataflow.runners import model_io_counts
+
+        if input_num is None or output_num is None:
+            n_in, n_out = model_io_counts(self)
+            input_num = n_in if input_num is None else input_num
+            output_num = n_out if output_num is None else output_num
 
         node = FlowNode(input_num, output_num, name=name or self.name)
         node.add_process_point(self)

@@ -111,8 +111,10 @@ class PyFlow:
                 )
                 n_in, n_out = n_in + k, n_out + r
             if not methods:
-                call = getattr(target, "__call__", None)
-                if call is None or call is object.__call__:
+                call = next(
+                    (vars(k)["__call__"] for k in target.__mro__ if "__call__" in vars(k)), None
+                )
+                if call is None:
                     raise TypeError(
                         f"@pyflow class {target.__qualname__}: mark methods with @method "
                         "or define __call__"

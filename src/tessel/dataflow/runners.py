@@ -59,46 +59,47 @@ def _load_pt2(path: str, device: str) -> Runner:
     return run
 
 
-def _tessel_session_class() -> Any:
+def _tessel_loader() -> Any:
+    """tessel.runtime's single-device loader, or None while this build lacks it."""
     try:
-        from tessel.runtime import Session  # type: ignore[attr-defined]
+        from tessel.runtime.single import load_model as load_single
     except ImportError:
         return None
-    return Session
+    return load_single
 
 
 def _load_tessel(path: str, device: str, load_params: dict[str, str]) -> Runner:
-    session_cls = _tessel_session_class()
-    if session_cls is None:
+    """A tessel offline model on one device (a model node instance owns one device)."""
+    load_single = _tessel_loader()
+    if load_single is None:
         raise NotImplementedError(
-            f"tessel offline model {path}: not wired yet; tessel.runtime.Session is not available "
+            f"tessel offline model {path}: not wired yet; tessel.runtime's loader is not available "
             "in this build. Use a .pt2 ExportedProgram (Framework.PYTORCH) for now."
         )
-    session = session_cls(dict(load_params))
-    session.load_graph(0, {"device": device, **load_params}, path)
-
-    def run(*inputs: Any) -> list[Any]:
-        return list(session.run_graph(0, list(inputs)))
-
-    return run
+    return load_single(path, device)
 
 
 def _tessel_target_kind(path: str) -> str | None:
-    """The manifest's soc_version mapped to a device kind, when the package has one."""
-    import json
-    from pathlib import Path
-
+    """The device kind the package was built for: manifest `device_type`, else its `soc_version`."""
+    try:
+        from tessel.package.format import Package
+    except ImportError:
+        return None
     from tessel.config.soc import soc_profile
 
-    p = Path(path)
-    for cand in (p / "manifest.json", p.with_suffix(".json")):
-        if cand.is_file():
-            try:
-                soc = json.loads(cand.read_text()).get("soc_version")
-                return soc_profile(soc).device_type if soc else None
-            except (ValueError, OSError):
-                return None
-    return None
+    manifest = Package.open(path).manifest
+    if manifest.get("device_type"):
+        return str(manifest["device_type"])
+    soc = manifest.get("soc_version")
+    return soc_profile(soc).device_type if soc else None
+
+
+def _tessel_io_counts(path: str) -> tuple[int, int]:
+    from tessel.package.format import Package
+
+    manifest = Package.open(path).manifest
+    outputs = manifest.get("outputs")
+    return len(manifest.get("inputs", [None])), len(outputs) if outputs else 1
 
 
 def model_target_kind(pp: GraphProcessPoint) -> str | None:
@@ -108,8 +109,21 @@ def model_target_kind(pp: GraphProcessPoint) -> str | None:
     return _tessel_target_kind(pp.graph_file)
 
 
+def model_io_counts(pp: GraphProcessPoint) -> tuple[int, int]:
+    """(inputs, outputs) of the model; (1, 1) when the format does not say."""
+    if pp.framework is Framework.PYTORCH:
+        sig = torch.export.load(pp.graph_file).graph_signature
+        return len(sig.user_inputs), len(sig.user_outputs)
+    return _tessel_io_counts(pp.graph_file)
+
+
 def load_model(pp: GraphProcessPoint, device: str) -> Runner:
     """Load the model of `pp` onto `device` ("cpu", "cuda:0", ...)."""
     if pp.framework is Framework.PYTORCH:
         return _load_pt2(pp.graph_file, device)
-    return _load_tessel(pp.graph_file, device, pp.load_params)
+    try:
+        return _load_tessel(pp.graph_file, device, pp.load_params)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the package's own error, with the node's model named
+        raise RuntimeError(f"cannot load tessel offline model {pp.graph_file}: {exc}") from exc

@@ -1,7 +1,8 @@
 """Process-wide DataFlow state: `init` options, the cluster config, and every running executor.
 
-`finalize` (also run at exit and on SIGTERM) stops every executor so no worker outlives the
-program; workers also die with their parent (PR_SET_PDEATHSIG and a parent-pid check).
+`finalize` (also run at exit) stops every executor so no worker outlives the program; workers
+also die with their parent (PR_SET_PDEATHSIG and a parent-pid check) and ignore Ctrl-C, which is
+the parent's to handle.
 """
 
 from __future__ import annotations

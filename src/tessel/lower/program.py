@@ -137,7 +137,9 @@ def collectives(program: dict, shapes: dict[str, tuple[list[int], str]] | None =
             src = node["args"][0]
             if isinstance(src, dict) and src.get("$node") in shapes:
                 shape, dtype = shapes[src["$node"]]
-                entry["bytes"] = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                size = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                # bytes of the whole tensor the collective moves (a gather's input is one shard)
+                entry["bytes"] = size * len(group or [1]) if kind.startswith("all_gather") else size
         out.append(entry)
     return out
 

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,6 +101,13 @@ def run_job(job: FileJob, staging: str) -> int:
 def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates us
     torch.set_num_threads(1)
+    if sys.platform.startswith("linux"):  # die with the parent even if it is killed outright
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _run_job_star(args: tuple[FileJob, str]) -> tuple[str, int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._op_schema import TupleStrategy
+from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
 from torch.utils._pytree import tree_flatten
 
 from tessel.plan import cost
@@ -62,6 +62,11 @@ def enumerate_candidates(
         if n.op == "output":
             continue
         val = n.meta.get("val")
+        template = templates.get(n)
+        if n.op == "placeholder" and template is not None and template is not n:
+            t = choices[template]
+            choices[n] = NodeChoices(n, t.kind, t.strategies, owner=t.owner or template)
+            continue
         if n.op == "placeholder":
             if not isinstance(val, torch.Tensor):
                 choices[n] = NodeChoices(n, "const", [Strategy(None, ())])
@@ -73,7 +78,6 @@ def enumerate_candidates(
         if n.op != "call_function":
             choices[n] = _replicated(n, mesh, "fallback", f"{n.op} node")
             continue
-        template = templates.get(n)
         if template is not None and template is not n:
             t = choices[template]
             choices[n] = NodeChoices(
@@ -117,13 +121,34 @@ def _op_choices(
     try:
         found = op_strategies(n.target, s_args, s_kwargs, n.meta.get("val"), mesh)
     except Exception as exc:  # noqa: BLE001 - a rule that cannot handle this call
-        return _replicated(n, mesh, "fallback", f"rule raised {type(exc).__name__}: {exc}"[:200])
+        found = _one_candidate_at_a_time(n, s_args, s_kwargs, mesh) if len(args) == 1 else None
+        if not found:
+            return _replicated(n, mesh, "fallback", f"rule raised {type(exc).__name__}: {exc}"[:200])
     if found is None:
         return _replicated(n, mesh, "fallback", "no DTensor sharding rule")
     found = [s for s in found if len(s.inputs) == len(args)]
     if not found:
         return _replicated(n, mesh, "fallback", "rule gave no strategy for these arguments")
     return NodeChoices(n, "op", found, args)
+
+
+def _one_candidate_at_a_time(n: fx.Node, s_args: tuple, s_kwargs: dict, mesh: DeviceMesh) -> list[Strategy]:
+    """Rules such as view's reject a whole candidate list for one bad layout: ask per layout."""
+    index = next(i for i, a in enumerate(s_args) if isinstance(a, OpStrategy))
+    found: list[Strategy] = []
+    for spec in s_args[index].strategies:
+        args = s_args[:index] + (OpStrategy([spec]),) + s_args[index + 1 :]
+        try:
+            found += op_strategies(n.target, args, s_kwargs, n.meta.get("val"), mesh) or []
+        except Exception:  # noqa: BLE001 - this layout cannot feed the op
+            continue
+    seen, unique = set(), []
+    for s in found:
+        key = (repr(s.output), repr(s.inputs))
+        if key not in seen:
+            seen.add(key)
+            unique.append(s)
+    return unique
 
 
 def _replicated(n: fx.Node, mesh: DeviceMesh, kind: str, reason: str) -> NodeChoices:

@@ -267,6 +267,16 @@ def _placements(spec) -> tuple | None:
     return tuple(spec.placements)
 
 
+def weight_names_of(captured: CapturedModel) -> set[str]:
+    sig = captured.program.graph_signature
+    return {s.arg.name for s in sig.input_specs if s.kind.name == "PARAMETER"}
+
+
+def captured_activation_bytes(captured: CapturedModel) -> int:
+    """Peak live activation bytes of a captured model (the planner's memory reserve)."""
+    return activation_bytes(captured.program.graph_module.graph, weight_names_of(captured))
+
+
 def activation_bytes(graph: fx.Graph, weight_names: set[str]) -> int:
     """Peak bytes of live activations, counted at their full (replicated) size: an upper bound."""
     nodes = [n for n in graph.nodes if n.op != "output"]

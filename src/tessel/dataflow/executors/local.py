@@ -304,6 +304,9 @@ class LocalExecutor:
                         f"to start: {msg[2]}\n{msg[3]}"
                     )
 
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers if w.process is not None]
+
     def close(self) -> None:
         """Stop every worker; kill those that do not stop within 2 s."""
         if self.closed:

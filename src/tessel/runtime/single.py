@@ -1,0 +1,36 @@
+"""The single-device load path (aclmdlLoadFromFile's counterpart), for models built without
+distributed deployment. A distributed model is refused here, as the seed requires."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tessel.lower.program import decode
+from tessel.package.format import Package, PackageError
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> Callable[..., list[torch.Tensor]]:
+    """Load a single-device offline model in this process; returns `run(*inputs) -> outputs`."""
+    package = Package.open(path)
+    if package.manifest["mode"] != "replicated" or package.world_size != 1:
+        raise PackageError(
+            path,
+            "this offline model was built for distributed deployment (--distributed_cluster_build=1) "
+            "and cannot be loaded by the single-device path; load it in a session: "
+            "tessel.initialize(), Session().load_graph(graph_id, {}, path), then run_graph",
+        )
+    sub = package.submodel(0)
+    device = torch.device(device)
+    tensors = package.tensors(sub["weights"])
+    constants = {k.removeprefix("__constant__."): v for k, v in tensors.items() if k.startswith("__constant__.")}
+    weights = [tensors[name].to(device) for name in sub["weight_order"]]
+    program = decode(package.json(sub["program"]), constants, device, {})
+
+    def run(*inputs: torch.Tensor) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return list(program(*weights, *(x.to(device) for x in inputs)))
+
+    return run

@@ -1,0 +1,65 @@
+"""No worker outlives its program: on Ctrl-C (atexit finalize) or when the parent is killed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import time
+    import tessel.dataflow as df
+
+    @df.pyflow
+    def ident(x):
+        return x
+
+    df.init({})
+    x = df.FlowData()
+    g = df.FlowGraph([ident.fnode()(ident.fnode()(x))])
+    g.feed({x: 1})
+    g.fetch()
+    print(" ".join(map(str, g.worker_pids())), flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    left = pids
+    while time.monotonic() < deadline:
+        left = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill"])
+def test_workers_end_with_their_program(tmp_path, sig):
+    script = tmp_path / "prog.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert _gone(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,145 @@
+"""The offline model file: refused when truncated, altered, of an unknown version, or loaded wrongly."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+
+import tessel
+from tessel.package import Package, PackageError
+from tessel.package.format import MANIFEST
+from tests.conftest import small_llama, token_ids
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pkg")
+    model = small_llama(layers=1)
+    ids = token_ids()
+    partitioned = tessel.save(tessel.build(model, (ids,), cluster=2), d / "tp2")
+    single = tessel.save(tessel.build(model, (ids,), cluster=1, graph_parallel=False), d / "single")
+    return model, ids, partitioned, single
+
+
+def _rewrite(src, dst, edit):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            zout.writestr(item.filename, edit(item.filename, zin.read(item.filename)))
+
+
+def test_manifest_records_what_a_loader_needs(built):
+    _, _, path, _ = built
+    m = Package.open(path).manifest
+    assert m["format_version"] == 1 and m["torch_version"] == torch.__version__
+    assert m["mesh"]["shape"] == [2] and len(m["submodels"]) == 2
+    for s in m["submodels"]:
+        assert {"rank", "logical_device", "program", "weights", "comm_groups"} <= set(s)
+    layouts = Package.open(path).json(m["layouts"])
+    assert all({"shape", "dtype", "placements"} <= set(v) for v in layouts.values())
+    Package.open(path).verify()
+
+
+def test_truncated_file_is_refused(built, tmp_path):
+    _, _, path, _ = built
+    cut = tmp_path / "cut.tessel"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(PackageError, match="truncated"):
+        Package.open(cut)
+
+
+def test_altered_member_fails_its_checksum(built, tmp_path):
+    _, _, path, _ = built
+    bad = tmp_path / "bad.tessel"
+
+    def flip(name, data):
+        if name.startswith("weights/rank_1"):
+            data = bytearray(data)
+            data[-1] ^= 0xFF
+            return bytes(data)
+        return data
+
+    _rewrite(path, bad, flip)
+    with pytest.raises(PackageError, match="weights/rank_1.safetensors' fails its checksum"):
+        Package.open(bad).verify()
+
+
+def test_unknown_format_version_is_refused(built, tmp_path):
+    _, _, path, _ = built
+    future = tmp_path / "future.tessel"
+
+    def bump(name, data):
+        if name == MANIFEST:
+            m = json.loads(data)
+            m["format_version"] = 99
+            return json.dumps(m).encode()
+        return data
+
+    _rewrite(path, future, bump)
+    with pytest.raises(PackageError, match="format version 99 is not supported"):
+        Package.open(future)
+
+
+def test_program_naming_foreign_code_is_refused(built, tmp_path):
+    _, _, path, single = built
+    evil = tmp_path / "evil.tessel"
+    m = json.loads(zipfile.ZipFile(single).read(MANIFEST))
+    program_name = m["submodels"][0]["program"]
+
+    def inject(name, data):
+        if name == program_name:
+            p = json.loads(data)
+            p["nodes"].insert(1, {"op": "call", "name": "x", "target": "builtins.eval.default", "args": ["1"], "kwargs": {}})
+            return json.dumps(p).encode()
+        if name == MANIFEST:
+            return data
+        return data
+
+    _rewrite(single, evil, inject)
+    # the checksum catches the edit first; with the checksum updated, the op allow-list refuses it
+    with pytest.raises(PackageError, match="fails its checksum"):
+        tessel.load_model(evil)
+    import hashlib
+
+    fixed = tmp_path / "evil2.tessel"
+
+    def fix(name, data):
+        if name == MANIFEST:
+            mm = json.loads(data)
+            program = zipfile.ZipFile(evil).read(program_name)
+            mm["files"][program_name] = hashlib.sha256(program).hexdigest()
+            return json.dumps(mm).encode()
+        return data
+
+    _rewrite(evil, fixed, fix)
+    from tessel.lower.program import ProgramError
+
+    with pytest.raises(ProgramError, match="unknown operator 'builtins.eval.default'"):
+        tessel.load_model(fixed)
+
+
+def test_single_device_path_refuses_a_distributed_model(built):
+    model, ids, path, single = built
+    with pytest.raises(PackageError, match="built for distributed deployment.*load it in a session"):
+        tessel.load_model(path)
+    (out,) = tessel.load_model(single)(ids)
+    with torch.no_grad():
+        assert (out - model(ids)).abs().max().item() <= 1e-5
+
+
+def test_save_is_atomic(built, tmp_path, monkeypatch):
+    from tessel.package import format as fmt
+
+    target = tmp_path / "keep.tessel"
+    target.write_bytes(b"earlier output")
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fmt.os, "replace", fail)
+    with pytest.raises(OSError):
+        fmt.write_package(target, {"format": "x"}, {"a": b"1"})
+    assert target.read_bytes() == b"earlier output"
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.tessel"]

@@ -1,0 +1,76 @@
+"""Plan quality: when replicated weights do not fit, shard them as well as Megatron does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessel
+from tessel.capture import capture
+from tessel.config.cluster import cluster_from_dict, local_cluster_dict
+from tessel.plan import PlanError, make_plan
+from tessel.config.parallel_option import ParallelOption
+from tessel.plan.planner import captured_activation_bytes
+from tests.conftest import small_llama, token_ids
+
+N = 4
+BATCH, SEQ, HIDDEN = 2, 32, 128
+
+
+def _tight_build(layers: int):
+    model = small_llama(layers=layers, hidden=HIDDEN, heads=4)
+    ids = token_ids(BATCH, SEQ)
+    captured = capture(model, (ids,))
+    params = list(model.parameters())
+    matrices = sum(p.numel() * 4 for p in params if p.dim() >= 2)
+    vectors = sum(p.numel() * 4 for p in params if p.dim() < 2)
+    vectors += sum(b.numel() * b.element_size() for b in model.buffers())
+    act = captured_activation_bytes(captured)
+    data = local_cluster_dict(N)
+    budget = act + matrices / N + vectors + 4096
+    data["item_def"][0]["memory"] = f"[DDR:{budget}B]"
+    cluster = cluster_from_dict(data, "tight.json")
+    assert cluster.devices[0].memory_bytes < act + matrices  # replicated weights cannot fit
+    built = tessel.build(captured, cluster=cluster)
+    return built, matrices, vectors
+
+
+def _ring_volume(manifest: dict) -> int:
+    """Bytes a rank sends, up to the common (n-1)/n factor: an all-reduce is a reduce-scatter
+    plus an all-gather of the same tensor, so it counts twice."""
+    ranks = manifest["plan"]["ranks"]
+    return max(
+        sum(c["bytes"] * (2 if c["kind"] == "all_reduce" else 1) for c in r["collectives"]) for r in ranks
+    )
+
+
+def test_tight_memory_shards_weights_and_communicates_no_more_than_megatron():
+    two, matrices2, vectors2 = _tight_build(2)
+    four, matrices4, vectors4 = _tight_build(4)
+    for built, matrices, vectors in ((two, matrices2, vectors2), (four, matrices4, vectors4)):
+        for r in built.manifest["plan"]["ranks"]:
+            assert r["weight_bytes"] <= matrices / N + vectors, r
+    per_layer = (_ring_volume(four.manifest) - _ring_volume(two.manifest)) / 2
+    megatron = 2 * 2 * BATCH * SEQ * HIDDEN * 4  # two all-reduces of batch x seq x hidden, fp32
+    assert 0 <= per_layer <= megatron, (per_layer, megatron)
+    # the layers share decisions: 4 layers need no more decisions than 2
+    assert four.manifest["plan"]["solver"]["decisions"] == two.manifest["plan"]["solver"]["decisions"]
+
+
+def test_impossible_memory_is_a_clear_error():
+    model = small_llama(layers=1)
+    ids = token_ids()
+    data = local_cluster_dict(2)
+    data["item_def"][0]["memory"] = "[DDR:1KB]"
+    with pytest.raises(PlanError, match="does not fit"):
+        make_plan(capture(model, (ids,)), cluster_from_dict(data, "tiny.json"), ParallelOption())
+
+
+def test_plan_reports_fallbacks_and_explains_layers():
+    model = small_llama(layers=2)
+    built = tessel.build(model, (token_ids(),), cluster=2)
+    plan = built.manifest["plan"]
+    assert isinstance(plan["fallbacks"], list)
+    assert all({"node", "op", "reason"} <= set(f) for f in plan["fallbacks"])
+    assert "lm.model.layers.0" in plan["layers"] and "lm.model.layers.1" in plan["layers"]
+    assert plan["estimated_time_s"] > 0
