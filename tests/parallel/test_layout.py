@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 

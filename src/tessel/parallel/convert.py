@@ -53,6 +53,8 @@ class _Fds:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 raise CheckpointError(path, None, "source file disappeared") from None
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self.fds[path] = fd
         return fd
 
