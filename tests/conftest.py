@@ -23,7 +23,9 @@ class LogitsOnly(torch.nn.Module):
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
-def small_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256):
+def small_llama(
+    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -45,8 +47,13 @@ def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 2
 
     torch.manual_seed(0)
     cfg = GPT2Config(
-        vocab_size=vocab, n_positions=128, n_embd=hidden, n_layer=layers, n_head=heads,
-        bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        n_positions=128,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return LogitsOnly(GPT2LMHeadModel(cfg)).eval()
 

@@ -36,7 +36,12 @@ def files(tmp_path_factory):
     cluster = json.loads((ROOT / "examples" / "cluster_4p.json").read_text())
     cluster["cluster"][0]["cluster_nodes"][0]["item_list"] = [{"item_id": 0}, {"item_id": 1}]
     (d / "cluster_2p.json").write_text(json.dumps(cluster))
-    option = {"graph_parallel_option": {"auto": True, "tensor_parallel_option": {"tensor_parallel_size": 2}}}
+    option = {
+        "graph_parallel_option": {
+            "auto": True,
+            "tensor_parallel_option": {"tensor_parallel_size": 2},
+        }
+    }
     (d / "parallel_option.json").write_text(json.dumps(option))
     return d
 
@@ -60,7 +65,10 @@ def _build_args(d: Path, **extra: str) -> list[str]:
     "change, words",
     [
         ({"--framework": "onnx"}, "--framework: found 'onnx'; accepted: pytorch"),
-        ({"--distributed_cluster_build": "0"}, "--enable_graph_parallel: =1 needs --distributed_cluster_build=1"),
+        (
+            {"--distributed_cluster_build": "0"},
+            "--enable_graph_parallel: =1 needs --distributed_cluster_build=1",
+        ),
         ({"--cluster_config": None}, "--enable_graph_parallel: =1 needs --cluster_config"),
         ({"--graph_parallel_option_path": None}, "--graph_parallel_option_path: is mandatory"),
         ({"--enable_graph_parallel": "2"}, "--enable_graph_parallel: expected 0 or 1, found '2'"),
@@ -78,20 +86,30 @@ def test_flag_rules(files, capsys, change, words):
 
 def test_policy_size_must_match_cluster(files, capsys, tmp_path):
     bad = tmp_path / "p.json"
-    bad.write_text('{"graph_parallel_option": {"tensor_parallel_option": {"tensor_parallel_size": 4}}}')
+    bad.write_text(
+        '{"graph_parallel_option": {"tensor_parallel_option": {"tensor_parallel_size": 4}}}'
+    )
     assert main(_build_args(files, **{"--graph_parallel_option_path": str(bad)})) == 2
-    assert "tensor_parallel_size: is 4 but the cluster config has 2 devices" in capsys.readouterr().err
+    assert (
+        "tensor_parallel_size: is 4 but the cluster config has 2 devices" in capsys.readouterr().err
+    )
 
 
 def test_build_inspect_run(files):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(TESSEL + _build_args(files, **{"--log": "info"}), check=True, env=env, capture_output=True)
+    subprocess.run(
+        TESSEL + _build_args(files, **{"--log": "info"}), check=True, env=env, capture_output=True
+    )
     model = files / "out" / "llama.tessel"
     assert model.is_file()
-    shown = subprocess.run(TESSEL + ["inspect", str(model)], check=True, env=env, capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        TESSEL + ["inspect", str(model)], check=True, env=env, capture_output=True, text=True
+    ).stdout
     assert "placements per layer" in shown and "rank 1 (0:0:1)" in shown
     data = json.loads(
-        subprocess.run(TESSEL + ["inspect", "--json", str(model)], check=True, env=env, capture_output=True).stdout
+        subprocess.run(
+            TESSEL + ["inspect", "--json", str(model)], check=True, env=env, capture_output=True
+        ).stdout
     )
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for r in data["ranks"]:
@@ -105,15 +123,27 @@ def test_build_inspect_run(files):
     ids = token_ids(seed=3)
     save_file({"input_0": ids}, str(files / "x.safetensors"))
     subprocess.run(
-        TESSEL + ["run", str(model), "--inputs", str(files / "x.safetensors"), "--output", str(files / "y.safetensors")],
-        check=True, env=env, capture_output=True,
+        TESSEL
+        + [
+            "run",
+            str(model),
+            "--inputs",
+            str(files / "x.safetensors"),
+            "--output",
+            str(files / "y.safetensors"),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
     )
     out = load_file(str(files / "y.safetensors"))["output_0"]
     with torch.no_grad():
         reference = small_llama()(ids)
     assert (out - reference).abs().max().item() <= 1e-4
     # without --inputs: random inputs of the recorded shapes
-    shown = subprocess.run(TESSEL + ["run", str(model)], check=True, env=env, capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        TESSEL + ["run", str(model)], check=True, env=env, capture_output=True, text=True
+    ).stdout
     assert "output_0: [2, 16, 256] float32" in shown
 
 
@@ -122,13 +152,21 @@ def test_ctrl_c_leaves_no_worker(files):
     if not model.exists():
         pytest.skip("needs the model built by test_build_inspect_run")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(TESSEL + ["run", str(model), "--repeat", "100000"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        TESSEL + ["run", str(model), "--repeat", "100000"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     parent = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120
     workers: list[psutil.Process] = []
     while time.monotonic() < deadline and len(workers) < 2:
-        workers = [p for p in parent.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+        workers = [
+            p
+            for p in parent.children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())
+        ]
         time.sleep(0.2)
     assert len(workers) >= 2, "workers did not start"
     time.sleep(1.0)

@@ -39,8 +39,13 @@ def test_silent_file_uses_soc_defaults():
 
 
 def _two_nodes(**overrides) -> dict:
-    node = lambda i: {"node_id": i, "node_type": "T", "ipaddr": "127.0.0.1", "port": 29000 + i,  # noqa: E731
-                      "item_list": [{"item_id": 0}, {"item_id": 1}]}
+    node = lambda i: {
+        "node_id": i,
+        "node_type": "T",
+        "ipaddr": "127.0.0.1",
+        "port": 29000 + i,  # noqa: E731
+        "item_list": [{"item_id": 0}, {"item_id": 1}],
+    }
     data = {"cluster": [{"cluster_nodes": [node(0), node(1)]}], "item_def": [{"item_type": "cpu"}]}
     data["cluster"][0]["cluster_nodes"][1].update(overrides)
     return data
@@ -56,15 +61,37 @@ def test_two_nodes_give_ranks_in_node_order():
     "data, key, words",
     [
         ({"cluster": []}, "cluster", "at least one"),
-        ({"cluster": [{"cluster_nodes": [{"node_type": "T", "item_list": [{"item_id": 0}]}]}]},
-         "cluster[0].cluster_nodes[0].node_id", "required key is missing"),
-        ({"cluster": [{"cluster_nodes": [{"node_id": "0", "item_list": [{"item_id": 0}]}]}]},
-         "cluster[0].cluster_nodes[0].node_id", "expected an integer, found string '0'"),
-        ({"cluster": [{"cluster_nodes": [{"node_id": 0, "item_list": [{"item_id": 0}, {"item_id": 0}]}]}]},
-         "cluster[0].cluster_nodes[0].item_list[1].item_id", "appears twice"),
-        ({"cluster": [{"cluster_nodes": [{"node_id": 0, "item_list": [{"item_id": 0}]}]}],
-          "item_def": [{"item_type": "cpu", "memory": "lots"}]},
-         "item_def[0].memory", "[DDR:64GB]"),
+        (
+            {"cluster": [{"cluster_nodes": [{"node_type": "T", "item_list": [{"item_id": 0}]}]}]},
+            "cluster[0].cluster_nodes[0].node_id",
+            "required key is missing",
+        ),
+        (
+            {"cluster": [{"cluster_nodes": [{"node_id": "0", "item_list": [{"item_id": 0}]}]}]},
+            "cluster[0].cluster_nodes[0].node_id",
+            "expected an integer, found string '0'",
+        ),
+        (
+            {
+                "cluster": [
+                    {
+                        "cluster_nodes": [
+                            {"node_id": 0, "item_list": [{"item_id": 0}, {"item_id": 0}]}
+                        ]
+                    }
+                ]
+            },
+            "cluster[0].cluster_nodes[0].item_list[1].item_id",
+            "appears twice",
+        ),
+        (
+            {
+                "cluster": [{"cluster_nodes": [{"node_id": 0, "item_list": [{"item_id": 0}]}]}],
+                "item_def": [{"item_type": "cpu", "memory": "lots"}],
+            },
+            "item_def[0].memory",
+            "[DDR:64GB]",
+        ),
         (_two_nodes(ipaddr=None) | {}, None, None),
     ],
 )
@@ -89,7 +116,9 @@ def test_unparseable_file_names_line_and_column(tmp_path):
 
 def test_seed_semi_auto_policy_is_read_as_written():
     # the seed's example lacks a comma after "O1"; it is read, then O1 is refused as not built
-    with pytest.raises(ConfigError, match=r"opt_level: 'O1' \(the dynamic-programming solver\) is not built yet"):
+    with pytest.raises(
+        ConfigError, match=r"opt_level: 'O1' \(the dynamic-programming solver\) is not built yet"
+    ):
         read_parallel_option(DATA / "parallel_option_semi_auto.json", world_size=2)
 
 
@@ -102,9 +131,18 @@ def test_auto_policy_defaults_to_o2():
     "inner, words",
     [
         ({"opt_level": "O3"}, "found 'O3'; allowed: 'O2'"),
-        ({"tensor_parallel_option": {"tensor_parallel_size": 8}}, "is 8 but the cluster config has 4 devices"),
-        ({"tensor_sharding": {"model_weight_sharding": True}}, "tensor_sharding.model_weight_sharding: is true"),
-        ({"tensor_sharding": {"gradient_sharding": True}}, "gradient_sharding: is true, but tensor sharding belongs to training"),
+        (
+            {"tensor_parallel_option": {"tensor_parallel_size": 8}},
+            "is 8 but the cluster config has 4 devices",
+        ),
+        (
+            {"tensor_sharding": {"model_weight_sharding": True}},
+            "tensor_sharding.model_weight_sharding: is true",
+        ),
+        (
+            {"tensor_sharding": {"gradient_sharding": True}},
+            "gradient_sharding: is true, but tensor sharding belongs to training",
+        ),
         ({"pipeline_parallel_option": {}}, "'pipeline_parallel_option' is not built yet"),
         ({"autoo": True}, "unknown key; allowed keys here: auto, opt_level"),
         ({"auto": "yes"}, "graph_parallel_option.auto: expected a boolean, found string 'yes'"),
@@ -112,5 +150,7 @@ def test_auto_policy_defaults_to_o2():
 )
 def test_policy_errors(inner, words):
     with pytest.raises(ConfigError) as err:
-        parallel_option_from_dict({"graph_parallel_option": inner}, "parallel_option.json", world_size=4)
+        parallel_option_from_dict(
+            {"graph_parallel_option": inner}, "parallel_option.json", world_size=4
+        )
     assert "parallel_option.json" in str(err.value) and words in str(err.value)

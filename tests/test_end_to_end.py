@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.conftest import small_gpt2, small_llama, token_ids
 
 import tessel
-from tests.conftest import small_gpt2, small_llama, token_ids
 
 
 @pytest.fixture
@@ -63,7 +63,9 @@ def test_seed_build_api_names(tmp_path):
         ' "item_def": [{"item_type": "cpu"}]}'
     )
     policy = tmp_path / "parallel_option.json"
-    policy.write_text('{"graph_parallel_option": {"auto": true, "tensor_parallel_option": {"tensor_parallel_size": 2}}}')
+    policy.write_text(
+        '{"graph_parallel_option": {"auto": true, "tensor_parallel_option": {"tensor_parallel_size": 2}}}'
+    )
     model = small_llama()
     ids = token_ids()
     tessel.build_initialize({tessel.CLUSTER_CONFIG: str(cluster)})

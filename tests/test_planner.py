@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from tests.conftest import small_llama, token_ids
 
 import tessel
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
-from tessel.plan import PlanError, make_plan
 from tessel.config.parallel_option import ParallelOption
+from tessel.plan import PlanError, make_plan
 from tessel.plan.planner import captured_activation_bytes
-from tests.conftest import small_llama, token_ids
 
 N = 4
 BATCH, SEQ, HIDDEN = 2, 32, 128
@@ -40,7 +39,8 @@ def _ring_volume(manifest: dict) -> int:
     plus an all-gather of the same tensor, so it counts twice."""
     ranks = manifest["plan"]["ranks"]
     return max(
-        sum(c["bytes"] * (2 if c["kind"] == "all_reduce" else 1) for c in r["collectives"]) for r in ranks
+        sum(c["bytes"] * (2 if c["kind"] == "all_reduce" else 1) for c in r["collectives"])
+        for r in ranks
     )
 
 
@@ -54,7 +54,9 @@ def test_tight_memory_shards_weights_and_communicates_no_more_than_megatron():
     megatron = 2 * 2 * BATCH * SEQ * HIDDEN * 4  # two all-reduces of batch x seq x hidden, fp32
     assert 0 <= per_layer <= megatron, (per_layer, megatron)
     # the layers share decisions: 4 layers need no more decisions than 2
-    assert four.manifest["plan"]["solver"]["decisions"] == two.manifest["plan"]["solver"]["decisions"]
+    assert (
+        four.manifest["plan"]["solver"]["decisions"] == two.manifest["plan"]["solver"]["decisions"]
+    )
 
 
 def test_impossible_memory_is_a_clear_error():

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import small_llama, token_ids
 
 import tessel
-from tests.conftest import small_llama, token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,10 @@ def test_session_needs_initialize():
 def test_wrong_inputs_are_named(model_file, session):
     _, ids, path = model_file
     session.load_graph(0, {}, path)
-    with pytest.raises(tessel.ConfigError, match=r"input_0 \(input_ids\): expected shape \[2, 16\] int64, found \[3, 16\]"):
+    with pytest.raises(
+        tessel.ConfigError,
+        match=r"input_0 \(input_ids\): expected shape \[2, 16\] int64, found \[3, 16\]",
+    ):
         session.run_graph(0, [torch.zeros(3, 16, dtype=torch.int64)])
     with pytest.raises(tessel.ConfigError, match="graph 5 is not loaded"):
         session.run_graph(5, [ids])
@@ -82,17 +85,31 @@ def _free_port() -> int:
 
 def test_two_nodes_on_loopback(tmp_path, session):
     port = _free_port()
-    node = lambda i: {"node_id": i, "node_type": "CPU", "ipaddr": "127.0.0.1", "port": port,  # noqa: E731
-                      "is_local": i == 0, "item_list": [{"item_id": 0}]}
-    cluster = {"cluster": [{"cluster_nodes": [node(0), node(1)]}], "item_def": [{"item_type": "cpu"}]}
+    node = lambda i: {
+        "node_id": i,
+        "node_type": "CPU",
+        "ipaddr": "127.0.0.1",
+        "port": port,  # noqa: E731
+        "is_local": i == 0,
+        "item_list": [{"item_id": 0}],
+    }
+    cluster = {
+        "cluster": [{"cluster_nodes": [node(0), node(1)]}],
+        "item_def": [{"item_type": "cpu"}],
+    }
     (tmp_path / "numa_config_2node.json").write_text(json.dumps(cluster))
     model = small_llama(layers=1)
     ids = token_ids()
-    path = tessel.save(tessel.build(model, (ids,), cluster=str(tmp_path / "numa_config_2node.json")), tmp_path / "two")
+    path = tessel.save(
+        tessel.build(model, (ids,), cluster=str(tmp_path / "numa_config_2node.json")),
+        tmp_path / "two",
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     remote = subprocess.Popen(
         [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         session.load_graph(0, {}, path)

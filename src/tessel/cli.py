@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from tessel.config.errors import ConfigError
 from tessel.parallel import ckpt_cli
@@ -86,24 +85,45 @@ def make_parser() -> argparse.ArgumentParser:
         prog="tessel",
         description="Build, partition and deploy PyTorch models across many devices.",
     )
-    parser.add_argument("--log", default="warning", help="debug|info|warning|error|null (default warning)")
+    parser.add_argument(
+        "--log", default="warning", help="debug|info|warning|error|null (default warning)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     b = sub.add_parser("build", help="build one offline model for a cluster (ATC-style flags)")
-    b.add_argument("--model", required=True, help=".pt2 file from torch.export.save, or file.py:function returning (module, example_inputs)")
-    b.add_argument("--framework", default="pytorch", help="the model's framework (accepted: pytorch)")
-    b.add_argument("--soc_version", default="cpu", help="device kind: cpu, A100, H100, H200, Ascend910B, ...")
+    b.add_argument(
+        "--model",
+        required=True,
+        help=".pt2 file from torch.export.save, or file.py:function returning (module, example_inputs)",
+    )
+    b.add_argument(
+        "--framework", default="pytorch", help="the model's framework (accepted: pytorch)"
+    )
+    b.add_argument(
+        "--soc_version", default="cpu", help="device kind: cpu, A100, H100, H200, Ascend910B, ..."
+    )
     b.add_argument("--output", required=True, help="output path; .tessel is added")
     b.add_argument("--cluster_config", help="cluster config (numa_config JSON)")
-    b.add_argument("--distributed_cluster_build", default="0", help="1: build for distributed deployment")
-    b.add_argument("--enable_graph_parallel", default="0", help="1: algorithm-based partitioning (needs the two above)")
-    b.add_argument("--graph_parallel_option_path", help="partitioning policy JSON (mandatory with --enable_graph_parallel=1)")
+    b.add_argument(
+        "--distributed_cluster_build", default="0", help="1: build for distributed deployment"
+    )
+    b.add_argument(
+        "--enable_graph_parallel",
+        default="0",
+        help="1: algorithm-based partitioning (needs the two above)",
+    )
+    b.add_argument(
+        "--graph_parallel_option_path",
+        help="partitioning policy JSON (mandatory with --enable_graph_parallel=1)",
+    )
     b.add_argument("--shard_model_dir", help="pre-sliced models (not built yet)")
     b.add_argument("--model_relation_config", help="relations of pre-sliced models (not built yet)")
     b.add_argument("--log", dest="sub_log", default=None, help="debug|info|warning|error|null")
     b.set_defaults(func=_build)
 
-    i = sub.add_parser("inspect", help="print the plan: placements per layer, collectives and memory per device")
+    i = sub.add_parser(
+        "inspect", help="print the plan: placements per layer, collectives and memory per device"
+    )
     i.add_argument("model", help="a .tessel offline model")
     i.add_argument("--json", action="store_true", help="print the plan as JSON")
     i.add_argument("--verify", action="store_true", help="also check every member's checksum")
@@ -111,13 +131,25 @@ def make_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="load an offline model on its devices and run it once")
     r.add_argument("model", help="a .tessel offline model")
-    r.add_argument("--inputs", help="safetensors with input_0, input_1, ... (default: random inputs of the recorded shapes)")
+    r.add_argument(
+        "--inputs",
+        help="safetensors with input_0, input_1, ... (default: random inputs of the recorded shapes)",
+    )
     r.add_argument("--output", help="write output_0, output_1, ... to this safetensors file")
-    r.add_argument("--node-id", type=int, default=None, help="the cluster node this host is (default: the head node)")
-    r.add_argument("--repeat", type=int, default=1, help="run this many times and print the latency")
+    r.add_argument(
+        "--node-id",
+        type=int,
+        default=None,
+        help="the cluster node this host is (default: the head node)",
+    )
+    r.add_argument(
+        "--repeat", type=int, default=1, help="run this many times and print the latency"
+    )
     r.set_defaults(func=_run)
 
-    s = sub.add_parser("serve", help="start this host's workers for a model whose cluster spans several nodes")
+    s = sub.add_parser(
+        "serve", help="start this host's workers for a model whose cluster spans several nodes"
+    )
     s.add_argument("model", help="a .tessel offline model")
     s.add_argument("--node-id", type=int, required=True, help="the cluster node this host is")
     s.set_defaults(func=_serve)
@@ -135,7 +167,9 @@ def _configure_logging(value: str) -> None:
     from tessel.builder.options import log_level
 
     level = log_level(value)
-    logging.basicConfig(level=level or logging.CRITICAL + 1, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level or logging.CRITICAL + 1, format="%(levelname)s %(name)s: %(message)s"
+    )
     if level is None:
         logging.disable(logging.CRITICAL)
 

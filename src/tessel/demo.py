@@ -51,7 +51,9 @@ def run_demo(devices: int = 4, layers: int = 4) -> int:
     input_ids = torch.randint(0, model.config.vocab_size, (4, 128))
     kwargs = {"input_ids": input_ids, "use_cache": False}
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"model: Llama, {layers} layers, {weights / 2**20:.1f} MiB of fp32 weights; input {list(input_ids.shape)}")
+    print(
+        f"model: Llama, {layers} layers, {weights / 2**20:.1f} MiB of fp32 weights; input {list(input_ids.shape)}"
+    )
 
     t = time.perf_counter()
     captured = capture(model, kwargs)
@@ -92,7 +94,9 @@ def run_demo(devices: int = 4, layers: int = 4) -> int:
     eager_s = time.perf_counter() - t
     diff = (logits - reference).abs().max().item()
     print(f"load_graph on {devices} workers: {load_s:.2f} s")
-    print(f"run_graph: median {1e3 * sorted(times)[2]:.1f} ms; single-process eager: {1e3 * eager_s:.1f} ms")
+    print(
+        f"run_graph: median {1e3 * sorted(times)[2]:.1f} ms; single-process eager: {1e3 * eager_s:.1f} ms"
+    )
     print(f"max abs diff against the single-device model: {diff:.2e}")
     ok = diff <= 1e-4
     print("demo: OK" if ok else "demo: MISMATCH")

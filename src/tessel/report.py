@@ -33,7 +33,7 @@ def format_plan(manifest: dict) -> str:
     lines = [
         f"offline model: {data['mode']}, {data['world_size']} devices, mesh {data['mesh']['shape']}, "
         f"soc {data['soc_version']}",
-        f"inputs: " + ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in data["inputs"]),
+        "inputs: " + ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in data["inputs"]),
         f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms",
     ]
     solver = data.get("solver") or {}
@@ -46,10 +46,20 @@ def format_plan(manifest: dict) -> str:
     lines.append("placements per layer (weight: placement on the mesh)")
     groups: dict[tuple, list[str]] = defaultdict(list)
     for layer, params in data["layers"].items():
-        key = tuple(sorted((name.split(".")[-2] + "." + name.split(".")[-1] if "." in name else name, "/".join(p)) for name, p in params.items()))
+        key = tuple(
+            sorted(
+                (
+                    name.split(".")[-2] + "." + name.split(".")[-1] if "." in name else name,
+                    "/".join(p),
+                )
+                for name, p in params.items()
+            )
+        )
         groups[key].append(layer)
     for key, layers in groups.items():
-        title = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
+        title = (
+            layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
+        )
         lines.append(f"  {title}")
         for name, placement in key:
             lines.append(f"    {name:<40} {placement}")
@@ -66,8 +76,13 @@ def format_plan(manifest: dict) -> str:
     if data["fallbacks"]:
         ops = Counter(f["op"] for f in data["fallbacks"])
         lines.append("")
-        lines.append("replicated for lack of a sharding rule: " + ", ".join(f"{k} x{v}" for k, v in ops.items()))
+        lines.append(
+            "replicated for lack of a sharding rule: "
+            + ", ".join(f"{k} x{v}" for k, v in ops.items())
+        )
     if data["timings"]:
         lines.append("")
-        lines.append("build time: " + ", ".join(f"{k} {v:.2f} s" for k, v in data["timings"].items()))
+        lines.append(
+            "build time: " + ", ".join(f"{k} {v:.2f} s" for k, v in data["timings"].items())
+        )
     return "\n".join(lines)

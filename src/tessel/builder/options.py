@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from tessel.capture.export import FRAMEWORKS
 from tessel.config.errors import ConfigError
 
-LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "null": None}
+LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "null": None,
+}
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,9 @@ def check_build_options(
         **(names or {}),
     }
     if str(framework).lower() not in FRAMEWORKS:
-        raise ConfigError(source, names["framework"], f"found {framework!r}; accepted: {', '.join(FRAMEWORKS)}")
+        raise ConfigError(
+            source, names["framework"], f"found {framework!r}; accepted: {', '.join(FRAMEWORKS)}"
+        )
     dcb = _switch(distributed_cluster_build, names["distributed_cluster_build"], source)
     egp = _switch(enable_graph_parallel, names["enable_graph_parallel"], source)
     if shard_model_dir or model_relation_config:
@@ -63,10 +71,14 @@ def check_build_options(
         )
     if egp and not dcb:
         raise ConfigError(
-            source, names["enable_graph_parallel"], f"=1 needs {names['distributed_cluster_build']}=1"
+            source,
+            names["enable_graph_parallel"],
+            f"=1 needs {names['distributed_cluster_build']}=1",
         )
     if egp and not cluster_config:
-        raise ConfigError(source, names["enable_graph_parallel"], f"=1 needs {names['cluster_config']}")
+        raise ConfigError(
+            source, names["enable_graph_parallel"], f"=1 needs {names['cluster_config']}"
+        )
     if egp and not graph_parallel_option_path:
         raise ConfigError(
             source,

@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import ClusterConfig, local_cluster, read_cluster_config
 from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
+from tessel.lower.program import collectives, groups_in
 from tessel.lower.trace import RankProgram, lower_rank, weight_inputs
 from tessel.lower.weights import local_shard, placement_str
 from tessel.package.format import FORMAT, FORMAT_VERSION, tensors_to_bytes, write_package
 from tessel.plan import Plan, make_plan
 from tessel.plan.planner import layer_name
-from tessel.lower.program import collectives, groups_in
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,17 @@ def _pack(
     program_member: dict[int, str] = {}
     submodels = []
     ranks_report = []
+    replicated = {
+        fqn
+        for ph, fqn in weights
+        if not graph_parallel
+        or all(isinstance(p, Replicate) for p in plan.out_placements(placeholders[ph]))
+    }
+    if replicated:  # stored once, shared by every rank
+        members["weights/replicated.safetensors"] = tensors_to_bytes(
+            {fqn: state[fqn].detach().clone() for fqn in sorted(replicated)}
+        )
+    replicated_bytes = sum(state[f].numel() * state[f].element_size() for f in replicated)
     for rank, device in enumerate(cluster.devices):
         mesh_rank = rank if graph_parallel else 0
         rp = programs[mesh_rank]
@@ -137,14 +149,18 @@ def _pack(
             program_member[key] = name
         shards = {}
         for ph, fqn in weights:
+            if fqn in replicated:
+                continue
             placements = plan.out_placements(placeholders[ph])
             shards[fqn] = local_shard(state[fqn], placements, plan.mesh_shape, mesh_rank).clone()
         for cname, value in rp.constants.items():
             shards[f"__constant__.{cname}"] = value.clone()
-        weights_name = f"weights/rank_{rank}.safetensors" if graph_parallel else "weights/replica.safetensors"
-        if weights_name not in members:
-            members[weights_name] = tensors_to_bytes(shards)
-        weight_bytes = sum(t.numel() * t.element_size() for t in shards.values())
+        weight_members = ["weights/replicated.safetensors"] if replicated else []
+        if shards:
+            name = f"weights/rank_{rank}.safetensors"
+            members[name] = tensors_to_bytes(shards)
+            weight_members.append(name)
+        weight_bytes = replicated_bytes + sum(t.numel() * t.element_size() for t in shards.values())
         colls = collectives(rp.program, rp.shapes)
         submodels.append(
             {
@@ -153,7 +169,7 @@ def _pack(
                 "node_id": device.node_id,
                 "device_id": device.device_id,
                 "program": program_member[key],
-                "weights": weights_name,
+                "weights": weight_members,
                 "weight_order": [fqn for _, fqn in weights],
                 "comm_groups": groups_in(rp.program) if graph_parallel else [],
             }
@@ -164,7 +180,8 @@ def _pack(
                 "logical_device": device.logical_id,
                 "weight_bytes": weight_bytes,
                 "collectives": [
-                    {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)} for c in colls
+                    {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)}
+                    for c in colls
                 ],
             }
         )
@@ -196,7 +213,9 @@ def _pack(
         "world_size": cluster.world_size,
         "cluster": cluster.raw,
         "mesh": {"shape": list(plan.mesh_shape), "dim_names": ["tp"]},
-        "inputs": [_input_spec(n, x) for n, x in zip(captured.input_names, captured.example_inputs)],
+        "inputs": [
+            _input_spec(n, x) for n, x in zip(captured.input_names, captured.example_inputs)
+        ],
         "outputs": outputs,
         "submodels": submodels,
         "layouts": "layouts.json",

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from tessel.builder.options import check_build_options
 from tessel.builder.pipeline import BuiltModel, build
 from tessel.builder.pipeline import save as _save
-from tessel.builder.options import check_build_options
 from tessel.config.cluster import local_cluster, read_cluster_config
 
 CLUSTER_CONFIG = "ge.cluster_config"
@@ -35,7 +35,9 @@ def build_initialize(options: dict[str, str] | None = None) -> None:
     _global.update(options or {})
 
 
-def build_model(model: torch.nn.Module, example_inputs: Any, options: dict[str, str] | None = None) -> BuiltModel:
+def build_model(
+    model: torch.nn.Module, example_inputs: Any, options: dict[str, str] | None = None
+) -> BuiltModel:
     """aclgrphBuildModel: DISTRIBUTED_CLUSTER_BUILD, ENABLE_GRAPH_PARALLEL, GRAPH_PARALLEL_OPTION_PATH."""
     merged = {**_global, **(options or {})}
     checked = check_build_options(

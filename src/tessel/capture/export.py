@@ -45,7 +45,11 @@ def capture(
         ep = model
     else:
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError("model", None, f"expected an nn.Module or ExportedProgram, found {type(model).__name__}")
+            raise ConfigError(
+                "model",
+                None,
+                f"expected an nn.Module or ExportedProgram, found {type(model).__name__}",
+            )
         model = model.eval()
         with torch.no_grad():
             ep = torch.export.export(model, args, kwargs)
@@ -57,7 +61,11 @@ def capture(
     ep = ep.run_decompositions(table)
     names, values = _user_inputs(ep)
     if not isinstance(model, ExportedProgram):
-        given = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        given = [
+            x
+            for x in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor)
+        ]
         if len(given) == len(values):
             values = [g.detach().clone() for g in given]
     return CapturedModel(ep, values, names)
@@ -71,7 +79,9 @@ def load_model_spec(spec: str) -> tuple[Any, Any]:
             raise ConfigError("--model", None, f"file not found: {spec}")
         return torch.export.load(str(path)), None
     if ":" not in spec:
-        raise ConfigError("--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}")
+        raise ConfigError(
+            "--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}"
+        )
     file, func = spec.rsplit(":", 1)
     path = Path(file)
     if not path.is_file() or path.suffix != ".py":

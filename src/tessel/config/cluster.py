@@ -17,7 +17,9 @@ from tessel.config.fields import Fields
 from tessel.config.jsonfile import load_json
 from tessel.config.soc import GiB, SocProfile, soc_profile
 
-_MEMORY = re.compile(r"^\s*\[?\s*(?:[A-Za-z0-9_]+\s*:)?\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)\s*\]?\s*$", re.I)
+_MEMORY = re.compile(
+    r"^\s*\[?\s*(?:[A-Za-z0-9_]+\s*:)?\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)\s*\]?\s*$", re.I
+)
 _BANDWIDTH = re.compile(r"^\s*([A-Za-z0-9_]+)?\s*:?\s*(\d+(?:\.\d+)?)\s*([KMGT])b\s*$")
 _UNITS = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": GiB, "TB": 1024**4}
 _BITS = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -91,7 +93,7 @@ class ClusterConfig:
 def parse_memory(text: str, source: Any, key: str) -> int:
     m = _MEMORY.match(text)
     if not m:
-        raise ConfigError(source, key, f"expected a memory size like \"[DDR:64GB]\", found {text!r}")
+        raise ConfigError(source, key, f'expected a memory size like "[DDR:64GB]", found {text!r}')
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -101,7 +103,7 @@ def parse_bandwidth(text: str, source: Any, key: str) -> float | None:
         return None
     m = _BANDWIDTH.match(text)
     if not m:
-        raise ConfigError(source, key, f"expected a link like \"HCCS:128Gb\", found {text!r}")
+        raise ConfigError(source, key, f'expected a link like "HCCS:128Gb", found {text!r}')
     return float(m.group(2)) * _BITS[m.group(3)] / 8
 
 
@@ -112,12 +114,20 @@ def read_cluster_config(path: str | Path, soc_version: str = "cpu") -> ClusterCo
 
 def local_cluster(num_devices: int, soc_version: str = "cpu", port: int = 29500) -> ClusterConfig:
     """The embedded default: one local node with `num_devices` devices."""
-    return cluster_from_dict(local_cluster_dict(num_devices, soc_version, port), "<embedded>", soc_version)
+    return cluster_from_dict(
+        local_cluster_dict(num_devices, soc_version, port), "<embedded>", soc_version
+    )
 
 
 def local_cluster_dict(num_devices: int, soc_version: str = "cpu", port: int = 29500) -> dict:
     items = [{"item_id": i, "device_id": i} for i in range(num_devices)]
-    node = {"node_id": 0, "node_type": "LOCAL", "ipaddr": "127.0.0.1", "port": port, "is_local": True}
+    node = {
+        "node_id": 0,
+        "node_type": "LOCAL",
+        "ipaddr": "127.0.0.1",
+        "port": port,
+        "is_local": True,
+    }
     return {
         "cluster": [{"cluster_nodes": [{**node, "item_list": items}]}],
         "item_def": [{"item_type": soc_version}],
@@ -163,7 +173,9 @@ def cluster_from_dict(data: Any, source: str, soc_version: str = "cpu") -> Clust
         for cn in cnodes:
             node_id = cn.get("node_id", int)
             if node_id in seen_ids:
-                raise cn.error(f"node_id {node_id} appears twice; each node needs its own id", "node_id")
+                raise cn.error(
+                    f"node_id {node_id} appears twice; each node needs its own id", "node_id"
+                )
             seen_ids.add(node_id)
             node_type = cn.get("node_type", str, "LOCAL")
             ndef = node_defs.get(node_type)
@@ -185,7 +197,11 @@ def cluster_from_dict(data: Any, source: str, soc_version: str = "cpu") -> Clust
                 if idef is not None and idef.has("memory"):
                     memory = parse_memory(idef.get("memory", str), source, idef.path("memory"))
                 # Inference products: one item holds several physical devices (item_def.device_list).
-                physical = [d.get("device_id", int) for d in idef.children("device_list", [])] if idef else []
+                physical = (
+                    [d.get("device_id", int) for d in idef.children("device_list", [])]
+                    if idef
+                    else []
+                )
                 for sub in physical or [it.get("device_id", int, item_id)]:
                     devices.append(
                         Device(rank, node_id, index, item_id, sub, item_type, memory, cluster_id=ci)
@@ -206,5 +222,7 @@ def cluster_from_dict(data: Any, source: str, soc_version: str = "cpu") -> Clust
         for cn in (c for cl in clusters for c in cl.children("cluster_nodes")):
             for key in ("ipaddr", "port"):
                 if not cn.has(key):
-                    raise cn.error("required when the cluster has several nodes (rendezvous address)", key)
+                    raise cn.error(
+                        "required when the cluster has several nodes (rendezvous address)", key
+                    )
     return ClusterConfig(tuple(nodes), soc, link_bw, net_bw, source, raw=data)

@@ -8,7 +8,13 @@ from typing import Any
 from tessel.config.errors import ConfigError
 
 _MISSING = object()
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", str: "a string", list: "a list", dict: "an object"}
+_TYPE_NAMES = {
+    bool: "a boolean",
+    int: "an integer",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
 
 
 class Fields:
@@ -27,7 +33,9 @@ class Fields:
         return f"{self.key_path}.{key}" if self.key_path else key
 
     def error(self, message: str, key: str | int | None = None) -> ConfigError:
-        return ConfigError(self.source, self.path(key) if key is not None else self.key_path or None, message)
+        return ConfigError(
+            self.source, self.path(key) if key is not None else self.key_path or None, message
+        )
 
     def has(self, key: str) -> bool:
         return key in self.obj
@@ -57,7 +65,9 @@ class Fields:
             if not_built and key in not_built:
                 raise self.error(not_built[key], key)
             if key not in allowed:
-                raise self.error(f"unknown key; allowed keys here: {', '.join(sorted(allowed))}", key)
+                raise self.error(
+                    f"unknown key; allowed keys here: {', '.join(sorted(allowed))}", key
+                )
 
 
 def _describe(value: Any) -> str:

@@ -16,7 +16,9 @@ SHARDING_SWITCHES = (
     "model_weight_sharding",
     "model_weight_prefetch",
 )
-_NOT_BUILT = "is not built yet in tessel (it belongs to a later capability); remove it from the policy"
+_NOT_BUILT = (
+    "is not built yet in tessel (it belongs to a later capability); remove it from the policy"
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ def parallel_option_from_dict(
     auto = g.get("auto", bool, True)
     opt_level = g.get("opt_level", str, "O2")
     if opt_level not in OPT_LEVELS:
-        raise g.error(f"found {opt_level!r}; allowed: 'O2' (ILP, the default) or 'O1' (DP)", "opt_level")
+        raise g.error(
+            f"found {opt_level!r}; allowed: 'O2' (ILP, the default) or 'O1' (DP)", "opt_level"
+        )
     if opt_level == "O1":
         raise g.error(
             "'O1' (the dynamic-programming solver) is not built yet; use 'O2' (ILP) or leave it out",

@@ -29,7 +29,9 @@ def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
         if ns not in _NAMESPACES:
-            raise ProgramError(f"operator {target} is outside the supported namespaces {_NAMESPACES}")
+            raise ProgramError(
+                f"operator {target} is outside the supported namespaces {_NAMESPACES}"
+            )
         return f"{ns}.{target._schema.name.split('::')[1]}.{target._overloadname}"
     raise ProgramError(f"cannot serialise call target {target!r}")
 
@@ -122,7 +124,9 @@ def groups_in(program: dict) -> list[list[int]]:
     return found
 
 
-def collectives(program: dict, shapes: dict[str, tuple[list[int], str]] | None = None) -> list[dict]:
+def collectives(
+    program: dict, shapes: dict[str, tuple[list[int], str]] | None = None
+) -> list[dict]:
     """The collectives of a program: kind, group and bytes moved per call (from input shapes)."""
     out = []
     for node in program["nodes"]:
@@ -131,13 +135,17 @@ def collectives(program: dict, shapes: dict[str, tuple[list[int], str]] | None =
         kind = node["target"].split(".")[1]
         if kind == "wait_tensor":
             continue
-        group = next((a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a), None)
+        group = next(
+            (a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a), None
+        )
         entry = {"kind": kind, "group": group, "node": node["name"]}
         if shapes is not None:
             src = node["args"][0]
             if isinstance(src, dict) and src.get("$node") in shapes:
                 shape, dtype = shapes[src["$node"]]
-                size = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                size = (
+                    math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                )
                 # bytes of the whole tensor the collective moves (a gather's input is one shard)
                 entry["bytes"] = size * len(group or [1]) if kind.startswith("all_gather") else size
         out.append(entry)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,11 +25,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tessel.capture import CapturedModel
+from tessel.lower.program import encode, node_shapes
+from tessel.lower.weights import local_shard
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
 from tessel.plan.strategies import LOCAL_RULES
-from tessel.lower.program import encode, node_shapes
-from tessel.lower.weights import local_shard
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
     constants = {
         s.arg.name: s.arg.value
         for s in ep.graph_signature.input_specs
-        if s.kind.name == "USER_INPUT" and not hasattr(s.arg, "as_tensor") and hasattr(s.arg, "value")
+        if s.kind.name == "USER_INPUT"
+        and not hasattr(s.arg, "as_tensor")
+        and hasattr(s.arg, "value")
     }
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     world = plan.mesh_shape[0]
@@ -92,9 +94,13 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
             it = iter(flat)
             for name, _fqn in weights:
                 node = placeholders[name]
-                env[node] = DTensor.from_local(next(it), mesh, plan.out_placements(node), run_check=False)
+                env[node] = DTensor.from_local(
+                    next(it), mesh, plan.out_placements(node), run_check=False
+                )
             for name in captured.input_names:
-                env[placeholders[name]] = DTensor.from_local(next(it), mesh, [Replicate()], run_check=False)
+                env[placeholders[name]] = DTensor.from_local(
+                    next(it), mesh, [Replicate()], run_check=False
+                )
             for name, value in constants.items():
                 if name in placeholders:
                     env[placeholders[name]] = value
@@ -102,7 +108,9 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
                 if n.op == "placeholder":
                     continue
                 if n.op == "output":
-                    return [_whole(v, mesh) for v in tree_leaves(_lookup(n.args[0], env, None, mesh))]
+                    return [
+                        _whole(v, mesh) for v in tree_leaves(_lookup(n.args[0], env, None, mesh))
+                    ]
                 env[n] = _run_node(n, env, plan, mesh)
             raise LoweringError("graph has no output node")
 
@@ -179,7 +187,9 @@ def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh)
 
 
 def _count_nodes(args: Any) -> int:
-    return sum(isinstance(a, fx.Node) for a in tree_leaves(args, is_leaf=lambda x: isinstance(x, fx.Node)))
+    return sum(
+        isinstance(a, fx.Node) for a in tree_leaves(args, is_leaf=lambda x: isinstance(x, fx.Node))
+    )
 
 
 def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:

@@ -9,4 +9,11 @@ from tessel.package.format import (
     write_package,
 )
 
-__all__ = ["FORMAT_VERSION", "SUFFIX", "Package", "PackageError", "tensors_to_bytes", "write_package"]
+__all__ = [
+    "FORMAT_VERSION",
+    "SUFFIX",
+    "Package",
+    "PackageError",
+    "tensors_to_bytes",
+    "write_package",
+]

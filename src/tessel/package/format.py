@@ -84,7 +84,9 @@ class Package:
         except json.JSONDecodeError as exc:
             raise PackageError(path, f"manifest is not valid JSON ({exc})") from exc
         if manifest.get("format") != FORMAT:
-            raise PackageError(path, f"not a tessel offline model (format {manifest.get('format')!r})")
+            raise PackageError(
+                path, f"not a tessel offline model (format {manifest.get('format')!r})"
+            )
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
             raise PackageError(
@@ -104,7 +106,9 @@ class Package:
         except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
             raise PackageError(self.path, f"member {name!r} cannot be read ({exc})") from exc
         if _sha(data) != expected:
-            raise PackageError(self.path, f"member {name!r} fails its checksum: the file was altered")
+            raise PackageError(
+                self.path, f"member {name!r} fails its checksum: the file was altered"
+            )
         return data
 
     def verify(self) -> None:
@@ -120,7 +124,16 @@ class Package:
         try:
             return load_safetensors(data)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise PackageError(self.path, f"member {name!r} is not valid safetensors ({exc})") from exc
+            raise PackageError(
+                self.path, f"member {name!r} is not valid safetensors ({exc})"
+            ) from exc
+
+    def weights(self, submodel: dict) -> dict[str, torch.Tensor]:
+        """All tensors a submodel loads: shared replicated weights plus its own shards."""
+        out: dict[str, torch.Tensor] = {}
+        for name in submodel["weights"]:
+            out.update(self.tensors(name))
+        return out
 
     @property
     def world_size(self) -> int:

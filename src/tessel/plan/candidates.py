@@ -36,8 +36,12 @@ class NodeChoices:
     node: fx.Node
     kind: str  # "param", "input", "const", "op", "getitem", "fallback", "factory", "drop"
     strategies: list[Strategy]
-    args: list[fx.Node] = field(default_factory=list)  # tensor args, in the order of Strategy.inputs
-    owner: fx.Node | None = None  # the node whose decision this one shares (getitem, repeated layer)
+    args: list[fx.Node] = field(
+        default_factory=list
+    )  # tensor args, in the order of Strategy.inputs
+    owner: fx.Node | None = (
+        None  # the node whose decision this one shares (getitem, repeated layer)
+    )
     out_index: int | None = None  # for getitem: which output of the owner
     reason: str = ""  # why a fallback replicated it
 
@@ -81,15 +85,24 @@ def enumerate_candidates(
         if template is not None and template is not n:
             t = choices[template]
             choices[n] = NodeChoices(
-                n, t.kind, t.strategies, tensor_args(n), owner=t.owner or template,
-                out_index=t.out_index, reason=t.reason,
+                n,
+                t.kind,
+                t.strategies,
+                tensor_args(n),
+                owner=t.owner or template,
+                out_index=t.out_index,
+                reason=t.reason,
             )
             continue
         if n.target is operator.getitem:
             src = n.args[0]
             owner_choice = choices[src]
             choices[n] = NodeChoices(
-                n, "getitem", owner_choice.strategies, [], owner=owner_choice.owner or src,
+                n,
+                "getitem",
+                owner_choice.strategies,
+                [],
+                owner=owner_choice.owner or src,
                 out_index=n.args[1],
             )
             continue
@@ -123,7 +136,9 @@ def _op_choices(
     except Exception as exc:  # noqa: BLE001 - a rule that cannot handle this call
         found = _one_candidate_at_a_time(n, s_args, s_kwargs, mesh) if len(args) == 1 else None
         if not found:
-            return _replicated(n, mesh, "fallback", f"rule raised {type(exc).__name__}: {exc}"[:200])
+            return _replicated(
+                n, mesh, "fallback", f"rule raised {type(exc).__name__}: {exc}"[:200]
+            )
     if found is None:
         return _replicated(n, mesh, "fallback", "no DTensor sharding rule")
     found = [s for s in found if len(s.inputs) == len(args)]
@@ -132,7 +147,9 @@ def _op_choices(
     return NodeChoices(n, "op", found, args)
 
 
-def _one_candidate_at_a_time(n: fx.Node, s_args: tuple, s_kwargs: dict, mesh: DeviceMesh) -> list[Strategy]:
+def _one_candidate_at_a_time(
+    n: fx.Node, s_args: tuple, s_kwargs: dict, mesh: DeviceMesh
+) -> list[Strategy]:
     """Rules such as view's reject a whole candidate list for one bad layout: ask per layout."""
     index = next(i for i, a in enumerate(s_args) if isinstance(a, OpStrategy))
     found: list[Strategy] = []
@@ -155,7 +172,10 @@ def _replicated(n: fx.Node, mesh: DeviceMesh, kind: str, reason: str) -> NodeCho
     val = n.meta.get("val")
     rep = (Replicate(),) * mesh.ndim
     if isinstance(val, (tuple, list)):
-        out = tuple(DTensorSpec(mesh, rep, tensor_meta(v)) if isinstance(v, torch.Tensor) else None for v in val)
+        out = tuple(
+            DTensorSpec(mesh, rep, tensor_meta(v)) if isinstance(v, torch.Tensor) else None
+            for v in val
+        )
     else:
         out = DTensorSpec(mesh, rep, tensor_meta(val)) if isinstance(val, torch.Tensor) else None
     args = tensor_args(n)

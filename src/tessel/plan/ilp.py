@@ -86,8 +86,8 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
             c[offset[a] : offset[a] + matrix.shape[0]] += matrix[:, 0]
             continue
         base = n + len(extra_costs)
-        for gi, rg in enumerate(rgroups):
-            for gj, cg in enumerate(cgroups):
+        for rg in rgroups:
+            for cg in cgroups:
                 extra_costs.append(float(matrix[rg[0], cg[0]]))
         width = len(cgroups)
         for gi, rg in enumerate(rgroups):
@@ -118,6 +118,8 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     )
     if result.x is None:
         raise InfeasibleError(result.message)
-    choice = {v: int(np.argmax(result.x[offset[v] : offset[v] + k])) for v, k in problem.sizes.items()}
+    choice = {
+        v: int(np.argmax(result.x[offset[v] : offset[v] + k])) for v, k in problem.sizes.items()
+    }
     log.info("ILP: %d variables, %d constraints, %s", total, row, result.message)
     return Solution(choice, float(result.fun), result.message, total, row)

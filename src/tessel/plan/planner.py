@@ -104,9 +104,7 @@ def make_plan(
     try:
         solution = solve(problem, time_limit)
     except InfeasibleError as exc:
-        need = sum(
-            float(m.min()) * 1 for m in problem.memory.values()
-        )
+        need = sum(float(m.min()) * 1 for m in problem.memory.values())
         raise PlanError(
             f"the model does not fit: even with every weight sharded it needs {need / 2**30:.2f} GiB "
             f"per device plus {activation_bytes(graph, weight_names) / 2**30:.2f} GiB of "
@@ -194,7 +192,10 @@ def _problem(
         if c.kind == "param":
             b = cost.nbytes(val)
             memory[v] = np.array(
-                [count * b / cost.shard_factor(s.output.placements, mesh_shape) for s in c.strategies]
+                [
+                    count * b / cost.shard_factor(s.output.placements, mesh_shape)
+                    for s in c.strategies
+                ]
             )
             continue
         f = node_flops(v)
@@ -216,22 +217,33 @@ def _problem(
         for j, a in enumerate(c.args):
             if a not in choices or choices[a].kind in ("const", "drop"):
                 continue
-            key = (_owner(choices, a), choices[a].out_index, c.owner or n, j, cost.nbytes(a.meta.get("val")))
+            key = (
+                _owner(choices, a),
+                choices[a].out_index,
+                c.owner or n,
+                j,
+                cost.nbytes(a.meta.get("val")),
+            )
             edges[key] += 1
     pairs: dict[tuple, np.ndarray] = defaultdict(lambda: 0)
     for (vp, out_index, vc, j, b), count in edges.items():
         cp, cc = choices[vp], choices[vc]
         src = [_placements(s.output_at(out_index)) for s in cp.strategies]
         dst = [_placements(s.inputs[j]) if j < len(s.inputs) else None for s in cc.strategies]
-        m = np.array(
-            [
+        m = (
+            np.array(
                 [
-                    0.0 if (sp is None or dp is None) else cost.redistribute_time(sp, dp, b, mesh_shape, links)
-                    for dp in dst
+                    [
+                        0.0
+                        if (sp is None or dp is None)
+                        else cost.redistribute_time(sp, dp, b, mesh_shape, links)
+                        for dp in dst
+                    ]
+                    for sp in src
                 ]
-                for sp in src
-            ]
-        ) * count
+            )
+            * count
+        )
         if vp is vc:
             linear[vp] = linear.get(vp, np.zeros(sizes[vp])) + np.diag(m)
         else:
@@ -248,7 +260,8 @@ def _problem(
         b = cost.nbytes(a.meta.get("val"))
         extra = np.array(
             [
-                0.0 if (p := _placements(s.output_at(c.out_index))) is None
+                0.0
+                if (p := _placements(s.output_at(c.out_index))) is None
                 else cost.redistribute_time(p, rep, b, mesh_shape, links)
                 for s in choices[v].strategies
             ]

@@ -58,7 +58,9 @@ def tensor_meta(val: Any) -> TensorMeta | None:
     return None
 
 
-def placement_strategies(mesh: DeviceMesh, val: torch.Tensor, replicate_only: bool = False) -> list[Strategy]:
+def placement_strategies(
+    mesh: DeviceMesh, val: torch.Tensor, replicate_only: bool = False
+) -> list[Strategy]:
     """Every evenly divisible (Replicate | Shard(d)) per mesh dim, for graph inputs and weights."""
     meta = tensor_meta(val)
     options: list[list[Placement]] = []
@@ -74,7 +76,9 @@ def placement_strategies(mesh: DeviceMesh, val: torch.Tensor, replicate_only: bo
     return out
 
 
-def _even(shape: torch.Size, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> bool:
+def _even(
+    shape: torch.Size, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> bool:
     local = list(shape)
     for p, n in zip(placements, mesh_shape):
         if isinstance(p, Shard):
@@ -142,7 +146,9 @@ def op_strategies(
     return _dedup(result)
 
 
-def _attention_strategies(args: tuple, kwargs: dict, out_val: Any, mesh: DeviceMesh) -> list[Strategy]:
+def _attention_strategies(
+    args: tuple, kwargs: dict, out_val: Any, mesh: DeviceMesh
+) -> list[Strategy]:
     """Attention is independent per batch row and per head: shard q, k, v (and a mask that has
     the dim) on dim 0 or 1, get the output sharded the same way."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, OpStrategy)]

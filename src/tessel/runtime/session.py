@@ -93,11 +93,15 @@ class Session:
     def load_graph(self, graph_id: int, options: dict[str, Any] | None, path: str | Path) -> None:
         """Start one worker per device of this node, join the process groups, load every rank."""
         if graph_id in self._graphs:
-            raise ConfigError("graph_id", None, f"graph {graph_id} is already loaded in this session")
+            raise ConfigError(
+                "graph_id", None, f"graph {graph_id} is already loaded in this session"
+            )
         options = {**self.options, **(options or {})}
         package = Package.open(path)
         manifest = package.manifest
-        cluster = cluster_from_dict(manifest["cluster"], f"{path} (cluster)", manifest["soc_version"])
+        cluster = cluster_from_dict(
+            manifest["cluster"], f"{path} (cluster)", manifest["soc_version"]
+        )
         node_id = _option(options, "tessel.node_id", int, cluster.head.node_id)
         load_timeout = _option(options, "tessel.load_timeout_s", float, 300.0)
         run_timeout = _option(options, "tessel.run_timeout_s", float, 300.0)
@@ -109,7 +113,9 @@ class Session:
             port = _option(options, "tessel.master_port", int, cluster.head.port)
         local = [d for d in cluster.devices if d.node_id == node_id]
         if not local:
-            raise ConfigError("options", "tessel.node_id", f"no node {node_id} in the model's cluster config")
+            raise ConfigError(
+                "options", "tessel.node_id", f"no node {node_id} in the model's cluster config"
+            )
         threads = _option(
             options, "tessel.threads_per_worker", int, max(1, (os.cpu_count() or 1) // len(local))
         )
@@ -124,7 +130,9 @@ class Session:
             return
         graph.inputs = manifest["inputs"]
 
-    def run_graph(self, graph_id: int, inputs: list[torch.Tensor] | tuple | dict) -> list[torch.Tensor]:
+    def run_graph(
+        self, graph_id: int, inputs: list[torch.Tensor] | tuple | dict
+    ) -> list[torch.Tensor]:
         """Run a loaded graph; returns the same outputs as the single-device model."""
         graph = self._graph(graph_id)
         tensors = _check_inputs(graph.inputs, inputs)
@@ -147,7 +155,9 @@ class Session:
 
     def _graph(self, graph_id: int) -> _Graph:
         if graph_id not in self._graphs:
-            raise ConfigError("graph_id", None, f"graph {graph_id} is not loaded; loaded: {sorted(self._graphs)}")
+            raise ConfigError(
+                "graph_id", None, f"graph {graph_id} is not loaded; loaded: {sorted(self._graphs)}"
+            )
         return self._graphs[graph_id]
 
 
@@ -170,7 +180,9 @@ def _start_workers(package, local, addr, port, threads, run_timeout, distributed
             timeout_s=run_timeout,
             distributed=distributed,
         )
-        proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}")
+        proc = ctx.Process(
+            target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}"
+        )
         proc.start()
         child.close()
         procs.append(proc)
@@ -188,10 +200,14 @@ def _check_inputs(expected: list[dict], inputs: Any) -> list[torch.Tensor]:
         inputs = [inputs[n] for n in names]
     inputs = list(inputs)
     if len(inputs) != len(expected):
-        raise ConfigError("inputs", None, f"the model takes {len(expected)} inputs, found {len(inputs)}")
+        raise ConfigError(
+            "inputs", None, f"the model takes {len(expected)} inputs, found {len(inputs)}"
+        )
     for i, (x, e) in enumerate(zip(inputs, expected)):
         if not isinstance(x, torch.Tensor):
-            raise ConfigError("inputs", f"input_{i}", f"expected a tensor, found {type(x).__name__}")
+            raise ConfigError(
+                "inputs", f"input_{i}", f"expected a tensor, found {type(x).__name__}"
+            )
         if list(x.shape) != e["shape"] or str(x.dtype).removeprefix("torch.") != e["dtype"]:
             raise ConfigError(
                 "inputs",

@@ -12,7 +12,9 @@ from tessel.lower.program import decode
 from tessel.package.format import Package, PackageError
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> Callable[..., list[torch.Tensor]]:
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> Callable[..., list[torch.Tensor]]:
     """Load a single-device offline model in this process; returns `run(*inputs) -> outputs`."""
     package = Package.open(path)
     if package.manifest["mode"] != "replicated" or package.world_size != 1:
@@ -24,8 +26,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Callable
         )
     sub = package.submodel(0)
     device = torch.device(device)
-    tensors = package.tensors(sub["weights"])
-    constants = {k.removeprefix("__constant__."): v for k, v in tensors.items() if k.startswith("__constant__.")}
+    tensors = package.weights(sub)
+    constants = {
+        k.removeprefix("__constant__."): v
+        for k, v in tensors.items()
+        if k.startswith("__constant__.")
+    }
     weights = [tensors[name].to(device) for name in sub["weight_order"]]
     program = decode(package.json(sub["program"]), constants, device, {})
 

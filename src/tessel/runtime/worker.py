@@ -47,6 +47,7 @@ def _die_with_parent() -> None:
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
     def watch() -> None:
         while True:
             if os.getppid() != parent:
@@ -95,9 +96,11 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             )
             groups = _groups(package.manifest, spec.world_size)
         sub = package.submodel(spec.rank)
-        tensors = package.tensors(sub["weights"])
+        tensors = package.weights(sub)
         constants = {
-            k.removeprefix("__constant__."): v for k, v in tensors.items() if k.startswith("__constant__.")
+            k.removeprefix("__constant__."): v
+            for k, v in tensors.items()
+            if k.startswith("__constant__.")
         }
         weights = [tensors[name].to(device) for name in sub["weight_order"]]
         program = decode(package.json(sub["program"]), constants, device, groups)
@@ -114,7 +117,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     os._exit(0)
 
 
-def _serve(spec: WorkerSpec, conn: Connection, program, weights: list, device: torch.device) -> None:
+def _serve(
+    spec: WorkerSpec, conn: Connection, program, weights: list, device: torch.device
+) -> None:
     leader = spec.rank == 0 or not spec.distributed
     while True:
         inputs: list[torch.Tensor] = []
@@ -124,7 +129,9 @@ def _serve(spec: WorkerSpec, conn: Connection, program, weights: list, device: t
             if command == _RUN:
                 inputs = [x.to(device) for x in message[1]]
         if spec.distributed:
-            header = [command, [(tuple(x.shape), x.dtype) for x in inputs]] if leader else [None, None]
+            header = (
+                [command, [(tuple(x.shape), x.dtype) for x in inputs]] if leader else [None, None]
+            )
             dist.broadcast_object_list(header, src=0)
             command, shapes = header
             if not leader and command == _RUN:
