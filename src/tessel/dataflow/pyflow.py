@@ -86,13 +86,17 @@ class PyFlow:
         self.num_returns = num_returns
         self.resources = resources
         self.options = options
+        self._made = 0
         functools.update_wrapper(self, target, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.target(*args, **kwargs)
 
     def fnode(self, *init_args: Any, name: str | None = None, **init_kwargs: Any) -> PyFlowNode:
-        """A new FlowNode running this function (or a new instance of this class per worker)."""
+        """A new FlowNode running this function (or a new instance of this class per worker).
+
+        Without `name`, the first node is named after the function, later ones `<name>_<k>`.
+        """
         target = self.target
         functions: list[FuncSpec] = []
         if inspect.isclass(target):
@@ -128,7 +132,7 @@ class PyFlow:
             name=name or target.__name__, py_func=target, resources=self.resources
         )
         pp.udf = UdfSpec(target, tuple(init_args), dict(init_kwargs), functions)
-        node = PyFlowNode(n_in, n_out, name=name or target.__name__)
+        node = PyFlowNode(n_in, n_out, name=name)
         node.method_specs = {f.method: f for f in functions if f.method}
         node.add_process_point(pp)
         return node
