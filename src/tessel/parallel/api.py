@@ -630,10 +630,12 @@ def _dtensor_box(name: str, t: Any, shape: Sequence[int]) -> tuple[Box, tuple]:
     mesh = t.device_mesh
     lay = layout_from_dtensor(mesh, t.placements, t.ndim)
     p = param_from_layout(name, lay, shape, None, src="DTensor")
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise CheckpointError("DTensor", name, "this rank is not in the parameter's mesh")
-    index = 0
-    for c, s in zip(coord, mesh.shape, strict=False):
-        index = index * s + c
+    import torch.distributed as dist
+
+    # this process's position in the mesh, from its global rank (robust to cached meshes)
+    flat = [int(x) for x in mesh.mesh.flatten().tolist()]
+    me = dist.get_rank() if dist.is_initialized() else None
+    if me is None or me not in flat:
+        raise CheckpointError("DTensor", name, f"this rank ({me}) is not in the mesh {flat}")
+    index = flat.index(me)
     return device_box(p, index, shape), (mesh, t.placements)
