@@ -159,3 +159,16 @@ def test_malicious_chunk_pickle_is_refused(dcp_dir, tmp_path):
     with pytest.raises(CheckpointError, match="r"):
         unified_safetensors(d, None, tmp_path / "U")
     assert not Path("pwned").exists()
+
+
+def test_dcp_safetensors_serialization_format(tmp_path):
+    """DCP's SAFETENSORS serialization format (one safetensors file per rank) is read too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    full = {"a": torch.randn(4, 6), "b": torch.arange(5, dtype=torch.int32)}
+    w = FileSystemWriter(str(tmp_path / "d"), serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save(dict(full), storage_writer=w, no_dist=True)
+    unified_safetensors(tmp_path / "d", None, tmp_path / "U")
+    got = load_file(str(tmp_path / "U" / "model-00001-of-00001.safetensors"))
+    assert all(torch.equal(got[k], full[k]) for k in full)

@@ -350,8 +350,8 @@ def plan_unify(
 
 def unified_safetensors(
     src_dir: str | os.PathLike,
-    src_strategy_file: StrategyArg = None,
-    dst_dir: str | os.PathLike = ".",
+    src_strategy_file: StrategyArg,
+    dst_dir: str | os.PathLike,
     merge_with_redundancy: bool = True,
     file_suffix: str | None = None,
     max_process_num: int = 1,

@@ -307,7 +307,22 @@ class DCPSource(Source):
 
             off = tuple(a for a, _ in chunk.box)
             info = self._storage.get((name, off)) or self._storage.get((name, None))
-            loc = locate_chunk(str(holder), int(info.offset), int(info.length), name)
+            path = str(holder)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(int(info.offset))
+                    magic = f.read(4)
+            except FileNotFoundError:
+                raise CheckpointError(path, name, "DCP data file does not exist") from None
+            if magic == b"PK\x03\x04":  # default TORCH_SAVE format: a zip per chunk
+                loc = locate_chunk(path, int(info.offset), int(info.length), name)
+            else:  # SAFETENSORS format: each data file is a safetensors file keyed by fqn
+                hdr = read_header(path)[0]
+                if name not in hdr:
+                    raise CheckpointError(
+                        path, name, "is neither a torch.save chunk nor in a safetensors file"
+                    )
+                loc = hdr[name]
             want = slice_shape(chunk.box)
             if loc.shape != want and not (loc.shape == () and want == ()):
                 raise CheckpointError(
