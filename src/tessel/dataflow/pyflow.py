@@ -128,9 +128,11 @@ class PyFlow:
         else:
             n_in, n_out = _arity(target, skip_self=False), self.num_returns
             functions.append(FuncSpec(None, list(range(n_in)), list(range(n_out))))
-        pp = FuncProcessPoint(
-            name=name or target.__name__, py_func=target, resources=self.resources
-        )
+        if name is None:  # first node: the function's name; then name_1, name_2, ...
+            k = self._made
+            name = target.__name__ if k == 0 else f"{target.__name__}_{k}"
+        self._made += 1
+        pp = FuncProcessPoint(name=name, py_func=target, resources=self.resources)
         pp.udf = UdfSpec(target, tuple(init_args), dict(init_kwargs), functions)
         node = PyFlowNode(n_in, n_out, name=name)
         node.method_specs = {f.method: f for f in functions if f.method}
