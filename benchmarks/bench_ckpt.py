@@ -9,11 +9,13 @@ w1 / w2 / norms, lm_head; default 4 GiB in total) is written as full tensors, th
 * torch DCP: load TP4 DCP into TP2 DTensors (``dcp.load``, one fake-PG rank at a time, then save
   each rank's shards) and ``dcp_to_torch_save`` (torch's unify).
 
-Every task runs in a child process; peak RSS is that child's ``ru_maxrss`` (children included).
-Before each task dirty pages are synced and the source files are dropped from the page cache
-(``posix_fadvise(DONTNEED)``), so reads come from disk as in a real conversion.
+Every task runs in a child process; peak RSS is that child's ``ru_maxrss`` (with worker
+processes: the sampled sum of their PSS). Before each run dirty pages are synced and the source
+files are dropped from the page cache (``posix_fadvise(DONTNEED)``), so reads come from disk as
+in a real conversion; ``--warm`` instead reads them into the cache first, which measures the
+CPU/memory cost without the disk. Each timed task runs ``--repeat`` times; the median is shown.
 
-Usage: ``python benchmarks/bench_ckpt.py [--size 4GiB] [--workdir DIR] [--processes 2]``
+Usage: ``python benchmarks/bench_ckpt.py [--size 4GiB] [--workdir DIR] [--processes 2] [--warm]``
 """
 
 from __future__ import annotations
@@ -287,6 +289,19 @@ def evict(paths: list[Path]) -> None:
 
 
 REPEAT = 1
+WARM = False
+
+
+def warm(paths: list[Path]) -> None:
+    """Read the given files once so the timed run finds them in the page cache."""
+    os.sync()
+    buf = bytearray(16 << 20)
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
 
 
 def run(name: str, *args: str, cold: list[Path] = (), out: Path | None = None) -> dict:
@@ -295,7 +310,10 @@ def run(name: str, *args: str, cold: list[Path] = (), out: Path | None = None) -
     for _ in range(REPEAT):
         if out is not None:
             shutil.rmtree(out, ignore_errors=True)
-        evict(list(cold))
+        if WARM:
+            warm(list(cold))
+        else:
+            evict(list(cold))
         cmd = [sys.executable, str(HERE), "--child", name, *map(str, args)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -354,9 +372,14 @@ def main() -> None:
     ap.add_argument("--no-dcp", action="store_true", help="skip the torch DCP comparisons")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--repeat", type=int, default=3, help="runs per timed task (median taken)")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="sources in the page cache (default: evicted, read from disk)",
+    )
     args = ap.parse_args()
-    global REPEAT
-    REPEAT = args.repeat
+    global REPEAT, WARM
+    REPEAT, WARM = args.repeat, args.warm
     size = parse_size(args.size)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -394,7 +417,8 @@ def main() -> None:
         record("tessel shard HF -> TP2xDP2+opt", run("shard", hf, a22, s["dp2tp2"], cold=[hf]),
                total, "shard")  # fmt: skip
         nbytes = tensor_bytes(a4)
-        print("timed (sources evicted from the page cache before each run):", flush=True)
+        how = "read into the page cache" if WARM else "evicted from the page cache"
+        print(f"timed (sources {how} before each run; median of {REPEAT}):", flush=True)
         out = work / "out"
         clean(out)
         record("copy: shutil.copyfile (TP4 files)", run("copyfile", a4, out, cold=[a4], out=out),
