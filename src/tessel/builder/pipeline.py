@@ -92,7 +92,9 @@ def build(
     t = time.perf_counter()
     programs = _lower_all(captured, plan, plan_world)
     timings["lower"] = time.perf_counter() - t
+    t = time.perf_counter()
     manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
+    timings["pack"] = time.perf_counter() - t
     manifest["timings"] = timings
     return BuiltModel(manifest, members, timings)
 
@@ -136,7 +138,7 @@ def _pack(
     }
     if replicated:  # stored once, shared by every rank
         members["weights/replicated.safetensors"] = tensors_to_bytes(
-            {fqn: state[fqn].detach().clone() for fqn in sorted(replicated)}
+            {fqn: state[fqn] for fqn in sorted(replicated)}
         )
     replicated_bytes = sum(state[f].numel() * state[f].element_size() for f in replicated)
     for rank, device in enumerate(cluster.devices):
@@ -152,9 +154,9 @@ def _pack(
             if fqn in replicated:
                 continue
             placements = plan.out_placements(placeholders[ph])
-            shards[fqn] = local_shard(state[fqn], placements, plan.mesh_shape, mesh_rank).clone()
+            shards[fqn] = local_shard(state[fqn], placements, plan.mesh_shape, mesh_rank)
         for cname, value in rp.constants.items():
-            shards[f"__constant__.{cname}"] = value.clone()
+            shards[f"__constant__.{cname}"] = value
         weight_members = ["weights/replicated.safetensors"] if replicated else []
         if shards:
             name = f"weights/rank_{rank}.safetensors"

@@ -59,7 +59,17 @@ def write_package(path: str | Path, manifest: dict, members: dict[str, bytes]) -
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    return save_safetensors({k: v.contiguous() for k, v in tensors.items()})
+    """safetensors bytes; tensors that share storage (tied weights, views) are copied apart."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return save_safetensors(out)
 
 
 @dataclass

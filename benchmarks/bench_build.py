@@ -1,0 +1,81 @@
+"""Benchmark 1 of issue 2: build time by phase for GPT-2 (width 768) on a 1-D mesh of 4.
+
+The peer, meta-pytorch/autoparallel, cannot be installed here (it is not on the package
+registries), so its figures are the ones measured on this kind of machine in
+shared/reference/peer-baselines.md §1.4 (gpt2, mesh 4, tp mode: 6.9 / 14.7 / 56.1 s end to end).
+Note the difference in work: autoparallel plans a joint forward+backward training graph, tessel
+an inference forward graph, and tessel also writes the weights of every rank to one file.
+
+    python benchmarks/bench_build.py [--layers 2 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+PEER_TOTAL_S = {2: 6.9, 8: 14.7, 32: 56.1}  # autoparallel, gpt2, mesh (4,), tp mode
+
+
+def gpt2(layers: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=768, n_head=12, n_layer=layers, vocab_size=50304, n_positions=1024)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    args = parser.parse_args()
+
+    import tessel
+
+    rows = []
+    for layers in args.layers:
+        model = gpt2(layers)
+        ids = torch.randint(0, 50304, (args.batch, args.seq))
+        t = time.perf_counter()
+        built = tessel.build(model, {"input_ids": ids, "use_cache": False}, cluster=args.devices)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = built.save(os.path.join(tmp, "gpt2"))
+            size = path.stat().st_size
+        total = time.perf_counter() - t
+        phases = {k: round(v, 2) for k, v in built.timings.items()}
+        solver = built.manifest["plan"]["solver"]
+        rows.append(
+            {
+                "layers": layers,
+                "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "phases_s": phases,
+                "total_s": round(total, 2),
+                "peer_total_s": PEER_TOTAL_S.get(layers),
+                "ratio": round(total / PEER_TOTAL_S[layers], 3) if layers in PEER_TOTAL_S else None,
+                "decisions": solver["decisions"],
+                "ilp_variables": solver["variables"],
+                "package_MiB": round(size / 2**20, 1),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+        del model, built
+    print()
+    print(f"{'layers':>6} {'capture':>8} {'strategies':>10} {'solve':>6} {'lower':>6} {'save':>6} {'total':>7} {'peer':>6} {'ratio':>6}")
+    for r in rows:
+        p = r["phases_s"]
+        print(
+            f"{r['layers']:>6} {p.get('capture', 0):>8.2f} {p.get('strategies', 0):>10.2f} {p.get('solve', 0):>6.2f} "
+            f"{p.get('lower', 0):>6.2f} {p.get('save', 0):>6.2f} {r['total_s']:>7.2f} {r['peer_total_s'] or 0:>6.1f} {r['ratio'] or 0:>6.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Benchmark 2 of issue 2: run_graph latency against torch's own tensor parallel.
+
+Llama (4 layers, width 256, 8 heads, vocab 8192, seq 128, batch 4), fp32, at 2 and 4 CPU
+processes. Side by side in one run:
+  - tessel, planned for the default cluster (weights may stay replicated);
+  - tessel, planned for devices too small for replicated weights (weights sharded);
+  - torch tensor parallel: `parallelize_module` with ColwiseParallel/RowwiseParallel on the
+    Megatron plan, the same model, process count and threads per process.
+Each figure is the median of 10 runs after 3 warm-up runs; torch TP takes the slowest rank.
+
+    python benchmarks/bench_run.py [--devices 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 8192, 128, 4
+WARMUP, REPEAT = 3, 10
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def inputs() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    model = llama()
+    ids = inputs()
+    with torch.no_grad():
+        reference = model(input_ids=ids, use_cache=False).logits
+    plan = {}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+    times = []
+    with torch.no_grad():
+        for i in range(WARMUP + REPEAT):
+            dist.barrier()
+            t = time.perf_counter()
+            logits = model(input_ids=ids, use_cache=False).logits
+            dist.barrier()
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t)
+    worst = torch.tensor(times)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        out["median_ms"] = 1e3 * statistics.median(worst.tolist())
+        out["max_abs_diff"] = (logits - reference).abs().max().item()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def torch_tp(world: int, threads: int) -> dict:
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_tp_rank, args=(world, _free_port(), threads, out), nprocs=world, join=True)
+    result = dict(out)
+    manager.shutdown()
+    return result
+
+
+def tessel_run(world: int, tight: bool, threads: int) -> dict:
+    import tessel
+    from tessel.capture import capture
+    from tessel.config.cluster import cluster_from_dict
+    from tessel.demo import tight_cluster
+    from tessel.plan.planner import captured_activation_bytes
+
+    model = llama()
+    ids = inputs()
+    kwargs = {"input_ids": ids, "use_cache": False}
+    with torch.no_grad():
+        reference = model(**kwargs).logits
+    captured = capture(model, kwargs)
+    if tight:
+        weights = sum(p.numel() * 4 for p in model.parameters())
+        cluster = cluster_from_dict(tight_cluster(world, weights, captured_activation_bytes(captured)), "tight")
+    else:
+        cluster = world
+    built = tessel.build(captured, cluster=cluster)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = built.save(os.path.join(tmp, "llama"))
+        tessel.initialize()
+        try:
+            session = tessel.Session()
+            session.load_graph(0, {"tessel.threads_per_worker": threads}, path)
+            times = []
+            for i in range(WARMUP + REPEAT):
+                t = time.perf_counter()
+                (logits,) = session.run_graph(0, [ids])
+                if i >= WARMUP:
+                    times.append(time.perf_counter() - t)
+        finally:
+            tessel.finalize()
+    ranks = built.manifest["plan"]["ranks"]
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "max_abs_diff": (logits - reference).abs().max().item(),
+        "weight_MiB_per_rank": round(ranks[0]["weight_bytes"] / 2**20, 2),
+        "collectives_per_run": len(ranks[0]["collectives"]),
+    }
+
+
+def eager(threads: int) -> float:
+    torch.set_num_threads(threads)
+    model = llama()
+    ids = inputs()
+    times = []
+    with torch.no_grad():
+        for i in range(WARMUP + REPEAT):
+            t = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    print(f"single process, {cores} threads: {eager(cores):.1f} ms", flush=True)
+    rows = []
+    for world in args.devices:
+        threads = max(1, cores // world)
+        peer = torch_tp(world, threads)
+        print(f"torch TP x{world}: {json.dumps(peer)}", flush=True)
+        for tight in (False, True):
+            ours = tessel_run(world, tight, threads)
+            label = "tessel (weights sharded)" if tight else "tessel (default cluster)"
+            print(f"{label} x{world}: {json.dumps(ours)}", flush=True)
+            rows.append((world, label, ours["median_ms"], peer["median_ms"], ours["max_abs_diff"]))
+    print()
+    print(f"{'procs':>5}  {'runtime':<26} {'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}")
+    for world, label, ours, peer, diff in rows:
+        print(f"{world:>5}  {label:<26} {ours:>9.1f} {peer:>11.1f} {ours / peer:>6.2f} {diff:>9.1e}")
+
+
+if __name__ == "__main__":
+    main()
