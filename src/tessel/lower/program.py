@@ -212,6 +212,11 @@ def decode(
             root.register_buffer(name, constants[name].to(device))
             env[name] = graph.get_attr(name)
         elif kind == "call":
+            if device.type != "cpu" and node["target"].endswith("_for_cpu.default"):
+                raise ProgramError(
+                    f"program uses the CPU-only kernel {node['target']}; it was built for cpu, "
+                    f"so it cannot run on {device.type} (rebuild with that device's --soc_version)"
+                )
             target = _resolve(node["target"])
             args = tuple(dec(node["args"]))
             kwargs = {k: dec(v) for k, v in node["kwargs"].items()}

@@ -1,0 +1,84 @@
+"""Benchmark 3 of issue 2: peak RSS per worker against the single-process model.
+
+A Llama whose weights dominate (width 1024, 4 layers, about 330 MiB of fp32 weights) is built for
+1, 2 and 4 CPU devices too small to hold replicated weights, loaded and run once. For each worker
+we read its peak RSS (VmHWM) and subtract the peak RSS of an idle worker (a process that imported
+torch and tessel's runtime and nothing else); what remains is the worker's weight share, reported
+as a fraction of the model's weight bytes. It should fall as 1/N.
+
+    python benchmarks/bench_memory.py [--devices 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+HIDDEN, LAYERS, HEADS, VOCAB = 1024, 4, 16, 8192
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def idle_worker_rss() -> int:
+    code = "import torch, tessel.runtime.worker, tessel.lower.program; print(open('/proc/self/status').read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tessel
+    from tessel.capture import capture
+    from tessel.config.cluster import cluster_from_dict
+    from tessel.demo import tight_cluster
+    from tessel.plan.planner import captured_activation_bytes
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 64)), "use_cache": False}
+    captured = capture(model, kwargs)
+    act = captured_activation_bytes(captured)
+    idle = idle_worker_rss()
+    print(f"model weights {weights / 2**20:.0f} MiB; idle worker peak RSS {idle / 2**20:.0f} MiB")
+    print(f"single process holding the model: weight share 1.00 ({weights / 2**20:.0f} MiB)")
+    print(f"{'devices':>7} {'peak RSS/worker MiB':>20} {'above idle MiB':>15} {'share of weights':>17} {'1/N':>6}")
+    for n in args.devices:
+        cluster = cluster_from_dict(tight_cluster(n, weights, act), "tight") if n > 1 else 1
+        built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = built.save(os.path.join(tmp, "m"))
+            tessel.initialize()
+            try:
+                session = tessel.Session()
+                session.load_graph(0, {}, path)
+                session.run_graph(0, [kwargs["input_ids"]])
+                peaks = [peak_rss(p.pid) for p in session._graphs[0].procs]
+            finally:
+                tessel.finalize()
+        worst = max(peaks)
+        share = (worst - idle) / weights
+        print(f"{n:>7} {worst / 2**20:>20.0f} {(worst - idle) / 2**20:>15.0f} {share:>17.2f} {1 / n:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
