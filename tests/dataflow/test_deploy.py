@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tessel.dataflow import DeployError, LogicDevice, parse_logic_device_list, read_deploy_info
 from tessel.dataflow.errors import RULE_INVOKE_ONE_OF, RULE_ONCE, RULE_SYNTAX
@@ -125,3 +128,32 @@ def test_legacy_deploy_info_comments_and_unknown_keys(tmp_path):
         read_deploy_info(bad)
     with pytest.raises(DeployError, match="file not found"):
         read_deploy_info(tmp_path / "missing.json")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), min_size=3, max_size=4),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_expansion_is_the_product_of_the_ranges(items):
+    texts, expected = [], set()
+    for parts in items:
+        ranges = [range(lo, lo + n + 1) for lo, n in parts]
+        texts.append(
+            ":".join(f"{r.start}~{r.stop - 1}" if len(r) > 1 else str(r.start) for r in ranges)
+        )
+        if len(ranges) == 3:
+            ranges.append(range(1))
+        expected |= set(itertools.product(*ranges))
+    total = sum(len(list(itertools.product(*[range(n + 1) for _, n in p]))) for p in items)
+    text = ",".join(texts)
+    if total != len(expected):  # overlapping items list a device twice: an error
+        with pytest.raises(DeployError, match="twice"):
+            parse_logic_device_list(text)
+        return
+    got = parse_logic_device_list(text, keep_order=False)
+    assert {(d.cluster, d.server, d.device, d.numa) for d in got} == expected
+    assert got == sorted(got) and len(got) == total

@@ -385,3 +385,37 @@ def test_channel_moves_tensors_through_shared_pages():
     assert base <= view.data_ptr() < base + len(ch._mm)
     ch.release(slot)
     assert ch.free.get_value() == 2
+
+
+def test_values_larger_than_a_slot_still_arrive(cluster4):
+    x = df.FlowData()
+    g = df.FlowGraph([inc.fnode(name="big")(x)], {"tessel.dataflow.slot_bytes": "1024"})
+    big = torch.arange(10_000, dtype=torch.float64)  # 80 kB: torch's shared-memory path
+    g.feed_data({x: big})
+    g.feed({x: np.arange(5000)})  # 40 kB array: pickled through the pipe
+    torch.testing.assert_close(g.fetch_data()[0][0], big + 1)
+    assert np.array_equal(g.fetch()[0][0], np.arange(5000) + 1)
+
+
+def test_seed_range_gives_four_running_instances(tmp_path, cluster4):
+    @df.pyflow
+    def where(v):
+        return df.get_running_instance_id(), df.get_running_device_id()
+
+    x = df.FlowData()
+    g = df.FlowGraph(
+        [where.fnode(name="w")(x)],
+        deploy(tmp_path, [{"flow_node_list": ["w"], "logic_device_list": "0:0:0~1:0~1"}]),
+    )
+    placed = g.plan()
+    assert [str(i.device) for i in placed.nodes["w"].instances] == [
+        "0:0:0:0",
+        "0:0:0:1",
+        "0:0:1:0",
+        "0:0:1:1",
+    ]
+    for i in range(8):
+        g.feed({x: i})
+    got = [g.fetch()[0][0] for _ in range(8)]
+    assert got == [(k % 4, [0, 0, 1, 1][k % 4]) for k in range(8)]
+    assert len(g.worker_pids()) == 4

@@ -149,3 +149,26 @@ def test_dead_actor_is_reported_and_others_keep_serving(tmp_path, two_hosts):
 
 def _actors(g):
     return [((n, i), a) for n, hs in g._executor.actors.items() for i, a in enumerate(hs)]
+
+
+def test_nested_flow_graph_and_pyflow_class_on_ray(tmp_path, two_hosts):
+    @df.pyflow
+    class Offset:
+        def __init__(self, k):
+            self.k = k
+
+        def __call__(self, v):
+            inner = df.get_run_context().run_flow_model("sub", [v])[0]
+            return inner + self.k
+
+    y = df.FlowData()
+    sub = df.FlowGraph([inc.fnode(name="inner")(y)])
+    node = Offset.fnode(100, name="outer")
+    node.pp.add_invoked_closure("sub", df.FlowGraphProcessPoint(sub))
+    x = df.FlowData()
+    g = df.FlowGraph(
+        [node(x)], deploy(tmp_path, [{"flow_node_list": ["outer"], "logic_device_list": "0:1:1"}])
+    )
+    g.feed({x: 1})
+    g.feed({x: 2})
+    assert [g.fetch(timeout=60_000)[0][0] for _ in range(2)] == [102, 103]

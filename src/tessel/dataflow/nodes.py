@@ -124,6 +124,10 @@ class FlowNode:
             raise ValueError(
                 f"FlowNode {self.name!r}: enqueue policy must be one of FIFO, OVERWRITE"
             )
+        if attr_name == "_flow_attr_enqueue_policy" and attr_value == "OVERWRITE":
+            raise NotImplementedError(
+                f"FlowNode {self.name!r}: OVERWRITE queues are not supported; tessel's are FIFO"
+            )
         self.attrs[attr_name] = attr_value
         return self
 
