@@ -286,20 +286,21 @@ def test_nested_flow_graph_as_invoked_closure(cluster4):
     assert g.fetch() == ([42], 0)
 
 
-def test_balance_scatter_delivers_everything_in_order(tmp_path, cluster4):
+@pytest.mark.parametrize("how", ["scatter", "dynamic_schedule"])
+def test_balance_scatter_delivers_everything_in_order(tmp_path, cluster4, how):
     x = df.FlowData()
-    src = inc.fnode(name="src").set_balance_scatter()
+    src = inc.fnode(name="src")
+    if how == "scatter":
+        src.set_balance_scatter()
     out = flaky.fnode(name="work")(src(x))
-    g = df.FlowGraph(
-        [out],
-        deploy(
-            tmp_path,
-            [
-                {"flow_node_list": ["src"], "logic_device_list": "0:0:0"},
-                {"flow_node_list": ["work"], "logic_device_list": "0:0:1~3"},
-            ],
-        ),
-    )
+    entries = [
+        {"flow_node_list": ["src"], "logic_device_list": "0:0:0"},
+        {"flow_node_list": ["work"], "logic_device_list": "0:0:1~3"},
+    ]
+    path = tmp_path / "deploy.json"
+    data = {"batch_deploy_info": entries, "dynamic_schedule_enable": how == "dynamic_schedule"}
+    g = df.FlowGraph([out], {df.DEPLOY_INFO_OPTION: write_json(path, data)})
+    assert g.plan().dynamic_schedule == (how == "dynamic_schedule")
     for i in range(40):
         g.feed({x: i})
     ok, failed = drain(g, 40)

@@ -52,6 +52,7 @@ class NodePlacement:
 class GraphPlacement:
     source: str
     nodes: dict[str, NodePlacement]
+    dynamic_schedule: bool = False  # deploy file's dynamic_schedule_enable: least-loaded routing
 
     @property
     def servers(self) -> set[int]:
@@ -190,7 +191,7 @@ class Placer:
         for n in spec.nodes:
             devs, entry, key = chosen[n.name]
             out[n.name] = self._place_node(n, devs, entry, source, key)
-        return GraphPlacement(source, out)
+        return GraphPlacement(source, out, bool(info and info.dynamic_schedule_enable))
 
     def _place_node(
         self, n: NodeSpec, devs: list[LogicDevice], entry: DeployEntry | None, source: str, key: str

@@ -2,7 +2,8 @@
 
 The parent builds every channel (transport.Channel) before forking, so workers inherit the shared
 pages and pipes. Transactions go to consumer instance `(tid - 1) % n` (round-robin by transaction
-id), or to the least-loaded one after a balance-scatter node. A collector thread in the parent
+id), or to the least-loaded one after a balance-scatter node (or everywhere, with the deploy
+file's `dynamic_schedule_enable`), for consumers with one input. A collector thread in the parent
 reads the graph outputs, failure reports and worker exits; a dead worker's held transactions are
 read from its channels' slot headers and reported failed, and the graph keeps serving the rest.
 """
@@ -225,9 +226,9 @@ class LocalExecutor:
                     )
                     cw.inputs.append(ch)
                     chans.append(ch)
-                scatter = False
+                scatter = self.placement.dynamic_schedule
                 if src[0] == "node":
-                    scatter = self.spec.node(src[1]).scatter
+                    scatter = scatter or self.spec.node(src[1]).scatter
                 out.append(
                     Route(cname, idx, chans, [cw.gid for cw in ws], scatter, consumer.n_in == 1)
                 )
