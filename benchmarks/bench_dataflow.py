@@ -76,10 +76,12 @@ def drive(
 
 
 # ---- tessel.dataflow ---------------------------------------------------------------------
-def run_tessel(model: Path, tmp: Path, count: int, window: int, numel: int) -> tuple[float, list]:
+def run_tessel(
+    model: Path, tmp: Path, count: int, window: int, numel: int, backend: str = "local"
+) -> tuple[float, list]:
     import tessel.dataflow as df
 
-    df.init({"tessel.dataflow.local_devices": "2"})
+    df.init({"tessel.dataflow.local_devices": "2", "tessel.dataflow.backend": backend})
     x = df.FlowData()
     pre_node = df.pyflow(pre).fnode(name="pre")
     model_node = df.GraphProcessPoint(df.Framework.PYTORCH, str(model), name="model").fnode()
@@ -253,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=16, help="transactions in flight (default 16)")
     ap.add_argument("--latency-count", type=int, default=300, help="transactions for latency")
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument(
+        "--tessel-ray", action="store_true", help="also run tessel.dataflow on its Ray backend"
+    )
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     numel = int(args.mib * (1 << 20) // 4)
@@ -294,6 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_ray:
             thr, lat = run_ray(model, tmp, n, w, numel, args.latency_count)
             rows.append(summarize("Ray actors", n, thr, lat))
+        if args.tessel_ray:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            import ray
+
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp / "ray2"))
+            try:
+                thr = run_tessel(model, tmp, n, w, numel, "ray")
+                lat = run_tessel(model, tmp, args.latency_count, 1, numel, "ray")
+            finally:
+                ray.shutdown()
+            rows.append(summarize("tessel.dataflow (Ray backend)", n, thr, lat))
     base = rows[0]["tx_per_s"]
     print("\nratios (tessel.dataflow throughput / other):")
     for r in rows[1:]:

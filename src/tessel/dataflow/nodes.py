@@ -97,7 +97,10 @@ class FlowNode:
             raise IndexError(f"FlowNode {self.name!r}: input {node_input_index} out of range")
         self.input_map[node_input_index] = pp_input_index
         if input_attrs:
-            self.input_attrs[node_input_index] = list(input_attrs)
+            raise NotImplementedError(
+                f"FlowNode {self.name!r}: input attributes (TimeBatch, CountBatch) are not "
+                "supported by tessel.dataflow yet"
+            )
         return self
 
     def map_output(
