@@ -420,3 +420,32 @@ def test_seed_range_gives_four_running_instances(tmp_path, cluster4):
     got = [g.fetch()[0][0] for _ in range(8)]
     assert got == [(k % 4, [0, 0, 1, 1][k % 4]) for k in range(8)]
     assert len(g.worker_pids()) == 4
+
+
+def test_many_failures_before_a_join_do_not_exhaust_its_queues(tmp_path, cluster4):
+    @df.pyflow
+    def odd_only(v):
+        if v % 2 == 0:
+            raise ValueError("even")
+        return v
+
+    @df.pyflow
+    def slow_copy(v):
+        import time
+
+        time.sleep(0.002)
+        return v
+
+    @df.pyflow
+    def join(a, b):
+        return a + b
+
+    x = df.FlowData()
+    out = join.fnode(name="join")(odd_only.fnode(name="odd")(x), slow_copy.fnode(name="slow")(x))
+    g = df.FlowGraph([out]).set_exception_catch(True)
+    n = 100  # 50 failures, far more than a queue's 8 slots
+    for i in range(n):
+        g.feed({x: i}, timeout=30_000)
+    codes = [g.fetch(timeout=30_000) for _ in range(n)]
+    assert [c for _, c in codes] == [df.FAILED if i % 2 == 0 else 0 for i in range(n)]
+    assert [o[0] for o, c in codes if c == 0] == [2 * i for i in range(1, n, 2)]

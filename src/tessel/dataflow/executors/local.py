@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ SLOT_BYTES_OPTION = "tessel.dataflow.slot_bytes"
 DEFAULT_SLOT_BYTES = 4 << 20
 START_TIMEOUT_S = 300.0
 SINK = "<fetch>"
+_ABORTED_KEEP = 100_000  # failed transaction ids a worker remembers, to drop their late inputs
 
 
 @dataclass
@@ -135,6 +137,8 @@ def _worker_main(w: Worker, alive: Any, stopping: Any, parent: int) -> None:
     control = w.control[0]
     readers = [*by_reader, control]
     pending: dict[int, list] = {}  # tid -> [values, held (channel, slot) pairs, count, info]
+    aborted: set[int] = set()
+    aborted_order: deque[int] = deque()
     name = w.node.deploy_name
 
     def fail(tid: int, err: str, tb: str = "") -> None:
@@ -155,9 +159,16 @@ def _worker_main(w: Worker, alive: Any, stopping: Any, parent: int) -> None:
                     entry = pending.pop(msg[1], None)
                     for ch, slot in entry[1] if entry else ():
                         ch.release(slot)
+                    aborted.add(msg[1])
+                    aborted_order.append(msg[1])
+                    if len(aborted_order) > _ABORTED_KEEP:
+                        aborted.discard(aborted_order.popleft())
                 continue
             ch = by_reader[r]
             tid, dst, slot, meta, info = r.recv()
+            if tid in aborted:  # the transaction failed elsewhere: drop its late inputs
+                ch.release(slot)
+                continue
             entry = pending.get(tid)
             if entry is None:
                 entry = pending[tid] = [[None] * w.node.n_in, [], 0, info]
