@@ -412,10 +412,16 @@ def main() -> None:
             run("gen", hf, size)
         base = run("noop")
         print(f"  baseline RSS of python + torch + tessel: {base['maxrss'] / 2**20:.0f} MiB")
-        clean(a4, a22)
-        record("tessel shard HF -> TP4", run("shard", hf, a4, s["tp4"], cold=[hf]), total, "shard")
-        record("tessel shard HF -> TP2xDP2+opt", run("shard", hf, a22, s["dp2tp2"], cold=[hf]),
-               total, "shard")  # fmt: skip
+        if not (args.reuse and a4.exists() and a22.exists()):
+            clean(a4, a22)
+            record("tessel shard HF -> TP4", run("shard", hf, a4, s["tp4"], cold=[hf]), total,
+                   "shard")  # fmt: skip
+            record(
+                "tessel shard HF -> TP2xDP2+opt",
+                run("shard", hf, a22, s["dp2tp2"], cold=[hf]),
+                total,
+                "shard",
+            )
         nbytes = tensor_bytes(a4)
         how = "read into the page cache" if WARM else "evicted from the page cache"
         print(f"timed (sources {how} before each run; median of {REPEAT}):", flush=True)
@@ -447,12 +453,13 @@ def main() -> None:
         clean(out)
         if not args.no_dcp:
             dcp_dir = work / "dcp_tp4"
-            clean(dcp_dir)
-            init = work / "gloo_init"
-            init.unlink(missing_ok=True)
-            res = run_parallel("dcp_save", [[str(a4), str(dcp_dir), str(s["tp4"]), str(r), "4",
-                                             str(init)] for r in range(4)])  # fmt: skip
-            record("(setup) torch dcp.save TP4, 4 gloo ranks", res, nbytes, "setup")
+            if not (args.reuse and (dcp_dir / ".metadata").exists()):
+                clean(dcp_dir)
+                init = work / "gloo_init"
+                init.unlink(missing_ok=True)
+                res = run_parallel("dcp_save", [[str(a4), str(dcp_dir), str(s["tp4"]), str(r),
+                                                 "4", str(init)] for r in range(4)])  # fmt: skip
+                record("(setup) torch dcp.save TP4, 4 gloo ranks", res, nbytes, "setup")
             record(
                 "torch DCP reshard TP4 -> TP2 (dcp.load)",
                 run("dcp_reshard", dcp_dir, out, 2, s["tp2"], cold=[dcp_dir], out=out),
