@@ -156,3 +156,21 @@ def test_save_is_atomic(built, tmp_path, monkeypatch):
         fmt.write_package(target, {"format": "x"}, {"a": b"1"})
     assert target.read_bytes() == b"earlier output"
     assert [p.name for p in tmp_path.iterdir()] == ["keep.tessel"]
+
+
+def test_package_carries_a_strategy_file_for_checkpoint_tools(built, tmp_path):
+    from tessel.parallel import load_strategy
+
+    _, _, path, _ = built
+    package = Package.open(path)
+    target = tmp_path / "strategy.json"
+    target.write_bytes(package.read(package.manifest["strategy"]))
+    strategy = load_strategy(target)
+    layouts = package.json(package.manifest["layouts"])
+    assert set(strategy.params) == set(layouts)
+    for name, layout in layouts.items():
+        p = strategy.params[name]
+        assert list(p.shape) == layout["shape"]
+        sharded_dims = [d for d, axes in enumerate(p.tensor_map) if axes]
+        expected = [int(x[2:-1]) for x in layout["placements"] if x.startswith("S(")]
+        assert sharded_dims == expected

@@ -203,6 +203,9 @@ def _pack(
         for ph, fqn in weights
     }
     members["layouts.json"] = json.dumps(layouts, indent=1).encode()
+    members["strategy.json"] = json.dumps(
+        _strategy_file(plan, placeholders, weights, state)
+    ).encode()
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -221,9 +224,25 @@ def _pack(
         "outputs": outputs,
         "submodels": submodels,
         "layouts": "layouts.json",
+        "strategy": "strategy.json",
         "plan": _explain(plan, layouts, ranks_report),
     }
     return manifest, members
+
+
+def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict) -> dict:
+    """The weights' layouts as a tessel strategy file, for `tessel ckpt` to shard checkpoints into."""
+    from tessel.parallel.dtensor import layout_from_dtensor
+    from tessel.parallel.strategy import Strategy, param_from_layout
+
+    params = {}
+    for ph, fqn in weights:
+        tensor = state[fqn]
+        layout = layout_from_dtensor(
+            plan.mesh_shape, plan.out_placements(placeholders[ph]), tensor.dim(), ["tp"]
+        )
+        params[fqn] = param_from_layout(fqn, layout, tuple(tensor.shape), tensor.dtype)
+    return Strategy(params, "package").to_json()
 
 
 def _input_spec(name: str, x: torch.Tensor) -> dict:
