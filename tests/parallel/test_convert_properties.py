@@ -120,7 +120,7 @@ def _check_rank_files(d: Path, full, strat: Strategy):
             assert torch.equal(got[k], want[k]), (r, k)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(strategy_pair(), st.sampled_from([1, 1, 2]))
 def test_convert_round_trip_unify_and_slices(pair, procs):
     sa, sb, shapes = pair
@@ -144,7 +144,7 @@ def test_convert_round_trip_unify_and_slices(pair, procs):
             assert torch.equal(got[k], full[k])
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(strategy_pair(), st.data())
 def test_rank_list_for_convert_is_sufficient_and_minimal(pair, data):
     sa, sb, shapes = pair
