@@ -79,6 +79,15 @@ class FuncProcessPoint(ProcessPoint):
                 f"FuncProcessPoint {self.name!r}: py_func is required; tessel runs Python UDFs only "
                 "(C++ UDF projects built from compile_config_path are not supported)"
             )
+        if inspect.isclass(py_func) and not (
+            _defines_call(py_func) or hasattr(py_func, "proc") or _has_pyflow_methods(py_func)
+        ):
+            raise TypeError(
+                f"FuncProcessPoint {self.name!r}: class {py_func.__qualname__} needs __call__ "
+                "or a proc method to run per transaction"
+            )
+        if not inspect.isclass(py_func) and not callable(py_func):
+            raise TypeError(f"FuncProcessPoint {self.name!r}: py_func must be callable")
         self.py_func = py_func
         self.workspace_dir = workspace_dir
         self.init_params: dict[str, Any] = {}
@@ -120,6 +129,10 @@ class FuncProcessPoint(ProcessPoint):
         if inspect.isclass(self.py_func) and not _defines_call(self.py_func):
             method = "proc"
         return [FuncSpec(method, list(range(input_num)), list(range(output_num)))]
+
+
+def _has_pyflow_methods(cls: type) -> bool:
+    return any(hasattr(f, "__tessel_dataflow_method__") for f in vars(cls).values())
 
 
 def _defines_call(cls: type) -> bool:
