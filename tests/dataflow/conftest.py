@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -17,12 +18,21 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def _forked_children() -> set[int]:
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
+
+
+def _children(forked_only: bool) -> set[int]:
+    """Child processes: all of them, or only those forked from this process (its workers)."""
     me = psutil.Process()
     out = set()
     for c in me.children(recursive=True):
         try:
-            if c.cmdline() == me.cmdline():
+            cmd = c.cmdline()
+            if "resource_tracker" in " ".join(cmd):
+                continue  # multiprocessing's tracker lives as long as the test process
+            if not forked_only or cmd == me.cmdline():
                 out.add(c.pid)
         except psutil.Error:
             pass
@@ -31,16 +41,18 @@ def _forked_children() -> set[int]:
 
 @pytest.fixture(autouse=True)
 def no_leftover_workers():
-    """Every worker this test forked is gone once the test has finalized."""
-    before = _forked_children()
+    """Every process this test started is gone once it has finalized. While the module's Ray
+    session runs, Ray's own processes are exempt; the test's forked workers are not."""
+    before = _children(False)
     yield
     df.finalize()
-    deadline = time.monotonic() + 5
-    left = _forked_children() - before
+    forked_only = _ray_running()
+    deadline = time.monotonic() + 10
+    left = _children(forked_only) - before
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = _forked_children() - before
-    assert not left, f"worker processes outlived the test: {sorted(left)}"
+        left = _children(forked_only) - before
+    assert not left, f"processes outlived the test: {sorted(left)}"
 
 
 def write_cluster(path: Path, nodes: list[int], soc_type: str = "cpu") -> Path:
