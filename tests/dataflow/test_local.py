@@ -449,3 +449,18 @@ def test_many_failures_before_a_join_do_not_exhaust_its_queues(tmp_path, cluster
     codes = [g.fetch(timeout=30_000) for _ in range(n)]
     assert [c for _, c in codes] == [df.FAILED if i % 2 == 0 else 0 for i in range(n)]
     assert [o[0] for o, c in codes if c == 0] == [2 * i for i in range(1, n, 2)]
+
+
+def test_cpu_devices_can_pin_their_workers_to_cores(tmp_path, cluster4):
+    @df.pyflow
+    def cores(v):
+        return sorted(os.sched_getaffinity(0))
+
+    x = df.FlowData()
+    opts = deploy(tmp_path, [{"flow_node_list": ["c"], "logic_device_list": "0:0:0~1"}])
+    g = df.FlowGraph([cores.fnode(name="c")(x)], {**opts, "tessel.dataflow.pin_cpu_devices": "1"})
+    g.feed({x: 0})
+    g.feed({x: 1})
+    mine = sorted(os.sched_getaffinity(0))
+    got = [g.fetch()[0][0] for _ in range(2)]
+    assert got == [[mine[0]], [mine[1 % len(mine)]]]

@@ -29,6 +29,7 @@ from tessel.dataflow.spec import GraphSpec, NodeSpec
 from tessel.dataflow.transport import Channel
 
 SLOT_BYTES_OPTION = "tessel.dataflow.slot_bytes"
+PIN_OPTION = "tessel.dataflow.pin_cpu_devices"  # "1": a CPU device's workers run on one core
 DEFAULT_SLOT_BYTES = 4 << 20
 START_TIMEOUT_S = 300.0
 SINK = "<fetch>"
@@ -115,10 +116,19 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker_main(w: Worker, alive: Any, stopping: Any, parent: int) -> None:
+def _pin_to_device(inst: Instance) -> None:
+    """A CPU logical device is one core of this host: device_id modulo the cores we may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    phys = int(inst.torch_device.split(":")[1]) if ":" in inst.torch_device else inst.device.device
+    os.sched_setaffinity(0, {cores[phys % len(cores)]})
+
+
+def _worker_main(w: Worker, alive: Any, stopping: Any, parent: int, pin: bool = False) -> None:
     """Body of a worker process: build the node, then serve transactions until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _set_parent_death_signal()
+    if pin and w.inst.kind == "cpu" and not w.inst.device.is_host:
+        _pin_to_device(w.inst)
     import torch
 
     torch.set_num_threads(1)
@@ -200,6 +210,7 @@ class LocalExecutor:
         self.spec = spec
         self.placement = placement
         self.slot_bytes = int(options.get(SLOT_BYTES_OPTION, DEFAULT_SLOT_BYTES))
+        self.pin = options.get(PIN_OPTION, "0").lower() in ("1", "true")
         self.book = ResultBook(len(spec.outputs))
         self.ctx = mp.get_context("fork")
         self.workers: list[Worker] = []
@@ -280,7 +291,7 @@ class LocalExecutor:
         for w in self.workers:
             p = self.ctx.Process(
                 target=_worker_main,
-                args=(w, self.alive, self.stopping, parent),
+                args=(w, self.alive, self.stopping, parent, self.pin),
                 name=f"tessel-df-{w.node.deploy_name}-{w.index}",
                 daemon=True,
             )
