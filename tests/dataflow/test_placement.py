@@ -128,6 +128,19 @@ def test_model_targeting_another_kind_of_device(tmp_path, pt2_model):
     assert placed.nodes["m"].instances[0].device.is_host
 
 
+def test_tessel_model_targeting_another_kind_of_device(tmp_path, tessel_model):
+    cfg = write_cluster(tmp_path / "numa_config.json", [2], soc_type="H100")
+    df.init({"ge.resourceConfigPath": str(cfg), "ge.socVersion": "H100"})
+    x = df.FlowData()
+    out = df.GraphProcessPoint(df.Framework.TESSEL, str(tessel_model), name="om").fnode()(x)
+    p = write_json(
+        tmp_path / "d.json",
+        {"batch_deploy_info": [{"flow_node_list": ["om"], "logic_device_list": "0:0:0"}]},
+    )
+    msg = expect(df.FlowGraph([out], {df.DEPLOY_INFO_OPTION: p}), RULE_CAN_RUN, "om", p)
+    assert "targets cpu" in msg
+
+
 def _udf_with_model(pt2_model, invoked=None):
     x = df.FlowData()
     pp = df.FuncProcessPoint(py_func=CallsModel, name="u")
