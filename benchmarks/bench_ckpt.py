@@ -373,6 +373,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--repeat", type=int, default=3, help="runs per timed task (median taken)")
     ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse sharded inputs already in --workdir (skip the setup writes)",
+    )
+    ap.add_argument(
         "--warm",
         action="store_true",
         help="sources in the page cache (default: evicted, read from disk)",
