@@ -26,20 +26,12 @@ class LogitsOnly(torch.nn.Module):
 def small_llama(
     layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256
 ):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tessel.demo import llama_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LogitsOnly(LlamaForCausalLM(cfg)).eval()
+    return LogitsOnly(LlamaForCausalLM(llama_config(layers, hidden, heads, kv_heads, vocab))).eval()
 
 
 def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):

@@ -21,20 +21,28 @@ from tessel.report import format_plan
 from tessel.runtime import Session, finalize, initialize
 
 
-def demo_model(layers: int, hidden: int = 256, heads: int = 8, vocab: int = 8192):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(
+    layers: int, hidden: int = 256, heads: int = 8, kv_heads: int | None = None, vocab: int = 8192
+):
+    """A Llama config of the given size (MLP 4x wide, untied head), for demos, tests, benchmarks."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(cfg).eval()
+
+
+def demo_model(layers: int, hidden: int = 256, heads: int = 8, vocab: int = 8192):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(layers, hidden, heads, vocab=vocab)).eval()
 
 
 def tight_cluster(devices: int, weight_bytes: int, act_bytes: int) -> dict:

@@ -21,7 +21,13 @@ from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.trace import RankProgram, lower_rank, weight_inputs
 from tessel.lower.weights import local_shard, placement_str
-from tessel.package.format import FORMAT, FORMAT_VERSION, tensors_to_bytes, write_package
+from tessel.package.format import (
+    CONSTANT_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    tensors_to_bytes,
+    write_package,
+)
 from tessel.plan import Plan, make_plan
 from tessel.plan.planner import layer_name
 
@@ -156,7 +162,7 @@ def _pack(
             placements = plan.out_placements(placeholders[ph])
             shards[fqn] = local_shard(state[fqn], placements, plan.mesh_shape, mesh_rank)
         for cname, value in rp.constants.items():
-            shards[f"__constant__.{cname}"] = value
+            shards[f"{CONSTANT_PREFIX}{cname}"] = value
         weight_members = ["weights/replicated.safetensors"] if replicated else []
         if shards:
             name = f"weights/rank_{rank}.safetensors"

@@ -19,37 +19,9 @@ log = logging.getLogger(__name__)
 _VALUE_END = set('"}]0123456789el')  # last char of a string, object, array, number, true/false/null
 
 
-def _strip_comments(text: str) -> str:
-    out: list[str] = []
-    i, n, in_str = 0, len(text), False
-    while i < n:
-        c = text[i]
-        if in_str:
-            out.append(c)
-            if c == "\\" and i + 1 < n:
-                out.append(text[i + 1])
-                i += 1
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-            out.append(c)
-        elif text.startswith("//", i):
-            while i < n and text[i] != "\n":
-                i += 1
-            continue
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            i = n if end < 0 else end + 2
-            continue
-        else:
-            out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _repair_commas(text: str) -> tuple[str, int]:
-    """Drop trailing commas; add a comma between a value and a key that starts the next line."""
+def _normalise(text: str) -> tuple[str, int]:
+    """Drop comments and trailing commas; add a comma between a value and a key that starts the
+    next line. Returns the text and how many commas were repaired."""
     out: list[str] = []
     repairs = 0
     i, n, in_str = 0, len(text), False
@@ -67,23 +39,23 @@ def _repair_commas(text: str) -> tuple[str, int]:
                 last_sig, newline_since = '"', False
             i += 1
             continue
+        if text.startswith("//", i) or text.startswith("/*", i):
+            end = text.find("\n", i) if text[i + 1] == "/" else text.find("*/", i + 2) + 1
+            i = n if end <= 0 else end + (text[i + 1] == "*")
+            newline_since = True
+            continue
         if c.isspace():
             newline_since = newline_since or c == "\n"
             out.append(c)
             i += 1
             continue
         if c in "}]" and last_sig == ",":
-            # remove the trailing comma we emitted
-            for j in range(len(out) - 1, -1, -1):
-                if out[j] == ",":
-                    del out[j]
-                    break
+            del out[len(out) - 1 - out[::-1].index(",")]
             repairs += 1
         elif c == '"' and newline_since and last_sig in _VALUE_END:
             out.append(",")
             repairs += 1
-        if c == '"':
-            in_str = True
+        in_str = c == '"'
         out.append(c)
         last_sig, newline_since = c, False
         i += 1
@@ -103,7 +75,7 @@ def load_json(path: str | Path) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError:
         pass
-    text, repairs = _repair_commas(_strip_comments(raw))
+    text, repairs = _normalise(raw)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

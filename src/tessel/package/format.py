@@ -24,6 +24,7 @@ FORMAT = "tessel.offline_model"
 FORMAT_VERSION = 1
 SUFFIX = ".tessel"
 MANIFEST = "manifest.json"
+CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
 
 
 class PackageError(ValueError):

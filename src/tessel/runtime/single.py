@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from tessel.lower.program import decode
 from tessel.package.format import Package, PackageError
+from tessel.runtime.loader import load_rank
 
 
 def load_model(
@@ -24,16 +24,8 @@ def load_model(
             "and cannot be loaded by the single-device path; load it in a session: "
             "tessel.initialize(), Session().load_graph(graph_id, {}, path), then run_graph",
         )
-    sub = package.submodel(0)
     device = torch.device(device)
-    tensors = package.weights(sub)
-    constants = {
-        k.removeprefix("__constant__."): v
-        for k, v in tensors.items()
-        if k.startswith("__constant__.")
-    }
-    weights = [tensors[name].to(device) for name in sub["weight_order"]]
-    program = decode(package.json(sub["program"]), constants, device, {})
+    program, weights = load_rank(package, 0, device, {})
 
     def run(*inputs: torch.Tensor) -> list[torch.Tensor]:
         with torch.inference_mode():

@@ -16,8 +16,8 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from tessel.lower.program import decode
 from tessel.package.format import Package
+from tessel.runtime.loader import load_rank
 
 
 @dataclass(frozen=True)
@@ -95,15 +95,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 timeout=datetime.timedelta(seconds=spec.timeout_s),
             )
             groups = _groups(package.manifest, spec.world_size)
-        sub = package.submodel(spec.rank)
-        tensors = package.weights(sub)
-        constants = {
-            k.removeprefix("__constant__."): v
-            for k, v in tensors.items()
-            if k.startswith("__constant__.")
-        }
-        weights = [tensors[name].to(device) for name in sub["weight_order"]]
-        program = decode(package.json(sub["program"]), constants, device, groups)
+        program, weights = load_rank(package, spec.rank, device, groups)
         conn.send(("ready", spec.rank, None))
         _serve(spec, conn, program, weights, device)
     except BaseException:  # noqa: BLE001 - report everything to the session, then exit
