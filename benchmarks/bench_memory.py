@@ -2,9 +2,10 @@
 
 A Llama whose weights dominate (width 1024, 4 layers, about 330 MiB of fp32 weights) is built for
 1, 2 and 4 CPU devices too small to hold replicated weights, loaded and run once. For each worker
-we read its peak RSS (VmHWM) and subtract the peak RSS of an idle worker (a process that imported
-torch and tessel's runtime and nothing else); what remains is the worker's weight share, reported
-as a fraction of the model's weight bytes. It should fall as 1/N.
+we read its peak RSS (VmHWM) and its RSS after the run, subtract the peak RSS of an idle worker
+(a process that imported torch and tessel's runtime and nothing else), and report what remains
+as a fraction of the model's weight bytes. Both should fall as 1/N; the peak holds a rank's
+weights twice for a moment (the checked bytes read from the file, then the tensors).
 
     python benchmarks/bench_memory.py [--devices 1 2 4]
 """
@@ -26,6 +27,14 @@ def peak_rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def current_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -61,7 +70,7 @@ def main() -> None:
     idle = idle_worker_rss()
     print(f"model weights {weights / 2**20:.0f} MiB; idle worker peak RSS {idle / 2**20:.0f} MiB")
     print(f"single process holding the model: weight share 1.00 ({weights / 2**20:.0f} MiB)")
-    print(f"{'devices':>7} {'peak RSS/worker MiB':>20} {'above idle MiB':>15} {'share of weights':>17} {'1/N':>6}")
+    print(f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}")
     for n in args.devices:
         cluster = cluster_from_dict(tight_cluster(n, weights, act), "tight") if n > 1 else 1
         built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)
@@ -72,12 +81,16 @@ def main() -> None:
                 session = tessel.Session()
                 session.load_graph(0, {}, path)
                 session.run_graph(0, [kwargs["input_ids"]])
-                peaks = [peak_rss(p.pid) for p in session._graphs[0].procs]
+                procs = session._graphs[0].procs
+                peaks = [peak_rss(p.pid) for p in procs]
+                steady = [current_rss(p.pid) for p in procs]
             finally:
                 tessel.finalize()
-        worst = max(peaks)
-        share = (worst - idle) / weights
-        print(f"{n:>7} {worst / 2**20:>20.0f} {(worst - idle) / 2**20:>15.0f} {share:>17.2f} {1 / n:>6.2f}")
+        worst, now = max(peaks), max(steady)
+        print(
+            f"{n:>7} {worst / 2**20:>20.0f} {(worst - idle) / weights:>11.2f} "
+            f"{now / 2**20:>18.0f} {(now - idle) / weights:>13.2f} {1 / n:>6.2f}"
+        )
 
 
 if __name__ == "__main__":
