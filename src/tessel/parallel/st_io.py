@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from tessel.parallel.strategy import ST_DTYPES, TORCH_TO_ST, dtype_name
 Box = tuple[tuple[int, int], ...]
 MAX_HEADER = 100 * 1024 * 1024
 DIRECT_RUN_BYTES = 1 << 20  # runs this long are copied file to file by the kernel
-PREAD_RUN_BYTES = 4096  # runs this long are read one by one; shorter ones in row blocks
+PREAD_RUN_BYTES = 64 << 10  # runs this long are read one by one; shorter ones via mmap
 BLOCK_BYTES = 64 << 20
 
 
@@ -206,27 +207,45 @@ def fill(buf: torch.Tensor, piece: Piece, fd: int, name: str) -> None:
     if raw is None:
         return
     mv = memoryview(raw)
-    if run * isz >= PREAD_RUN_BYTES or len(loc.shape) <= 1:
-        s = _run_offsets(piece.src_region, loc.shape, k) * isz + loc.offset
+    nb = run * isz
+    s = _run_offsets(piece.src_region, loc.shape, k) * isz + loc.offset
+    groups = 1 + int(np.count_nonzero(np.diff(s) != nb)) if len(s) > 1 else 1
+    if nb >= PREAD_RUN_BYTES or len(loc.shape) <= 1 or groups * 64 <= len(s):
+        # long runs, or runs that follow each other in the file: preadv straight into buf
         d = _run_offsets(piece.dst_region, shape, k) * isz
         if len(s) > 1:
-            will_need(fd, int(s[0]), int(s[-1]) + run * isz)
-        _read_runs(fd, mv, s.tolist(), d.tolist(), run * isz, loc.path, name)
+            will_need(fd, int(s[0]), int(s[-1]) + nb)
+        _read_runs(fd, mv, s.tolist(), d.tolist(), nb, loc.path, name)
         return
-    # short runs: read whole rows of dim 0 in bounded blocks, then copy the sub-box
+    # short scattered runs (a narrow column strip): map the rows they lie in, a bounded block
+    # at a time, and copy the sub-box; only pages holding wanted bytes are read, and each
+    # mapping is dropped before the next, so RSS stays at one block
     row_elems = math.prod(loc.shape[1:])
+    row_bytes = row_elems * isz
     r0, r1 = piece.src_region[0]
-    rows_per = max(1, BLOCK_BYTES // max(1, row_elems * isz))
-    torch_dt = getattr(torch, loc.dtype)
-    dst_view = buf[tuple(slice(a, b) for a, b in piece.dst_region)]
+    rows_per = max(1, BLOCK_BYTES // max(1, row_bytes))
+    npdt = _INT_OF_SIZE[isz]
+    dst_np = raw.view(npdt).reshape(shape)[tuple(slice(a, b) for a, b in piece.dst_region)]
     tail = tuple(slice(a, b) for a, b in piece.src_region[1:])
-    will_need(fd, loc.offset + r0 * row_elems * isz, loc.offset + r1 * row_elems * isz)
+    gran = mmap.ALLOCATIONGRANULARITY
     for r in range(r0, r1, rows_per):
         re = min(r1, r + rows_per)
-        tmp = scratch((re - r, *loc.shape[1:]), torch_dt, slot=1)
-        tv = memoryview(tmp.view(-1).view(torch.uint8).numpy())
-        _pread_exact(fd, tv, loc.offset + r * row_elems * isz, loc.path, name)
-        dst_view[r - r0 : re - r0].copy_(tmp[(slice(None), *tail)])
+        start = loc.offset + r * row_bytes
+        base = start // gran * gran
+        m = mmap.mmap(fd, start - base + (re - r) * row_bytes, prot=mmap.PROT_READ, offset=base)
+        try:
+            if hasattr(m, "madvise"):
+                m.madvise(mmap.MADV_SEQUENTIAL)
+            src = np.frombuffer(m, dtype=npdt, count=(re - r) * row_elems, offset=start - base)
+            np.copyto(
+                dst_np[r - r0 : re - r0], src.reshape(re - r, *loc.shape[1:])[(slice(None), *tail)]
+            )
+            del src
+        finally:
+            m.close()
+
+
+_INT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 _SCRATCH: dict[int, torch.Tensor] = {}
