@@ -174,3 +174,37 @@ def test_package_carries_a_strategy_file_for_checkpoint_tools(built, tmp_path):
         sharded_dims = [d for d, axes in enumerate(p.tensor_map) if axes]
         expected = [int(x[2:-1]) for x in layout["placements"] if x.startswith("S(")]
         assert sharded_dims == expected
+
+
+def test_programs_call_device_neutral_attention(built):
+    """Tracing on CPU picks the CPU flash kernel; programs must carry the device-neutral op so a
+    package built for CUDA or NPU devices runs there."""
+    _, _, path, single = built
+    for pkg in (path, single):
+        package = Package.open(pkg)
+        for sub in package.manifest["submodels"]:
+            targets = [n.get("target") for n in package.json(sub["program"])["nodes"]]
+            assert "aten.scaled_dot_product_attention.default" in targets
+            assert not [t for t in targets if t and t.endswith("_for_cpu.default")]
+
+
+def test_cpu_only_kernel_is_refused_on_another_device():
+    from tessel.lower.program import ProgramError, decode
+
+    program = {
+        "format": "tessel.program/1",
+        "nodes": [
+            {"op": "input", "name": "q"},
+            {
+                "op": "call",
+                "name": "attn",
+                "target": "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                "args": [{"$node": "q"}, {"$node": "q"}, {"$node": "q"}],
+                "kwargs": {},
+            },
+            {"op": "output", "args": [{"$node": "attn"}]},
+        ],
+    }
+    assert decode(program, {}, torch.device("cpu"), {}) is not None
+    with pytest.raises(ProgramError, match="'attn' calls the CPU-only kernel.*cannot run on meta"):
+        decode(program, {}, torch.device("meta"), {})

@@ -214,8 +214,9 @@ def decode(
         elif kind == "call":
             if device.type != "cpu" and node["target"].endswith("_for_cpu.default"):
                 raise ProgramError(
-                    f"program uses the CPU-only kernel {node['target']}; it was built for cpu, "
-                    f"so it cannot run on {device.type} (rebuild with that device's --soc_version)"
+                    f"program node {node['name']!r} calls the CPU-only kernel {node['target']}, "
+                    f"which cannot run on {device.type}; rebuild the model with "
+                    f"--soc_version naming a {device.type} device"
                 )
             target = _resolve(node["target"])
             args = tuple(dec(node["args"]))

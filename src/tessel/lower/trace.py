@@ -25,6 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tessel.capture import CapturedModel
+from tessel.lower.portable import portable_attention
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.weights import local_shard
 from tessel.plan import Plan
@@ -123,6 +124,7 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
         example += [torch.zeros_like(x) for x in captured.example_inputs]
         gm = make_fx(run, tracing_mode="fake")(*example)
         gm.graph.eliminate_dead_code()
+        portable_attention(gm)
         program, constants = encode(gm)  # resolves collective groups while the world exists
     return RankProgram(program, constants, node_shapes(gm))
 

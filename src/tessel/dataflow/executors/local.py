@@ -280,8 +280,9 @@ class LocalExecutor:
             if "cuda" in kinds:
                 raise RuntimeError(
                     "tessel.dataflow forks its workers; CUDA is already initialised in this "
-                    "process, so forked CUDA workers would fail. Build and feed the graph before "
-                    "touching CUDA in the parent."
+                    "process, so forked CUDA workers would fail. Feed the graph before touching "
+                    "CUDA in this process, and build offline models in another one (`tessel "
+                    "build`): on a machine with a GPU, torch.export initialises CUDA."
                 )
         self._wire()
         from tessel.dataflow import session

@@ -1,0 +1,47 @@
+"""Make a traced rank program device-neutral where the trace picked a CPU-only kernel.
+
+Tracing runs on CPU tensors, so dispatch resolves attention to the CPU flash kernel. A package
+built for CUDA or NPU devices must call the device-neutral `scaled_dot_product_attention`
+instead, which each device dispatches to its own kernel when the program runs.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def portable_attention(gm: fx.GraphModule) -> int:
+    """Rewrite CPU flash attention calls whose logsumexp is unused; returns how many."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _CPU_ATTENTION:
+            continue
+        users = list(node.users)
+        if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+            continue  # the logsumexp is used (a backward): no device-neutral equivalent
+        q, k, v, *rest = node.args
+        dropout_p = rest[0] if len(rest) > 0 else node.kwargs.get("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else node.kwargs.get("is_causal", False)
+        with gm.graph.inserting_before(node):
+            out = gm.graph.call_function(
+                _ATTENTION,
+                (q, k, v, node.kwargs.get("attn_mask"), dropout_p, is_causal),
+                {"scale": node.kwargs.get("scale")},
+            )
+        out.meta = {key: val for key, val in node.meta.items() if key != "val"}
+        if "val" in node.meta:
+            out.meta["val"] = node.meta["val"][0]
+        for user in users:
+            user.replace_all_uses_with(out)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
