@@ -7,6 +7,7 @@ Skipped where no GPU is present (CI never has one); run them on a lent GPU machi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,9 @@ def test_dataflow_nodes_run_on_their_gpu(tmp_path):
     subprocess.run([sys.executable, "-c", build], check=True)
     run = f"from tests.test_cuda import run_gpu_dataflow; run_gpu_dataflow({str(tmp_path)!r})"
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-c", run], check=True, timeout=300, cwd=root)
+    # NVML answers is_available() without the CUDA runtime, which would poison the forks
+    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    subprocess.run([sys.executable, "-c", run], check=True, timeout=300, cwd=root, env=env)
 
 
 def run_gpu_dataflow(folder: str) -> None:

@@ -275,7 +275,8 @@ class LocalExecutor:
     def start(self) -> None:
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # is_initialized, not is_available: asking for the device count poisons later forks
+        if torch.cuda.is_initialized():
             kinds = {i.kind for n in self.placement.nodes.values() for i in n.instances}
             if "cuda" in kinds:
                 raise RuntimeError(
