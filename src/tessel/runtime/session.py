@@ -219,6 +219,8 @@ def _check_inputs(expected: list[dict], inputs: Any) -> list[torch.Tensor]:
 
 
 def _describe_exit(graph: _Graph, i: int) -> str:
+    # The pipe closes a moment before the OS reaps the process; wait briefly for the code.
+    graph.procs[i].join(timeout=5)
     code = graph.procs[i].exitcode
     return f"rank {graph.ranks[i]} died (exit code {code})"
 
