@@ -68,7 +68,9 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         del model, built
     print()
-    print(f"{'layers':>6} {'capture':>8} {'strategies':>10} {'solve':>6} {'lower':>6} {'save':>6} {'total':>7} {'peer':>6} {'ratio':>6}")
+    print(
+        f"{'layers':>6} {'capture':>8} {'strategies':>10} {'solve':>6} {'lower':>6} {'save':>6} {'total':>7} {'peer':>6} {'ratio':>6}"
+    )
     for r in rows:
         p = r["phases_s"]
         print(

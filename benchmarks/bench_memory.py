@@ -41,8 +41,10 @@ def current_rss(pid: int) -> int:
 
 def idle_worker_rss() -> int:
     code = "import torch, tessel.runtime.worker, tessel.lower.program; print(open('/proc/self/status').read())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("VmHWM:"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    line = next(s for s in out.splitlines() if s.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
 
 
@@ -59,9 +61,15 @@ def main() -> None:
     from tessel.plan.planner import captured_activation_bytes
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=4 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     weights = sum(p.numel() * 4 for p in model.parameters())
     kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 64)), "use_cache": False}
@@ -70,7 +78,9 @@ def main() -> None:
     idle = idle_worker_rss()
     print(f"model weights {weights / 2**20:.0f} MiB; idle worker peak RSS {idle / 2**20:.0f} MiB")
     print(f"single process holding the model: weight share 1.00 ({weights / 2**20:.0f} MiB)")
-    print(f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}")
+    print(
+        f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}"
+    )
     for n in args.devices:
         cluster = cluster_from_dict(tight_cluster(n, weights, act), "tight") if n > 1 else 1
         built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)

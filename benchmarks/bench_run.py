@@ -33,8 +33,13 @@ def llama():
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=512,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=4 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(cfg).eval()
@@ -53,10 +58,16 @@ def _free_port() -> int:
 def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     mesh = init_device_mesh("cpu", (world,))
     model = llama()
     ids = inputs()
@@ -65,10 +76,17 @@ def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
     plan = {}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
-                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
-                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-                     p + "mlp.down_proj": RowwiseParallel()})
+        plan.update(
+            {
+                p + "self_attn.q_proj": ColwiseParallel(),
+                p + "self_attn.k_proj": ColwiseParallel(),
+                p + "self_attn.v_proj": ColwiseParallel(),
+                p + "self_attn.o_proj": RowwiseParallel(),
+                p + "mlp.gate_proj": ColwiseParallel(),
+                p + "mlp.up_proj": ColwiseParallel(),
+                p + "mlp.down_proj": RowwiseParallel(),
+            }
+        )
     parallelize_module(model, mesh, plan)
     times = []
     with torch.no_grad():
@@ -112,7 +130,9 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     captured = capture(model, kwargs)
     if tight:
         weights = sum(p.numel() * 4 for p in model.parameters())
-        cluster = cluster_from_dict(tight_cluster(world, weights, captured_activation_bytes(captured)), "tight")
+        cluster = cluster_from_dict(
+            tight_cluster(world, weights, captured_activation_bytes(captured)), "tight"
+        )
     else:
         cluster = world
     built = tessel.build(captured, cluster=cluster)
@@ -170,9 +190,13 @@ def main() -> None:
             print(f"{label} x{world}: {json.dumps(ours)}", flush=True)
             rows.append((world, label, ours["median_ms"], peer["median_ms"], ours["max_abs_diff"]))
     print()
-    print(f"{'procs':>5}  {'runtime':<26} {'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}")
+    print(
+        f"{'procs':>5}  {'runtime':<26} {'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}"
+    )
     for world, label, ours, peer, diff in rows:
-        print(f"{world:>5}  {label:<26} {ours:>9.1f} {peer:>11.1f} {ours / peer:>6.2f} {diff:>9.1e}")
+        print(
+            f"{world:>5}  {label:<26} {ours:>9.1f} {peer:>11.1f} {ours / peer:>6.2f} {diff:>9.1e}"
+        )
 
 
 if __name__ == "__main__":

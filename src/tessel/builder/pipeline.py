@@ -20,12 +20,12 @@ from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.trace import RankProgram, lower_rank, weight_inputs
-from tessel.lower.weights import local_shard, placement_str
+from tessel.lower.weights import local_shard, local_shard_shape, placement_str
 from tessel.package.format import (
     CONSTANT_PREFIX,
     FORMAT,
     FORMAT_VERSION,
-    tensors_to_bytes,
+    Member,
     write_package,
 )
 from tessel.plan import Plan, make_plan
@@ -39,7 +39,7 @@ class BuiltModel:
     """An offline model held in memory until `save` writes it."""
 
     manifest: dict
-    members: dict[str, bytes]
+    members: dict[str, Member]  # bytes, or tensors that `save` streams as safetensors
     timings: dict[str, float] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
@@ -116,8 +116,45 @@ def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
 
 
 def _lower_all(captured: CapturedModel, plan: Plan, world: int) -> list[RankProgram]:
-    """Trace every rank (programs differ: each takes its own chunk where a layout is split)."""
-    return [lower_rank(captured, plan, r) for r in range(world)]
+    """One program per rank; ranks whose programs cannot differ share one trace.
+
+    A rank's program depends on its mesh coordinate only through the size of its chunks (uneven
+    splits leave the last ranks short) and through offsets that grow with the coordinate (where a
+    vocabulary shard starts). So when every rank holds weight chunks of one shape and the first
+    and last ranks trace to the same program, all ranks run that program; otherwise each rank is
+    traced on its own.
+    """
+    first = lower_rank(captured, plan, 0)
+    if world == 1:
+        return [first]
+    last = lower_rank(captured, plan, world - 1)
+    if _even_weight_shards(captured, plan, world) and _same_program(first, last):
+        return [first] * world
+    log.info("rank programs differ; tracing each of the %d ranks", world)
+    return [first, *(lower_rank(captured, plan, r) for r in range(1, world - 1)), last]
+
+
+def _even_weight_shards(captured: CapturedModel, plan: Plan, world: int) -> bool:
+    ep = captured.program
+    state = {**ep.state_dict, **ep.constants}
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    for ph, fqn in weight_inputs(captured, plan):
+        placements = plan.out_placements(placeholders[ph])
+        shapes = {
+            local_shard_shape(state[fqn].shape, placements, plan.mesh_shape, r)
+            for r in range(world)
+        }
+        if len(shapes) > 1:
+            return False
+    return True
+
+
+def _same_program(a: RankProgram, b: RankProgram) -> bool:
+    return (
+        a.program == b.program
+        and a.constants.keys() == b.constants.keys()
+        and all(torch.equal(a.constants[k], b.constants[k]) for k in a.constants)
+    )
 
 
 def _pack(
@@ -127,12 +164,12 @@ def _pack(
     cluster: ClusterConfig,
     soc_version: str,
     graph_parallel: bool,
-) -> tuple[dict, dict[str, bytes]]:
+) -> tuple[dict, dict[str, Member]]:
     ep = captured.program
     state = {**ep.state_dict, **ep.constants}
     weights = weight_inputs(captured, plan)
     placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
-    members: dict[str, bytes] = {}
+    members: dict[str, Member] = {}
     program_member: dict[int, str] = {}
     submodels = []
     ranks_report = []
@@ -143,9 +180,7 @@ def _pack(
         or all(isinstance(p, Replicate) for p in plan.out_placements(placeholders[ph]))
     }
     if replicated:  # stored once, shared by every rank
-        members["weights/replicated.safetensors"] = tensors_to_bytes(
-            {fqn: state[fqn] for fqn in sorted(replicated)}
-        )
+        members["weights/replicated.safetensors"] = {fqn: state[fqn] for fqn in sorted(replicated)}
     replicated_bytes = sum(state[f].numel() * state[f].element_size() for f in replicated)
     for rank, device in enumerate(cluster.devices):
         mesh_rank = rank if graph_parallel else 0
@@ -166,7 +201,7 @@ def _pack(
         weight_members = ["weights/replicated.safetensors"] if replicated else []
         if shards:
             name = f"weights/rank_{rank}.safetensors"
-            members[name] = tensors_to_bytes(shards)
+            members[name] = shards
             weight_members.append(name)
         weight_bytes = replicated_bytes + sum(t.numel() * t.element_size() for t in shards.values())
         colls = collectives(rp.program, rp.shapes)

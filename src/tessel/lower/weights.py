@@ -27,6 +27,13 @@ def local_shard(
     return out.contiguous()
 
 
+def local_shard_shape(
+    shape: torch.Size, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], rank: int
+) -> tuple[int, ...]:
+    """The shape of `rank`'s shard, without touching data."""
+    return tuple(local_shard(torch.empty(shape, device="meta"), placements, mesh_shape, rank).shape)
+
+
 def placement_str(p: Placement) -> str:
     if isinstance(p, Shard):
         return f"S({p.dim})"

@@ -5,7 +5,6 @@ from tessel.package.format import (
     SUFFIX,
     Package,
     PackageError,
-    tensors_to_bytes,
     write_package,
 )
 
@@ -14,6 +13,5 @@ __all__ = [
     "SUFFIX",
     "Package",
     "PackageError",
-    "tensors_to_bytes",
     "write_package",
 ]

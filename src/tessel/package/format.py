@@ -12,13 +12,15 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+
+from tessel.package.safetensors_io import write_safetensors
 
 FORMAT = "tessel.offline_model"
 FORMAT_VERSION = 1
@@ -39,38 +41,50 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_package(path: str | Path, manifest: dict, members: dict[str, bytes]) -> Path:
-    """Write atomically: a temporary file in the same folder, renamed when complete."""
+Member = bytes | Mapping[str, torch.Tensor]  # raw bytes, or tensors stored as safetensors
+
+
+class _HashingWriter:
+    """A write-only stream that hashes what passes through it."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out, self.sha = out, hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.sha.update(data)
+        return self.out.write(data)
+
+
+def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member]) -> Path:
+    """Write atomically: a temporary file in the same folder, renamed when complete.
+
+    Tensor members stream into the archive as safetensors, hashed on the way; the manifest,
+    which records every member's SHA-256, is written last.
+    """
     path = Path(path)
     if path.suffix != SUFFIX:
         path = path.with_name(path.name + SUFFIX)
     path.parent.mkdir(parents=True, exist_ok=True)
-    manifest = {**manifest, "files": {name: _sha(data) for name, data in members.items()}}
+    files: dict[str, str] = {}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
-            zf.writestr(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             for name, data in members.items():
-                zf.writestr(name, data)
+                with zf.open(name, "w", force_zip64=True) as member:
+                    out = _HashingWriter(member)
+                    if isinstance(data, bytes):
+                        out.write(data)
+                    else:
+                        write_safetensors(out, data)
+                files[name] = out.sha.hexdigest()
+            zf.writestr(
+                MANIFEST, json.dumps({**manifest, "files": files}, indent=1, sort_keys=True)
+            )
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
-
-
-def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes; tensors that share storage (tied weights, views) are copied apart."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return save_safetensors(out)
 
 
 @dataclass

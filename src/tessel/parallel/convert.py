@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from tessel.package.safetensors_io import build_header
 from tessel.parallel.errors import CheckpointError
 from tessel.parallel.plan import FileJob, OutParam
 from tessel.parallel.st_io import (
     DIRECT_RUN_BYTES,
-    build_header,
     copy_range,
     direct_runs,
     fill,

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tessel.package.safetensors_io import ST_DTYPES
 from tessel.parallel.errors import CheckpointError
-from tessel.parallel.strategy import ST_DTYPES, TORCH_TO_ST, dtype_name
+from tessel.parallel.strategy import dtype_name
 
 Box = tuple[tuple[int, int], ...]
 MAX_HEADER = 100 * 1024 * 1024
@@ -264,35 +265,6 @@ def scratch(shape: Sequence[int], dtype: torch.dtype, slot: int = 0) -> torch.Te
 
 def release_scratch() -> None:
     _SCRATCH.clear()
-
-
-def build_header(
-    entries: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None
-) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """Safetensors header bytes for ``(name, dtype name, shape)`` entries in the given order.
-
-    Returns the header (length prefix included, padded to 8 bytes) and each entry's
-    ``(absolute offset, nbytes)`` in the file.
-    """
-    hdr: dict[str, object] = {}
-    if metadata:
-        hdr["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    pos = 0
-    rel: dict[str, tuple[int, int]] = {}
-    for name, dt, shape in entries:
-        tdt = getattr(torch, dt)
-        nb = math.prod(shape) * torch.empty((), dtype=tdt).element_size()
-        hdr[name] = {
-            "dtype": TORCH_TO_ST[tdt],
-            "shape": list(shape),
-            "data_offsets": [pos, pos + nb],
-        }
-        rel[name] = (pos, nb)
-        pos += nb
-    js = json.dumps(hdr, separators=(",", ":")).encode()
-    js += b" " * (-len(js) % 8)
-    head = struct.pack("<Q", len(js)) + js
-    return head, {n: (len(head) + o, nb) for n, (o, nb) in rel.items()}
 
 
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, n: int, path: str, name: str):

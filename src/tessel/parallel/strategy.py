@@ -29,30 +29,12 @@ from typing import Any
 
 import torch
 
+from tessel.package.safetensors_io import ST_DTYPES, TORCH_TO_ST
 from tessel.parallel.errors import StrategyError
 from tessel.parallel.layout import Layout
 
 FORMAT_NAME = "tessel-strategy"
 
-# safetensors dtype codes <-> torch dtypes
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 NAME_TO_TORCH = {str(v).removeprefix("torch."): v for v in ST_DTYPES.values()}
 
 
