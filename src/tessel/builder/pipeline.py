@@ -28,7 +28,7 @@ from tessel.package.format import (
     Member,
     write_package,
 )
-from tessel.plan import Plan, make_plan
+from tessel.plan import Plan, has_rule, make_plan
 from tessel.plan.planner import layer_name
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def build(
     if isinstance(model, CapturedModel):
         captured = model
     else:
-        captured = capture(model, example_inputs, example_kwargs)
+        captured = capture(model, example_inputs, example_kwargs, keep=has_rule)
     timings["capture"] = time.perf_counter() - t
 
     plan_world = cluster.world_size if graph_parallel else 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from tessel.capture.portable import portable_attention
 from tessel.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,14 @@ def capture(
     model: torch.nn.Module | ExportedProgram,
     example_inputs: tuple | list | dict | None = None,
     example_kwargs: dict | None = None,
+    keep: Callable[[Any], bool] | None = None,
 ) -> CapturedModel:
-    """Export `model` with its example inputs and decompose it to core ATen."""
+    """Export `model` with its example inputs and decompose it to core ATen.
+
+    Ops for which `keep(op)` holds (the planner passes "has a sharding rule") stay whole even
+    where core ATen would decompose them; when every op stays, the decomposition's second trace
+    of the model is skipped.
+    """
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
     if isinstance(model, ExportedProgram):
         ep = model
@@ -52,13 +60,20 @@ def capture(
             )
         model = model.eval()
         with torch.no_grad():
-            ep = torch.export.export(model, args, kwargs)
+            ep = _export_aten(model, args, kwargs)
     table = torch.export.default_decompositions()
     for name in _SDPA_OPS:
         op = _resolve(name)
         if op is not None:
             table.pop(op, None)
-    ep = ep.run_decompositions(table)
+    if keep is not None:
+        table = {op: fn for op, fn in table.items() if not keep(op)}
+    # factories (no graph inputs) are replicated whatever they are, so they never need it
+    if any(
+        n.op == "call_function" and n.target in table and n.all_input_nodes for n in ep.graph.nodes
+    ):
+        ep = ep.run_decompositions(table)  # a second trace of the model, only when needed
+    portable_attention(ep.graph_module)
     names, values = _user_inputs(ep)
     if not isinstance(model, ExportedProgram):
         given = [
@@ -69,6 +84,26 @@ def capture(
         if len(given) == len(values):
             values = [g.detach().clone() for g in given]
     return CapturedModel(ep, values, names)
+
+
+def _export_aten(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+    """Export straight to the ATen IR (past autograd, composite ops decomposed) in one trace.
+
+    `torch.export.export` stops at the pre-dispatch IR, and turning that into ATen costs a
+    second trace of the whole model (`run_decompositions`), which doubles capture time on deep
+    models. torch.export's own post-dispatch mode does it in one; where this torch lacks it, the
+    public path is taken.
+    """
+    try:
+        from torch.export._trace import _export
+    except ImportError:
+        _export = None
+    if _export is not None:
+        try:
+            return _export(model, args, kwargs, strict=False, pre_dispatch=False)
+        except TypeError:  # a torch whose private signature moved on
+            log.debug("post-dispatch export unavailable; using torch.export.export")
+    return torch.export.export(model, args, kwargs)
 
 
 def load_model_spec(spec: str) -> tuple[Any, Any]:

@@ -25,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tessel.capture import CapturedModel
-from tessel.lower.portable import portable_attention
+from tessel.capture.portable import portable_attention
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.weights import local_shard
 from tessel.plan import Plan

@@ -93,8 +93,11 @@ def _propagator():
 
 
 def has_rule(op: Any) -> bool:
+    """Whether the planner can shard `op` (a DTensor rule or one of tessel's local rules)."""
     prop = _propagator()
-    return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
+    return (
+        op in LOCAL_RULES or op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
+    )
 
 
 def op_strategies(

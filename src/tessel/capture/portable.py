@@ -1,8 +1,9 @@
-"""Make a traced rank program device-neutral where the trace picked a CPU-only kernel.
+"""Make a traced graph device-neutral where the trace picked a CPU-only kernel.
 
-Tracing runs on CPU tensors, so dispatch resolves attention to the CPU flash kernel. A package
-built for CUDA or NPU devices must call the device-neutral `scaled_dot_product_attention`
-instead, which each device dispatches to its own kernel when the program runs.
+Tracing runs on CPU tensors, so dispatch resolves attention to the CPU flash kernel. The planner
+shards the device-neutral `scaled_dot_product_attention` (by batch or head), and a package built
+for CUDA or NPU devices must call it too, so each device dispatches to its own kernel when the
+program runs. Both the captured graph and every traced rank program are rewritten.
 """
 
 from __future__ import annotations
