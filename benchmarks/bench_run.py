@@ -6,7 +6,7 @@ processes. Side by side in one run:
   - tessel, planned for devices too small for replicated weights (weights sharded);
   - torch tensor parallel: `parallelize_module` with ColwiseParallel/RowwiseParallel on the
     Megatron plan, the same model, process count and threads per process.
-Each figure is the median of 10 runs after 3 warm-up runs; torch TP takes the slowest rank.
+Each figure is the median of 20 runs after 3 warm-up runs; torch TP takes the slowest rank.
 
     python benchmarks/bench_run.py [--devices 2 4]
 """
@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 8192, 128, 4
-WARMUP, REPEAT = 3, 10
+WARMUP, REPEAT = 3, 20
 
 
 def llama():
@@ -120,6 +120,7 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     from tessel.capture import capture
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import tight_cluster
+    from tessel.plan import has_rule
     from tessel.plan.planner import captured_activation_bytes
 
     model = llama()
@@ -127,7 +128,7 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     kwargs = {"input_ids": ids, "use_cache": False}
     with torch.no_grad():
         reference = model(**kwargs).logits
-    captured = capture(model, kwargs)
+    captured = capture(model, kwargs, keep=has_rule)
     if tight:
         weights = sum(p.numel() * 4 for p in model.parameters())
         cluster = cluster_from_dict(

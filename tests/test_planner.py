@@ -9,7 +9,7 @@ import tessel
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.config.parallel_option import ParallelOption
-from tessel.plan import PlanError, make_plan
+from tessel.plan import PlanError, has_rule, make_plan
 from tessel.plan.planner import captured_activation_bytes
 
 N = 4
@@ -19,7 +19,7 @@ BATCH, SEQ, HIDDEN = 2, 32, 128
 def _tight_build(layers: int):
     model = small_llama(layers=layers, hidden=HIDDEN, heads=4)
     ids = token_ids(BATCH, SEQ)
-    captured = capture(model, (ids,))
+    captured = capture(model, (ids,), keep=has_rule)
     params = list(model.parameters())
     matrices = sum(p.numel() * 4 for p in params if p.dim() >= 2)
     vectors = sum(p.numel() * 4 for p in params if p.dim() < 2)
