@@ -10,7 +10,7 @@ import socket
 import time
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -226,31 +226,38 @@ def _describe_exit(graph: _Graph, i: int) -> str:
 
 
 def _poll(graph: _Graph, deadline: float, want: str, index: int | None) -> Any:
-    """Wait for `want` from worker `index` (or all ready); fail fast on errors and deaths."""
+    """Wait for `want` from worker `index` (or all ready); fail fast on errors and deaths.
+
+    Blocks in `multiprocessing.connection.wait` on every pipe and process sentinel, so an answer
+    is taken the moment it arrives and an idle session costs no CPU.
+    """
     pending = set(range(len(graph.conns))) if index is None else {index}
+    conn_index = {id(c): i for i, c in enumerate(graph.conns)}
+    sentinels = {p.sentinel: i for i, p in enumerate(graph.procs)}
     result = None
     while pending:
-        for i, conn in enumerate(graph.conns):
-            try:
-                has = conn.poll()
-            except (EOFError, OSError):
-                has = False
-            if has:
-                try:
-                    kind, rank, payload = conn.recv()
-                except (EOFError, OSError):
-                    raise WorkerError(_describe_exit(graph, i)) from None
-                if kind == "error":
-                    raise WorkerError(f"rank {rank} failed:\n{payload}")
-                if kind == want and i in pending:
-                    pending.discard(i)
-                    result = payload
-            elif not graph.procs[i].is_alive():
-                raise WorkerError(_describe_exit(graph, i))
-        if pending and time.monotonic() > deadline:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             raise WorkerError(f"no answer from ranks {[graph.ranks[i] for i in pending]} in time")
-        if pending:
-            time.sleep(0.002)
+        ready = wait([*graph.conns, *sentinels], timeout=remaining)
+        answered = set()
+        for obj in ready:
+            if isinstance(obj, int):
+                continue
+            i = conn_index[id(obj)]
+            answered.add(i)
+            try:
+                kind, rank, payload = obj.recv()
+            except (EOFError, OSError):
+                raise WorkerError(_describe_exit(graph, i)) from None
+            if kind == "error":
+                raise WorkerError(f"rank {rank} failed:\n{payload}")
+            if kind == want and i in pending:
+                pending.discard(i)
+                result = payload
+        for obj in ready:  # a process gone without a last word on its pipe
+            if isinstance(obj, int) and sentinels[obj] not in answered:
+                raise WorkerError(_describe_exit(graph, sentinels[obj]))
     return result
 
 

@@ -97,7 +97,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             groups = _groups(package.manifest, spec.world_size)
         program, weights = load_rank(package, spec.rank, device, groups)
         conn.send(("ready", spec.rank, None))
-        _serve(spec, conn, program, weights, device)
+        _serve(spec, conn, program, weights, device, package.manifest["inputs"])
     except BaseException:  # noqa: BLE001 - report everything to the session, then exit
         with contextlib.suppress(Exception):
             conn.send(("error", spec.rank, traceback.format_exc()))
@@ -110,7 +110,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _serve(
-    spec: WorkerSpec, conn: Connection, program, weights: list, device: torch.device
+    spec: WorkerSpec,
+    conn: Connection,
+    program,
+    weights: list,
+    device: torch.device,
+    input_specs: list[dict],
 ) -> None:
     leader = spec.rank == 0 or not spec.distributed
     while True:
@@ -121,13 +126,15 @@ def _serve(
             if command == _RUN:
                 inputs = [x.to(device) for x in message[1]]
         if spec.distributed:
-            header = (
-                [command, [(tuple(x.shape), x.dtype) for x in inputs]] if leader else [None, None]
-            )
-            dist.broadcast_object_list(header, src=0)
-            command, shapes = header
+            # the session checked the inputs against the manifest, so only the command travels
+            word = torch.tensor([command if leader else _STOP], device=device)
+            dist.broadcast(word, src=0)
+            command = int(word.item())
             if not leader and command == _RUN:
-                inputs = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
+                inputs = [
+                    torch.empty(x["shape"], dtype=getattr(torch, x["dtype"]), device=device)
+                    for x in input_specs
+                ]
             for x in inputs:
                 dist.broadcast(x, src=0)
         if command == _STOP:
