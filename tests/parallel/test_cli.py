@@ -73,3 +73,21 @@ def test_progress_bar_is_shown(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "writing 4 files" in out.stderr and "100%" in out.stderr
+
+
+def test_convert_with_issue_option_names(tmp_path):
+    """`--dst-prefix` / `--process-num` are the API's names; `--prefix` / `-j` stay as aliases."""
+    full = make_full(SHAPES)
+    hf = write_full(full, tmp_path / "hf")
+    a, b = _strategies(tmp_path)
+    assert main(["ckpt", "shard", str(hf), str(tmp_path / "A"), "--strategy", str(a),
+                 "--dst-prefix", "w_", "--no-progress"]) == 0  # fmt: skip
+    assert (tmp_path / "A/rank_3/w_3.safetensors").is_file()
+    assert main(["ckpt", "convert", str(tmp_path / "A"), str(tmp_path / "B"), "--src-strategy",
+                 str(a), "--dst-strategy", str(b), "--dst-prefix", "tp2_", "--process-num", "2",
+                 "--no-progress"]) == 0  # fmt: skip
+    got = load_file(str(tmp_path / "B/rank_0/tp2_0.safetensors"))
+    assert torch.equal(got["qkv"], full["qkv"][:6])
+    assert main(["ckpt", "convert", str(tmp_path / "A"), str(tmp_path / "C"), "--src-strategy",
+                 str(a), "--prefix", "old_", "-j", "1", "--no-progress"]) == 0  # fmt: skip
+    assert torch.equal(load_file(str(tmp_path / "C/rank_0/old_0.safetensors"))["out"], full["out"])

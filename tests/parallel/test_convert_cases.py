@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import multiprocessing as mp
+import os
 import struct
 from pathlib import Path
 
@@ -296,6 +298,85 @@ def test_failure_leaves_destination_and_source_untouched(tmp_path, src):
     assert [p.name for p in dst.iterdir()] == ["rank_0"]
 
 
+def _fail_on_call(monkeypatch, name: str, failing) -> list:
+    """Patch ``os.<name>`` to raise on the calls whose 1-based numbers ``failing`` accepts."""
+    real = getattr(os, name)
+    calls: list = []
+
+    def flaky(a, b, *args, **kw):
+        calls.append((a, b))
+        if failing(len(calls)):
+            raise OSError(f"injected failure of os.{name} call {len(calls)}")
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, name, flaky)
+    return calls
+
+
+@pytest.mark.parametrize("existing", [("rank_0",), ("rank_0", "rank_1")])
+def test_failed_rename_into_existing_destination_restores_it(tmp_path, src, monkeypatch, existing):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    dst = tmp_path / "B"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("keep me")
+    for d in existing:
+        (dst / d).mkdir()
+        (dst / d / f"checkpoint_{d[-1]}.safetensors").write_bytes(f"old {d}".encode())
+    before = _digest(dst)
+    calls = _fail_on_call(monkeypatch, "replace", lambda n: n == 2)
+    with pytest.raises(OSError, match="injected"):
+        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+    monkeypatch.undo()
+    assert _digest(dst) == before
+    assert sorted(p.name for p in dst.iterdir()) == sorted(["notes.txt", *existing])
+    assert len(calls) >= 3  # new rank 0 went in, rank 1 failed, rank 0's original came back
+
+
+def test_failed_restore_names_replaced_files_and_keeps_originals(tmp_path, src, monkeypatch):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    dst = tmp_path / "B"
+    (dst / "rank_0").mkdir(parents=True)
+    old = dst / "rank_0" / "checkpoint_0.safetensors"
+    old.write_bytes(b"old contents")
+    _fail_on_call(monkeypatch, "replace", lambda n: n >= 2)
+    with pytest.raises(CheckpointError, match="could not be restored") as e:
+        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert str(old) in msg and "injected" in msg
+    kept = [p for p in dst.rglob("checkpoint_0.safetensors") if ".replaced" in p.parts]
+    assert len(kept) == 1 and kept[0].read_bytes() == b"old contents"
+    assert str(kept[0].parent.parent) in msg
+
+
+def test_new_destination_appears_in_one_rename(tmp_path, src, full, monkeypatch):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    dst = tmp_path / "new" / "B"
+    seen = []
+    renames = _fail_on_call(monkeypatch, "rename", lambda n: False)
+    replaces = _fail_on_call(monkeypatch, "replace", lambda n: n == 2)
+    convert_checkpoints(
+        a_dir, dst, "checkpoint_", a, b, progress=lambda n: seen.append(dst.exists())
+    )
+    assert seen == [False, False]  # nothing at the destination until every file is complete
+    assert len(renames) == 1 and replaces == []
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["B"]
+    assert _check(dst, full, b) == 2
+
+
+def test_failed_rename_of_new_destination_leaves_nothing(tmp_path, src, monkeypatch):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    _fail_on_call(monkeypatch, "rename", lambda n: True)
+    with pytest.raises(CheckpointError, match="nothing written") as e:
+        convert_checkpoints(a_dir, tmp_path / "new" / "B", "checkpoint_", a, b)
+    assert str(tmp_path / "new" / "B") in str(e.value)
+    assert not (tmp_path / "new").exists()
+
+
 def test_interrupt_cleans_up_and_leaves_no_processes(tmp_path, src):
     a_dir, a = src
     b = _tp((1, 4), tmp_path / "tp4b.json")
@@ -322,6 +403,77 @@ def test_output_format_and_suffix(tmp_path, src):
     files = {0: a_dir / "rank_0" / "checkpoint_0.safetensors"}
     with pytest.raises(CheckpointError, match=".safetensors"):
         convert_checkpoint_by_rank(0, files, tmp_path / "x.ckpt", a, a)
+
+
+def test_issue_parameter_names_come_first_and_aliases_are_keyword_only():
+    sig = inspect.signature(convert_checkpoints).parameters
+    assert list(sig)[:7] == ["src_dir", "dst_dir", "dst_prefix", "src_strategy_file",
+                             "dst_strategy_file", "process_num", "output_format"]  # fmt: skip
+    sig_r = inspect.signature(convert_checkpoint_by_rank).parameters
+    assert list(sig_r)[:5] == ["rank_id", "checkpoint_files_map", "save_file",
+                               "src_strategy_file", "dst_strategy_file"]  # fmt: skip
+    sig_u = inspect.signature(unified_safetensors).parameters
+    assert "process_num" in sig_u
+    for params, alias in [(sig, "src_checkpoints_dir"), (sig, "dst_checkpoints_dir"),
+                          (sig, "ckpt_prefix"), (sig_r, "save_checkpoint_file_name"),
+                          (sig_u, "max_process_num")]:  # fmt: skip
+        assert params[alias].kind is inspect.Parameter.KEYWORD_ONLY, alias
+
+
+def test_issue_names_and_mindspore_aliases_give_the_same_files(tmp_path, src):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    convert_checkpoints(src_dir=a_dir, dst_dir=tmp_path / "N", dst_prefix="c_",
+                        src_strategy_file=a, dst_strategy_file=b, process_num=2,
+                        output_format="safetensors")  # fmt: skip
+    convert_checkpoints(src_checkpoints_dir=a_dir, dst_checkpoints_dir=tmp_path / "M",
+                        ckpt_prefix="c_", src_strategy_file=a, dst_strategy_file=b)  # fmt: skip
+    assert files_bytes(tmp_path / "N") == files_bytes(tmp_path / "M")
+    assert set(files_bytes(tmp_path / "N")) == {"rank_0/c_0.safetensors", "rank_1/c_1.safetensors"}
+    files = {r: a_dir / f"rank_{r}" / f"checkpoint_{r}.safetensors" for r in (0, 1)}
+    convert_checkpoint_by_rank(rank_id=0, checkpoint_files_map=files,
+                               save_file=tmp_path / "r" / "new.safetensors",
+                               src_strategy_file=a, dst_strategy_file=b)  # fmt: skip
+    convert_checkpoint_by_rank(0, files, save_checkpoint_file_name=tmp_path / "r" / "old.safetensors",
+                               src_strategy_file=a, dst_strategy_file=b)  # fmt: skip
+    new = (tmp_path / "r" / "new.safetensors").read_bytes()
+    assert new == (tmp_path / "r" / "old.safetensors").read_bytes()
+    assert new == (tmp_path / "N" / "rank_0" / "c_0.safetensors").read_bytes()
+    kw = dict(max_shard_size=600)
+    unified_safetensors(a_dir, a, tmp_path / "U1", process_num=2, **kw)
+    unified_safetensors(a_dir, a, tmp_path / "U2", max_process_num=2, **kw)
+    assert files_bytes(tmp_path / "U1") == files_bytes(tmp_path / "U2")
+    assert len(files_bytes(tmp_path / "U1")) > 2
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda d, a, o: convert_checkpoints(d, o, "p", a, a, src_checkpoints_dir=d),
+         "'src_dir' and its MindSpore alias 'src_checkpoints_dir'"),
+        (lambda d, a, o: convert_checkpoints(d, o, "p", a, a, dst_checkpoints_dir=o),
+         "'dst_dir' and its MindSpore alias 'dst_checkpoints_dir'"),
+        (lambda d, a, o: convert_checkpoints(src_dir=d, dst_dir=o, dst_prefix="p",
+                                             ckpt_prefix="q", src_strategy_file=a),
+         "'dst_prefix' and its MindSpore alias 'ckpt_prefix'"),
+        (lambda d, a, o: convert_checkpoints(src_dir=d, dst_dir=o, src_strategy_file=a),
+         "missing required argument 'dst_prefix' (or its alias 'ckpt_prefix')"),
+        (lambda d, a, o: convert_checkpoint_by_rank(
+            0, {0: d / "rank_0" / "checkpoint_0.safetensors"}, o / "x.safetensors", a, a,
+            save_checkpoint_file_name=o / "y.safetensors"),
+         "'save_file' and its MindSpore alias 'save_checkpoint_file_name'"),
+        (lambda d, a, o: convert_checkpoint_by_rank(0, {}, src_strategy_file=a),
+         "missing required argument 'save_file'"),
+        (lambda d, a, o: unified_safetensors(d, a, o, process_num=2, max_process_num=2),
+         "'process_num' and its MindSpore alias 'max_process_num'"),
+    ],
+)  # fmt: skip
+def test_name_and_alias_together_is_a_type_error(tmp_path, src, call, words):
+    a_dir, a = src
+    with pytest.raises(TypeError) as e:
+        call(a_dir, a, tmp_path / "out")
+    assert words in str(e.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_sharded_dir_without_strategy(tmp_path, src):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -153,38 +154,94 @@ def test_from_dtensor_rejects_partial_and_bad_split_factor():
         layout_from_dtensor((2, 2), [_StridedShard(0, split_factor=3), Shard(0)], 1)
 
 
+ALIASES = ("x", "y", "z")
+MESHES_3D = [(2, 2, 2), (2, 3, 2), (2, 2, 3)]
+
+
+def _all_tensor_maps(aliases=ALIASES) -> list[tuple]:
+    """Every 2-dim tensor map over the aliases: each alias on dim 0, dim 1 or unused, and the
+    aliases on one dim in every order (so every permutation of 2- and 3-alias tuples)."""
+    out = []
+    for bins in itertools.product(range(3), repeat=len(aliases)):
+        on = [[a for a, b in zip(aliases, bins, strict=True) if b == d] for d in (0, 1)]
+        for p0 in itertools.permutations(on[0]):
+            for p1 in itertools.permutations(on[1]):
+                out.append(tuple("None" if not p else p[0] if len(p) == 1 else p for p in (p0, p1)))
+    return out
+
+
+def test_all_tensor_maps_cover_every_ordering():
+    maps = _all_tensor_maps()
+    tuples = {e for tm in maps for e in tm if isinstance(e, tuple)}
+    assert len(maps) == 49 and len(set(maps)) == 49
+    assert {t for t in tuples if len(t) == 3} == set(itertools.permutations(ALIASES))
+    assert {t for t in tuples if len(t) == 2} == set(itertools.permutations(ALIASES, 2))
+
+
+@pytest.mark.parametrize("dev", MESHES_3D)
+def test_placements_round_trip_every_ordering(dev):
+    base = Layout(dev, ALIASES)
+    for tm in _all_tensor_maps():
+        lay = base(*tm)
+        assert layout_from_dtensor(dev, layout_to_placements(lay), 2, ALIASES) == lay, tm
+
+
+def test_wrong_placements_are_refused_naming_the_layout(monkeypatch):
+    """If the placements ever disagree with the Layout's slices, the answer is an error."""
+    import tessel.parallel.dtensor as dt
+
+    monkeypatch.setattr(dt, "_split_factor", lambda dev, mesh_dims, i: 1)  # plain Shard only
+    lay = Layout((2, 3, 2), ALIASES)("None", ("z", "x", "y"))
+    with pytest.raises(NotExpressibleError, match=r"tensor dim 1 by \('z', 'x', 'y'\)") as e:
+        layout_to_placements(lay)
+    assert repr(lay) in str(e.value) and e.value.key == "tensor_map[1]"
+    # mesh-order splits need no _StridedShard, so they are still accepted
+    assert layout_to_placements(Layout((2, 3, 2), ALIASES)(("x", "y"), "z")) == [
+        Shard(0),
+        Shard(0),
+        Shard(1),
+    ]
+
+
 def test_placements_match_torch_distribute_tensor():
-    """DTensor's own sharding of the placements equals the Layout's slices on every rank."""
+    """DTensor's own sharding of the placements equals the Layout's slices on every rank, for
+    every ordering of the axes of 3-axis device matrices; DCP's offsets agree too."""
     code = textwrap.dedent(
-        """
-        import torch, torch.distributed as dist
+        f"""
+        import math, torch, torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         from tessel.parallel import Layout, layout_to_placements
         from tessel.parallel.boxes import device_box
         from tessel.parallel.strategy import param_from_layout
-        base = Layout((2, 2, 3), ("x", "y", "z"))
-        cases = [("x", ("z", "y")), (("z", "x", "y"), "None"), (("y", "x"), "z"),
-                 (("z", "y", "x"), "None"), ("None", ("x", "z"))]
-        full = torch.arange(24 * 12).view(24, 12)
-        bad = 0
-        for r in range(12):
-            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=12)
-            mesh = DeviceMesh("cpu", torch.arange(12).view(2, 2, 3))
-            for tm in cases:
-                lay = base(*tm)
-                local = distribute_tensor(full, mesh, layout_to_placements(lay),
-                                          src_data_rank=None).to_local()
-                box = device_box(param_from_layout("t", lay, (24, 12), "int64"), r, (24, 12))
-                want = full[tuple(slice(a, b) for a, b in box)]
-                bad += not torch.equal(local, want)
-            dist.destroy_process_group()
-        print("BAD", bad)
+        shape = (24, 24)
+        full = torch.arange(24 * 24).view(shape)
+        bad, checked = [], 0
+        for dev in {MESHES_3D!r}:
+            n = math.prod(dev)
+            base = Layout(dev, {ALIASES!r})
+            for r in range(n):
+                dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)
+                mesh = DeviceMesh("cpu", torch.arange(n).view(dev))
+                for tm in {_all_tensor_maps()!r}:
+                    lay = base(*tm)
+                    pl = layout_to_placements(lay)
+                    local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
+                    box = device_box(param_from_layout("t", lay, shape, "int64"), r, shape)
+                    want = full[tuple(slice(a, b) for a, b in box)]
+                    size, off = compute_local_shape_and_global_offset(shape, mesh, pl)
+                    ok = torch.equal(local, want) and tuple(off) == tuple(a for a, _ in box)
+                    if not ok:
+                        bad.append((dev, tm, r))
+                    checked += 1
+                dist.destroy_process_group()
+        print("CHECKED", checked, "BAD", len(bad), bad[:5])
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "BAD 0" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "CHECKED 1568 BAD 0 " in out.stdout, out.stdout + out.stderr
 
 
 def test_load_distributed_checkpoint_into_dtensor_params(tmp_path):

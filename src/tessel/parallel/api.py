@@ -150,6 +150,26 @@ def _rank_jobs(
     return jobs
 
 
+def _pick(
+    func: str, name: str, value: Any, alias: str, alias_value: Any, default: Any = None
+) -> Any:
+    """One argument given by its seed-004 name or its MindSpore alias (keyword-only), not both."""
+    if value is not None and alias_value is not None:
+        raise TypeError(
+            f"{func}() got both {name!r} and its MindSpore alias {alias!r}; give only one"
+        )
+    got = value if value is not None else alias_value
+    return default if got is None else got
+
+
+def _pick_required(func: str, name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """Like ``_pick`` for an argument without a default: one of the two names must be given."""
+    got = _pick(func, name, value, alias, alias_value)
+    if got is None:
+        raise TypeError(f"{func}() missing required argument {name!r} (or its alias {alias!r})")
+    return got
+
+
 def _check_format(output_format: str) -> None:
     if output_format != "safetensors":
         raise CheckpointError(
@@ -220,18 +240,22 @@ def rank_list_for_convert(
 def convert_checkpoint_by_rank(
     rank_id: int,
     checkpoint_files_map: Mapping[int, str | os.PathLike],
-    save_checkpoint_file_name: str | os.PathLike,
+    save_file: str | os.PathLike | None = None,
     src_strategy_file: StrategyArg = None,
     dst_strategy_file: StrategyArg = None,
+    *,
+    save_checkpoint_file_name: str | os.PathLike | None = None,
 ) -> str:
-    """Build destination rank ``rank_id``'s safetensors file from ``{src rank: file}``.
+    """Build destination rank ``rank_id``'s safetensors file ``save_file`` from ``{src rank: file}``.
 
     Only the files ``rank_list_for_convert`` names are needed. The output is written under a
-    temporary name and renamed when complete.
+    temporary name and renamed when complete. ``save_checkpoint_file_name`` is MindSpore's name
+    for ``save_file`` (keyword-only).
     """
-    save = Path(save_checkpoint_file_name)
+    save = Path(_pick_required("convert_checkpoint_by_rank", "save_file", save_file,
+                               "save_checkpoint_file_name", save_checkpoint_file_name))  # fmt: skip
     if save.suffix != ".safetensors":
-        raise CheckpointError(str(save), "save_checkpoint_file_name", "must end with .safetensors")
+        raise CheckpointError(str(save), "save_file", "must end with .safetensors")
     files = {int(r): str(f) for r, f in checkpoint_files_map.items()}
     for r, f in files.items():
         if not Path(f).is_file():
@@ -260,40 +284,47 @@ def convert_checkpoint_by_rank(
 
 
 def convert_checkpoints(
-    src_checkpoints_dir: str | os.PathLike,
-    dst_checkpoints_dir: str | os.PathLike,
-    ckpt_prefix: str,
+    src_dir: str | os.PathLike | None = None,
+    dst_dir: str | os.PathLike | None = None,
+    dst_prefix: str | None = None,
     src_strategy_file: StrategyArg = None,
     dst_strategy_file: StrategyArg = None,
     process_num: int = 1,
     output_format: str = "safetensors",
     progress: Progress = None,
+    *,
+    src_checkpoints_dir: str | os.PathLike | None = None,
+    dst_checkpoints_dir: str | os.PathLike | None = None,
+    ckpt_prefix: str | None = None,
 ) -> list[str]:
     """Convert a whole distributed checkpoint to another strategy.
 
-    Source: ``src/rank_{r}/*.safetensors`` plus its strategy, or a DCP directory (no strategy
-    needed). Output: ``dst/rank_{r}/{ckpt_prefix}{r}.safetensors`` for every destination rank.
-    ``process_num`` destination files are written in parallel by separate processes.
+    Source: ``src_dir/rank_{r}/*.safetensors`` plus its strategy, or a DCP directory (no
+    strategy needed). Output: ``dst_dir/rank_{r}/{dst_prefix}{r}.safetensors`` for every
+    destination rank. ``process_num`` destination files are written in parallel by separate
+    processes. MindSpore's names ``src_checkpoints_dir``, ``dst_checkpoints_dir`` and
+    ``ckpt_prefix`` are accepted as keyword-only aliases.
     """
+    fn = "convert_checkpoints"
+    src_dir = _pick_required(fn, "src_dir", src_dir, "src_checkpoints_dir", src_checkpoints_dir)
+    dst_dir = _pick_required(fn, "dst_dir", dst_dir, "dst_checkpoints_dir", dst_checkpoints_dir)
+    dst_prefix = _pick_required(fn, "dst_prefix", dst_prefix, "ckpt_prefix", ckpt_prefix)
     _check_format(output_format)
-    source = _open_source(src_checkpoints_dir, src_strategy_file)
-    dst = load_strategy(dst_strategy_file)
-    dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
-    jobs = _rank_jobs(source, dst, ckpt_prefix)
-    return execute(jobs, dst_checkpoints_dir, process_num, progress, source.holder_files())
+    jobs, source = plan_convert(src_dir, src_strategy_file, dst_strategy_file, dst_prefix)
+    return execute(jobs, dst_dir, process_num, progress, source.holder_files())
 
 
 def plan_convert(
-    src_checkpoints_dir: str | os.PathLike,
+    src_dir: str | os.PathLike,
     src_strategy_file: StrategyArg,
     dst_strategy_file: StrategyArg,
-    ckpt_prefix: str = "checkpoint_",
+    dst_prefix: str = "checkpoint_",
 ) -> tuple[list[FileJob], Source]:
     """The jobs convert_checkpoints would run (used by the CLI for sizes and progress)."""
-    source = _open_source(src_checkpoints_dir, src_strategy_file)
+    source = _open_source(src_dir, src_strategy_file)
     dst = load_strategy(dst_strategy_file)
     dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
-    return _rank_jobs(source, dst, ckpt_prefix), source
+    return _rank_jobs(source, dst, dst_prefix), source
 
 
 def _parse_size(size: int | str) -> int:
@@ -354,11 +385,13 @@ def unified_safetensors(
     dst_dir: str | os.PathLike,
     merge_with_redundancy: bool = True,
     file_suffix: str | None = None,
-    max_process_num: int = 1,
+    process_num: int | None = None,
     choice_func: Callable[[str], bool | str] | None = None,
     split_dst_file: tuple[int, int] | tuple = (),
     max_shard_size: int | str = "5GB",
     progress: Progress = None,
+    *,
+    max_process_num: int | None = None,
 ) -> list[str]:
     """Merge a distributed checkpoint into Hugging Face style full-tensor shards.
 
@@ -366,7 +399,11 @@ def unified_safetensors(
     ``dst_dir``. A DCP source needs no strategy. ``choice_func(name)`` may drop a tensor (False)
     or rename it (a str). ``split_dst_file=(k, n)`` writes only the k-th of n parts of the shard
     list, so several machines can share the work; the index is written by part 1.
+    ``process_num`` shards are written in parallel (default 1); MindSpore's name for it,
+    ``max_process_num``, is accepted as a keyword-only alias.
     """
+    process_num = _pick("unified_safetensors", "process_num", process_num, "max_process_num",
+                        max_process_num, default=1)  # fmt: skip
     if file_suffix is not None or not merge_with_redundancy:
         raise CheckpointError(
             None,
@@ -382,7 +419,7 @@ def unified_safetensors(
             raise CheckpointError(None, "split_dst_file", f"is {split_dst_file}; need 1 <= k <= n")
         jobs = [j for i, j in enumerate(jobs) if i % n == k - 1]
         write_index = k == 1
-    out = execute(jobs, dst_dir, max_process_num, progress, source.holder_files())
+    out = execute(jobs, dst_dir, process_num, progress, source.holder_files())
     if write_index:
         idx = Path(dst_dir) / "model.safetensors.index.json"
         tmp = idx.with_name(f".{idx.name}.tmp-{os.getpid()}")

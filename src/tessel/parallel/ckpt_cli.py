@@ -18,10 +18,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("convert", help="convert a distributed checkpoint to another strategy")
     c.add_argument("src", help="source dir: rank_{r}/*.safetensors, or a DCP directory")
-    c.add_argument("dst", help="destination dir (rank_{r}/{prefix}{r}.safetensors)")
+    c.add_argument("dst", help="destination dir (rank_{r}/{dst_prefix}{r}.safetensors)")
     c.add_argument("--src-strategy", help="source strategy file (not needed for DCP)")
     c.add_argument("--dst-strategy", help="destination strategy file (default: unsharded)")
-    c.add_argument("--prefix", default="checkpoint_", help="output file prefix")
+    c.add_argument("--dst-prefix", "--prefix", dest="dst_prefix", default="checkpoint_",
+                   help="output file prefix (dst_prefix)")  # fmt: skip
     _common(c)
     c.set_defaults(func=_convert)
 
@@ -35,9 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("shard", help="pre-shard a Hugging Face checkpoint for a strategy")
     s.add_argument("hf_dir", help="directory of full-tensor safetensors (or a DCP directory)")
-    s.add_argument("dst", help="destination dir (rank_{r}/{prefix}{r}.safetensors)")
+    s.add_argument("dst", help="destination dir (rank_{r}/{dst_prefix}{r}.safetensors)")
     s.add_argument("--strategy", required=True, help="destination strategy file")
-    s.add_argument("--prefix", default="checkpoint_", help="output file prefix")
+    s.add_argument("--dst-prefix", "--prefix", dest="dst_prefix", default="checkpoint_",
+                   help="output file prefix (dst_prefix)")  # fmt: skip
     _common(s)
     s.set_defaults(func=_shard)
 
@@ -55,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-j", "--processes", type=int, default=1, help="parallel writer processes")
+    p.add_argument("-j", "--process-num", "--processes", dest="process_num", type=int, default=1,
+                   help="parallel writer processes (process_num)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -79,7 +82,7 @@ def _run(jobs, dst, args, forbidden) -> list[str]:
         file=sys.stderr,
     )
     try:
-        return execute(jobs, dst, args.processes, bar.update, forbidden)
+        return execute(jobs, dst, args.process_num, bar.update, forbidden)
     finally:
         bar.close()
 
@@ -87,7 +90,12 @@ def _run(jobs, dst, args, forbidden) -> list[str]:
 def _convert(args: argparse.Namespace) -> int:
     from tessel.parallel.api import plan_convert
 
-    jobs, source = plan_convert(args.src, args.src_strategy, args.dst_strategy, args.prefix)
+    jobs, source = plan_convert(
+        src_dir=args.src,
+        src_strategy_file=args.src_strategy,
+        dst_strategy_file=args.dst_strategy,
+        dst_prefix=args.dst_prefix,
+    )
     out = _run(jobs, args.dst, args, source.holder_files())
     print(f"wrote {len(out)} files to {args.dst}")
     return 0
@@ -115,7 +123,7 @@ def _shard(args: argparse.Namespace) -> int:
 
     source = DCPSource(args.hf_dir) if is_dcp_dir(args.hf_dir) else FullSource(args.hf_dir)
     dst = _resolve_dst(load_strategy(args.strategy), source)
-    jobs = _rank_jobs(source, dst, args.prefix)
+    jobs = _rank_jobs(source, dst, args.dst_prefix)
     out = _run(jobs, args.dst, args, source.holder_files())
     print(f"wrote {len(out)} rank files to {args.dst}")
     return 0

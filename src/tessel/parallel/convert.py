@@ -5,9 +5,11 @@ tensor's bytes at its offset. A tensor whose pieces are long contiguous runs is 
 by the kernel (``copy_file_range``); otherwise one buffer the size of that output slice is filled
 from the source regions and written. So peak memory is about the largest output slice.
 
-All outputs are written under a staging directory inside the destination and moved into place
-only when every file is complete; on any error (or Ctrl-C) the staging directory is removed and the
-destination is left as it was. Sources are only ever opened read-only.
+All outputs are written under a staging directory and moved into place only when every file is
+complete. A destination that does not exist yet is staged whole as a hidden sibling and renamed
+in one step; into an existing one the files are moved one by one, keeping each file they replace
+until all are in, so a failure restores it. On any error (or Ctrl-C) the destination is left as it
+was. Sources are only ever opened read-only.
 """
 
 from __future__ import annotations
@@ -117,6 +119,135 @@ def _run_job_star(args: tuple[FileJob, str]) -> tuple[str, int]:
     return job.rel_path, run_job(job, staging)
 
 
+class _RestoreError(CheckpointError):
+    """Publishing failed and some replaced files could not be put back (their backups are kept)."""
+
+
+def _check_forbidden(jobs: Sequence[FileJob], dst: Path, forbidden: Sequence[str]) -> None:
+    bad = {os.path.realpath(f) for f in forbidden}
+    for j in jobs:
+        if os.path.realpath(dst / j.rel_path) in bad:
+            raise CheckpointError(
+                str(dst / j.rel_path), None, "output would overwrite a source file"
+            )
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``; returns the directories it created, outermost first (for cleanup)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+    return list(reversed(missing))
+
+
+def _remove_empty_dirs(dirs: Sequence[Path]) -> None:
+    """Remove directories this run created, innermost first, if they are (again) empty."""
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def _write_jobs(
+    jobs: Sequence[FileJob],
+    staging: Path,
+    process_num: int,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Write every job's file under ``staging``, in this process or in a pool of workers."""
+    if process_num <= 1 or len(jobs) <= 1:
+        for j in jobs:
+            n = run_job(j, str(staging))
+            if progress:
+                progress(n)
+        return
+    ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
+    pool = ctx.Pool(min(process_num, len(jobs)), initializer=_worker_init)
+    try:
+        order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
+        for _, n in pool.imap_unordered(_run_job_star, [(j, str(staging)) for j in order]):
+            if progress:
+                progress(n)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _publish_dir(staging: Path, dst: Path) -> None:
+    """Move a complete staged output directory to ``dst`` (which did not exist) in one rename."""
+    try:
+        os.rename(staging, dst)
+    except OSError as e:
+        raise CheckpointError(
+            str(dst), None, f"could not move the finished output into place ({e}); nothing written"
+        ) from None
+
+
+def _keep_old(final: Path, backup: Path) -> None:
+    """Keep the file about to be replaced: a hard link (``final`` stays in place), else a move."""
+    backup.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(final, backup)
+    except OSError:
+        os.replace(final, backup)
+
+
+def _publish_files(jobs: Sequence[FileJob], staging: Path, dst: Path) -> None:
+    """Move staged files into an existing ``dst`` one by one; on any failure put it back as it was.
+
+    Each file that would be overwritten is first kept under ``staging/.replaced``; a failure
+    restores those, removes the new files and the directories made for them.
+    """
+    backups = staging / ".replaced"
+    placed: list[tuple[Path, Path | None]] = []  # (final, kept original or None if it was new)
+    made: list[Path] = []
+    try:
+        for j in jobs:
+            final = dst / j.rel_path
+            made += _make_dirs(final.parent)
+            backup = None
+            if final.exists() or final.is_symlink():
+                backup = backups / j.rel_path
+                _keep_old(final, backup)
+            placed.append((final, backup))
+            os.replace(staging / j.rel_path, final)
+    except BaseException as e:
+        _roll_back(placed, made, dst, backups, e)
+        raise
+
+
+def _roll_back(
+    placed: Sequence[tuple[Path, Path | None]],
+    made: Sequence[Path],
+    dst: Path,
+    backups: Path,
+    cause: BaseException,
+) -> None:
+    """Undo ``_publish_files``; raise ``_RestoreError`` naming what could not be restored."""
+    failed = []
+    for final, backup in reversed(placed):
+        try:
+            if backup is not None:
+                os.replace(backup, final)
+            else:
+                final.unlink(missing_ok=True)
+        except OSError as e:
+            failed.append(f"{final} (original kept at {backup}: {e})" if backup else f"{final}")
+    _remove_empty_dirs(made)
+    if failed:
+        raise _RestoreError(
+            str(dst),
+            None,
+            f"moving the new files into place failed ({cause!r}) and these could not be "
+            f"restored: {failed}; the replaced originals are kept under {backups}",
+        ) from cause
+
+
 def execute(
     jobs: Sequence[FileJob],
     dst_dir: str | os.PathLike,
@@ -124,53 +255,40 @@ def execute(
     progress: Callable[[int], None] | None = None,
     forbidden: Sequence[str] = (),
 ) -> list[str]:
-    """Write all jobs into ``dst_dir`` atomically; returns the output paths.
+    """Write all jobs into ``dst_dir`` all-or-nothing; returns the output paths.
 
-    ``forbidden`` lists source files that must never be overwritten.
+    A new ``dst_dir`` is staged whole as a hidden sibling and renamed into place in one step. In
+    an existing one, files are staged inside it and moved in one by one, and a failure restores
+    every file already replaced. ``forbidden`` lists source files that must never be overwritten.
     """
     dst = Path(dst_dir)
-    bad = {os.path.realpath(f) for f in forbidden}
-    for j in jobs:
-        target = os.path.realpath(dst / j.rel_path)
-        if target in bad:
-            raise CheckpointError(
-                str(dst / j.rel_path), None, "output would overwrite a source file"
-            )
-    created = not dst.exists()
-    dst.mkdir(parents=True, exist_ok=True)
-    staging = dst / f".tessel-staging-{uuid.uuid4().hex[:12]}"
+    _check_forbidden(jobs, dst, forbidden)
+    fresh = not dst.exists()
+    made = _make_dirs(dst.parent) if fresh else []
+    tag = uuid.uuid4().hex[:12]
+    if fresh:
+        staging = dst.parent / f".{dst.name}.tessel-staging-{tag}"
+    else:
+        dst.mkdir(exist_ok=True)  # a clear FileExistsError if dst is a file
+        staging = dst / f".tessel-staging-{tag}"
     staging.mkdir()
-    ok = False
+    ok = keep_staging = False
     try:
-        if process_num <= 1 or len(jobs) <= 1:
-            for j in jobs:
-                n = run_job(j, str(staging))
-                if progress:
-                    progress(n)
+        _write_jobs(jobs, staging, process_num, progress)
+        if fresh:
+            _publish_dir(staging, dst)
         else:
-            ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
-            pool = ctx.Pool(min(process_num, len(jobs)), initializer=_worker_init)
-            try:
-                order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
-                for _, n in pool.imap_unordered(_run_job_star, [(j, str(staging)) for j in order]):
-                    if progress:
-                        progress(n)
-                pool.close()
-            finally:
-                pool.terminate()
-                pool.join()
-        outputs = []
-        for j in jobs:
-            final = dst / j.rel_path
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / j.rel_path, final)
-            outputs.append(str(final))
+            _publish_files(jobs, staging, dst)
         ok = True
-        return outputs
+        return [str(dst / j.rel_path) for j in jobs]
+    except _RestoreError:
+        keep_staging = True  # it holds the originals that could not be put back
+        raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not ok and created:
-            shutil.rmtree(dst, ignore_errors=True)
+        if not keep_staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not ok:
+            _remove_empty_dirs(made)
 
 
 def nbytes_of(jobs: Sequence[FileJob]) -> int:

@@ -5,7 +5,9 @@ placements are per mesh dim (which tensor dim this axis splits), applied left to
 mesh. When a dim is split by several axes in an order other than mesh order, the outer axes that
 come later in the mesh are expressed with ``_StridedShard(dim, split_factor=...)``, where
 ``split_factor`` is the product of the sizes of the axes that are outer in the Layout but are
-applied later in mesh order (torch's "right-to-left" sharding).
+applied later in mesh order (torch's "right-to-left" sharding). That covers every order of the
+axes on one dim; even so, the placements are checked against a model of torch's splitting and an
+order they would get wrong raises NotExpressibleError instead of returning wrong shards.
 """
 
 from __future__ import annotations
@@ -19,8 +21,22 @@ from tessel.parallel.errors import NotExpressibleError
 from tessel.parallel.layout import INTERLEAVED, Layout, layout_from_tensor_map
 
 
+def _split_factor(dev: Sequence[int], mesh_dims: Sequence[int], i: int) -> int:
+    """``_StridedShard`` split factor of ``mesh_dims[i]`` (one tensor dim's axes, outer first).
+
+    torch applies placements in mesh order, so the axes outer to this one in the Layout that it
+    applies later (larger mesh dim) have not split the tensor yet: their product is the factor.
+    """
+    m = mesh_dims[i]
+    return math.prod(dev[o] for o in mesh_dims[:i] if o > m)
+
+
 def layout_to_placements(layout: Layout) -> list:
-    """Placements (one per device-matrix axis) equivalent to a Layout with a tensor map."""
+    """Placements (one per device-matrix axis) equivalent to a Layout with a tensor map.
+
+    The result is checked against torch's left-to-right splitting (``_check_placements``); an
+    order it cannot reproduce raises NotExpressibleError rather than giving wrong shards.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -37,11 +53,68 @@ def layout_to_placements(layout: Layout) -> list:
     for d, axes in enumerate(layout.tensor_axes()):
         mesh_dims = [ndev - 1 - a for a in axes]  # outer first
         for i, m in enumerate(mesh_dims):
-            # axes outer to m in the Layout that DTensor applies after m (larger mesh dim)
-            later_outer = [dev[o] for o in mesh_dims[:i] if o > m]
-            sf = math.prod(later_outer)
+            sf = _split_factor(dev, mesh_dims, i)
             placements[m] = Shard(d) if sf == 1 else _StridedShard(d, split_factor=sf)
+    _check_placements(layout, placements)
     return placements
+
+
+def _torch_blocks(dev: Sequence[int], placements: Sequence, d: int) -> torch.Tensor | None:
+    """Which block of tensor dim ``d`` each mesh coordinate gets from torch's placements.
+
+    Models ``Shard`` / ``_StridedShard._split_tensor`` on block indices: the dim is cut into as
+    many blocks as the mesh dims sharding it have devices; placements apply in mesh order, and
+    ``_StridedShard(sf)`` on ``n`` devices cuts the local blocks into ``sf`` pieces, each into
+    ``n`` chunks, and gives device ``i`` chunk ``i`` of every piece. Returns a tensor indexed by
+    the coordinates of those mesh dims (in mesh order), or None when a split is uneven.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh_dims = [m for m, p in enumerate(placements) if getattr(p, "dim", None) == d]
+    x = torch.arange(math.prod(dev[m] for m in mesh_dims)).view(1, -1)
+    for m in mesh_dims:
+        p, n = placements[m], dev[m]
+        sf = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        *batch, length = x.shape
+        if length % (sf * n):
+            return None
+        x = x.reshape(*batch, sf, n, length // (sf * n)).transpose(-3, -2)
+        x = x.reshape(*batch, n, -1)
+    if x.shape[-1] != 1:
+        return None
+    return x.reshape([dev[m] for m in mesh_dims])
+
+
+def _layout_blocks(dev: Sequence[int], axes: Sequence[int]) -> torch.Tensor:
+    """Block index of tensor dim ``d`` per coordinate of its mesh dims (mesh order) in a Layout."""
+    ndev = len(dev)
+    mesh_dims = sorted(ndev - 1 - a for a in axes)
+    out = torch.zeros([dev[m] for m in mesh_dims], dtype=torch.int64)
+    stride = 1
+    for a in reversed(axes):  # innermost axis first
+        m = ndev - 1 - a
+        shape = [dev[m] if k == m else 1 for k in mesh_dims]
+        out = out + torch.arange(dev[m]).view(shape) * stride
+        stride *= dev[m]
+    return out
+
+
+def _check_placements(layout: Layout, placements: Sequence) -> None:
+    """Raise NotExpressibleError unless torch's placements give every device the Layout's slice."""
+    dev = layout.device_matrix
+    for d, axes in enumerate(layout.tensor_axes()):
+        if not axes:
+            continue
+        got = _torch_blocks(dev, placements, d)
+        if got is None or not torch.equal(got, _layout_blocks(dev, axes)):
+            names = [layout.alias_name[len(dev) - 1 - a] for a in axes]
+            raise NotExpressibleError(
+                "Layout",
+                f"tensor_map[{d}]",
+                f"{layout!r}: splitting tensor dim {d} by {tuple(names)} (outer first) has no "
+                f"DTensor placements; the nearest, {placements}, would give devices other "
+                "slices than the Layout",
+            )
 
 
 def layout_to_dtensor(layout: Layout, device_type: str = "cpu", mesh=None) -> tuple:
