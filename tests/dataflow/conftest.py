@@ -55,17 +55,21 @@ def no_leftover_workers():
     assert not left, f"processes outlived the test: {sorted(left)}"
 
 
-def write_cluster(path: Path, nodes: list[int], soc_type: str = "cpu") -> Path:
-    """A numa_config with one entry per node, `nodes[i]` devices each, node_ids 0..n-1."""
+def write_cluster(
+    path: Path, nodes: list[int], soc_type: str = "cpu", node_ids: list[int] | None = None
+) -> Path:
+    """A numa_config with one entry per node, `nodes[i]` devices each, node_ids 0..n-1 (or
+    `node_ids`)."""
     cluster_nodes = []
-    for nid, count in enumerate(nodes):
+    ids = node_ids or list(range(len(nodes)))
+    for k, (nid, count) in enumerate(zip(ids, nodes, strict=True)):
         cluster_nodes.append(
             {
                 "node_id": nid,
                 "node_type": "T",
                 "ipaddr": f"127.0.0.{nid + 1}",
                 "port": 2509,
-                "is_local": nid == 0,
+                "is_local": k == 0,
                 "item_list": [{"item_id": i, "device_id": i} for i in range(count)],
             }
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -464,3 +466,126 @@ def test_cpu_devices_can_pin_their_workers_to_cores(tmp_path, cluster4):
     mine = sorted(os.sched_getaffinity(0))
     got = [g.fetch()[0][0] for _ in range(2)]
     assert got == [[mine[0]], [mine[1 % len(mine)]]]
+
+
+@df.pyflow
+def tagged(v):
+    """(value, instance that ran it), after a delay that varies with the value."""
+    import time
+
+    time.sleep(0.002 * (int(v) % 5))
+    return int(v), df.get_running_instance_id()
+
+
+@df.pyflow
+def pair_up(worked, original):
+    return worked, int(original)
+
+
+def test_balance_gather_aligns_the_scattered_instances(tmp_path, cluster4):
+    x = df.FlowData()
+    src = inc.fnode(name="src").set_balance_scatter()
+    fed = src(x)
+    gather = pair_up.fnode(name="gather").set_balance_gather()
+    out = gather(tagged.fnode(name="work")(fed), fed)
+    g = df.FlowGraph(
+        [out],
+        deploy(
+            tmp_path,
+            [
+                {"flow_node_list": ["src"], "logic_device_list": "0:0:0"},
+                {"flow_node_list": ["work"], "logic_device_list": "0:0:1~3"},
+                {"flow_node_list": ["gather"], "logic_device_list": "0:0:0~1"},
+            ],
+        ),
+    )
+    n = 60
+    for i in range(n):
+        g.feed({x: i}, timeout=30_000)
+    got = [g.fetch(timeout=30_000)[0][0] for _ in range(n)]
+    # complete, in order, and each gathered pair belongs to one transaction
+    assert [(w[0], o) for w, o in got] == [(i + 1, i + 1) for i in range(n)]
+    assert len({w[1] for w, _ in got}) > 1  # the scatter really spread the work
+
+
+def test_balance_gather_needs_a_scatter_upstream(cluster4):
+    x = df.FlowData()
+    plain = inc.fnode(name="plain")(x)
+    gather = pair_up.fnode(name="lonely").set_balance_gather()
+    with pytest.raises(ValueError, match="'lonely'.*no balance-scatter node is upstream"):
+        df.FlowGraph([gather(tagged.fnode()(plain), plain)])
+
+
+@df.pyflow
+def slow_second(v):
+    import time
+
+    time.sleep(1.0)
+    return v
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_flow_attr_depth_bounds_the_queue_and_feed_times_out(cluster4, depth):
+    x = df.FlowData()
+    node = slow_second.fnode(name="slow").set_attr("_flow_attr_depth", depth)
+    g = df.FlowGraph([node(x)]).start()
+    accepted = 0
+    with pytest.raises(df.FlowTimeout, match="'slow' did not take transaction"):
+        for i in range(depth + 5):
+            g.feed({x: i}, timeout=200)
+            accepted += 1
+    assert accepted == depth  # the queue held exactly `depth` transactions
+    assert [g.fetch(timeout=30_000)[0][0] for _ in range(depth)] == list(range(depth))
+    g.feed({x: 99}, timeout=5_000)  # room again; the timed-out feed took no transaction id
+    outs, info, _ = g.fetch_data(timeout=30_000)
+    assert outs == [99] and info.transaction_id == depth + 1
+
+
+def test_a_consumer_dying_while_a_feed_writes_fails_that_transaction(cluster4):
+    x = df.FlowData()
+    g = df.FlowGraph([inc.fnode(name="victim")(x)]).start()
+    ex = g._executor
+    worker = ex.workers[0]
+    ch = ex.input_routes[0][0].channels[0]
+    real_put = ch.put
+
+    def put_after_death(*args):
+        """The slot is taken; the consumer dies and is reclaimed before the value lands."""
+        os.kill(worker.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while ex.alive[worker.gid] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the collector reclaims the dead worker's slots meanwhile
+        return real_put(*args)
+
+    ch.put = put_after_death  # the parent's copy only: the worker forked before
+    g.feed({x: 1}, timeout=5_000)
+    with pytest.raises(df.TransactionFailed) as failed:
+        g.fetch(timeout=10_000)
+    assert failed.value.transaction_id == 1 and failed.value.node == "victim"
+    assert "died before taking it" in failed.value.error
+    ch.put = real_put
+    g.feed({x: 2}, timeout=5_000)  # no live instance left: reported, not lost
+    with pytest.raises(df.TransactionFailed, match="no live instance of node 'victim'"):
+        g.fetch(timeout=10_000)
+
+
+def test_routing_shared_by_both_executors():
+    from tessel.dataflow.executors.routing import pick
+
+    def live(dead=()):
+        return lambda i: i not in dead
+
+    def flat(i):
+        return 0
+
+    assert [pick(3, t, live(), True, False, flat) for t in range(1, 7)] == [0, 1, 2, 0, 1, 2]
+    # a dead instance's share goes to the next live one, unless a join waits for it there
+    assert pick(3, 2, live({1}), True, False, flat) == 2
+    assert pick(3, 2, live({1}), False, False, flat) is None
+    # balanced: the least-loaded live instance; ties go round by transaction id
+    loads = [3, 1, 2].__getitem__
+    assert pick(3, 1, live(), True, True, loads) == 1
+    assert pick(3, 1, live({1}), True, True, loads) == 2
+    assert [pick(3, t, live(), True, True, flat) for t in range(3)] == [0, 1, 2]
+    assert pick(3, 1, live(), False, True, loads) == 0  # a join routes round-robin

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -172,3 +173,37 @@ def test_nested_flow_graph_and_pyflow_class_on_ray(tmp_path, two_hosts):
     g.feed({x: 1})
     g.feed({x: 2})
     assert [g.fetch(timeout=60_000)[0][0] for _ in range(2)] == [102, 103]
+
+
+@df.pyflow
+def ident(x):
+    return x
+
+
+@df.pyflow
+def slow_on_first(x):
+    """Transaction 1 holds its actor for 5 s; the rest are quick. Returns the instance id."""
+    if int(x) == 1:
+        time.sleep(5)
+    return df.get_running_instance_id()
+
+
+@pytest.mark.parametrize("how", ["scatter", "dynamic_schedule"])
+def test_balanced_node_takes_the_least_loaded_actor(tmp_path, two_hosts, how):
+    x = df.FlowData()
+    src = ident.fnode(name="src")
+    if how == "scatter":
+        src.set_balance_scatter()
+    out = slow_on_first.fnode(name="work")(src(x))
+    entries = [
+        {"flow_node_list": ["src"], "logic_device_list": "0:0:0"},
+        {"flow_node_list": ["work"], "logic_device_list": "0:0:1,0:1:0"},
+    ]
+    data = {"batch_deploy_info": entries, "dynamic_schedule_enable": how == "dynamic_schedule"}
+    g = df.FlowGraph([out], {df.DEPLOY_INFO_OPTION: write_json(tmp_path / "d.json", data)})
+    for i in range(1, 6):
+        g.feed({x: i})
+        time.sleep(0.7)  # each quick transaction is done before the next is fed
+    got = [g.fetch(timeout=60_000)[0][0] for _ in range(5)]
+    # round-robin would send transactions 3 and 5 to the actor still busy with 1
+    assert all(inst != got[0] for inst in got[1:]), got

@@ -47,6 +47,10 @@ RULE_IN_CLUSTER = "the device must be in the cluster config"
 RULE_CAN_RUN = "a node must be placed where it can run"
 RULE_HOST_AND_DEVICE = "a node cannot be on both host and device"
 RULE_NESTED_PARENT = "the parent of a nested graph cannot have several instances"
+RULE_NESTED_INLINE = (
+    "a nested graph runs in the process of the UDF that invokes it; its nodes must be placed on "
+    "that UDF's device with one instance"
+)
 RULE_INVOKED_COUNT = "an invoked model needs as many instances as its parent"
 RULE_INVOKE_ONE_OF = "an invoke_list entry takes deploy_info_file or logic_device_list, not both"
 RULE_SYNTAX = "deploy-info syntax"

@@ -155,7 +155,11 @@ class NodeRuntime:
 
 
 class InlineGraph:
-    """A nested flow graph run inside the invoking UDF's process, node by node in order."""
+    """A nested flow graph run inside the invoking UDF's process, node by node in order.
+
+    Placement (Placer._check_inline) has made sure each inner node has exactly one instance, on
+    the invoking UDF's device, so running `instances[0]` here is what the deploy file says.
+    """
 
     def __init__(self, spec: GraphSpec, placement: GraphPlacement) -> None:
         self.spec = spec

@@ -142,7 +142,13 @@ class FlowNode:
         return self
 
     def set_balance_gather(self) -> FlowNode:
-        """Mark this node as gathering a balanced (scattered) region back together."""
+        """Mark this node as where a balanced (scattered) region comes back together.
+
+        tessel aligns every node's inputs by transaction id, gather or not, so the outputs of a
+        balance-scatter's instances always meet here per transaction, complete and in order. The
+        flag is checked, as in CANN: FlowGraph refuses a gather node with no balance-scatter
+        node upstream of it.
+        """
         if self.balance_scatter:
             raise ValueError(f"FlowNode {self.name!r}: balance scatter and gather are exclusive")
         self.balance_gather = True

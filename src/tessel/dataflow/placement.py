@@ -2,7 +2,8 @@
 
 Applies the seed's rules, each with its own error (rule names in errors.py), and its policies for
 invoked models: a UDF on the host puts the model on the first device of its server, a UDF on a
-device puts it on the same device.
+device puts it on the same device. A nested flow graph runs inline in the invoking UDF's process
+(node_runtime.InlineGraph), so its nodes must sit on that UDF's device with one instance each.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tessel.dataflow.errors import (
     RULE_HOST_AND_DEVICE,
     RULE_IN_CLUSTER,
     RULE_INVOKED_COUNT,
+    RULE_NESTED_INLINE,
     RULE_NESTED_PARENT,
     RULE_ONCE,
     RULE_SYNTAX,
@@ -117,7 +119,8 @@ class Placer:
         return Instance(dev, torch_dev, kind, n.ipaddr)
 
     def check_runs(self, node: NodeSpec | None, pp: Any, inst: Instance, source: str, key: str):
-        """A node must be placed where it can run: model device kind, UDF resources."""
+        """A node must be placed where it can run: model device kind, UDF resources (a logical
+        device is one accelerator, so a UDF may ask for at most one GPU or NPU)."""
         name = node.deploy_name if node else pp.name
         if isinstance(pp, GraphProcessPoint):
             target = pp.target_device_type()
@@ -135,6 +138,15 @@ class Placer:
         resources = getattr(pp, "resources", {}) or {}
         for res, kind in _RESOURCE_KIND.items():
             want = resources.get(res) or 0
+            if isinstance(want, int | float) and want > 1:
+                raise DeployError(
+                    source,
+                    key,
+                    RULE_CAN_RUN,
+                    f"the UDF asks for {res}={want} but a logical device ({inst.device}) is one "
+                    f"accelerator; ask for {res}=1 and place more instances to use more devices",
+                    name,
+                )
             if want and inst.kind != kind:
                 where = "the host" if inst.device.is_host else f"a {inst.kind} device"
                 raise DeployError(
@@ -247,12 +259,17 @@ class Placer:
                 )
             sub = pp.flow_graph.spec
             if entry is not None and entry.nested is not None:
-                return self.place(sub, entry.nested, entry.nested.source)
+                nested = self.place(sub, entry.nested, entry.nested.source)
+                self._check_inline(sub, nested, n, parents[0], entry.nested)
+                return nested
             devs = entry.devices if entry is not None and entry.devices else [parents[0].device]
             placed = {}
             for sn in sub.nodes:
                 placed[sn.name] = self._place_node(sn, devs, None, source, key)
-            return GraphPlacement(source, placed)
+            inline = GraphPlacement(source, placed)
+            where = f"{entry.key_path}.logic_device_list" if entry is not None else key
+            self._check_inline(sub, inline, n, parents[0], None, where)
+            return inline
         # an invoked model: one instance per parent instance
         if entry is not None and entry.nested is not None:
             raise DeployError(
@@ -287,3 +304,30 @@ class Placer:
         for inst in insts:
             self.check_runs(None, pp, inst, source, where)
         return insts
+
+    def _check_inline(
+        self,
+        sub: GraphSpec,
+        placed: GraphPlacement,
+        parent: NodeSpec,
+        at: Instance,
+        info: DeployInfo | None,
+        key: str = "batch_deploy_info",
+    ) -> None:
+        """A nested graph runs in its invoking UDF's process (node_runtime.InlineGraph): refuse
+        a placement of its nodes elsewhere or with several instances, instead of ignoring it."""
+        where = info.placements() if info is not None else {}
+        for sn in sub.nodes:
+            devs = [i.device for i in placed.nodes[sn.name].instances]
+            if devs == [at.device]:
+                continue
+            found = where.get(sn.deploy_name) or where.get(sn.name)
+            raise DeployError(
+                placed.source,
+                found[1] if found else key,
+                RULE_NESTED_INLINE,
+                f"is placed on {', '.join(str(d) for d in devs)}, but node "
+                f"{parent.deploy_name!r} that invokes its graph {sub.name!r} runs on "
+                f"{at.device}; place it on {at.device} with one instance",
+                sn.deploy_name,
+            )

@@ -87,6 +87,29 @@ def _functions(node: FlowNode) -> list[FuncSpec]:
     return [FuncSpec(None, list(range(node.input_num)), list(range(node.output_num)))]
 
 
+def _upstream(node: FlowNode) -> list[FlowNode]:
+    """Every node whose outputs reach `node`, directly or through other nodes."""
+    seen: dict[int, FlowNode] = {}
+    stack = [s.node for s in node.inputs if isinstance(s, FlowOutput)]
+    while stack:
+        n = stack.pop()
+        if id(n) not in seen:
+            seen[id(n)] = n
+            stack.extend(s.node for s in n.inputs if isinstance(s, FlowOutput))
+    return list(seen.values())
+
+
+def _check_gathers(order: list[FlowNode], name: str) -> None:
+    """A balance-gather node closes a balanced region, so a balance-scatter node must open it."""
+    for n in order:
+        if n.balance_gather and not any(u.balance_scatter for u in _upstream(n)):
+            raise ValueError(
+                f"FlowGraph {name!r}: node {n.name!r} is set as a balance gather but no "
+                "balance-scatter node is upstream of it; call set_balance_scatter() on the node "
+                "whose outputs its inputs come from, or drop set_balance_gather()"
+            )
+
+
 def build_spec(outputs: list[FlowOutput], name: str) -> GraphSpec:
     """Walk back from the outputs; check every node is wired; order nodes topologically."""
     if not outputs:
@@ -122,6 +145,7 @@ def build_spec(outputs: list[FlowOutput], name: str) -> GraphSpec:
         visit(o.node)
     if not datas:
         raise ValueError(f"FlowGraph {name!r}: has no FlowData input")
+    _check_gathers(order, name)
     data_list = sorted(datas.values(), key=lambda d: d.order)
     data_index = {id(d): k for k, d in enumerate(data_list)}
     names: dict[str, FlowNode] = {}

@@ -2,10 +2,11 @@
 
 The parent builds every channel (transport.Channel) before forking, so workers inherit the shared
 pages and pipes. Transactions go to consumer instance `(tid - 1) % n` (round-robin by transaction
-id), or to the least-loaded one after a balance-scatter node (or everywhere, with the deploy
-file's `dynamic_schedule_enable`), for consumers with one input. A collector thread in the parent
-reads the graph outputs, failure reports and worker exits; a dead worker's held transactions are
-read from its channels' slot headers and reported failed, and the graph keeps serving the rest.
+id), or to the least-loaded one (most free slots) after a balance-scatter node (or everywhere,
+with the deploy file's `dynamic_schedule_enable`), for consumers with one input (routing.py). A
+collector thread in the parent reads the graph outputs, failure reports and worker exits; a dead
+worker's held transactions are read from its channels' slot headers and reported failed, and the
+graph keeps serving the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from tessel.dataflow.errors import FlowTimeout, TransactionFailed
 from tessel.dataflow.executors.book import ResultBook
+from tessel.dataflow.executors.routing import pick
 from tessel.dataflow.placement import GraphPlacement, Instance
 from tessel.dataflow.spec import GraphSpec, NodeSpec
 from tessel.dataflow.transport import Channel
@@ -40,7 +42,7 @@ _ABORTED_KEEP = 100_000  # failed transaction ids a worker remembers, to drop th
 class Route:
     """Where one output goes: a consumer node's input, one channel per consumer instance."""
 
-    consumer: str
+    consumer: str  # the consumer's deploy name (alias, else name): what failures report
     input_index: int
     channels: list[Channel]
     gids: list[int]  # global worker ids of the consumer instances (-1: the parent)
@@ -63,8 +65,21 @@ class Worker:
     process: Any = None
 
 
+class Undeliverable(Exception):
+    """A value could not reach its consumer: why, and the consumer instance (-1: none chosen)."""
+
+    def __init__(self, why: str, instance: int = -1) -> None:
+        super().__init__(why)
+        self.instance = instance
+
+
 class Sender:
-    """Routes a value to a consumer instance and writes it to that channel."""
+    """Routes a value to a consumer instance and writes it to that channel.
+
+    Sending is two steps, shared by workers and by the parent's `submit`: `reserve` picks the
+    instance and takes a free slot of its channel, `deliver` writes the value there and, when the
+    consumer died meanwhile, takes the slot back and says so (nothing is silently lost).
+    """
 
     def __init__(self, alive: Any, stopping: Any) -> None:
         self.alive = alive
@@ -74,35 +89,48 @@ class Sender:
         return gid < 0 or (self.alive[gid] == 1 and not self.stopping.value)
 
     def choose(self, route: Route, tid: int) -> int | None:
-        n = len(route.channels)
-        if n == 1:
-            return 0 if self._live(route.gids[0]) else None
-        if route.scatter and route.single_input:
-            live = [i for i in range(n) if self._live(route.gids[i])]
-            if not live:
-                return None
-            return max(live, key=lambda i: (route.channels[i].free.get_value(), -((i - tid) % n)))
-        idx = (tid - 1) % n
-        if self._live(route.gids[idx]):
+        """The consumer instance for `tid` (see routing.py); None when none is alive."""
+        return pick(
+            len(route.channels),
+            tid,
+            lambda i: self._live(route.gids[i]),
+            route.single_input,
+            route.scatter,
+            lambda i: -route.channels[i].free.get_value(),  # fewer free slots: more loaded
+        )
+
+    def reserve(self, route: Route, tid: int, deadline: float | None) -> int | None:
+        """Take a slot for `tid`: the instance index, None on timeout, Undeliverable when no
+        live instance can take it."""
+        idx = self.choose(route, tid)
+        if idx is None:
+            raise Undeliverable(f"no live instance of node {route.consumer!r} to take it")
+        gid = route.gids[idx]
+        if route.channels[idx].acquire(deadline, alive=lambda: self._live(gid)):
             return idx
-        if route.single_input:  # no join waits for it elsewhere: another instance may take it
-            for k in range(1, n):
-                j = (idx + k) % n
-                if self._live(route.gids[j]):
-                    return j
-        return None
+        if self._live(gid):
+            return None
+        raise Undeliverable(f"node {route.consumer!r} instance {idx} stopped before taking it", idx)
+
+    def deliver(self, route: Route, idx: int, tid: int, value: Any, info: tuple) -> None:
+        """Write `value` into the slot `reserve` took; Undeliverable if the consumer died
+        between the reserve and the write (its slot is taken back, so the reclaim of the dead
+        consumer's slots and this check cannot both miss the transaction)."""
+        ch, gid = route.channels[idx], route.gids[idx]
+        slot = ch.put(tid, route.input_index, value, info)
+        if not self._live(gid) and ch.unsend(slot):
+            raise Undeliverable(
+                f"node {route.consumer!r} instance {idx} died before taking it", idx
+            )
 
     def send(self, route: Route, tid: int, value: Any, info: tuple) -> str | None:
         """Blocking send; returns None on success, else why it could not be delivered."""
-        idx = self.choose(route, tid)
-        if idx is None:
-            return f"no live instance of node {route.consumer!r} to take it"
-        ch, gid = route.channels[idx], route.gids[idx]
-        if not ch.acquire(None, alive=lambda: self._live(gid)):
-            return f"node {route.consumer!r} instance {idx} stopped before taking it"
-        slot = ch.put(tid, route.input_index, value, info)
-        if not self._live(gid) and ch.unsend(slot):
-            return f"node {route.consumer!r} instance {idx} died before taking it"
+        try:
+            idx = self.reserve(route, tid, None)
+            assert idx is not None  # no deadline: reserve waits or raises
+            self.deliver(route, idx, tid, value, info)
+        except Undeliverable as exc:
+            return str(exc)
         return None
 
 
@@ -203,6 +231,12 @@ def _worker_main(w: Worker, alive: Any, stopping: Any, parent: int, pin: bool = 
                 c.release(s)
 
 
+def _release(plan: list[tuple[Route, int, Any]]) -> None:
+    """Give back the slots reserved for values that will not be sent."""
+    for route, idx, _ in plan:
+        route.channels[idx].free.release()
+
+
 class LocalExecutor:
     """Runs a placed graph on this host: workers, channels, collector."""
 
@@ -252,7 +286,14 @@ class LocalExecutor:
                 if src[0] == "node":
                     scatter = scatter or self.spec.node(src[1]).scatter
                 out.append(
-                    Route(cname, idx, chans, [cw.gid for cw in ws], scatter, consumer.n_in == 1)
+                    Route(
+                        consumer.deploy_name,
+                        idx,
+                        chans,
+                        [cw.gid for cw in ws],
+                        scatter,
+                        consumer.n_in == 1,
+                    )
                 )
             return out
 
@@ -361,36 +402,39 @@ class LocalExecutor:
 
     # ---- feed / fetch ------------------------------------------------------------------
     def submit(self, tid: int, values: list[Any], info: tuple, timeout_s: float | None) -> None:
-        """Send one transaction's inputs; FlowTimeout (nothing sent) if no room in time."""
+        """Send one transaction's inputs: a slot for every input first (FlowTimeout, nothing
+        sent, if one has no room in time), then the writes. A consumer found dead on the way
+        fails the transaction with its node's name, as a worker's send does."""
         if self.closed:
             raise RuntimeError("the graph is finalized")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        plan = []
-        for k, routes in enumerate(self.input_routes):
-            for route in routes:
-                idx = self.sender.choose(route, tid)
-                if idx is None:
-                    for ch, _, _ in plan:
-                        ch.free.release()
-                    self.book.expect(tid)
-                    self.book.fail(
-                        TransactionFailed(
-                            tid, route.consumer, -1, "no live instance of the node to take it"
+        plan: list[tuple[Route, int, Any]] = []
+        try:
+            for k, routes in enumerate(self.input_routes):
+                for route in routes:
+                    idx = self.sender.reserve(route, tid, deadline)
+                    if idx is None:
+                        raise FlowTimeout(
+                            f"feed: node {route.consumer!r} did not take transaction {tid} "
+                            f"within {(timeout_s or 0) * 1000:.0f} ms"
                         )
-                    )
-                    return
-                ch, gid = route.channels[idx], route.gids[idx]
-                if not ch.acquire(deadline, alive=lambda g=gid: self.sender._live(g)):
-                    for c, _, _ in plan:
-                        c.free.release()
-                    raise FlowTimeout(
-                        f"feed: node {route.consumer!r} did not take transaction {tid} within "
-                        f"{(timeout_s or 0) * 1000:.0f} ms"
-                    )
-                plan.append((ch, route, values[k]))
+                    plan.append((route, idx, values[k]))
+        except Undeliverable as exc:
+            _release(plan)
+            self.book.expect(tid)
+            self.book.fail(TransactionFailed(tid, route.consumer, exc.instance, str(exc)))
+            return
+        except BaseException:
+            _release(plan)
+            raise
         self.book.expect(tid)
-        for ch, route, value in plan:
-            ch.put(tid, route.input_index, value, info)
+        for done, (route, idx, value) in enumerate(plan):
+            try:
+                self.sender.deliver(route, idx, tid, value, info)
+            except Undeliverable as exc:
+                _release(plan[done + 1 :])
+                self._fail(TransactionFailed(tid, route.consumer, idx, str(exc)))
+                return
 
     def result(self, tid: int, timeout_s: float | None) -> Any:
         return self.book.take(tid, timeout_s)

@@ -4,8 +4,10 @@ One actor per node instance, pinned to its server through a custom resource `tes
 when the Ray cluster defines it (start each host's raylet with `--resources
 '{"tessel_node_<id>": 1000}'`). Each transaction is submitted as a chain of actor calls whose
 arguments are the upstream calls' object refs, so Ray moves the data (its object store is shared
-memory on one host). Same semantics as the local executor: round-robin by transaction id,
-results in transaction order, failures reported with the node's name, dead actors skipped.
+memory on one host). Same semantics as the local executor (routing.py): round-robin by
+transaction id, or the least-loaded instance (fewest unfinished calls) for a one-input node fed by
+a balance-scatter node or under `dynamic_schedule_enable`; results in transaction order, failures
+reported with the node's name, dead actors skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from tessel.config.cluster import ClusterConfig
 from tessel.dataflow.errors import FlowTimeout, TransactionFailed
+from tessel.dataflow.executors.routing import pick
 from tessel.dataflow.placement import GraphPlacement, Instance
 from tessel.dataflow.spec import GraphSpec, NodeSpec
 
@@ -109,6 +112,8 @@ class RayExecutor:
         self.actors: dict[str, list[Any]] = {}
         self.dead: set[tuple[str, int]] = set()
         self.inflight: OrderedDict[int, dict] = OrderedDict()
+        self.balanced = {n.name for n in spec.nodes if self._balanced(n)}
+        self.running: dict[tuple[str, int], list[Any]] = {}  # balanced nodes: unfinished calls
         self.closed = False
         self._owns_ray = False
 
@@ -171,17 +176,35 @@ class RayExecutor:
             if self._owns_ray:
                 ray.shutdown()
 
+    def _balanced(self, n: NodeSpec) -> bool:
+        """Whether `n` takes its least-loaded instance: one input, fed by a balance-scatter
+        node or with the deploy file's dynamic_schedule_enable (as the local executor)."""
+        if n.n_in != 1:
+            return False
+        src = n.sources[0]
+        return self.placement.dynamic_schedule or (
+            src[0] == "node" and self.spec.node(src[1]).scatter
+        )
+
+    def _load(self, name: str, idx: int) -> int:
+        """Unfinished calls of one actor of a balanced node (finished ones are dropped)."""
+        import ray
+
+        refs = self.running.get((name, idx), [])
+        if refs:
+            _, refs = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            self.running[(name, idx)] = refs
+        return len(refs)
+
     def _choose(self, n: NodeSpec, tid: int) -> int | None:
-        count = len(self.actors[n.name])
-        idx = (tid - 1) % count
-        if (n.name, idx) not in self.dead:
-            return idx
-        if n.n_in == 1:
-            for k in range(1, count):
-                j = (idx + k) % count
-                if (n.name, j) not in self.dead:
-                    return j
-        return None
+        return pick(
+            len(self.actors[n.name]),
+            tid,
+            lambda i: (n.name, i) not in self.dead,
+            n.n_in == 1,
+            n.name in self.balanced,
+            lambda i: self._load(n.name, i),
+        )
 
     def submit(self, tid: int, values: list[Any], info: tuple, timeout_s: float | None) -> None:
         import ray
@@ -205,7 +228,9 @@ class RayExecutor:
             idx = self._choose(n, tid)
             if idx is None:
                 self.inflight[tid] = {
-                    "fail": TransactionFailed(tid, n.deploy_name, -1, "no live instance"),
+                    "fail": TransactionFailed(
+                        tid, n.deploy_name, -1, f"no live instance of node {n.deploy_name!r}"
+                    ),
                     "outputs": [],
                     "info": info,
                 }
@@ -213,6 +238,8 @@ class RayExecutor:
             args = [refs[s] for s in n.sources]
             out = self.actors[n.name][idx].run.options(num_returns=n.n_out).remote(*args)
             outs = [out] if n.n_out == 1 else list(out)
+            if n.name in self.balanced:
+                self.running.setdefault((n.name, idx), []).append(outs[0])
             chain.append((n.deploy_name, n.name, idx, outs))
             for o, r in enumerate(outs):
                 refs[("node", n.name, o)] = r
