@@ -208,3 +208,72 @@ def test_cpu_only_kernel_is_refused_on_another_device():
     assert decode(program, {}, torch.device("cpu"), {}) is not None
     with pytest.raises(ProgramError, match="'attn' calls the CPU-only kernel.*cannot run on meta"):
         decode(program, {}, torch.device("meta"), {})
+
+
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "flag": torch.tensor([True, False, True]),  # 3 bytes: what follows is misaligned
+        "w": torch.randn(5, 7, generator=g),
+        "h": torch.randn(3, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+
+
+def test_weights_stream_out_and_load_back_as_the_safetensors_library_reads_them(tmp_path):
+    import io
+
+    from safetensors.torch import load, save
+
+    from tessel.package.safetensors_io import tensors_from_buffer, write_safetensors
+
+    tensors = _mixed_tensors()
+    out = io.BytesIO()
+    write_safetensors(out, tensors)
+    ours = bytearray(out.getvalue())
+    for read in (
+        load(bytes(ours)),
+        tensors_from_buffer(ours),
+        tensors_from_buffer(bytearray(save(tensors))),
+    ):
+        assert read.keys() == tensors.keys()
+        for k, t in tensors.items():
+            assert read[k].dtype == t.dtype and torch.equal(read[k], t), k
+
+
+def test_corrupt_weights_header_names_the_member(built, tmp_path):
+    import hashlib
+
+    _, _, path, _ = built
+    bad = tmp_path / "header.tessel"
+    target = next(n for n in zipfile.ZipFile(path).namelist() if n.startswith("weights/"))
+    files = {}
+
+    def break_header(name, data):
+        if name == target:  # claim one byte too many for the first tensor
+            n = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8 : 8 + n])
+            first = next(k for k in header if k != "__metadata__")
+            header[first]["data_offsets"][1] += 1
+            raw = json.dumps(header).encode()
+            raw += b" " * (-len(raw) % 8)
+            data = len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+        if name != MANIFEST:
+            files[name] = hashlib.sha256(data).hexdigest()
+        return data
+
+    _rewrite(path, bad, break_header)
+    manifest = json.loads(zipfile.ZipFile(bad).read(MANIFEST))
+    manifest["files"] = files  # checksums that match: only the header check can catch it
+    _rewrite(
+        bad,
+        tmp_path / "resigned.tessel",
+        lambda n, d: json.dumps(manifest).encode() if n == MANIFEST else d,
+    )
+    package = Package.open(tmp_path / "resigned.tessel")
+    with pytest.raises(
+        PackageError, match=f"member '{target}' is not valid safetensors: header says"
+    ):
+        package.tensors(target)

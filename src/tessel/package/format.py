@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors.torch import load as load_safetensors
 
-from tessel.package.safetensors_io import write_safetensors
+from tessel.package.safetensors_io import (
+    SafetensorsFormatError,
+    tensors_from_buffer,
+    write_safetensors,
+)
 
 FORMAT = "tessel.offline_model"
 FORMAT_VERSION = 1
@@ -122,12 +125,22 @@ class Package:
         return cls(path, manifest)
 
     def read(self, name: str) -> bytes:
+        return bytes(self._read_checked(name))
+
+    def _read_checked(self, name: str) -> bytearray:
+        """A member's bytes, read into one buffer and checked against the manifest's SHA-256."""
         expected = self.manifest.get("files", {}).get(name)
         if expected is None:
             raise PackageError(self.path, f"member {name!r} is not listed in the manifest")
         try:
-            with zipfile.ZipFile(self.path) as zf:
-                data = zf.read(name)
+            with zipfile.ZipFile(self.path) as zf, zf.open(name) as member:
+                data = bytearray(zf.getinfo(name).file_size)
+                view, got = memoryview(data), 0
+                while got < len(data):
+                    n = member.readinto(view[got:])
+                    if not n:
+                        raise EOFError(f"member ends after {got} of {len(data)} bytes")
+                    got += n
         except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
             raise PackageError(self.path, f"member {name!r} cannot be read ({exc})") from exc
         if _sha(data) != expected:
@@ -145,12 +158,14 @@ class Package:
         return json.loads(self.read(name))
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        data = self.read(name)
+        """A safetensors member's tensors, as views of the one buffer it was read into."""
+        data = self._read_checked(name)
         try:
-            return load_safetensors(data)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            return tensors_from_buffer(data)
+        except SafetensorsFormatError as exc:
+            where = f"tensor {exc.name!r} of " if exc.name else ""
             raise PackageError(
-                self.path, f"member {name!r} is not valid safetensors ({exc})"
+                self.path, f"{where}member {name!r} is not valid safetensors: {exc}"
             ) from exc
 
     def weights(self, submodel: dict) -> dict[str, torch.Tensor]:

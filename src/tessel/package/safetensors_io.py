@@ -1,9 +1,10 @@
-"""Safetensors headers and a streaming writer, shared by offline models and checkpoints.
+"""Safetensors headers, a streaming writer and a zero-copy reader, for models and checkpoints.
 
 `safetensors` reads files and writes whole files or bytes; it has no writer onto an open stream
-(a zip member here), and `safetensors.torch.save` to bytes copies every tensor twice. Writing the
-header and then each tensor's bytes straight to the stream costs one pass over the data. Files
-written here are read back with the `safetensors` library itself.
+(a zip member here), and both `safetensors.torch.save` and `load` on bytes copy every tensor.
+Writing the header and then each tensor's bytes straight to the stream costs one pass over the
+data; reading tensors as views of the one buffer a member was read into keeps a rank's weights
+in memory once, not twice. The header is JSON (no pickle) and is checked before any view is made.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
@@ -79,3 +81,90 @@ def write_safetensors(out: BinaryIO, tensors: Mapping[str, torch.Tensor]) -> int
         out.write(memoryview(data))
         size += data.nbytes
     return size
+
+
+MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsFormatError(ValueError):
+    """A header that is not valid safetensors; `name` is the tensor at fault, if any."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors header: dtype, shape, and its bytes' absolute offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def header_length(head: bytes, size: int) -> int:
+    """The JSON header's length from the 8-byte prefix, checked against the file size."""
+    if len(head) < 8:
+        raise SafetensorsFormatError(f"is truncated: {size} bytes, no header")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER or 8 + n > size:
+        raise SafetensorsFormatError(
+            f"is truncated or not safetensors: header length {n}, file size {size}"
+        )
+    return n
+
+
+def parse_header(raw: bytes, size: int) -> tuple[list[Entry], dict[str, str]]:
+    """Check the JSON header (`raw`, after the 8-byte prefix) of a file of `size` bytes."""
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SafetensorsFormatError(f"has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError("has a corrupt safetensors header (not an object)")
+    meta = header.pop("__metadata__", None) or {}
+    start = 8 + len(raw)
+    entries = []
+    for name, info in header.items():
+        try:
+            code, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsFormatError("has a corrupt header entry", name) from None
+        if code not in ST_DTYPES:
+            raise SafetensorsFormatError(f"has dtype {code!r}, which tessel cannot read", name)
+        dtype = ST_DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if e - b != nbytes or b < 0 or min(shape, default=0) < 0:
+            dt = str(dtype).removeprefix("torch.")
+            raise SafetensorsFormatError(
+                f"header says {e - b} bytes for shape {list(shape)} {dt}", name
+            )
+        if start + e > size:
+            raise SafetensorsFormatError(
+                f"is truncated: data ends at byte {start + e} but the file has {size}", name
+            )
+        entries.append(Entry(name, dtype, shape, start + b, start + e))
+    return entries, {str(k): str(v) for k, v in meta.items()}
+
+
+def tensors_from_buffer(buf: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf`, as views of it (copies if misaligned)."""
+    n = header_length(bytes(buf[:8]), len(buf))
+    entries, _ = parse_header(bytes(buf[8 : 8 + n]), len(buf))
+    out = {}
+    for e in entries:
+        count = math.prod(e.shape)
+        if count == 0:
+            out[e.name] = torch.empty(e.shape, dtype=e.dtype)
+        elif e.begin % e.dtype.itemsize == 0:
+            out[e.name] = torch.frombuffer(buf, dtype=e.dtype, count=count, offset=e.begin)
+            out[e.name] = out[e.name].view(e.shape)
+        else:  # an odd-sized tensor before it: this one is not aligned for its dtype
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=e.end - e.begin, offset=e.begin)
+            out[e.name] = raw.clone().view(e.dtype).view(e.shape)
+    return out

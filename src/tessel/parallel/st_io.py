@@ -9,23 +9,24 @@ JSON (no pickle); it is checked against the file size so truncated files are cau
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tessel.package.safetensors_io import ST_DTYPES
+from tessel.package.safetensors_io import (
+    SafetensorsFormatError,
+    header_length,
+    parse_header,
+)
 from tessel.parallel.errors import CheckpointError
 from tessel.parallel.strategy import dtype_name
 
 Box = tuple[tuple[int, int], ...]
-MAX_HEADER = 100 * 1024 * 1024
 DIRECT_RUN_BYTES = 1 << 20  # runs this long are copied file to file by the kernel
 PREAD_RUN_BYTES = 64 << 10  # runs this long are read one by one; shorter ones via mmap
 BLOCK_BYTES = 64 << 20
@@ -60,53 +61,16 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorLoc], dict[str
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(path, None, f"is truncated: {size} bytes, no header")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(
-                    path,
-                    None,
-                    f"is truncated or not safetensors: header length {n}, file size {size}",
-                )
-            raw = f.read(n)
+            n = header_length(f.read(8), size)
+            entries, meta = parse_header(f.read(n), size)
     except FileNotFoundError:
         raise CheckpointError(path, None, "file does not exist") from None
     except IsADirectoryError:
         raise CheckpointError(path, None, "is a directory, expected a safetensors file") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, None, f"has a corrupt safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, None, "has a corrupt safetensors header (not an object)")
-    meta = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    out: dict[str, TensorLoc] = {}
-    for name, info in header.items():
-        try:
-            code, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
-            shape = tuple(int(s) for s in shape)
-            b, e = int(b), int(e)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(path, name, "has a corrupt header entry") from None
-        if code not in ST_DTYPES:
-            raise CheckpointError(path, name, f"has dtype {code!r}, which tessel cannot read")
-        dt = dtype_name(ST_DTYPES[code])
-        loc = TensorLoc(path, data_start + b, dt, shape)
-        if e - b != loc.nbytes or b < 0:
-            raise CheckpointError(
-                path, name, f"header says {e - b} bytes for shape {list(shape)} {dt}"
-            )
-        if data_start + e > size:
-            raise CheckpointError(
-                path,
-                name,
-                f"is truncated: data ends at byte {data_start + e} but the file has {size}",
-            )
-        out[name] = loc
-    return out, {str(k): str(v) for k, v in meta.items()}
+    except SafetensorsFormatError as e:
+        raise CheckpointError(path, e.name, str(e)) from None
+    locs = {e.name: TensorLoc(path, e.begin, dtype_name(e.dtype), e.shape) for e in entries}
+    return locs, meta
 
 
 def _runs(region: Box, src_shape: Sequence[int], dst_region: Box, dst_shape: Sequence[int]):
