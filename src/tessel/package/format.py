@@ -30,6 +30,7 @@ FORMAT_VERSION = 1
 SUFFIX = ".tessel"
 MANIFEST = "manifest.json"
 CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
+_READ_CHUNK = 16 << 20  # a member is read in pieces this big (each read makes a temporary)
 
 
 class PackageError(ValueError):
@@ -137,7 +138,7 @@ class Package:
                 data = bytearray(zf.getinfo(name).file_size)
                 view, got = memoryview(data), 0
                 while got < len(data):
-                    n = member.readinto(view[got:])
+                    n = member.readinto(view[got : got + _READ_CHUNK])
                     if not n:
                         raise EOFError(f"member ends after {got} of {len(data)} bytes")
                     got += n
