@@ -58,6 +58,7 @@ def main() -> None:
     from tessel.capture import capture
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import tight_cluster
+    from tessel.plan import has_rule
     from tessel.plan.planner import captured_activation_bytes
 
     torch.manual_seed(0)
@@ -73,7 +74,7 @@ def main() -> None:
     model = LlamaForCausalLM(cfg).eval()
     weights = sum(p.numel() * 4 for p in model.parameters())
     kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 64)), "use_cache": False}
-    captured = capture(model, kwargs)
+    captured = capture(model, kwargs, keep=has_rule)
     act = captured_activation_bytes(captured)
     idle = idle_worker_rss()
     print(f"model weights {weights / 2**20:.0f} MiB; idle worker peak RSS {idle / 2**20:.0f} MiB")
