@@ -101,8 +101,8 @@ def _export_aten(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedP
     if _export is not None:
         try:
             return _export(model, args, kwargs, strict=False, pre_dispatch=False)
-        except TypeError:  # a torch whose private signature moved on
-            log.debug("post-dispatch export unavailable; using torch.export.export")
+        except Exception as exc:  # noqa: BLE001 - a private API: the public path decides
+            log.debug("post-dispatch export failed (%s); using torch.export.export", exc)
     return torch.export.export(model, args, kwargs)
 
 
