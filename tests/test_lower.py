@@ -25,3 +25,27 @@ def test_every_rank_gets_the_program_tracing_it_alone_gives(make):
         alone = lower_rank(captured, plan, rank)
         assert got.program == alone.program, f"rank {rank}"
         assert got.constants.keys() == alone.constants.keys()
+
+
+def test_capture_takes_the_public_export_when_the_one_trace_path_fails(monkeypatch):
+    import torch.export._trace as trace
+
+    from tessel.plan import has_rule
+
+    public = trace._export  # torch.export.export calls it with pre_dispatch=True
+    failed = []
+
+    def broken(*args, **kwargs):
+        if not kwargs.get("pre_dispatch", True):
+            failed.append(True)
+            raise RuntimeError("private API moved")
+        return public(*args, **kwargs)
+
+    monkeypatch.setattr(trace, "_export", broken)
+    model = small_llama(layers=1)
+    ids = token_ids()
+    captured = capture(model, (ids,), keep=has_rule)
+    targets = {str(n.target) for n in captured.program.graph.nodes if n.op == "call_function"}
+    assert failed  # the one-trace path was tried first
+    assert "aten.scaled_dot_product_attention.default" in targets
+    assert captured.program.module()(ids).shape == model(ids).shape
