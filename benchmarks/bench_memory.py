@@ -52,25 +52,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import tessel
     from tessel.capture import capture
     from tessel.config.cluster import cluster_from_dict
-    from tessel.demo import tight_cluster
+    from tessel.demo import llama_config, tight_cluster
     from tessel.plan import has_rule
     from tessel.plan.planner import captured_activation_bytes
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=4 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)
     model = LlamaForCausalLM(cfg).eval()
     weights = sum(p.numel() * 4 for p in model.parameters())
     kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 64)), "use_cache": False}

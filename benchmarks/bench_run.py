@@ -29,19 +29,12 @@ WARMUP, REPEAT = 3, 20
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tessel.demo import llama_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=4 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)
     return LlamaForCausalLM(cfg).eval()
 
 

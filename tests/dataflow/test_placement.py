@@ -181,13 +181,18 @@ def test_invoked_model_count_must_equal_parent(tmp_path, cluster4, pt2_model):
     assert "1 instances" in msg and "has 2" in msg
 
 
-def test_nested_graph_parent_cannot_have_several_instances(tmp_path, cluster4):
+def _udf_invoking_a_nested_graph():
+    """The output of UDF node `u`, which invokes (as `model`) a graph of one node `inner`."""
     y = df.FlowData()
     sub = df.FlowGraph([ident.fnode(name="inner")(y)])
     x = df.FlowData()
     pp = df.FuncProcessPoint(py_func=CallsModel, name="u")
     pp.add_invoked_closure("model", df.FlowGraphProcessPoint(sub))
-    out = df.FlowNode(1, 1, name="u").add_process_point(pp)(x)
+    return df.FlowNode(1, 1, name="u").add_process_point(pp)(x)
+
+
+def test_nested_graph_parent_cannot_have_several_instances(tmp_path, cluster4):
+    out = _udf_invoking_a_nested_graph()
     p = write_json(
         tmp_path / "d.json",
         {"batch_deploy_info": [{"flow_node_list": ["u"], "logic_device_list": "0:0:0~1:0"}]},
@@ -196,12 +201,7 @@ def test_nested_graph_parent_cannot_have_several_instances(tmp_path, cluster4):
 
 
 def test_nested_deploy_file_is_checked_against_the_nested_graph(tmp_path, cluster4):
-    y = df.FlowData()
-    sub = df.FlowGraph([ident.fnode(name="inner")(y)])
-    x = df.FlowData()
-    pp = df.FuncProcessPoint(py_func=CallsModel, name="u")
-    pp.add_invoked_closure("model", df.FlowGraphProcessPoint(sub))
-    out = df.FlowNode(1, 1, name="u").add_process_point(pp)(x)
+    out = _udf_invoking_a_nested_graph()
     nested = write_json(
         tmp_path / "nested.json",
         {"batch_deploy_info": [{"flow_node_list": ["inner"], "logic_device_list": "0:0:7"}]},
@@ -285,12 +285,7 @@ def test_udf_asking_for_two_gpus_is_refused_on_one_gpu_device(tmp_path):
 
 def _nested_graph(tmp_path, invoke: dict, parent_dev: str = "0:0:0"):
     """Node u (on `parent_dev`) invokes a graph of one node `inner`, placed by `invoke`."""
-    y = df.FlowData()
-    sub = df.FlowGraph([ident.fnode(name="inner")(y)])
-    x = df.FlowData()
-    pp = df.FuncProcessPoint(py_func=CallsModel, name="u")
-    pp.add_invoked_closure("model", df.FlowGraphProcessPoint(sub))
-    out = df.FlowNode(1, 1, name="u").add_process_point(pp)(x)
+    out = _udf_invoking_a_nested_graph()
     entry = {
         "flow_node_list": ["u"],
         "logic_device_list": parent_dev,
