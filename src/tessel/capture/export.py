@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from torch.export import ExportedProgram
 
 from tessel.capture.portable import portable_attention
+from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
 from tessel.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -41,12 +43,14 @@ def capture(
     example_inputs: tuple | list | dict | None = None,
     example_kwargs: dict | None = None,
     keep: Callable[[Any], bool] | None = None,
+    reuse_layers: bool = True,
 ) -> CapturedModel:
     """Export `model` with its example inputs and decompose it to core ATen.
 
     Ops for which `keep(op)` holds (the planner passes "has a sharding rule") stay whole even
     where core ATen would decompose them; when every op stays, the decomposition's second trace
-    of the model is skipped.
+    of the model is skipped. With `reuse_layers`, a stack of identical layers is traced once and
+    stamped out (see `tessel.capture.stamp`); `False` traces every layer.
     """
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
     if isinstance(model, ExportedProgram):
@@ -60,7 +64,8 @@ def capture(
             )
         model = model.eval()
         with torch.no_grad():
-            ep = _export_aten(model, args, kwargs)
+            ep = _export_stamped(model, args, kwargs) if reuse_layers else None
+            ep = ep or _export_aten(model, args, kwargs)
     table = torch.export.default_decompositions()
     for name in _SDPA_OPS:
         op = _resolve(name)
@@ -72,8 +77,10 @@ def capture(
     if any(
         n.op == "call_function" and n.target in table and n.all_input_nodes for n in ep.graph.nodes
     ):
+        ep.graph_module.recompile()
         ep = ep.run_decompositions(table)  # a second trace of the model, only when needed
-    portable_attention(ep.graph_module)
+    portable_attention(ep.graph_module, recompile=False)
+    ep.graph_module.recompile()
     names, values = _user_inputs(ep)
     if not isinstance(model, ExportedProgram):
         given = [
@@ -84,6 +91,22 @@ def capture(
         if len(given) == len(values):
             values = [g.detach().clone() for g in given]
     return CapturedModel(ep, values, names)
+
+
+def _export_stamped(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram | None:
+    """Export tracing only the first of each stack of identical layers; None where it cannot."""
+    stacks = find_stacks(model)
+    if not stacks:
+        return None
+    try:
+        with stamping(stacks):
+            ep = _export_aten(model, args, kwargs)
+        stamp_out(ep, stacks)
+    except Exception as exc:  # noqa: BLE001 - any doubt about the copies: trace every layer
+        log.info("tracing every layer of %s: %s", ", ".join(s.path for s in stacks), exc)
+        return None
+    log.debug("traced layer 0 of %s and stamped out the rest", ", ".join(s.path for s in stacks))
+    return ep
 
 
 def _export_aten(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
@@ -100,10 +123,34 @@ def _export_aten(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedP
         _export = None
     if _export is not None:
         try:
-            return _export(model, args, kwargs, strict=False, pre_dispatch=False)
+            with _no_stack_traces():
+                return _export(model, args, kwargs, strict=False, pre_dispatch=False)
         except Exception as exc:  # noqa: BLE001 - a private API: the public path decides
+            if _caused_by(exc, CannotStamp):
+                raise
             log.debug("post-dispatch export failed (%s); using torch.export.export", exc)
-    return torch.export.export(model, args, kwargs)
+    with _no_stack_traces():
+        return torch.export.export(model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Skip recording a Python stack per traced node: tessel never reads them, and on deep
+    models they cost a tenth of the trace."""
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+
+
+def _caused_by(exc: BaseException, kind: type) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def load_model_spec(spec: str) -> tuple[Any, Any]:

@@ -17,8 +17,11 @@ _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.defa
 _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def portable_attention(gm: fx.GraphModule) -> int:
-    """Rewrite CPU flash attention calls whose logsumexp is unused; returns how many."""
+def portable_attention(gm: fx.GraphModule, recompile: bool = True) -> int:
+    """Rewrite CPU flash attention calls whose logsumexp is unused; returns how many.
+
+    `recompile=False` leaves `gm`'s code stale, for a caller that only reads its graph.
+    """
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _CPU_ATTENTION:
@@ -43,6 +46,6 @@ def portable_attention(gm: fx.GraphModule) -> int:
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
         rewritten += 1
-    if rewritten:
+    if rewritten and recompile:
         gm.recompile()
     return rewritten

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention
 from tessel.lower.program import encode, node_shapes
+from tessel.lower.stitch import Stitcher, StitchError
 from tessel.lower.weights import local_shard
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
@@ -74,7 +76,43 @@ class RankProgram:
 
 
 def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
-    """The local program of `rank`: inputs are its weight shards, then the user inputs."""
+    """The local program of `rank`: inputs are its weight shards, then the user inputs.
+
+    Runs of identical layers are traced once and stitched (see `tessel.lower.stitch`); where
+    the stitching cannot be shown right, every layer is traced.
+    """
+    try:
+        return _trace(captured, plan, rank, Stitcher.for_plan(captured.program.graph, plan))
+    except StitchError as exc:
+        log.info("rank %d: tracing every layer (%s)", rank, exc)
+        return _trace(captured, plan, rank, None)
+
+
+class _Values(dict):
+    """Captured node -> its value while tracing.
+
+    A weight becomes a DTensor where it is first read, so a skipped layer's weights are never
+    wrapped; a skipped layer's value is stood in for.
+    """
+
+    def __init__(self, lazy: dict[fx.Node, Callable[[], Any]], stitcher: Stitcher | None) -> None:
+        super().__init__()
+        self.lazy = lazy
+        self.stitcher = stitcher
+
+    def __missing__(self, n: fx.Node) -> Any:
+        if n in self.lazy:
+            value = self[n] = self.lazy.pop(n)()
+        elif self.stitcher is not None and self.stitcher.skips(n):
+            value = self[n] = self.stitcher.stand_in(n)
+        else:
+            raise KeyError(n)
+        return value
+
+
+def _trace(
+    captured: CapturedModel, plan: Plan, rank: int, stitcher: Stitcher | None
+) -> RankProgram:
     ep = captured.program
     graph = ep.graph_module.graph
     state = {**ep.state_dict, **ep.constants}
@@ -91,13 +129,14 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
     with fake_world(rank, world) as mesh:
 
         def run(*flat: torch.Tensor) -> list[torch.Tensor]:
-            env: dict[fx.Node, Any] = {}
             it = iter(flat)
-            for name, _fqn in weights:
-                node = placeholders[name]
-                env[node] = DTensor.from_local(
-                    next(it), mesh, plan.out_placements(node), run_check=False
-                )
+            raw = {placeholders[name]: next(it) for name, _fqn in weights}
+            env = _Values(
+                {n: partial(_wrap, t, mesh, plan.out_placements(n)) for n, t in raw.items()},
+                stitcher,
+            )
+            if stitcher is not None:
+                stitcher.start(env, raw)
             for name in captured.input_names:
                 env[placeholders[name]] = DTensor.from_local(
                     next(it), mesh, [Replicate()], run_check=False
@@ -109,10 +148,18 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
                 if n.op == "placeholder":
                     continue
                 if n.op == "output":
-                    return [
+                    outputs = [
                         _whole(v, mesh) for v in tree_leaves(_lookup(n.args[0], env, None, mesh))
                     ]
-                env[n] = _run_node(n, env, plan, mesh)
+                    if stitcher is not None:
+                        stitcher.record(env)
+                    return outputs
+                if stitcher is None:
+                    env[n] = _run_node(n, env, plan, mesh)
+                elif not stitcher.skips(n):
+                    stitcher.before(n)
+                    env[n] = _run_node(n, env, plan, mesh)
+                    stitcher.after(n)
             raise LoweringError("graph has no output node")
 
         example = []
@@ -123,10 +170,16 @@ def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
             example.append(torch.empty(shard.shape, dtype=shard.dtype))
         example += [torch.zeros_like(x) for x in captured.example_inputs]
         gm = make_fx(run, tracing_mode="fake")(*example)
+        if stitcher is not None:
+            stitcher.stitch(gm.graph)
         gm.graph.eliminate_dead_code()
-        portable_attention(gm)
+        portable_attention(gm, recompile=False)  # the program is read, never run, here
         program, constants = encode(gm)  # resolves collective groups while the world exists
     return RankProgram(program, constants, node_shapes(gm))
+
+
+def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    return DTensor.from_local(local, mesh, placements, run_check=False)
 
 
 def _whole(value: Any, mesh: DeviceMesh) -> Any:

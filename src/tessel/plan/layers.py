@@ -39,12 +39,8 @@ def _signature(nodes: list[fx.Node]) -> tuple:
     return tuple(sig)
 
 
-def template_map(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[str, list[int]]]:
-    """Map every node of a repeated layer to the same-position node of its group's first layer.
-
-    Returns the map (template nodes map to themselves; nodes outside layers are absent) and,
-    per layer family, the layer indices found.
-    """
+def identical_layers(graph: fx.Graph) -> list[list[list[fx.Node]]]:
+    """Groups of identical layers, each layer its call nodes in graph order, layers in order."""
     layers: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
     for n in graph.nodes:
         if n.op != "call_function":
@@ -52,13 +48,26 @@ def template_map(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[str, lis
         key = layer_of(n)
         if key is not None:
             layers[key].append(n)
-    templates: dict[tuple, list[fx.Node]] = {}
+    groups: dict[tuple, list[list[fx.Node]]] = {}
+    for (family, _idx), nodes in sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        groups.setdefault((family, _signature(nodes)), []).append(nodes)
+    return list(groups.values())
+
+
+def template_map(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[str, list[int]]]:
+    """Map every node of a repeated layer to the same-position node of its group's first layer.
+
+    Returns the map (template nodes map to themselves; nodes outside layers are absent) and,
+    per layer family, the layer indices found.
+    """
     mapping: dict[fx.Node, fx.Node] = {}
     families: dict[str, list[int]] = defaultdict(list)
-    for (family, idx), nodes in sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        families[family].append(idx)
-        sig = (family, _signature(nodes))
-        template = templates.setdefault(sig, nodes)
-        for n, t in zip(nodes, template):
-            mapping[n] = t
+    for group in identical_layers(graph):
+        for nodes in group:
+            family, idx = layer_of(nodes[0])
+            families[family].append(idx)
+            for n, t in zip(nodes, group[0]):
+                mapping[n] = t
+    for indices in families.values():
+        indices.sort()
     return mapping, dict(families)
