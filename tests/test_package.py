@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 import torch
-from tests.conftest import small_llama, token_ids
+from tests.conftest import small_gpt2, small_llama, token_ids
 
 import tessel
 from tessel.package import Package, PackageError
@@ -33,7 +33,7 @@ def _rewrite(src, dst, edit):
 def test_manifest_records_what_a_loader_needs(built):
     _, _, path, _ = built
     m = Package.open(path).manifest
-    assert m["format_version"] == 1 and m["torch_version"] == torch.__version__
+    assert m["format_version"] == 2 and m["torch_version"] == torch.__version__
     assert m["mesh"]["shape"] == [2] and len(m["submodels"]) == 2
     for s in m["submodels"]:
         assert {"rank", "logical_device", "program", "weights", "comm_groups"} <= set(s)
@@ -277,3 +277,28 @@ def test_corrupt_weights_header_names_the_member(built, tmp_path):
         PackageError, match=f"member '{target}' is not valid safetensors: header says"
     ):
         package.tensors(target)
+
+
+def test_tied_weights_are_stored_once_and_load_as_each_rank_needs(tmp_path):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tessel.lower.weights import local_shard
+
+    model = small_gpt2(layers=1)  # lm_head.weight is wte.weight
+    path = tessel.save(tessel.build(model, (token_ids(),), cluster=2), tmp_path / "gpt2")
+    pkg = Package.open(path)
+    members = [n for n in zipfile.ZipFile(path).namelist() if n.startswith("weights/")]
+    stored = [k for m in members for k in pkg.tensors(m)]
+    assert len(stored) == len(set(stored))
+    layouts = pkg.json(pkg.manifest["layouts"])
+    wte = model.lm.transformer.wte.weight.detach()
+    ties = [s["tied"] for s in pkg.manifest["submodels"]]
+    assert all(len(t) == 1 for t in ties), ties
+    for rank, sub in enumerate(pkg.manifest["submodels"]):
+        (name,) = sub["tied"]
+        assert name not in stored
+        placements = tuple(
+            Shard(int(p[2:-1])) if p.startswith("S(") else Replicate()
+            for p in layouts[name]["placements"]
+        )
+        assert torch.equal(pkg.weights(sub)[name], local_shard(wte, placements, (2,), rank))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.trace import RankProgram, lower_rank, weight_inputs
-from tessel.lower.weights import local_shard, local_shard_shape, placement_str
+from tessel.lower.weights import local_shard, local_shard_shape, placement_str, shard_chunks
 from tessel.package.format import (
     CONSTANT_PREFIX,
     FORMAT,
@@ -173,15 +174,16 @@ def _pack(
     program_member: dict[int, str] = {}
     submodels = []
     ranks_report = []
-    replicated = {
+    placements = {fqn: plan.out_placements(placeholders[ph]) for ph, fqn in weights}
+    whole = {
         fqn
-        for ph, fqn in weights
-        if not graph_parallel
-        or all(isinstance(p, Replicate) for p in plan.out_placements(placeholders[ph]))
+        for _, fqn in weights
+        if not graph_parallel or all(isinstance(p, Replicate) for p in placements[fqn])
     }
+    tied = _tied_weights(weights, state, whole, placements)
+    replicated = whole - tied.keys()
     if replicated:  # stored once, shared by every rank
         members["weights/replicated.safetensors"] = {fqn: state[fqn] for fqn in sorted(replicated)}
-    replicated_bytes = sum(state[f].numel() * state[f].element_size() for f in replicated)
     for rank, device in enumerate(cluster.devices):
         mesh_rank = rank if graph_parallel else 0
         rp = programs[mesh_rank]
@@ -190,12 +192,11 @@ def _pack(
             name = f"programs/program_{len(program_member)}.json"
             members[name] = json.dumps(rp.program).encode()
             program_member[key] = name
-        shards = {}
-        for ph, fqn in weights:
-            if fqn in replicated:
-                continue
-            placements = plan.out_placements(placeholders[ph])
-            shards[fqn] = local_shard(state[fqn], placements, plan.mesh_shape, mesh_rank)
+        shards = {
+            fqn: local_shard(state[fqn], placements[fqn], plan.mesh_shape, mesh_rank)
+            for _, fqn in weights
+            if fqn not in whole and fqn not in tied
+        }
         for cname, value in rp.constants.items():
             shards[f"{CONSTANT_PREFIX}{cname}"] = value
         weight_members = ["weights/replicated.safetensors"] if replicated else []
@@ -203,7 +204,19 @@ def _pack(
             name = f"weights/rank_{rank}.safetensors"
             members[name] = shards
             weight_members.append(name)
-        weight_bytes = replicated_bytes + sum(t.numel() * t.element_size() for t in shards.values())
+        ties = {
+            fqn: {
+                "source": source,
+                "chunks": shard_chunks(placements[fqn], plan.mesh_shape, mesh_rank)
+                if source in whole
+                else [],  # placed alike: this rank's chunk of the source is the whole answer
+            }
+            for fqn, source in tied.items()
+        }
+        weight_bytes = sum(
+            _nbytes(state[fqn], () if fqn in whole else placements[fqn], plan, mesh_rank)
+            for _, fqn in weights
+        ) + sum(v.numel() * v.element_size() for v in rp.constants.values())
         colls = collectives(rp.program, rp.shapes)
         submodels.append(
             {
@@ -214,6 +227,7 @@ def _pack(
                 "program": program_member[key],
                 "weights": weight_members,
                 "weight_order": [fqn for _, fqn in weights],
+                "tied": ties,
                 "comm_groups": groups_in(rp.program) if graph_parallel else [],
             }
         )
@@ -269,6 +283,29 @@ def _pack(
         "plan": _explain(plan, layouts, ranks_report),
     }
     return manifest, members
+
+
+def _tied_weights(
+    weights: list[tuple[str, str]], state: dict, whole: set[str], placements: dict
+) -> dict[str, str]:
+    """Weights stored under another name: one tensor under several names (tied embeddings) is
+    stored once, under a name every rank holds whole, or else under one placed alike."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for _, fqn in weights:
+        names[id(state[fqn])].append(fqn)
+    tied = {}
+    for group in names.values():
+        source = next((n for n in group if n in whole), group[0])
+        for n in group:
+            if n != source and (source in whole or placements[n] == placements[source]):
+                tied[n] = source
+    return tied
+
+
+def _nbytes(tensor: torch.Tensor, placements: tuple, plan: Plan, rank: int) -> int:
+    """Bytes of `rank`'s shard of `tensor` (the whole tensor for no placements)."""
+    shape = local_shard_shape(tensor.shape, placements, plan.mesh_shape, rank)
+    return math.prod(shape) * tensor.element_size()
 
 
 def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict) -> dict:

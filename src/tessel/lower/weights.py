@@ -16,14 +16,24 @@ def mesh_coordinate(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
+def shard_chunks(
+    placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], rank: int
+) -> list[tuple[int, int, int]]:
+    """(dim, count, index) of each `chunk` that cuts `rank`'s shard out of the whole tensor."""
+    return [
+        (p.dim, n, c)
+        for p, n, c in zip(placements, mesh_shape, mesh_coordinate(rank, mesh_shape))
+        if isinstance(p, Shard)
+    ]
+
+
 def local_shard(
     tensor: torch.Tensor, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], rank: int
 ) -> torch.Tensor:
     """The part of `tensor` that `rank` holds; Replicate and Partial keep the whole tensor."""
     out = tensor
-    for p, n, c in zip(placements, mesh_shape, mesh_coordinate(rank, mesh_shape)):
-        if isinstance(p, Shard):
-            out = out.chunk(n, dim=p.dim)[c]
+    for dim, count, index in shard_chunks(placements, mesh_shape, rank):
+        out = out.chunk(count, dim=dim)[index]
     return out.contiguous()
 
 

@@ -13,6 +13,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -26,7 +27,8 @@ from tessel.package.safetensors_io import (
 )
 
 FORMAT = "tessel.offline_model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a submodel may name tied weights, stored once (see Package.weights)
+READABLE_VERSIONS = (1, 2)
 SUFFIX = ".tessel"
 MANIFEST = "manifest.json"
 CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
@@ -49,14 +51,30 @@ Member = bytes | Mapping[str, torch.Tensor]  # raw bytes, or tensors stored as s
 
 
 class _HashingWriter:
-    """A write-only stream that hashes what passes through it."""
+    """A write-only stream that hashes what passes through it.
 
-    def __init__(self, out: BinaryIO) -> None:
-        self.out, self.sha = out, hashlib.sha256()
+    The hash runs on a second thread, beside the zip's CRC and the write on this one (all three
+    release the GIL), so hashing adds little to the time a package takes to write.
+    """
+
+    _PIECE = 8 << 20
+
+    def __init__(self, out: BinaryIO, hasher: ThreadPoolExecutor) -> None:
+        self.out, self.sha, self.hasher = out, hashlib.sha256(), hasher
+        self.pending: list[Future] = []
 
     def write(self, data: bytes | memoryview) -> int:
-        self.sha.update(data)
-        return self.out.write(data)
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self._PIECE):
+            piece = view[start : start + self._PIECE]
+            self.pending.append(self.hasher.submit(self.sha.update, piece))
+            self.out.write(piece)
+        return len(view)
+
+    def hexdigest(self) -> str:
+        for f in self.pending:
+            f.result()
+        return self.sha.hexdigest()
 
 
 def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member]) -> Path:
@@ -72,15 +90,19 @@ def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member
     files: dict[str, str] = {}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf:
+        with (
+            os.fdopen(fd, "wb") as raw,
+            zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf,
+            ThreadPoolExecutor(1, thread_name_prefix="tessel-sha") as hasher,
+        ):
             for name, data in members.items():
                 with zf.open(name, "w", force_zip64=True) as member:
-                    out = _HashingWriter(member)
+                    out = _HashingWriter(member, hasher)
                     if isinstance(data, bytes):
                         out.write(data)
                     else:
                         write_safetensors(out, data)
-                files[name] = out.sha.hexdigest()
+                files[name] = out.hexdigest()
             zf.writestr(
                 MANIFEST, json.dumps({**manifest, "files": files}, indent=1, sort_keys=True)
             )
@@ -117,11 +139,11 @@ class Package:
                 path, f"not a tessel offline model (format {manifest.get('format')!r})"
             )
         version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PackageError(
                 path,
-                f"format version {version!r} is not supported; this tessel reads version "
-                f"{FORMAT_VERSION} (rebuild the model with this tessel)",
+                f"format version {version!r} is not supported; this tessel reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild the model with this tessel)",
             )
         return cls(path, manifest)
 
@@ -170,10 +192,24 @@ class Package:
             ) from exc
 
     def weights(self, submodel: dict) -> dict[str, torch.Tensor]:
-        """All tensors a submodel loads: shared replicated weights plus its own shards."""
+        """All tensors a submodel loads: shared replicated weights plus its own shards.
+
+        A tied weight (one tensor under two names, like GPT-2's embedding and output layer) is
+        stored once; the submodel's `tied` entries say which name to read and which chunks of
+        it this rank holds, so the second name is a view where the chunk is contiguous.
+        """
         out: dict[str, torch.Tensor] = {}
         for name in submodel["weights"]:
             out.update(self.tensors(name))
+        for name, tie in submodel.get("tied", {}).items():
+            if tie.get("source") not in out:
+                raise PackageError(
+                    self.path, f"tied weight {name!r} names a missing source {tie.get('source')!r}"
+                )
+            tensor = out[tie["source"]]
+            for dim, count, index in tie.get("chunks", []):
+                tensor = tensor.chunk(count, dim)[index]
+            out[name] = tensor.contiguous()
         return out
 
     @property
