@@ -95,6 +95,26 @@ def test_policy_size_must_match_cluster(files, capsys, tmp_path):
     )
 
 
+def test_trace_every_layer_reaches_capture_and_lowering(files, monkeypatch):
+    import tessel.builder.pipeline as pipeline
+
+    seen: dict = {}
+    real_capture, real_lower = pipeline.capture, pipeline.lower_rank
+
+    def capture(*args, **kwargs):
+        seen["capture"] = kwargs.get("reuse_layers")
+        return real_capture(*args, **kwargs)
+
+    def lower_rank(*args, **kwargs):
+        seen.setdefault("lower", set()).add(kwargs.get("stitch"))
+        return real_lower(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "capture", capture)
+    monkeypatch.setattr(pipeline, "lower_rank", lower_rank)
+    assert main(_build_args(files) + ["--trace_every_layer"]) == 0
+    assert seen == {"capture": False, "lower": {False}}
+
+
 def test_build_inspect_run(files):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(

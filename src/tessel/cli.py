@@ -40,6 +40,7 @@ def _build(args: argparse.Namespace) -> int:
         policy=opts.graph_parallel_option_path,
         soc_version=opts.soc_version,
         graph_parallel=opts.enable_graph_parallel,
+        reuse_layers=not args.trace_every_layer,
     )
     path = built.save(args.output)
     if logging.getLogger().isEnabledFor(logging.INFO):
@@ -119,6 +120,11 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--shard_model_dir", help="pre-sliced models (not built yet)")
     b.add_argument("--model_relation_config", help="relations of pre-sliced models (not built yet)")
     b.add_argument("--log", dest="sub_log", default=None, help="debug|info|warning|error|null")
+    b.add_argument(
+        "--trace_every_layer",
+        action="store_true",
+        help="trace every layer of a stack of identical layers (default: trace one, copy it)",
+    )
     b.set_defaults(func=_build)
 
     i = sub.add_parser(

@@ -65,12 +65,14 @@ def build(
     graph_parallel: bool = True,
     example_kwargs: dict | None = None,
     time_limit: float = 60.0,
+    reuse_layers: bool = True,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
     With `graph_parallel` the planner shards every node over the cluster's devices (seed 000's
     algorithm-based partitioning); without it the whole model is deployed to every device and
-    runs are load-balanced over the replicas.
+    runs are load-balanced over the replicas. `reuse_layers=False` traces every layer of a
+    stack of identical layers, in capture and in lowering, instead of tracing one and copying it.
     """
     timings: dict[str, float] = {}
     cluster = _cluster(cluster, soc_version)
@@ -88,7 +90,9 @@ def build(
     if isinstance(model, CapturedModel):
         captured = model
     else:
-        captured = capture(model, example_inputs, example_kwargs, keep=has_rule)
+        captured = capture(
+            model, example_inputs, example_kwargs, keep=has_rule, reuse_layers=reuse_layers
+        )
     timings["capture"] = time.perf_counter() - t
 
     plan_world = cluster.world_size if graph_parallel else 1
@@ -97,7 +101,7 @@ def build(
     timings.update(plan.timings)
 
     t = time.perf_counter()
-    programs = _lower_all(captured, plan, plan_world)
+    programs = _lower_all(captured, plan, plan_world, reuse_layers)
     timings["lower"] = time.perf_counter() - t
     t = time.perf_counter()
     manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
@@ -116,7 +120,9 @@ def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
     return cluster
 
 
-def _lower_all(captured: CapturedModel, plan: Plan, world: int) -> list[RankProgram]:
+def _lower_all(
+    captured: CapturedModel, plan: Plan, world: int, reuse_layers: bool = True
+) -> list[RankProgram]:
     """One program per rank; ranks whose programs cannot differ share one trace.
 
     A rank's program depends on its mesh coordinate only through the size of its chunks (uneven
@@ -125,14 +131,18 @@ def _lower_all(captured: CapturedModel, plan: Plan, world: int) -> list[RankProg
     and last ranks trace to the same program, all ranks run that program; otherwise each rank is
     traced on its own.
     """
-    first = lower_rank(captured, plan, 0)
+
+    def lower(rank: int) -> RankProgram:
+        return lower_rank(captured, plan, rank, stitch=reuse_layers)
+
+    first = lower(0)
     if world == 1:
         return [first]
-    last = lower_rank(captured, plan, world - 1)
+    last = lower(world - 1)
     if _even_weight_shards(captured, plan, world) and _same_program(first, last):
         return [first] * world
     log.info("rank programs differ; tracing each of the %d ranks", world)
-    return [first, *(lower_rank(captured, plan, r) for r in range(1, world - 1)), last]
+    return [first, *(lower(r) for r in range(1, world - 1)), last]
 
 
 def _even_weight_shards(captured: CapturedModel, plan: Plan, world: int) -> bool:

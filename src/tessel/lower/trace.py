@@ -75,12 +75,14 @@ class RankProgram:
     shapes: dict[str, tuple[list[int], str]]
 
 
-def lower_rank(captured: CapturedModel, plan: Plan, rank: int) -> RankProgram:
+def lower_rank(captured: CapturedModel, plan: Plan, rank: int, stitch: bool = True) -> RankProgram:
     """The local program of `rank`: inputs are its weight shards, then the user inputs.
 
-    Runs of identical layers are traced once and stitched (see `tessel.lower.stitch`); where
-    the stitching cannot be shown right, every layer is traced.
+    With `stitch`, runs of identical layers are traced once and copied (`tessel.lower.stitch`);
+    where the copies cannot be shown right, or without it, every layer is traced.
     """
+    if not stitch:
+        return _trace(captured, plan, rank, None)
     try:
         return _trace(captured, plan, rank, Stitcher.for_plan(captured.program.graph, plan))
     except StitchError as exc:
