@@ -8,9 +8,9 @@ layer 0's nodes, wired to that layer's own weights and inputs.
 
 The parent's code still runs in full, so what each layer is given is traced, not assumed: every
 call must match layer 0's call (argument structure, tensor shapes and dtypes, equal non-tensor
-values). Layer 0 runs with its index attributes replaced by probes; reading one of them, changing
-an input in place, or reaching a value outside its arguments and weights, voids the stamping and
-the model is traced whole, layer by layer, instead.
+values). Layer 0 runs with its index attributes guarded; reading one of them, changing an input in
+place, or reaching a value outside its arguments and weights, voids the stamping and the model
+is traced whole, layer by layer, instead.
 """
 
 from __future__ import annotations
@@ -168,24 +168,25 @@ def _equal(a: Any, b: Any) -> bool:
     return False
 
 
-class _IndexProbe:
-    """Stands in for layer 0's index while it is traced: any use of its value is reported."""
+def _guard_index(module: nn.Module, names: list[str], where: str) -> type:
+    """Make any read of `module`'s index attributes raise CannotStamp; returns its class.
 
-    def __init__(self, value: int, where: str) -> None:
-        self._value = value
-        self._where = where
+    The module's class becomes a look-alike subclass (same name, module and qualname, so the
+    traced graph records the same module types) whose properties shadow those attributes: a
+    value use, a type test and a hand-off all read the attribute, and each stops the stamping.
+    """
+    cls = type(module)
 
-    def _used(self, *args: Any, **kwargs: Any) -> Any:
-        raise CannotStamp(f"{self._where} is read while the layer runs")
+    def guarded(name: str) -> property:
+        def read(self: nn.Module) -> Any:
+            raise CannotStamp(f"{where}: attribute {name!r} is read while the layer runs")
 
+        return property(read)
 
-for _name in (
-    "__index__ __int__ __float__ __bool__ __hash__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ "
-    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __floordiv__ "
-    "__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __neg__ __abs__ __and__ __or__ __xor__ "
-    "__lshift__ __rshift__ __str__ __repr__ __format__ __len__ __iter__ __getitem__"
-).split():
-    setattr(_IndexProbe, _name, _IndexProbe._used)
+    look_alike = type(cls.__name__, (cls,), {name: guarded(name) for name in names})
+    look_alike.__qualname__, look_alike.__module__ = cls.__qualname__, cls.__module__
+    module.__class__ = look_alike
+    return cls
 
 
 @contextlib.contextmanager
@@ -195,10 +196,11 @@ def stamping(stacks: list[Stack]) -> Iterator[None]:
     try:
         for number, stack in enumerate(stacks):
             _CALLS[number] = _Call()
+            guarded: dict[nn.Module, list[str]] = {}
             for module, name in stack.index_attrs:
-                saved.append((module, name, getattr(module, name)))
-                where = f"{stack.path}.0: attribute {name!r}"
-                object.__setattr__(module, name, _IndexProbe(getattr(module, name), where))
+                guarded.setdefault(module, []).append(name)
+            for module, names in guarded.items():
+                saved.append((module, "__class__", _guard_index(module, names, f"{stack.path}.0")))
             first = stack.layers[0]
             saved.append((first, "forward", None))
             first.forward = _marked_forward(first.forward, number)
@@ -211,7 +213,7 @@ def stamping(stacks: list[Stack]) -> Iterator[None]:
             if name == "forward":
                 module.__dict__.pop("forward", None)
             else:
-                object.__setattr__(module, name, value)
+                module.__class__ = value
         _CALLS.clear()
 
 
@@ -335,10 +337,19 @@ def stamp_out(ep: ExportedProgram, stacks: list[Stack]) -> None:
         for n in [*outs.values(), *ins.values()]:
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
+    _rename_outputs(ep)
     graph.lint()  # the caller recompiles ep.graph_module
 
 
 _STAMPED = torch.ops.tessel.stamped_layer.default
+
+
+def _rename_outputs(ep: ExportedProgram) -> None:
+    """Point the signature's outputs at the nodes the output now returns (some were replaced)."""
+    returned = tree_flatten(ep.graph.output_node().args[0])[0]
+    for spec, node in zip(ep.graph_signature.output_specs, returned):
+        if isinstance(node, fx.Node) and isinstance(getattr(spec.arg, "name", None), str):
+            spec.arg.name = node.name
 
 
 def _slots(nodes: list[fx.Node], marker: Any, number: int, stack: Stack) -> dict[int, fx.Node]:
