@@ -302,3 +302,31 @@ def test_tied_weights_are_stored_once_and_load_as_each_rank_needs(tmp_path):
             for p in layouts[name]["placements"]
         )
         assert torch.equal(pkg.weights(sub)[name], local_shard(wte, placements, (2,), rank))
+
+
+def test_writing_back_while_saving_leaves_the_same_file(built, tmp_path, monkeypatch):
+    """Packages go to disk in steps while written; flushing every few KiB changes no byte."""
+    from tessel.package import format as package_format
+
+    model, ids, path, _ = built
+    syncs = []
+    real = package_format._WriteBack.finish
+
+    def finish(self):
+        syncs.append(self.raw.tell())
+        real(self)
+
+    monkeypatch.setattr(package_format._WriteBack, "STEP", 4096)
+    monkeypatch.setattr(package_format._HashingWriter, "_PIECE", 65536)
+    monkeypatch.setattr(package_format._WriteBack, "finish", finish)
+    pkg = Package.open(path)
+    members = {
+        name: pkg.read(name)
+        for name in zipfile.ZipFile(path).namelist()
+        if name != MANIFEST and name not in pkg.manifest["files"]
+    }
+    members.update({name: pkg.read(name) for name in pkg.manifest["files"]})
+    manifest = {k: v for k, v in pkg.manifest.items() if k != "files"}
+    again = package_format.write_package(tmp_path / "again", manifest, members)
+    assert len(syncs) > 5 and syncs[-1] == again.stat().st_size
+    assert again.read_bytes() == path.read_bytes()

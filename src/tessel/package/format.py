@@ -50,6 +50,34 @@ def _sha(data: bytes) -> str:
 Member = bytes | Mapping[str, torch.Tensor]  # raw bytes, or tensors stored as safetensors
 
 
+class _WriteBack:
+    """Sends a package to disk while it is written, and drops what is on disk from the cache.
+
+    A package is as big as the model's weights. Left in the page cache it takes that much fresh
+    memory, which on some machines (VMs whose memory is handed out lazily) costs more than the
+    disk write itself. Writing back every STEP bytes bounds what a save holds in the cache, and
+    the file is on disk before it is renamed into place.
+    """
+
+    STEP = 128 << 20
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.done = raw, 0
+
+    def poll(self) -> None:
+        if self.raw.tell() - self.done >= self.STEP:
+            self.finish()
+
+    def finish(self) -> None:
+        position = self.raw.tell()
+        self.raw.flush()
+        fd = self.raw.fileno()
+        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, position, os.POSIX_FADV_DONTNEED)
+        self.done = position
+
+
 class _HashingWriter:
     """A write-only stream that hashes what passes through it.
 
@@ -59,8 +87,9 @@ class _HashingWriter:
 
     _PIECE = 8 << 20
 
-    def __init__(self, out: BinaryIO, hasher: ThreadPoolExecutor) -> None:
+    def __init__(self, out: BinaryIO, hasher: ThreadPoolExecutor, write_back: _WriteBack) -> None:
         self.out, self.sha, self.hasher = out, hashlib.sha256(), hasher
+        self.write_back = write_back
         self.pending: list[Future] = []
 
     def write(self, data: bytes | memoryview) -> int:
@@ -69,6 +98,7 @@ class _HashingWriter:
             piece = view[start : start + self._PIECE]
             self.pending.append(self.hasher.submit(self.sha.update, piece))
             self.out.write(piece)
+            self.write_back.poll()
         return len(view)
 
     def hexdigest(self) -> str:
@@ -78,7 +108,7 @@ class _HashingWriter:
 
 
 def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member]) -> Path:
-    """Write atomically: a temporary file in the same folder, renamed when complete.
+    """Write atomically: a temporary file in the same folder, on disk, then renamed.
 
     Tensor members stream into the archive as safetensors, hashed on the way; the manifest,
     which records every member's SHA-256, is written last.
@@ -90,22 +120,24 @@ def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member
     files: dict[str, str] = {}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with (
-            os.fdopen(fd, "wb") as raw,
-            zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf,
-            ThreadPoolExecutor(1, thread_name_prefix="tessel-sha") as hasher,
-        ):
-            for name, data in members.items():
-                with zf.open(name, "w", force_zip64=True) as member:
-                    out = _HashingWriter(member, hasher)
-                    if isinstance(data, bytes):
-                        out.write(data)
-                    else:
-                        write_safetensors(out, data)
-                files[name] = out.hexdigest()
-            zf.writestr(
-                MANIFEST, json.dumps({**manifest, "files": files}, indent=1, sort_keys=True)
-            )
+        with os.fdopen(fd, "wb") as raw:
+            write_back = _WriteBack(raw)
+            with (
+                zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf,
+                ThreadPoolExecutor(1, thread_name_prefix="tessel-sha") as hasher,
+            ):
+                for name, data in members.items():
+                    with zf.open(name, "w", force_zip64=True) as member:
+                        out = _HashingWriter(member, hasher, write_back)
+                        if isinstance(data, bytes):
+                            out.write(data)
+                        else:
+                            write_safetensors(out, data)
+                    files[name] = out.hexdigest()
+                zf.writestr(
+                    MANIFEST, json.dumps({**manifest, "files": files}, indent=1, sort_keys=True)
+                )
+            write_back.finish()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
