@@ -1,13 +1,14 @@
 """Benchmark 3 of issue 2: peak RSS per worker against the single-process model.
 
 A Llama whose weights dominate (width 1024, 4 layers, about 330 MiB of fp32 weights) is built for
-1, 2 and 4 CPU devices too small to hold replicated weights, loaded and run once. For each worker
+1, 2 and 4 CPU devices too small to hold replicated weights (each holds 1.05/N of the weights plus
+the activations, so only small tensors can be replicated), loaded and run once. For each worker
 we read its peak RSS (VmHWM) and its RSS after the run, subtract the peak RSS of an idle worker
 (a process that imported torch and tessel's runtime and nothing else), and report what remains
 as a fraction of the model's weight bytes. Both should fall as 1/N; the peak holds a rank's
 weights twice for a moment (the checked bytes read from the file, then the tensors).
 
-    python benchmarks/bench_memory.py [--devices 1 2 4]
+    python benchmarks/bench_memory.py [--devices 1 2 4] [--share 1.05]
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def idle_worker_rss() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--share",
+        type=float,
+        default=1.05,
+        help="device memory: this many N-ths of the weights, plus the activations",
+    )
     args = parser.parse_args()
     from transformers import LlamaForCausalLM
 
@@ -75,7 +82,8 @@ def main() -> None:
         f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}"
     )
     for n in args.devices:
-        cluster = cluster_from_dict(tight_cluster(n, weights, act), "tight") if n > 1 else 1
+        tight = tight_cluster(n, weights, act, share=args.share)
+        cluster = cluster_from_dict(tight, "tight") if n > 1 else 1
         built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)
         with tempfile.TemporaryDirectory() as tmp:
             path = built.save(os.path.join(tmp, "m"))

@@ -46,10 +46,10 @@ def demo_model(layers: int, hidden: int = 256, heads: int = 8, vocab: int = 8192
     return LlamaForCausalLM(llama_config(layers, hidden, heads, vocab=vocab)).eval()
 
 
-def tight_cluster(devices: int, weight_bytes: int, act_bytes: int) -> dict:
-    """A local CPU cluster whose devices hold about 1.3/N of the weights plus the activations."""
+def tight_cluster(devices: int, weight_bytes: int, act_bytes: int, share: float = 1.3) -> dict:
+    """A local CPU cluster whose devices hold about share/N of the weights plus the activations."""
     data = local_cluster_dict(devices)
-    mib = int((act_bytes + 1.3 * weight_bytes / devices) / 2**20) + 1
+    mib = int((act_bytes + share * weight_bytes / devices) / 2**20) + 1
     data["item_def"][0]["memory"] = f"[DDR:{mib}MB]"
     return data
 
