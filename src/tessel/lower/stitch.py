@@ -20,8 +20,12 @@ from typing import Any
 import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._pytree import tree_leaves
+
+try:  # torch's tracer internals: where they move, layers are traced one by one instead
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+except ImportError:  # pragma: no cover - depends on the torch release
+    get_proxy_mode = get_proxy_slot = None
 
 from tessel.plan import Plan
 from tessel.plan.layers import identical_layers
@@ -250,14 +254,14 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _traced_length() -> int:
-    mode = get_proxy_mode()
+    mode = get_proxy_mode() if get_proxy_mode is not None else None
     if mode is None:
         raise StitchError("layers can be stitched only while a program is traced")
     return len(mode.tracer.graph.nodes)
 
 
 def _node_of(t: torch.Tensor) -> fx.Node:
-    mode = get_proxy_mode()
+    mode = get_proxy_mode() if get_proxy_mode is not None else None
     if mode is None:
         raise StitchError("layers can be stitched only while a program is traced")
     return get_proxy_slot(t, mode.tracer).proxy.node
