@@ -6,7 +6,7 @@ shared/reference/peer-baselines.md §1.4 (gpt2, mesh 4, tp mode: 6.9 / 14.7 / 56
 Note the difference in work: autoparallel plans a joint forward+backward training graph, tessel
 an inference forward graph, and tessel also writes the weights of every rank to one file.
 
-    python benchmarks/bench_build.py [--layers 2 8 32]
+    python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument(
+        "--trace_every_layer", action="store_true", help="build without reusing identical layers"
+    )
     args = parser.parse_args()
 
     import tessel
@@ -45,7 +48,12 @@ def main() -> None:
         model = gpt2(layers)
         ids = torch.randint(0, 50304, (args.batch, args.seq))
         t = time.perf_counter()
-        built = tessel.build(model, {"input_ids": ids, "use_cache": False}, cluster=args.devices)
+        built = tessel.build(
+            model,
+            {"input_ids": ids, "use_cache": False},
+            cluster=args.devices,
+            reuse_layers=not args.trace_every_layer,
+        )
         with tempfile.TemporaryDirectory() as tmp:
             path = built.save(os.path.join(tmp, "gpt2"))
             size = path.stat().st_size
