@@ -6,6 +6,8 @@ records a SHA-256 for every member. Nothing in it is pickled, and reading it run
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -72,9 +74,14 @@ class _WriteBack:
         position = self.raw.tell()
         self.raw.flush()
         fd = self.raw.fileno()
-        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+        try:
+            (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this file system cannot sync; nothing to do
+                raise
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, position, os.POSIX_FADV_DONTNEED)
+            with contextlib.suppress(OSError):  # advice only
+                os.posix_fadvise(fd, 0, position, os.POSIX_FADV_DONTNEED)
         self.done = position
 
 
