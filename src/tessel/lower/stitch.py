@@ -84,6 +84,7 @@ class Stitcher:
             for layers in _contiguous_runs(group, order):
                 if len(layers) >= MIN_LAYERS and _placed_alike(layers, plan):
                     runs.append(_Run(layers, [_external(layer) for layer in layers]))
+        runs.sort(key=lambda run: order[run.layers[0][0]])  # a later run may read an earlier one
         stitcher = cls(runs, plan)
         for run in runs:
             for k, layer in enumerate(run.layers):
