@@ -23,18 +23,20 @@ class LogitsOnly(torch.nn.Module):
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
-def small_llama(
+def hf_llama(
     layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256
 ):
+    """A transformers Llama with random weights (seeded), called with input_ids and use_cache."""
     from transformers import LlamaForCausalLM
 
     from tessel.demo import llama_config
 
     torch.manual_seed(0)
-    return LogitsOnly(LlamaForCausalLM(llama_config(layers, hidden, heads, kv_heads, vocab))).eval()
+    return LlamaForCausalLM(llama_config(layers, hidden, heads, kv_heads, vocab)).eval()
 
 
-def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):
+def hf_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):
+    """A transformers GPT-2 with random weights (seeded), called with input_ids and use_cache."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -47,7 +49,17 @@ def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 2
         bos_token_id=0,
         eos_token_id=0,
     )
-    return LogitsOnly(GPT2LMHeadModel(cfg)).eval()
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def small_llama(
+    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256
+):
+    return LogitsOnly(hf_llama(layers, hidden, heads, kv_heads, vocab)).eval()
+
+
+def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):
+    return LogitsOnly(hf_gpt2(layers, hidden, heads, vocab)).eval()
 
 
 def token_ids(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 1) -> torch.Tensor:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from tests.conftest import hf_gpt2, hf_llama, token_ids
 from torch import fx, nn
 
 import tessel.capture.export as export_mod
@@ -22,41 +23,15 @@ EXPORT_LOG = "tessel.capture.export"
 
 
 def tiny_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        vocab_size=128,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg).eval()
+    return hf_gpt2(layers=4, vocab=128)
 
 
 def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return hf_llama(layers=4, kv_heads=2, vocab=128)
 
 
 def lm_inputs() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, 128, (2, 8), generator=g), "use_cache": False}
+    return {"input_ids": token_ids(seq=8, vocab=128), "use_cache": False}
 
 
 class Block(nn.Module):

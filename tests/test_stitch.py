@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from tests.conftest import hf_gpt2, hf_llama, token_ids
 from torch import fx, nn
 from torch.distributed.tensor import Shard
 
@@ -25,36 +26,11 @@ LAYERS = 4
 
 
 def tiny_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=LAYERS,
-        n_embd=64,
-        n_head=4,
-        vocab_size=128,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg).eval()
+    return hf_gpt2(layers=LAYERS, vocab=128)
 
 
 def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return hf_llama(layers=LAYERS, kv_heads=2, vocab=128)
 
 
 MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
@@ -64,8 +40,7 @@ MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 def captured(request):
     """(model, captured) as a build captures it, once per model for the whole file."""
     model = MODELS[request.param]()
-    g = torch.Generator().manual_seed(1)
-    inputs = {"input_ids": torch.randint(0, 128, (2, 8), generator=g), "use_cache": False}
+    inputs = {"input_ids": token_ids(seq=8, vocab=128), "use_cache": False}
     return model, capture(model, inputs, keep=has_rule)
 
 
@@ -173,8 +148,7 @@ def test_stitched_capture_and_traced_capture_lower_alike(captured):
     """Both speed-ups together give what neither gives: stamped capture + stitched lowering
     equals the full capture traced layer by layer."""
     model, cap = captured
-    g = torch.Generator().manual_seed(1)
-    inputs = {"input_ids": torch.randint(0, 128, (2, 8), generator=g), "use_cache": False}
+    inputs = {"input_ids": token_ids(seq=8, vocab=128), "use_cache": False}
     full = capture(model, inputs, keep=has_rule, reuse_layers=False)
     world = 4
     plan = make_plan(cap, tight_cluster(model, cap, world), ParallelOption(), 60)
@@ -229,25 +203,16 @@ def _names(runs, layers) -> list[str]:
     return ["".join(by_first[layer[0]] for layer in run) for run in runs]
 
 
-def test_contiguous_runs_split_where_a_foreign_node_runs_between_layers():
-    layers, order = _layers_graph("aabb.ccdd")
+@pytest.mark.parametrize(
+    "graph, runs",
+    [
+        ("aabb.ccdd", ["ab", "cd"]),  # a foreign node between layers splits the run
+        (".aabbccdd.", ["abcd"]),  # adjacent layers stay together
+        ("aab.bccdd", ["a", "cd"]),  # a layer with a foreign node inside is dropped
+        ("aabbxxccdd", ["ab", "cd"]),  # x is a layer, but not one of this group
+    ],
+)
+def test_contiguous_runs(graph, runs):
+    layers, order = _layers_graph(graph)
     group = [layers[k] for k in "abcd"]
-    assert _names(_contiguous_runs(group, order), layers) == ["ab", "cd"]
-
-
-def test_contiguous_runs_keep_adjacent_layers_together():
-    layers, order = _layers_graph(".aabbccdd.")
-    group = [layers[k] for k in "abcd"]
-    assert _names(_contiguous_runs(group, order), layers) == ["abcd"]
-
-
-def test_contiguous_runs_drop_a_layer_with_a_foreign_node_inside():
-    layers, order = _layers_graph("aab.bccdd")
-    group = [layers[k] for k in "abcd"]
-    assert _names(_contiguous_runs(group, order), layers) == ["a", "cd"]
-
-
-def test_contiguous_runs_split_where_a_layer_of_another_group_runs_between():
-    layers, order = _layers_graph("aabbxxccdd")
-    group = [layers[k] for k in "abcd"]  # x is a layer, but not one of this group
-    assert _names(_contiguous_runs(group, order), layers) == ["ab", "cd"]
+    assert _names(_contiguous_runs(group, order), layers) == runs

@@ -61,24 +61,20 @@ class _Call:
 _CALLS: dict[int, _Call] = {}  # stack number -> layer 0's call, while an export runs
 
 
-@torch.library.custom_op("tessel::layer_input", mutates_args=())
-def _layer_input(x: torch.Tensor, stack: int, slot: int) -> torch.Tensor:
-    raise RuntimeError("tessel::layer_input marks a traced graph and never runs")
+def marker_op(name: str) -> torch._ops.OpOverload:
+    """`tessel::<name>(x, key, slot)`: marks a value in a traced graph, where it is traced as a
+    copy of `x`; it never runs, since tessel takes every marker out of the graph it traced."""
+
+    def never_run(x: torch.Tensor, key: int, slot: int) -> torch.Tensor:
+        raise RuntimeError(f"tessel::{name} marks a traced graph and never runs")
+
+    op = torch.library.custom_op(f"tessel::{name}", never_run, mutates_args=())
+    op.register_fake(lambda x, key, slot: x.clone())
+    return getattr(torch.ops.tessel, name).default
 
 
-@_layer_input.register_fake
-def _(x: torch.Tensor, stack: int, slot: int) -> torch.Tensor:
-    return x.clone()
-
-
-@torch.library.custom_op("tessel::layer_output", mutates_args=())
-def _layer_output(x: torch.Tensor, stack: int, slot: int) -> torch.Tensor:
-    raise RuntimeError("tessel::layer_output marks a traced graph and never runs")
-
-
-@_layer_output.register_fake
-def _(x: torch.Tensor, stack: int, slot: int) -> torch.Tensor:
-    return x.clone()
+LAYER_INPUT = marker_op("layer_input")  # (tensor, stack number, argument slot)
+LAYER_OUTPUT = marker_op("layer_output")  # (tensor, stack number, output slot)
 
 
 @torch.library.custom_op("tessel::stamped_layer", mutates_args=())
@@ -92,6 +88,9 @@ def _(xs: list[torch.Tensor], stack: int, layer: int) -> list[torch.Tensor]:
         torch.empty_strided(shape, stride, dtype=dtype, device=device)
         for shape, stride, dtype, device in _CALLS[stack].out_meta
     ]
+
+
+_STAMPED = torch.ops.tessel.stamped_layer.default
 
 
 def find_stacks(model: nn.Module) -> list[Stack]:
@@ -231,7 +230,7 @@ def _marked_forward(forward: Any, stack: int) -> Any:
         call.in_consts = [x for i, x in enumerate(leaves) if i not in tensors]
         call.in_meta = [(leaves[i].shape, leaves[i].dtype) for i in tensors]
         for slot, i in enumerate(tensors):
-            leaves[i] = torch.ops.tessel.layer_input(leaves[i], stack, slot)
+            leaves[i] = LAYER_INPUT(leaves[i], stack, slot)
         versions = [leaves[i]._version for i in tensors]
         args, kwargs = tree_unflatten(leaves, spec)
         out = forward(*args, **kwargs)
@@ -247,7 +246,7 @@ def _marked_forward(forward: Any, stack: int) -> Any:
             (outs[i].shape, outs[i].stride(), outs[i].dtype, outs[i].device) for i in out_tensors
         ]
         for slot, i in enumerate(out_tensors):
-            outs[i] = torch.ops.tessel.layer_output(outs[i], stack, slot)
+            outs[i] = LAYER_OUTPUT(outs[i], stack, slot)
         return tree_unflatten(outs, out_spec)
 
     return marked
@@ -265,7 +264,7 @@ def _stamped_forward(stack: int, layer: int, path: str) -> Any:
             raise CannotStamp(f"{path} is called with other arguments than layer 0")
         if not all(_equal(a, b) for a, b in zip(consts, call.in_consts)):
             raise CannotStamp(f"{path} is called with other non-tensor values than layer 0")
-        results = iter(torch.ops.tessel.stamped_layer([leaves[i] for i in tensors], stack, layer))
+        results = iter(_STAMPED([leaves[i] for i in tensors], stack, layer))
         consts_out = iter(call.out_consts)
         outs = [
             next(results) if i in call.out_tensors else next(consts_out)
@@ -291,8 +290,8 @@ def stamp_out(ep: ExportedProgram, stacks: list[Stack]) -> None:
     placeholder_of = {target_of[n.name]: n for n in graph.nodes if n.name in target_of}
     for number, stack in enumerate(stacks):
         nodes = list(graph.nodes)
-        ins = _slots(nodes, torch.ops.tessel.layer_input.default, number, stack)
-        outs = _slots(nodes, torch.ops.tessel.layer_output.default, number, stack)
+        ins = _slots(nodes, LAYER_INPUT, number, stack)
+        outs = _slots(nodes, LAYER_OUTPUT, number, stack)
         stubs = [n for n in nodes if n.target is _STAMPED and n.args[1] == number]
         if not ins or not outs:
             if stubs:
@@ -320,7 +319,7 @@ def stamp_out(ep: ExportedProgram, stacks: list[Stack]) -> None:
 
             with graph.inserting_before(stub):
                 for n in region:
-                    if n.target is torch.ops.tessel.layer_output.default:
+                    if n.target is LAYER_OUTPUT:
                         env[n] = wire(n.args[0])
                         continue
                     copy = graph.node_copy(n, wire)
@@ -339,9 +338,6 @@ def stamp_out(ep: ExportedProgram, stacks: list[Stack]) -> None:
             graph.erase_node(n)
     _rename_outputs(ep)
     graph.lint()  # the caller recompiles ep.graph_module
-
-
-_STAMPED = torch.ops.tessel.stamped_layer.default
 
 
 def _rename_outputs(ep: ExportedProgram) -> None:

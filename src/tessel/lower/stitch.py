@@ -27,6 +27,7 @@ try:  # torch's tracer internals: where they move, layers are traced one by one 
 except ImportError:  # pragma: no cover - depends on the torch release
     get_proxy_mode = get_proxy_slot = None
 
+from tessel.capture.stamp import marker_op
 from tessel.plan import Plan
 from tessel.plan.layers import identical_layers
 
@@ -37,14 +38,7 @@ class StitchError(RuntimeError):
     """The copies cannot be shown to equal a traced layer; the rank is traced whole instead."""
 
 
-@torch.library.custom_op("tessel::skipped_value", mutates_args=())
-def _skipped_value(x: torch.Tensor, slot: int) -> torch.Tensor:
-    raise RuntimeError("tessel::skipped_value stands in for a value in a traced graph only")
-
-
-@_skipped_value.register_fake
-def _(x: torch.Tensor, slot: int) -> torch.Tensor:
-    return x.clone()
+SKIPPED_VALUE = marker_op("skipped_value")  # (tensor, 0, stand-in number)
 
 
 @dataclass
@@ -121,7 +115,7 @@ class Stitcher:
             if any(isinstance(x, torch.Tensor) for x in tree_leaves(value)):
                 raise StitchError(f"{n.name} of a skipped layer is read as a tensor collection")
             return value
-        local = torch.ops.tessel.skipped_value(value._local_tensor, len(self.stand_ins))
+        local = SKIPPED_VALUE(value._local_tensor, 0, len(self.stand_ins))
         stand_in = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
         self.stand_ins.append((_node_of(stand_in._local_tensor), n))  # from_local adds a view
         return stand_in
@@ -158,7 +152,7 @@ class Stitcher:
             while traced.op == "call_function" and not traced.users:
                 source = traced.all_input_nodes[0]
                 graph.erase_node(traced)
-                if traced.target is torch.ops.tessel.skipped_value.default:
+                if traced.target is SKIPPED_VALUE:
                     break
                 traced = source
 
