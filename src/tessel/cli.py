@@ -8,6 +8,7 @@ import logging
 import sys
 
 from tessel.config.errors import ConfigError
+from tessel.errors import TesselError
 from tessel.parallel import ckpt_cli
 
 
@@ -189,22 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _configure_logging(getattr(args, "sub_log", None) or args.log)
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (TesselError, FileNotFoundError) as exc:
         print(f"tessel: error: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         print("tessel: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - known failures get one line, not a traceback
-        from tessel.package import PackageError
-        from tessel.plan import PlanError
-        from tessel.runtime import WorkerError
-
-        if isinstance(exc, (PackageError, PlanError, WorkerError)):
-            print(f"tessel: error: {exc}", file=sys.stderr)
-            return 1
-        raise
-
 
 if __name__ == "__main__":
     sys.exit(main())

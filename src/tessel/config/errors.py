@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tessel.errors import TesselError
 
-class ConfigError(ValueError):
+
+class ConfigError(TesselError, ValueError):
     """Bad input: names the file (or argument), the key path, what was found and what is allowed."""
 
     def __init__(self, source: str | Path | None, key: str | None, message: str) -> None:

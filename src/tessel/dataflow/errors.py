@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tessel.config.errors import ConfigError
+from tessel.errors import TesselError
 
 
 class DeployError(ConfigError):
@@ -22,7 +23,7 @@ class DeployError(ConfigError):
         )
 
 
-class TransactionFailed(RuntimeError):
+class TransactionFailed(TesselError, RuntimeError):
     """A fed transaction did not complete: which node (and instance) failed it and why."""
 
     def __init__(self, transaction_id: int, node: str, instance: int, error: str, tb: str = ""):
@@ -36,7 +37,7 @@ class TransactionFailed(RuntimeError):
         )
 
 
-class FlowTimeout(TimeoutError):
+class FlowTimeout(TesselError, TimeoutError):
     """feed/fetch waited longer than its timeout (ms)."""
 
 

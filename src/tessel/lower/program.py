@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from tessel.errors import TesselError
+
 FORMAT = "tessel.program/1"
 _NAMESPACES = {"aten", "_c10d_functional", "prims"}
 _COLLECTIVES = "_c10d_functional"
 
 
-class ProgramError(ValueError):
+class ProgramError(TesselError, ValueError):
     pass
 
 

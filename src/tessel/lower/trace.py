@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention
+from tessel.errors import TesselError
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
 from tessel.lower.weights import local_shard
@@ -37,7 +38,7 @@ from tessel.plan.strategies import LOCAL_RULES
 log = logging.getLogger(__name__)
 
 
-class LoweringError(RuntimeError):
+class LoweringError(TesselError, RuntimeError):
     pass
 
 

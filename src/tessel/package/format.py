@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from tessel.errors import TesselError
 from tessel.package.safetensors_io import (
     SafetensorsFormatError,
     tensors_from_buffer,
@@ -37,7 +38,7 @@ CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced pro
 _READ_CHUNK = 16 << 20  # a member is read in pieces this big (each read makes a temporary)
 
 
-class PackageError(ValueError):
+class PackageError(TesselError, ValueError):
     """A package that cannot be used: missing, truncated, altered, or of an unknown version."""
 
     def __init__(self, path: str | Path, message: str) -> None:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.parallel_option import ParallelOption
+from tessel.errors import TesselError
 from tessel.plan import cost
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
 from tessel.plan.ilp import InfeasibleError, Problem, solve
@@ -26,7 +27,7 @@ from tessel.plan.strategies import Replicate, Strategy
 log = logging.getLogger(__name__)
 
 
-class PlanError(RuntimeError):
+class PlanError(TesselError, RuntimeError):
     """The model cannot be placed on the cluster as asked."""
 
 

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
+from tessel.errors import TesselError
 from tessel.package.format import Package
 from tessel.runtime.worker import WorkerSpec, worker_main
 
@@ -28,7 +29,7 @@ _state: dict[str, Any] = {"initialized": False, "config": {}}
 _sessions: weakref.WeakSet = weakref.WeakSet()
 
 
-class WorkerError(RuntimeError):
+class WorkerError(TesselError, RuntimeError):
     """A worker failed, died or stopped answering."""
 
 
