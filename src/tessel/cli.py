@@ -197,5 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         print("tessel: interrupted", file=sys.stderr)
         return 130
 
+
 if __name__ == "__main__":
     sys.exit(main())
