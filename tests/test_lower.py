@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 from tests.conftest import small_gpt2, small_llama, token_ids
 
 from tessel.builder.pipeline import _lower_all
 from tessel.capture import capture
 from tessel.config.cluster import local_cluster
 from tessel.config.parallel_option import ParallelOption
-from tessel.lower.trace import lower_rank
+from tessel.lower.trace import fake_world, lower_rank
 from tessel.plan import make_plan
 
 N = 4
@@ -25,6 +30,26 @@ def test_every_rank_gets_the_program_tracing_it_alone_gives(make):
         alone = lower_rank(captured, plan, rank)
         assert got.program == alone.program, f"rank {rank}"
         assert got.constants.keys() == alone.constants.keys()
+
+
+def test_a_rank_trace_does_not_see_the_rank_traced_before_it():
+    """DTensor caches sharding decisions under meshes that compare equal for every rank; a cached
+    decision must not carry one rank's mesh coordinate into another rank's program."""
+
+    def chunk_taken(rank: int) -> list[int]:
+        with fake_world(rank, 2) as mesh:
+
+            def f(y: torch.Tensor) -> torch.Tensor:
+                b = DTensor.from_local(y, mesh, [Replicate()], run_check=False)
+                return (b * 2).redistribute(mesh, [Shard(0)]).to_local()
+
+            gm = make_fx(f, tracing_mode="fake")(torch.zeros(4, 4))
+        gm.graph.eliminate_dead_code()
+        return [n.args[1] for n in gm.graph.nodes if n.target is operator.getitem]
+
+    assert chunk_taken(0) == [0]
+    assert chunk_taken(1) == [1]
+    assert chunk_taken(0) == [0]
 
 
 def test_capture_takes_the_public_export_when_the_one_trace_path_fails(monkeypatch):

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
+from tessel._torch import tree_leaves
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import ClusterConfig, local_cluster, read_cluster_config
 from tessel.config.errors import ConfigError
@@ -255,7 +256,7 @@ def _pack(
     out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
     outputs = [
         {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-        for a in torch.utils._pytree.tree_leaves(out_node.args[0])
+        for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
     ]
     layouts = {

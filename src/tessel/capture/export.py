@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from tessel._torch import export_post_dispatch, tree_leaves
 from tessel.capture.portable import portable_attention
 from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
 from tessel.config.errors import ConfigError
@@ -83,11 +84,7 @@ def capture(
     ep.graph_module.recompile()
     names, values = _user_inputs(ep)
     if not isinstance(model, ExportedProgram):
-        given = [
-            x
-            for x in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(x, torch.Tensor)
-        ]
+        given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if len(given) == len(values):
             values = [g.detach().clone() for g in given]
     return CapturedModel(ep, values, names)
@@ -117,10 +114,7 @@ def _export_aten(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedP
     models. torch.export's own post-dispatch mode does it in one; where this torch lacks it, the
     public path is taken.
     """
-    try:
-        from torch.export._trace import _export
-    except ImportError:
-        _export = None
+    _export = export_post_dispatch()
     if _export is not None:
         try:
             with _no_stack_traces():

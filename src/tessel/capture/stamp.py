@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tessel._torch import OpOverload, tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class _Call:
 _CALLS: dict[int, _Call] = {}  # stack number -> layer 0's call, while an export runs
 
 
-def marker_op(name: str) -> torch._ops.OpOverload:
+def marker_op(name: str) -> OpOverload:
     """`tessel::<name>(x, key, slot)`: marks a value in a traced graph, where it is traced as a
     copy of `x`; it never runs, since tessel takes every marker out of the graph it traced."""
 

@@ -11,9 +11,9 @@ import operator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
+from tessel._torch import OpOverload, group_ranks
 from tessel.errors import TesselError
 
 FORMAT = "tessel.program/1"
@@ -28,7 +28,7 @@ class ProgramError(TesselError, ValueError):
 def _op_name(target: Any) -> str:
     if target is operator.getitem:
         return "getitem"
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         ns = target.namespace
         if ns not in _NAMESPACES:
             raise ProgramError(
@@ -46,15 +46,13 @@ def _resolve(name: str) -> Any:
         raise ProgramError(f"unknown operator {name!r} in program")
     packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
     op = getattr(packet, parts[2], None) if packet is not None else None
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         raise ProgramError(f"unknown operator {name!r} in program")
     return op
 
 
 def _group_ranks(name: str) -> list[int]:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return dist.get_process_group_ranks(_resolve_process_group(name))
+    return group_ranks(name)
 
 
 def encode(gm: fx.GraphModule) -> dict:

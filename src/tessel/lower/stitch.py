@@ -20,13 +20,8 @@ from typing import Any
 import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
 
-try:  # torch's tracer internals: where they move, layers are traced one by one instead
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-except ImportError:  # pragma: no cover - depends on the torch release
-    get_proxy_mode = get_proxy_slot = None
-
+from tessel._torch import local_tensor, proxy_node, traced_graph_length, tree_leaves
 from tessel.capture.stamp import marker_op
 from tessel.plan import Plan
 from tessel.plan.layers import identical_layers
@@ -115,15 +110,15 @@ class Stitcher:
             if any(isinstance(x, torch.Tensor) for x in tree_leaves(value)):
                 raise StitchError(f"{n.name} of a skipped layer is read as a tensor collection")
             return value
-        local = SKIPPED_VALUE(value._local_tensor, 0, len(self.stand_ins))
+        local = SKIPPED_VALUE(local_tensor(value), 0, len(self.stand_ins))
         stand_in = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
-        self.stand_ins.append((_node_of(stand_in._local_tensor), n))  # from_local adds a view
+        self.stand_ins.append((_node_of(local_tensor(stand_in)), n))  # from_local adds a view
         return stand_in
 
     def record(self, env: dict) -> None:
         """While the trace is live: which traced node holds each captured value."""
         self.traced_of = {
-            n: _node_of(v._local_tensor) for n, v in env.items() if isinstance(v, DTensor)
+            n: _node_of(local_tensor(v)) for n, v in env.items() if isinstance(v, DTensor)
         }
 
     def stitch(self, graph: fx.Graph) -> None:
@@ -220,7 +215,7 @@ class Stitcher:
             raise StitchError(f"{q.name} has no traced value")
         if (
             tuple(value.placements) != tuple(like.placements)
-            or value._local_tensor.shape != like._local_tensor.shape
+            or local_tensor(value).shape != local_tensor(like).shape
             or value.dtype != like.dtype
         ):
             raise StitchError(f"{q.name} is laid out unlike the traced layer's input")
@@ -249,17 +244,17 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _traced_length() -> int:
-    mode = get_proxy_mode() if get_proxy_mode is not None else None
-    if mode is None:
+    length = traced_graph_length()
+    if length is None:
         raise StitchError("layers can be stitched only while a program is traced")
-    return len(mode.tracer.graph.nodes)
+    return length
 
 
 def _node_of(t: torch.Tensor) -> fx.Node:
-    mode = get_proxy_mode() if get_proxy_mode is not None else None
-    if mode is None:
+    node = proxy_node(t)
+    if node is None:
         raise StitchError("layers can be stitched only while a program is traced")
-    return get_proxy_slot(t, mode.tracer).proxy.node
+    return node
 
 
 def _contiguous_runs(group: list[list[fx.Node]], order: dict) -> list[list[list[fx.Node]]]:

@@ -22,9 +22,8 @@ from torch import fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_leaves, tree_map
 
+from tessel._torch import clear_dtensor_caches, fake_process_group, tree_leaves, tree_map
 from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention
 from tessel.errors import TesselError
@@ -44,17 +43,22 @@ class LoweringError(TesselError, RuntimeError):
 
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[DeviceMesh]:
-    """A fake process group of `world_size` seen from `rank`, and a 1-D mesh over it."""
+    """A fake process group of `world_size` seen from `rank`, and a 1-D mesh over it.
+
+    DTensor's caches are cleared on the way in and out: what it decided while tracing one rank
+    must not reach the next rank's program (see `clear_dtensor_caches`).
+    """
     if dist.is_initialized():
         raise LoweringError(
             "tessel.build must run in a process without an initialised torch.distributed "
             "process group (it traces each rank under a fake one)"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    clear_dtensor_caches()
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        with fake_process_group(rank, world_size):
+            yield init_device_mesh("cpu", (world_size,))
     finally:
-        dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 def weight_inputs(captured: CapturedModel, plan: Plan) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tessel._torch import dcp_storage_info_class, serialization_get_layout
 from tessel.parallel.errors import CheckpointError
 from tessel.parallel.st_io import TensorLoc
 from tessel.parallel.strategy import dtype_name
@@ -58,17 +59,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
             return getattr(m, name)
         if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-            from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-            return _StorageInfo
+            return dcp_storage_info_class()
         if module == "torch" and name == "Size":
             return torch.Size
         if module == "torch" and name in _DTYPE_NAMES:
             return getattr(torch, name)
         if module == "torch.serialization" and name == "_get_layout":
-            from torch.serialization import _get_layout
-
-            return _get_layout
+            return serialization_get_layout()
         if module == "collections" and name == "OrderedDict":
             import collections
 

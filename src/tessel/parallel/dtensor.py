@@ -38,7 +38,8 @@ def layout_to_placements(layout: Layout) -> list:
     order it cannot reproduce raises NotExpressibleError rather than giving wrong shards.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tessel._torch import StridedShard
 
     if layout.interleaved_parallel:
         raise NotExpressibleError(
@@ -54,7 +55,7 @@ def layout_to_placements(layout: Layout) -> list:
         mesh_dims = [ndev - 1 - a for a in axes]  # outer first
         for i, m in enumerate(mesh_dims):
             sf = _split_factor(dev, mesh_dims, i)
-            placements[m] = Shard(d) if sf == 1 else _StridedShard(d, split_factor=sf)
+            placements[m] = Shard(d) if sf == 1 else StridedShard(d, split_factor=sf)
     _check_placements(layout, placements)
     return placements
 
@@ -68,13 +69,13 @@ def _torch_blocks(dev: Sequence[int], placements: Sequence, d: int) -> torch.Ten
     ``n`` chunks, and gives device ``i`` chunk ``i`` of every piece. Returns a tensor indexed by
     the coordinates of those mesh dims (in mesh order), or None when a split is uneven.
     """
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from tessel._torch import StridedShard
 
     mesh_dims = [m for m, p in enumerate(placements) if getattr(p, "dim", None) == d]
     x = torch.arange(math.prod(dev[m] for m in mesh_dims)).view(1, -1)
     for m in mesh_dims:
         p, n = placements[m], dev[m]
-        sf = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        sf = int(p.split_factor) if isinstance(p, StridedShard) else 1
         *batch, length = x.shape
         if length % (sf * n):
             return None
@@ -127,11 +128,14 @@ def layout_to_dtensor(layout: Layout, device_type: str = "cpu", mesh=None) -> tu
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
+        from tessel._torch import detached_mesh
+
         ranks = torch.tensor(layout.rank_list, dtype=torch.int64).view(layout.device_matrix)
-        kwargs = {"mesh_dim_names": layout.alias_name}
-        if not dist.is_initialized():
-            kwargs.update(_init_backend=False, _rank=0)
-        mesh = DeviceMesh(device_type, ranks, **kwargs)
+        names = tuple(layout.alias_name)
+        if dist.is_initialized():
+            mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        else:
+            mesh = detached_mesh(ranks, names, device_type)
     elif tuple(mesh.shape) != tuple(layout.device_matrix):
         raise NotExpressibleError(
             "mesh",
@@ -151,7 +155,8 @@ def layout_from_dtensor(
     raise NotExpressibleError.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tessel._torch import StridedShard
 
     if isinstance(mesh_or_shape, (tuple, list)):
         dev = tuple(int(x) for x in mesh_or_shape)
@@ -168,7 +173,7 @@ def layout_from_dtensor(
     ndev = len(dev)
     per_dim: dict[int, list[tuple[int, int]]] = {}
     for m, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
+        if isinstance(p, StridedShard):
             dim, sf = p.dim, int(p.split_factor)
         elif isinstance(p, Shard):
             dim, sf = p.dim, 1

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
-from torch.utils._pytree import tree_flatten
 
+from tessel._torch import OpStrategy, TupleStrategy, tree_flatten
 from tessel.plan import cost
 from tessel.plan.strategies import (
     DTensorSpec,

@@ -14,6 +14,7 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 
+from tessel._torch import detached_mesh
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.parallel_option import ParallelOption
@@ -69,7 +70,7 @@ class Plan:
 
 def mesh_for(world_size: int) -> DeviceMesh:
     """A 1-D mesh for planning; needs no process group."""
-    return DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=0)
+    return detached_mesh(torch.arange(world_size))
 
 
 def make_plan(

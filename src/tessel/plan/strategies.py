@@ -1,8 +1,7 @@
 """Candidate shardings per graph node from DTensor's own sharding rules.
 
-This is the only module that touches DTensor's private strategy registries (torch 2.13 keeps
-them in two places: `op_strategy_funcs` and `op_single_dim_strategy_funcs`). A torch upgrade
-touches this file alone.
+DTensor keeps its rules in two registries (`op_strategy_funcs` and the single-dim rules); both
+are reached through `tessel._torch`, the one module that imports torch internals.
 """
 
 from __future__ import annotations
@@ -13,15 +12,21 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _fill_single_dim_strategy_placeholders,
-    _insert_single_dim_replication_strategy,
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from tessel._torch import (
+    DTensorSpec,
+    OpOverload,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    StridedShard,
+    TensorMeta,
+    expand_to_full_mesh_op_strategy,
+    fill_single_dim_strategy_placeholders,
+    insert_single_dim_replication_strategy,
+    sharding_propagator,
 )
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 __all__ = [
     "DTensorSpec",
@@ -88,20 +93,16 @@ def _even(
     return True
 
 
-def _propagator():
-    return DTensor._op_dispatcher.sharding_propagator
-
-
 def has_rule(op: Any) -> bool:
     """Whether the planner can shard `op` (a DTensor rule or one of tessel's local rules)."""
-    prop = _propagator()
+    prop = sharding_propagator()
     return (
         op in LOCAL_RULES or op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
     )
 
 
 def op_strategies(
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     args: tuple,
     kwargs: dict,
     out_val: Any,
@@ -114,7 +115,7 @@ def op_strategies(
     """
     if op in LOCAL_RULES:
         return LOCAL_RULES[op](args, kwargs, out_val, mesh)
-    prop = _propagator()
+    prop = sharding_propagator()
     if isinstance(out_val, (tuple, list)):
         out_meta: Any = tuple(tensor_meta(v) for v in out_val)
     else:
@@ -132,8 +133,8 @@ def op_strategies(
         if not rules:
             return None
         n_out = len(rules[0]) - n_in
-        rules = _insert_single_dim_replication_strategy(list(rules), n_out, n_in, out_meta)
-        rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+        rules = insert_single_dim_replication_strategy(list(rules), n_out, n_in, out_meta)
+        rules = fill_single_dim_strategy_placeholders({Shard(0)}, rules)
         result = expand_to_full_mesh_op_strategy(
             mesh,
             schema,
@@ -209,7 +210,7 @@ def _strided(spec: Any) -> bool:
     """Strided shards (a split dim merged into another) are left out of the search."""
     if isinstance(spec, tuple):
         return any(_strided(s) for s in spec)
-    return spec is not None and any(isinstance(p, _StridedShard) for p in spec.placements)
+    return spec is not None and any(isinstance(p, StridedShard) for p in spec.placements)
 
 
 def _key(spec: DTensorSpec | None) -> Any:

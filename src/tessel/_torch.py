@@ -1,0 +1,174 @@
+"""Every private torch symbol tessel uses, imported here and nowhere else.
+
+tessel leans on a few torch internals that have no public counterpart yet: DTensor's sharding
+rule registries (to enumerate candidate placements), its caches (so a rank's trace cannot see
+another rank's mesh), the fake process group (to trace a rank without other processes),
+torch.export's one-trace post-dispatch mode, and the proxy tracer's node slots (to stitch copies
+of a traced layer). A torch upgrade that moves any of them touches this file alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders as fill_single_dim_strategy_placeholders,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _insert_single_dim_replication_strategy as insert_single_dim_replication_strategy,
+)
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+OpOverload = torch._ops.OpOverload
+
+__all__ = [
+    "DTensorSpec",
+    "OpOverload",
+    "OpSchema",
+    "OpSpec",
+    "OpStrategy",
+    "StridedShard",
+    "TensorMeta",
+    "TupleStrategy",
+    "clear_dtensor_caches",
+    "detached_mesh",
+    "expand_to_full_mesh_op_strategy",
+    "export_post_dispatch",
+    "fake_process_group",
+    "fill_single_dim_strategy_placeholders",
+    "group_ranks",
+    "insert_single_dim_replication_strategy",
+    "proxy_node",
+    "sharding_propagator",
+    "traced_graph_length",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+]
+
+
+def sharding_propagator() -> Any:
+    """DTensor's registry of sharding rules (`op_strategy_funcs`, single-dim rules, schemas)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def clear_dtensor_caches() -> None:
+    """Forget every sharding and redistribution decision DTensor has cached.
+
+    DTensor caches decisions keyed on specs whose mesh compares equal across ranks (a mesh's
+    identity is its devices, not the rank looking at it). Tracing several ranks in one process,
+    a cached decision would carry the first rank's mesh, and with it that rank's coordinate,
+    into the next rank's program; clearing the caches between ranks keeps each trace its own.
+    """
+    from torch.distributed.tensor import _redistribute
+
+    propagator = sharding_propagator()
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+
+
+def _create_fake_group(common_opts: Any, backend_opts: Any) -> Any:
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    return FakeProcessGroup._create_internal(
+        common_opts.group_rank, common_opts.group_size, backend_opts
+    )
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """A process group of `world_size` seen from `rank` whose collectives move no data.
+
+    Collectives traced under it are recorded, never run, so one process can trace any rank.
+    """
+    if "fake" not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            "fake", _create_fake_group, extended_api=True, devices=["cpu", "cuda"]
+        )
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def detached_mesh(
+    ranks: torch.Tensor, dim_names: tuple[str, ...] | None = None, device_type: str = "cpu"
+) -> DeviceMesh:
+    """A mesh over `ranks` (an N-D tensor of rank ids) with no process group behind it, to
+    reason about placements on."""
+    return DeviceMesh(device_type, ranks, mesh_dim_names=dim_names, _init_backend=False, _rank=0)
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """The global ranks of the process group a traced collective names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+def export_post_dispatch() -> Callable[..., Any] | None:
+    """torch.export's one-trace export straight to ATen (`pre_dispatch=False`), where present."""
+    try:
+        from torch.export._trace import _export
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+    return _export
+
+
+def _proxy_mode() -> Any:
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+    return get_proxy_mode()
+
+
+def traced_graph_length() -> int | None:
+    """How many nodes the program being traced holds so far (None: nothing is being traced)."""
+    mode = _proxy_mode()
+    return None if mode is None else len(mode.tracer.graph.nodes)
+
+
+def proxy_node(t: torch.Tensor) -> torch.fx.Node | None:
+    """The traced node that produced `t` (None: nothing is being traced)."""
+    mode = _proxy_mode()
+    if mode is None:
+        return None
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    return get_proxy_slot(t, mode.tracer).proxy.node
+
+
+def local_tensor(t: Any) -> torch.Tensor:
+    """A DTensor's local shard without the autograd hop of `to_local` (for tracer bookkeeping)."""
+    return t._local_tensor
+
+
+def dcp_storage_info_class() -> type:
+    """The class torch.distributed.checkpoint pickles into its metadata for each storage."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def serialization_get_layout() -> Callable[..., Any]:
+    """The function torch.save's pickles name to rebuild a tensor layout."""
+    from torch.serialization import _get_layout
+
+    return _get_layout
