@@ -69,7 +69,7 @@ def test_two_nodes_give_ranks_in_node_order():
         (
             {"cluster": [{"cluster_nodes": [{"node_id": "0", "item_list": [{"item_id": 0}]}]}]},
             "cluster[0].cluster_nodes[0].node_id",
-            "expected an integer, found string '0'",
+            "expected an integer in 0..2147483647, found string '0'",
         ),
         (
             {
@@ -130,7 +130,7 @@ def test_auto_policy_defaults_to_o2():
 @pytest.mark.parametrize(
     "inner, words",
     [
-        ({"opt_level": "O3"}, "found 'O3'; allowed: 'O2'"),
+        ({"opt_level": "O3"}, "found string 'O3'; allowed: 'O2'"),
         (
             {"tensor_parallel_option": {"tensor_parallel_size": 8}},
             "is 8 but the cluster config has 4 devices",
@@ -144,7 +144,7 @@ def test_auto_policy_defaults_to_o2():
             "gradient_sharding: is true, but tensor sharding belongs to training",
         ),
         ({"pipeline_parallel_option": {}}, "'pipeline_parallel_option' is not built yet"),
-        ({"autoo": True}, "unknown key; allowed keys here: auto, opt_level"),
+        ({"autoo": True}, "unknown key; did you mean 'auto'? allowed keys here: auto, opt_level"),
         ({"auto": "yes"}, "graph_parallel_option.auto: expected a boolean, found string 'yes'"),
     ],
 )
