@@ -197,6 +197,14 @@ def _address(f: Fields, key: str, hostname: bool) -> str | None:
     return text
 
 
+@dataclass
+class _ItemDef:
+    """What tessel takes from one item_def entry."""
+
+    memory: int | None
+    physical: list[int]  # item_def.device_list: the physical devices in one item
+
+
 def _item_type_ref(f: Fields, key: str, item_defs: dict[str, _ItemDef]) -> str:
     """An item_type that must name an item_def entry or, with none there, a known soc."""
     name = f.string(key)
@@ -210,13 +218,8 @@ def _item_type_ref(f: Fields, key: str, item_defs: dict[str, _ItemDef]) -> str:
     return name
 
 
-@dataclass
-class _ItemDef:
-    memory: int | None
-    physical: list[int]  # item_def.device_list: the physical devices in one item
-
-
 def _item_defs(top: Fields) -> dict[str, _ItemDef]:
+    """Check item_def; its entries by item_type (each type defined once)."""
     out: dict[str, _ItemDef] = {}
     types = Unique("item_type")
     for d in top.children("item_def", []):
@@ -240,8 +243,9 @@ def _item_defs(top: Fields) -> dict[str, _ItemDef]:
     return out
 
 
-def _link(topo: Fields, index: int, value: Any) -> None:
-    """One item_topology link: `[a, b]` or `{"item_id": a, "pair_item_id": b}`, a != b."""
+def _link(topo: Fields, index: int, value: Any, seen: Unique) -> None:
+    """One item_topology link: `[a, b]` or `{"item_id": a, "pair_item_id": b}`, a != b, each
+    pair once."""
     path = f"{topo.path('links')}[{index}]"
     if isinstance(value, dict):
         pair = topo.at(value, "links", index)
@@ -255,6 +259,7 @@ def _link(topo: Fields, index: int, value: Any) -> None:
         )
     if ends[0] == ends[1]:
         raise topo.error_at(path)(f"links item {ends[0]} to itself")
+    seen.add(tuple(sorted(ends)), topo.at({}, "links", index), None)
 
 
 def _node_defs(
@@ -283,8 +288,9 @@ def _node_defs(
             topo.check_keys(_ITEM_TOPOLOGY_KEYS)
             bw = parse_bandwidth(topo.string("links_mode"), topo.source, topo.path("links_mode"))
             bandwidth = bw or bandwidth
+            pairs = Unique("link between items")
             for i, link in enumerate(topo.get("links", list, [])):
-                _link(topo, i, link)
+                _link(topo, i, link, pairs)
         key = node_type or (item_types[0] if item_types else "")
         keys.add(key, d, "node_type" if node_type else "item")
         out[key] = (d, bandwidth)

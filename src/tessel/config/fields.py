@@ -71,12 +71,16 @@ def int_value(value: Any, lo: int, hi: int, fail: Callable[[str], Exception]) ->
     return value
 
 
-def str_value(value: Any, fail: Callable[[str], Exception], allow_empty: bool = False) -> str:
-    """`value` if it is a string without NUL or control characters, at most MAX_STRING long."""
+def str_value(value: Any, fail: Callable[[str], Exception]) -> str:
+    """`value` if it is a non-empty string without NUL or control characters or surrounding
+    spaces, at most MAX_STRING long."""
     if not isinstance(value, str):
         raise fail(f"expected a string, found {describe(value)}")
-    if not allow_empty and not value.strip():
+    if not value.strip():
         raise fail(f"expected a non-empty string, found {describe(value)}")
+    if value != value.strip():
+        # Names are matched exactly against each other: a stray space is always a mistake.
+        raise fail(f"found {describe(value)}; leading or trailing spaces are not allowed")
     if _CONTROL.search(value):
         raise fail(f"found {describe(value)}; control characters (such as NUL) are not allowed")
     if len(value) > MAX_STRING:

@@ -67,7 +67,7 @@ def load_json(path: str | Path) -> Any:
     if "\0" in str(path):
         raise ConfigError(repr(str(path)), None, "a path cannot contain a NUL byte")
     path = Path(path)
-    if not path.is_file():
+    if not _is_file(path):
         raise ConfigError(path, None, "file not found (expected a JSON file)")
     try:
         raw = path.read_text(encoding="utf-8")
@@ -81,6 +81,14 @@ def load_json(path: str | Path) -> Any:
     value = loads(text, path)
     log.debug("%s: read with comments or %d comma repairs", path, repairs)
     return value
+
+
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, False also where the name is too long for the file system."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def loads(text: str | bytes, source: object) -> Any:

@@ -207,12 +207,13 @@ def _invoke(f: Fields, base: Path, keep: bool, stack: tuple[str, ...]) -> Invoke
         devs = _devices(f, "logic_device_list", keep)
         return InvokeEntry(name, devices=devs, key_path=f.key_path)
     path = Path(f.string("deploy_info_file"))
-    if not path.is_absolute() and not path.exists():
-        path = base / path
     try:
+        if not path.is_absolute() and not path.exists():
+            path = base / path
         resolved = str(path.resolve())
-    except (OSError, RuntimeError) as exc:  # a symlink loop
-        raise f.error(f"cannot resolve {str(path)!r}: {exc}", "deploy_info_file") from exc
+    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop
+        reason = getattr(exc, "strerror", None) or exc
+        raise f.error(f"cannot use {describe(str(path))}: {reason}", "deploy_info_file") from exc
     if resolved in stack:
         raise f.error(f"deploy_info_file {path} includes itself", "deploy_info_file")
     nested = read_deploy_info(path, _stack=stack)

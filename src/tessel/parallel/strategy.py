@@ -215,6 +215,11 @@ def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> 
             )
         if any(s < 0 for s in p.shape):
             raise StrategyError(src, f"{key}.shape", f"{list(p.shape)} has a negative size")
+        for d, (s, k) in enumerate(zip(p.shape, p.splits())):
+            if s % k:
+                raise StrategyError(
+                    src, f"{key}.shape", f"dim {d} of size {s} is not divisible into {k} slices"
+                )
     if not p.stages or any(not 0 <= s <= MAX_ID for s in p.stages):
         raise StrategyError(src, f"{key}.stages", f"{list(p.stages)}: need stage ids 0..{MAX_ID}")
     if len(set(p.stages)) != len(p.stages):
@@ -256,6 +261,13 @@ def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> 
     if size > 0:
         if not p.tensor_map:
             raise StrategyError(src, f"{key}.opt_shard_size", "a scalar cannot be sharded")
+        if p.shape is not None and (p.shape[0] // p.splits()[0]) % size:
+            raise StrategyError(
+                src,
+                f"{key}.opt_shard_size",
+                f"is {size} but the dim 0 slice has {p.shape[0] // p.splits()[0]} rows; "
+                "it must divide that",
+            )
         if p.repeat() % size:
             raise StrategyError(
                 src,
@@ -489,9 +501,12 @@ def load_strategy(path: str | os.PathLike | Strategy | None) -> Strategy | None:
     if "\0" in src:
         raise StrategyError(repr(src), None, "a path cannot contain a NUL byte")
     p = Path(path)
-    if not p.is_file():
+    try:
+        raw = p.read_bytes() if p.is_file() else None
+    except OSError as e:  # a name too long, a file that cannot be read
+        raise StrategyError(src, None, f"cannot read the strategy file: {e.strerror}") from None
+    if raw is None:
         raise StrategyError(src, None, "strategy file does not exist")
-    raw = p.read_bytes()
     if not raw:
         raise StrategyError(src, None, "strategy file is empty")
     if p.suffix == ".json" or raw.lstrip()[:1] == b"{":
