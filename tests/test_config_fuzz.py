@@ -13,7 +13,6 @@ import copy
 import json
 import math
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ FUZZ = settings(
     derandomize=True,
     database=None,
     deadline=None,
-    max_examples=250,
+    max_examples=400,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -147,24 +146,11 @@ DEPLOYS.append(
 )
 
 
-def test_the_examples_are_valid():
-    """The fuzz starts from valid files: each example loads as it is (the seed's semi-auto
-    policy is read, then its O1 solver is refused as not built)."""
-    for doc in CLUSTERS:
-        _check_cluster(read_cluster_config(_write(doc, "numa_config.json"), "Ascend910B"))
-    for doc in POLICIES:
-        if doc["graph_parallel_option"].get("opt_level") != "O1":
-            read_parallel_option(_write(doc, "parallel_option.json"))
-    for doc in STRATEGIES:
-        assert load_strategy(_write(doc, "strategy.json")) is not None
-    for doc in DEPLOYS:
-        read_deploy_info(_write(doc, "deploy.json"))
-
-
 # ---------------------------------------------------------------------------------------------
 # mutations
 
-# Values that broke or slipped through the readers before, plus the usual suspects.
+# Values that trip readers: wrong types, huge and negative numbers, NaN, unicode digits, NUL
+# bytes, memory sizes and links of zero or 400 digits, device ids out of range.
 SPECIALS: list[Any] = [
     None,
     True,
@@ -376,14 +362,19 @@ def mutated_text(draw: st.DrawFn, bases: list[Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # running a reader on a mutation
 
-_TMP = Path(tempfile.mkdtemp(prefix="tessel-fuzz-"))
-# Deploy files name a nested file relative to themselves: it lies beside the mutated copies.
-_NESTED = DEPLOY_EXAMPLES / "data_flow_invoke_flow_graph_deploy_info.json"
-(_TMP / _NESTED.name).write_text(_NESTED.read_text())
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the mutated files are written. Deploy files name a nested file relative to
+    themselves: it lies there too."""
+    d = tmp_path_factory.mktemp("fuzz")
+    nested = DEPLOY_EXAMPLES / "data_flow_invoke_flow_graph_deploy_info.json"
+    (d / nested.name).write_text(nested.read_text())
+    return d
 
 
-def _write(doc: Any, name: str) -> Path:
-    path = _TMP / name
+def _write(workdir: Path, doc: Any, name: str) -> Path:
+    path = workdir / name
     path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
     return path
 
@@ -413,18 +404,34 @@ def _check_cluster(cluster: Any) -> None:
         assert 0 < bw < math.inf
 
 
+def test_the_examples_are_valid(workdir):
+    """The fuzz starts from valid files: each example loads as it is (the seed's semi-auto
+    policy is read, then its O1 solver is refused as not built)."""
+    for doc in CLUSTERS:
+        _check_cluster(read_cluster_config(_write(workdir, doc, "numa_config.json"), "Ascend910B"))
+    for doc in POLICIES:
+        if doc["graph_parallel_option"].get("opt_level") != "O1":
+            read_parallel_option(_write(workdir, doc, "parallel_option.json"))
+    for doc in STRATEGIES:
+        assert load_strategy(_write(workdir, doc, "strategy.json")) is not None
+    for doc in DEPLOYS:
+        read_deploy_info(_write(workdir, doc, "deploy.json"))
+
+
 @FUZZ
-@given(mutated(CLUSTERS))
-def test_cluster_config_mutations(doc):
-    cluster = _read(_write(doc, "numa_config.json"), lambda p: read_cluster_config(p, "Ascend910B"))
+@given(doc=mutated(CLUSTERS))
+def test_cluster_config_mutations(workdir, doc):
+    cluster = _read(
+        _write(workdir, doc, "numa_config.json"), lambda p: read_cluster_config(p, "Ascend910B")
+    )
     if cluster is not None:
         _check_cluster(cluster)
 
 
 @FUZZ
-@given(mutated(POLICIES))
-def test_policy_mutations(doc):
-    option = _read(_write(doc, "parallel_option.json"), read_parallel_option)
+@given(doc=mutated(POLICIES))
+def test_policy_mutations(workdir, doc):
+    option = _read(_write(workdir, doc, "parallel_option.json"), read_parallel_option)
     if option is not None:
         assert isinstance(option.auto, bool) and option.opt_level == "O2"
         assert option.tensor_parallel_size is None or 1 <= option.tensor_parallel_size < 2**31
@@ -432,9 +439,9 @@ def test_policy_mutations(doc):
 
 
 @FUZZ
-@given(mutated(STRATEGIES))
-def test_strategy_file_mutations(doc):
-    strategy = _read(_write(doc, "strategy.json"), load_strategy, StrategyError)
+@given(doc=mutated(STRATEGIES))
+def test_strategy_file_mutations(workdir, doc):
+    strategy = _read(_write(workdir, doc, "strategy.json"), load_strategy, StrategyError)
     if strategy is not None:
         assert strategy.params and 1 <= strategy.world_size < 2**31
         for p in strategy.params.values():
@@ -444,9 +451,9 @@ def test_strategy_file_mutations(doc):
 
 
 @FUZZ
-@given(mutated(DEPLOYS))
-def test_deploy_info_mutations(doc):
-    info = _read(_write(doc, "deploy.json"), read_deploy_info, DeployError)
+@given(doc=mutated(DEPLOYS))
+def test_deploy_info_mutations(workdir, doc):
+    info = _read(_write(workdir, doc, "deploy.json"), read_deploy_info, DeployError)
     if info is not None:
         names = [n for e in info.entries for n in e.nodes]
         assert names and len(set(names)) == len(names)
@@ -463,10 +470,10 @@ def test_deploy_info_mutations(doc):
     ],
     ids=["cluster", "policy", "strategy", "deploy"],
 )
-def test_text_mutations(bases, name, reader, error):
-    @settings(FUZZ, max_examples=100)
+def test_text_mutations(workdir, bases, name, reader, error):
+    @settings(FUZZ, max_examples=150)
     @given(mutated_text(bases))
     def check(text):
-        _read(_write(text, name), reader, error)
+        _read(_write(workdir, text, name), reader, error)
 
     check()

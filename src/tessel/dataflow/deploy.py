@@ -154,6 +154,7 @@ class DeployInfo:
 
 
 def _syntax_error(source: Any, key: str | None, message: str) -> DeployError:
+    """The error the shared reader raises for this format: a deploy-info syntax error."""
     return DeployError(source, key, RULE_SYNTAX, message)
 
 
