@@ -157,3 +157,86 @@ def test_expansion_is_the_product_of_the_ranges(items):
     got = parse_logic_device_list(text, keep_order=False)
     assert {(d.cluster, d.server, d.device, d.numa) for d in got} == expected
     assert got == sorted(got) and len(got) == total
+
+
+def _entry(**changes) -> dict:
+    return {"flow_node_list": ["a"], "logic_device_list": "0:0:0:0", **changes}
+
+
+@pytest.mark.parametrize(
+    "data, key, words",
+    [
+        (
+            {"batch_deploy_info": [_entry(logic_device_list="0:0:\u0663:0")]},
+            "batch_deploy_info[0].logic_device_list",
+            "part '\u0663' is not N or N~M",
+        ),
+        (
+            {"batch_deploy_info": [_entry(flow_node_lst=["b"])]},
+            "batch_deploy_info[0].flow_node_lst",
+            "did you mean 'flow_node_list'?",
+        ),
+        (
+            {"batch_deploy_info": [_entry()], "keep_logic_device_order": "true"},
+            "keep_logic_device_order",
+            "expected a boolean, found string 'true'",
+        ),
+        (
+            {"batch_deploy_info": [_entry(flow_node_list=["a", ""])]},
+            "batch_deploy_info[0].flow_node_list[1]",
+            "expected a non-empty string",
+        ),
+        (
+            {"batch_deploy_info": [_entry(flow_node_list=["a", "a"])]},
+            "batch_deploy_info[0].flow_node_list[1]",
+            "is listed again (first at batch_deploy_info[0].flow_node_list[0])",
+        ),
+        (
+            {
+                "batch_deploy_info": [
+                    _entry(invoke_list=[{"invoke_name": "m", "deploy_info_file": "x\x00.json"}])
+                ]
+            },
+            "batch_deploy_info[0].invoke_list[0].deploy_info_file",
+            "control characters (such as NUL) are not allowed",
+        ),
+        (
+            {
+                "batch_deploy_info": [
+                    _entry(invoke_list=[{"invoke_name": "m", "deploy_info_file": "x" * 300}])
+                ]
+            },
+            "invoke_list[0].deploy_info_file",
+            "File name too long",
+        ),
+        ({"batch_deploy_info": []}, "", "places no node"),
+        (
+            {"deploy_info": [{"flow_node_name": "a", "logic_device": "0:0:0"}]},
+            "deploy_info[0].logic_device",
+            "did you mean 'logic_device_id'?",
+        ),
+    ],
+)
+def test_deploy_info_refuses_nonsense(tmp_path, data, key, words):
+    path = write_json(tmp_path / "d.json", data)
+    with pytest.raises(DeployError) as e:
+        read_deploy_info(path)
+    assert e.value.rule in (RULE_SYNTAX, RULE_ONCE)
+    assert key in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_real_cann_deploy_files_keep_loading(tmp_path):
+    # the shape of hicann/ge's examples/dflow/cpp/config/data_flow_deploy_info.json
+    path = write_json(
+        tmp_path / "d.json",
+        {
+            "dynamic_schedule_enable": True,
+            "batch_deploy_info": [
+                {"flow_node_list": ["node0"], "logic_device_list": "0:0:0:0"},
+                {"flow_node_list": ["node1"], "logic_device_list": "0:0:0:0"},
+                {"flow_node_list": ["node2"], "logic_device_list": "0:0:1~2:0"},
+            ],
+        },
+    )
+    info = read_deploy_info(path)
+    assert info.dynamic_schedule_enable and len(info.entries[2].devices) == 2

@@ -235,3 +235,99 @@ def test_rank_list_without_files_from_protobuf(tmp_path):
     save_strategy_file(tmp_path / "dst2.json", {"w": (lay("tp", "None"), None, None)})
     assert rank_list_for_convert(3, str(src), str(tmp_path / "dst2.json")) == [13]
     assert rank_list_for_convert(0, None, str(tmp_path / "dst.json")) == [0]
+
+
+def _tessel_file(**changes) -> dict:
+    w = {"shape": [8, 4], "dtype": "float32", "dev_matrix": [2, 2], "tensor_map": [[1], []]}
+    w.update(changes)
+    return {"format": "tessel-strategy", "version": 1, "params": {"w": w}}
+
+
+def _mindspore_file(**changes) -> dict:
+    w = {
+        "dev_matrix": [2, 4],
+        "tensor_map": [1, -1],
+        "tensor_shape": [8, 4],
+        "field": 0,
+        "opt_weight_shard_step": 0,
+        "opt_weight_shard_size": 0,
+    }
+    w.update(changes)
+    return {"current_stage": 1, "parallel_layout_item": {"w": w}}
+
+
+@pytest.mark.parametrize(
+    "data, key, words",
+    [
+        (_tessel_file(opt_shard_size="2"), "params.w.opt_shard_size", "found string '2'"),
+        (_tessel_file(opt_shard_size=2**63), "params.w.opt_shard_size", "allowed: -1.."),
+        (_tessel_file(dev_matrix=[2**63]), "params.w.dev_matrix[0]", "allowed: 1..2147483647"),
+        (_tessel_file(dev_matrix=[2, True]), "params.w.dev_matrix[1]", "found boolean true"),
+        (_tessel_file(stages=[-1]), "params.w.stages[0]", "found number -1"),
+        (_tessel_file(stages=[0, 0]), "params.w.stages", "lists 0 twice"),
+        (_tessel_file(tensor_map=["0", []]), "params.w.tensor_map[0]", "found string '0'"),
+        (_tessel_file(shape=[7, 4]), "params.w.shape", "dim 0 of size 7 is not divisible"),
+        (_tessel_file(dtype="float13"), "params.w.dtype", "'float13' is unknown"),
+        (_tessel_file(dev_matrx=[2]), "params.w.dev_matrx", "did you mean 'dev_matrix'?"),
+        (_tessel_file(rank_list=[0, 1, 1, 2]), "params.w.rank_list", "lists 1 twice"),
+        (
+            _tessel_file(alias_name=["tp", "tp"]),
+            "params.w.alias_name",
+            "aliases must be unique",
+        ),
+        (
+            {**_tessel_file(), "version": 2},
+            "version",
+            "found number 2; tessel reads version 1",
+        ),
+        ({**_tessel_file(), "world_size": 2}, "world_size", "allowed: 4..2147483647"),
+        ({**_tessel_file(), "parms": {}}, "parms", "did you mean 'params'?"),
+        (
+            _mindspore_file(opt_weight_shard_size="0"),
+            "parallel_layout_item.w.opt_weight_shard_size",
+            "found string '0'",
+        ),
+        (_mindspore_file(field=1), "parallel_layout_item.w.field", "uses field split"),
+        (
+            _mindspore_file(tensor_shap=[8, 4]),
+            "parallel_layout_item.w.tensor_shap",
+            "did you mean 'tensor_shape'?",
+        ),
+        (
+            {**_mindspore_file(), "parallel_strategy_item": {"op": {"stage": -1}}},
+            "parallel_strategy_item.op.stage",
+            "found number -1",
+        ),
+        ({"paralel_layout_item": {}}, "paralel_layout_item", "did you mean 'parallel_layout_item'"),
+    ],
+)
+def test_strategy_files_refuse_nonsense(tmp_path, data, key, words):
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(StrategyError) as e:
+        load_strategy(p)
+    assert str(e.value).startswith(f"{p}: ") and key in str(e.value) and words in str(e.value)
+
+
+def test_unreadable_strategy_files_are_strategy_errors(tmp_path):
+    with pytest.raises(StrategyError, match="NUL"):
+        load_strategy(str(tmp_path / "a\x00b.json"))
+    with pytest.raises(StrategyError, match="cannot read the strategy file"):
+        load_strategy(tmp_path / ("x" * 300 + ".json"))
+    p = tmp_path / "huge.json"
+    p.write_text('{"format": "tessel-strategy", "version": ' + "9" * 5000 + "}")
+    with pytest.raises(StrategyError, match="not valid JSON"):
+        load_strategy(p)
+
+
+def test_protobuf_records_get_the_same_bounds(tmp_path):
+    M = messages()
+    m = M["ParallelStrategyMap"](current_stage=1)
+    lay = m.parallel_layout_item.add(param_name="w").parallel_layouts
+    lay.dev_matrix.add().dim.extend([65536, 65536])
+    lay.tensor_map.add().dim.extend([0, -1])
+    lay.field, lay.opt_weight_shard_step, lay.opt_weight_shard_size = 0, 0, 0
+    p = tmp_path / "s.ckpt"
+    p.write_bytes(m.SerializeToString())
+    with pytest.raises(StrategyError, match=r"params.w.dev_matrix: \[65536, 65536\] makes more"):
+        load_strategy(p)

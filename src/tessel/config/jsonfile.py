@@ -64,23 +64,45 @@ def _normalise(text: str) -> tuple[str, int]:
 
 def load_json(path: str | Path) -> Any:
     """Parse a config file; errors name the file and the position."""
+    if "\0" in str(path):
+        raise ConfigError(repr(str(path)), None, "a path cannot contain a NUL byte")
     path = Path(path)
-    if not path.is_file():
+    if not _is_file(path):
         raise ConfigError(path, None, "file not found (expected a JSON file)")
     try:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(path, None, f"cannot be read as UTF-8 text: {exc}") from exc
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+        return loads(raw, path)
+    except ConfigError:
         pass
     text, repairs = _normalise(raw)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            path, None, f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-        ) from exc
+    value = loads(text, path)
     log.debug("%s: read with comments or %d comma repairs", path, repairs)
     return value
+
+
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, False also where the name is too long for the file system."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def loads(text: str | bytes, source: object) -> Any:
+    """`json.loads`, with every failure a ConfigError naming `source`: bad syntax (line and
+    column), integers too long to convert, nesting too deep."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            source, None, f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, None, f"cannot be read as UTF-8 text: {exc}") from exc
+    except ValueError as exc:  # an integer longer than Python converts (sys.int_info)
+        raise ConfigError(source, None, f"not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(source, None, "not valid JSON: nested too deeply") from exc

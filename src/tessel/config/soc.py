@@ -41,8 +41,7 @@ SOCS: dict[str, SocProfile] = {
 _ALIASES = {"h200": "H200", "h100": "H100", "a100": "A100", "gpu": "H100", "cuda": "H100"}
 
 
-def soc_profile(name: str, source: str = "--soc_version") -> SocProfile:
-    """The profile for a soc name; Ascend names with a suffix (Ascend910B1) map to their family."""
+def _lookup(name: str) -> SocProfile | None:
     key = name.strip()
     if key in SOCS:
         return SOCS[key]
@@ -51,4 +50,17 @@ def soc_profile(name: str, source: str = "--soc_version") -> SocProfile:
     for family in ("Ascend910B", "Ascend910"):
         if key.startswith(family):
             return SOCS[family]
-    raise ConfigError(source, None, f"unknown soc {name!r}; known: {', '.join(SOCS)}")
+    return None
+
+
+def is_known_soc(name: str) -> bool:
+    """Whether `name` names a soc tessel has a profile for."""
+    return _lookup(name) is not None
+
+
+def soc_profile(name: str, source: str = "--soc_version") -> SocProfile:
+    """The profile for a soc name; Ascend names with a suffix (Ascend910B1) map to their family."""
+    profile = _lookup(name) if isinstance(name, str) else None
+    if profile is None:
+        raise ConfigError(source, None, f"unknown soc {name!r}; known: {', '.join(SOCS)}")
+    return profile

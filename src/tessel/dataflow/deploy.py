@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tessel.config.errors import ConfigError
+from tessel.config.fields import Fields, describe, str_value
 from tessel.config.jsonfile import load_json
 from tessel.dataflow.errors import RULE_INVOKE_ONE_OF, RULE_SYNTAX, DeployError
 
@@ -23,7 +24,7 @@ DEPLOY_INFO_OPTION = "ge.experiment.data_flow_deploy_info_path"
 HOST = -1
 _MAX_PART = 32767  # INT16_MAX, as CANN's parser allows
 _MAX_EXPANSION = 65535  # UINT16_MAX
-_PART = re.compile(r"^(-1|\d{1,5})(?:~(\d{1,5}))?$")
+_PART = re.compile(r"(-1|[0-9]{1,5})(?:~([0-9]{1,5}))?")  # ASCII digits only
 
 
 @dataclass(frozen=True, order=True)
@@ -49,7 +50,9 @@ def parse_logic_device_list(
     """Expand a logic_device_list string into devices, in the written order unless keep_order is
     False (then sorted part by part, as CANN does). Duplicates are an error."""
     if not isinstance(text, str) or not text.strip():
-        raise DeployError(source, key, RULE_SYNTAX, f"expected a non-empty string, found {text!r}")
+        raise DeployError(
+            source, key, RULE_SYNTAX, f"expected a non-empty string, found {describe(text)}"
+        )
     out: list[LogicDevice] = []
     for item in text.split(","):
         parts = [p.strip() for p in item.strip().split(":")]
@@ -62,7 +65,7 @@ def parse_logic_device_list(
             )
         ranges = []
         for pos, part in enumerate(parts):
-            m = _PART.match(part)
+            m = _PART.fullmatch(part)
             if not m:
                 raise DeployError(
                     source, key, RULE_SYNTAX, f"{item.strip()!r}: part {part!r} is not N or N~M"
@@ -95,7 +98,7 @@ def parse_logic_device_list(
     seen: set[LogicDevice] = set()
     for d in out:
         if d in seen:
-            raise DeployError(source, key, RULE_SYNTAX, f"{text!r} lists device {d} twice")
+            raise DeployError(source, key, RULE_SYNTAX, f"lists device {d} twice")
         seen.add(d)
     return out if keep_order else sorted(out)
 
@@ -150,133 +153,111 @@ class DeployInfo:
         return out
 
 
-def _bool(value: Any, source: str, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise DeployError(source, key, RULE_SYNTAX, f"expected true or false, found {value!r}")
-    return value
+def _syntax_error(source: Any, key: str | None, message: str) -> DeployError:
+    """The error the shared reader raises for this format: a deploy-info syntax error."""
+    return DeployError(source, key, RULE_SYNTAX, message)
 
 
-def _names(value: Any, source: str, key: str) -> list[str]:
-    if isinstance(value, str):  # the doc also describes a comma-separated string
+_TOP_KEYS = (
+    "batch_deploy_info",
+    "deploy_info",
+    "keep_logic_device_order",
+    "dynamic_schedule_enable",
+)
+_BATCH_KEYS = ("flow_node_list", "logic_device_list", "invoke_list", "redundant_logic_device_list")
+_LEGACY_KEYS = ("flow_node_name", "logic_device_id")
+_INVOKE_KEYS = (
+    "invoke_name",
+    "deploy_info_file",
+    "logic_device_list",
+    "redundant_logic_device_list",
+)
+
+
+def _names(f: Fields, key: str) -> list[str]:
+    """flow_node_list: a non-empty list of node names (the doc also describes a comma-separated
+    string)."""
+    value = f.obj.get(key)
+    if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise DeployError(
-            source, key, RULE_SYNTAX, f"expected a non-empty list of node names, found {value!r}"
-        )
-    return list(value)
+    if not isinstance(value, list) or not value:
+        raise f.error(f"expected a non-empty list of node names, found {describe(value)}", key)
+    return [str_value(v, f.error_at(f"{f.path(key)}[{i}]")) for i, v in enumerate(value)]
 
 
-def _invoke(
-    raw: Any, source: str, key: str, base: Path, keep: bool, stack: tuple[str, ...]
-) -> InvokeEntry:
-    if not isinstance(raw, dict) or not isinstance(raw.get("invoke_name"), str):
-        raise DeployError(source, key, RULE_SYNTAX, "expected an object with a string invoke_name")
-    name = raw["invoke_name"]
-    has_file, has_list = "deploy_info_file" in raw, "logic_device_list" in raw
+def _devices(f: Fields, key: str, keep: bool = True) -> list[LogicDevice]:
+    return parse_logic_device_list(f.obj.get(key), f.source, f.path(key), keep)
+
+
+def _invoke(f: Fields, base: Path, keep: bool, stack: tuple[str, ...]) -> InvokeEntry:
+    f.check_keys(_INVOKE_KEYS)
+    name = f.string("invoke_name")
+    has_file, has_list = f.has("deploy_info_file"), f.has("logic_device_list")
     if has_file and has_list:
         raise DeployError(
-            source,
-            key,
+            f.source,
+            f.key_path,
             RULE_INVOKE_ONE_OF,
             f"invoke {name!r} sets both deploy_info_file and logic_device_list; keep one",
         )
     if not (has_file or has_list):
-        raise DeployError(
-            source, key, RULE_SYNTAX, f"invoke {name!r} needs deploy_info_file or logic_device_list"
-        )
+        raise f.error(f"invoke {name!r} needs deploy_info_file or logic_device_list")
+    if f.has("redundant_logic_device_list"):
+        _devices(f, "redundant_logic_device_list")
     if has_list:
-        devs = parse_logic_device_list(
-            raw["logic_device_list"], source, f"{key}.logic_device_list", keep
-        )
-        return InvokeEntry(name, devices=devs, key_path=key)
-    path = Path(raw["deploy_info_file"])
-    if not path.is_absolute() and not path.exists():
-        path = base / path
-    if str(path.resolve()) in stack:
-        raise DeployError(source, key, RULE_SYNTAX, f"deploy_info_file {path} includes itself")
+        devs = _devices(f, "logic_device_list", keep)
+        return InvokeEntry(name, devices=devs, key_path=f.key_path)
+    path = Path(f.string("deploy_info_file"))
+    try:
+        if not path.is_absolute() and not path.exists():
+            path = base / path
+        resolved = str(path.resolve())
+    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop
+        reason = getattr(exc, "strerror", None) or exc
+        raise f.error(f"cannot use {describe(str(path))}: {reason}", "deploy_info_file") from exc
+    if resolved in stack:
+        raise f.error(f"deploy_info_file {path} includes itself", "deploy_info_file")
     nested = read_deploy_info(path, _stack=stack)
-    return InvokeEntry(name, nested=nested, key_path=key)
+    return InvokeEntry(name, nested=nested, key_path=f.key_path)
 
 
 def parse_deploy_info(
     data: Any, source: str = "<deploy info>", base: Path | None = None, _stack: tuple[str, ...] = ()
 ) -> DeployInfo:
-    """Check a loaded deploy-info object and turn it into a DeployInfo."""
+    """Check a loaded deploy-info object in full and turn it into a DeployInfo."""
     base = base or Path.cwd()
-    if not isinstance(data, dict):
-        raise DeployError(source, None, RULE_SYNTAX, "expected a JSON object at the top level")
-    known = {
-        "batch_deploy_info",
-        "deploy_info",
-        "keep_logic_device_order",
-        "dynamic_schedule_enable",
-    }
-    for k in data:
-        if k not in known:
-            raise DeployError(
-                source, k, RULE_SYNTAX, f"unknown key; allowed: {', '.join(sorted(known))}"
-            )
-    if "batch_deploy_info" not in data and "deploy_info" not in data:
-        raise DeployError(
-            source, None, RULE_SYNTAX, "needs batch_deploy_info (or the legacy deploy_info)"
-        )
-    keep = _bool(data.get("keep_logic_device_order", False), source, "keep_logic_device_order")
-    dyn = _bool(data.get("dynamic_schedule_enable", False), source, "dynamic_schedule_enable")
+    top = Fields(data, source, error=_syntax_error)
+    top.check_keys(_TOP_KEYS)
+    if not (top.has("batch_deploy_info") or top.has("deploy_info")):
+        raise top.error("needs batch_deploy_info (or the legacy deploy_info)")
+    keep = top.boolean("keep_logic_device_order", False)
+    dyn = top.boolean("dynamic_schedule_enable", False)
     entries: list[DeployEntry] = []
-    legacy = data.get("deploy_info", [])
-    if not isinstance(legacy, list):
-        raise DeployError(source, "deploy_info", RULE_SYNTAX, "expected a list")
-    for i, raw in enumerate(legacy):
-        key = f"deploy_info[{i}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("flow_node_name"), str):
-            raise DeployError(
-                source, key, RULE_SYNTAX, "expected flow_node_name and logic_device_id"
-            )
-        devs = parse_logic_device_list(
-            raw.get("logic_device_id"), source, f"{key}.logic_device_id", keep
-        )
-        entries.append(DeployEntry([raw["flow_node_name"]], devs, key_path=key))
-    batch = data.get("batch_deploy_info", [])
-    if not isinstance(batch, list):
-        raise DeployError(source, "batch_deploy_info", RULE_SYNTAX, "expected a list")
-    for i, raw in enumerate(batch):
-        key = f"batch_deploy_info[{i}]"
-        if not isinstance(raw, dict):
-            raise DeployError(source, key, RULE_SYNTAX, "expected an object")
-        allowed = {
-            "flow_node_list",
-            "logic_device_list",
-            "invoke_list",
-            "redundant_logic_device_list",
-        }
-        for k in raw:
-            if k not in allowed:
-                raise DeployError(
-                    source, f"{key}.{k}", RULE_SYNTAX, f"unknown key; allowed: {sorted(allowed)}"
-                )
-        names = _names(raw.get("flow_node_list"), source, f"{key}.flow_node_list")
-        if "logic_device_list" not in raw:
-            raise DeployError(source, key, RULE_SYNTAX, "missing logic_device_list")
-        devs = parse_logic_device_list(
-            raw["logic_device_list"], source, f"{key}.logic_device_list", keep
-        )
+    for raw in top.children("deploy_info", []):
+        raw.check_keys(_LEGACY_KEYS)
+        name = raw.string("flow_node_name")
+        devs = _devices(raw, "logic_device_id", keep)
+        entries.append(DeployEntry([name], devs, key_path=raw.key_path))
+    for raw in top.children("batch_deploy_info", []):
+        raw.check_keys(_BATCH_KEYS)
+        names = _names(raw, "flow_node_list")
+        if not raw.has("logic_device_list"):
+            raise raw.error("required key is missing (expected a string)", "logic_device_list")
+        devs = _devices(raw, "logic_device_list", keep)
         red = []
-        if "redundant_logic_device_list" in raw:
-            red = parse_logic_device_list(
-                raw["redundant_logic_device_list"], source, f"{key}.redundant_logic_device_list"
-            )
+        if raw.has("redundant_logic_device_list"):
+            red = _devices(raw, "redundant_logic_device_list")
         invokes: dict[str, InvokeEntry] = {}
-        inv = raw.get("invoke_list", [])
-        if not isinstance(inv, list):
-            raise DeployError(source, f"{key}.invoke_list", RULE_SYNTAX, "expected a list")
-        for j, r in enumerate(inv):
-            entry = _invoke(r, source, f"{key}.invoke_list[{j}]", base, keep, _stack)
+        for inv in raw.children("invoke_list", []):
+            entry = _invoke(inv, base, keep, _stack)
             if entry.name in invokes:
-                raise DeployError(
-                    source, entry.key_path, RULE_SYNTAX, f"invoke {entry.name!r} listed twice"
+                raise inv.error(
+                    f"invoke {entry.name!r} listed twice (first at {invokes[entry.name].key_path})"
                 )
             invokes[entry.name] = entry
-        entries.append(DeployEntry(names, devs, invokes, red, key_path=key))
+        entries.append(DeployEntry(names, devs, invokes, red, key_path=raw.key_path))
+    if not entries:
+        raise top.error("places no node; list at least one entry in batch_deploy_info")
     info = DeployInfo(source, entries, keep, dyn)
     info.placements()  # a name listed twice fails here, with both places named
     return info

@@ -29,8 +29,17 @@ from typing import Any
 
 import torch
 
+from tessel.config.fields import (
+    MAX_ID,
+    Fields,
+    describe,
+    int_value,
+    key_text,
+    str_value,
+    suggest,
+)
 from tessel.package.safetensors_io import ST_DTYPES, TORCH_TO_ST
-from tessel.parallel.errors import StrategyError
+from tessel.parallel.errors import LayoutError, StrategyError
 from tessel.parallel.layout import Layout
 
 FORMAT_NAME = "tessel-strategy"
@@ -170,19 +179,20 @@ class Strategy:
 # validation
 
 
-def _int_list(value: Any, src: str, key: str) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in value
-    ):
-        raise StrategyError(src, key, f"is {value!r}; expected a list of ints")
-    return tuple(value)
+def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> ParamLayout:
+    """Validate one layout and resolve opt_shard_size -1 / a missing step; returns the result.
 
-
-def check_param(name: str, p: ParamLayout, src: str) -> ParamLayout:
-    """Validate one layout and resolve opt_shard_size -1 / a missing step; returns the result."""
-    key = f"params.{name}"
+    `key` is the record's key path in the file (default `params.<name>`). Ids and sizes are
+    bounded by MAX_ID: MindSpore stores them as 32-bit ints.
+    """
+    str_value(name, lambda m: StrategyError(src, "params", f"a parameter name: {m}"))
+    key = key or f"params.{key_text(name)}"
     if not p.dev_matrix or any(d <= 0 for d in p.dev_matrix):
         raise StrategyError(src, key, f"dev_matrix {list(p.dev_matrix)} must be positive ints")
+    if math.prod(p.dev_matrix) > MAX_ID:
+        raise StrategyError(
+            src, f"{key}.dev_matrix", f"{list(p.dev_matrix)} makes more than {MAX_ID} devices"
+        )
     n = len(p.dev_matrix)
     seen: set[int] = set()
     for d, axes in enumerate(p.tensor_map):
@@ -205,13 +215,41 @@ def check_param(name: str, p: ParamLayout, src: str) -> ParamLayout:
             )
         if any(s < 0 for s in p.shape):
             raise StrategyError(src, f"{key}.shape", f"{list(p.shape)} has a negative size")
-    if any(s < 0 for s in p.stages) or not p.stages:
-        raise StrategyError(src, f"{key}.stages", f"{list(p.stages)}: need stage ids >= 0")
-    if p.rank_list is not None and len(p.rank_list) != p.device_num:
+        for d, (s, k) in enumerate(zip(p.shape, p.splits())):
+            if s % k:
+                raise StrategyError(
+                    src, f"{key}.shape", f"dim {d} of size {s} is not divisible into {k} slices"
+                )
+    if not p.stages or any(not 0 <= s <= MAX_ID for s in p.stages):
+        raise StrategyError(src, f"{key}.stages", f"{list(p.stages)}: need stage ids 0..{MAX_ID}")
+    if len(set(p.stages)) != len(p.stages):
+        raise StrategyError(src, f"{key}.stages", f"{list(p.stages)} lists a stage twice")
+    if p.rank_list is not None:
+        if len(p.rank_list) != p.device_num:
+            raise StrategyError(
+                src,
+                f"{key}.rank_list",
+                f"has {len(p.rank_list)} ranks for {p.device_num} devices",
+            )
+        if any(not 0 <= r <= MAX_ID for r in p.rank_list) or len(set(p.rank_list)) != len(
+            p.rank_list
+        ):
+            raise StrategyError(
+                src,
+                f"{key}.rank_list",
+                f"needs distinct ranks in 0..{MAX_ID}, found a repeat or a rank out of range",
+            )
+    if not -1 <= p.opt_shard_size <= p.device_num:
         raise StrategyError(
             src,
-            f"{key}.rank_list",
-            f"has {len(p.rank_list)} ranks for {p.device_num} devices",
+            f"{key}.opt_shard_size",
+            f"is {p.opt_shard_size}; allowed: -1, 0 or 1..{p.device_num} (the device count)",
+        )
+    if not 0 <= p.opt_shard_step <= p.device_num:
+        raise StrategyError(
+            src,
+            f"{key}.opt_shard_step",
+            f"is {p.opt_shard_step}; allowed: 0 (derive it) or 1..{p.device_num}",
         )
     size, step = p.opt_shard_size, p.opt_shard_step
     if size == -1:
@@ -223,6 +261,13 @@ def check_param(name: str, p: ParamLayout, src: str) -> ParamLayout:
     if size > 0:
         if not p.tensor_map:
             raise StrategyError(src, f"{key}.opt_shard_size", "a scalar cannot be sharded")
+        if p.shape is not None and (p.shape[0] // p.splits()[0]) % size:
+            raise StrategyError(
+                src,
+                f"{key}.opt_shard_size",
+                f"is {size} but the dim 0 slice has {p.shape[0] // p.splits()[0]} rows; "
+                "it must divide that",
+            )
         if p.repeat() % size:
             raise StrategyError(
                 src,
@@ -242,53 +287,110 @@ def check_param(name: str, p: ParamLayout, src: str) -> ParamLayout:
 # reading
 
 
-def _param_from_json(name: str, d: Mapping[str, Any], src: str) -> ParamLayout:
-    key = f"params.{name}"
-    if not isinstance(d, Mapping):
-        raise StrategyError(src, key, f"is {type(d).__name__}; expected an object")
-    for k in ("dev_matrix", "tensor_map"):
-        if k not in d:
-            raise StrategyError(src, key, f"has no {k!r}")
-    dev = _int_list(d["dev_matrix"], src, f"{key}.dev_matrix")
-    tm_raw = d["tensor_map"]
-    if not isinstance(tm_raw, list):
-        raise StrategyError(src, f"{key}.tensor_map", f"is {tm_raw!r}; expected a list")
-    tm: list[tuple[int, ...]] = []
-    for i, e in enumerate(tm_raw):
-        if isinstance(e, int) and not isinstance(e, bool):
-            tm.append(() if e == -1 else (e,))
+MAX_DIM = 2**62  # a tensor dim (MindSpore stores shapes as int64)
+_TESSEL_KEYS = ("format", "version", "stage_device_num", "world_size", "params")
+_TESSEL_PARAM_KEYS = (
+    "shape",
+    "dtype",
+    "dev_matrix",
+    "tensor_map",
+    "stages",
+    "opt_shard_size",
+    "opt_shard_step",
+    "rank_list",
+    "alias_name",
+)
+# MindSpore's JSON strategy, plus the members its operator-strategy files add (read, not used).
+_MINDSPORE_KEYS = (
+    "current_stage",
+    "parallel_strategy_item",
+    "parallel_layout_item",
+    "parallel_out_strategy_item",
+    "parallel_layout_value_item",
+    "parallel_out_layout_value_item",
+    "parallel_newshape_layout_value_item",
+    "parallel_out_newshape_layout_value_item",
+)
+_MINDSPORE_PARAM_KEYS = (
+    "dev_matrix",
+    "tensor_map",
+    "tensor_shape",
+    "field",
+    "opt_weight_shard_step",
+    "opt_weight_shard_size",
+    "param_split_shape",
+    "indices_offset",
+)
+
+
+def _tensor_map(f: Fields) -> tuple[tuple[int, ...], ...]:
+    """`tensor_map`: per tensor dim an axis (-1: not sharded) or a list of axes."""
+    out: list[tuple[int, ...]] = []
+    path = f.path("tensor_map")
+    for i, e in enumerate(f.get("tensor_map", list)):
+        fail = f.error_at(f"{path}[{i}]")
+        if isinstance(e, list):
+            axes = [int_value(a, -1, MAX_ID, fail) for a in e]
         else:
-            axes = _int_list(e, src, f"{key}.tensor_map[{i}]")
-            tm.append(tuple(a for a in axes if a != -1))
-    shape = d.get("shape", d.get("tensor_shape"))
-    shape = _int_list(shape, src, f"{key}.shape") if shape is not None else None
-    dtype = d.get("dtype")
-    if dtype is not None:
-        try:
-            dtype = dtype_name(dtype)
-        except StrategyError as e:
-            raise StrategyError(src, f"{key}.dtype", e.detail) from None
-    stages = d.get("stages", d.get("stage", [0]))
-    if isinstance(stages, int):
-        stages = [stages]
-    stages = _int_list(stages, src, f"{key}.stages")
-    rl = d.get("rank_list")
-    alias = d.get("alias_name")
+            axes = [int_value(e, -1, MAX_ID, fail)]
+        out.append(tuple(a for a in axes if a != -1))
+    return tuple(out)
+
+
+def _param_from_json(name: str, f: Fields, mindspore: bool, stage: int = 0) -> ParamLayout:
+    """One parameter record, tessel's or MindSpore's (`mindspore`, whose stage is `stage`)."""
+    f.check_keys(_MINDSPORE_PARAM_KEYS if mindspore else _TESSEL_PARAM_KEYS)
+    dev = tuple(f.int_list("dev_matrix", 1, MAX_ID, min_len=1))
+    tm = _tensor_map(f)
+    if mindspore:
+        shape = f.int_list("tensor_shape", 0, MAX_DIM, None)
+        dtype = None
+        stages: Any = [stage]
+        if f.integer("field", 0, MAX_ID, 0):
+            raise f.error(f"uses field split (field={f.obj['field']})", "field")
+        if f.int_list("param_split_shape", 0, MAX_DIM, []):
+            raise f.error("uses a manual uneven split", "param_split_shape")
+        f.int_list("indices_offset", 0, MAX_DIM, [])
+        size = f.integer("opt_weight_shard_size", -1, MAX_ID, 0)
+        step = f.integer("opt_weight_shard_step", 0, MAX_ID, 0)
+        rank_list = alias = None
+    else:
+        shape = f.int_list("shape", 0, MAX_DIM, None) if f.obj.get("shape") is not None else None
+        dtype = f.string("dtype", None) if f.obj.get("dtype") is not None else None
+        if dtype is not None:
+            try:
+                dtype = dtype_name(dtype)
+            except StrategyError as e:
+                raise f.error(e.detail, "dtype") from None
+        stages = f.int_list("stages", 0, MAX_ID, [0], min_len=1, unique=True)
+        size = f.integer("opt_shard_size", -1, MAX_ID, 0)
+        step = f.integer("opt_shard_step", 0, MAX_ID, 0)
+        rank_list = f.int_list("rank_list", 0, MAX_ID, None, unique=True)
+        alias = f.get("alias_name", list, None)
+        if alias is not None:
+            path = f.path("alias_name")
+            alias = [str_value(a, f.error_at(f"{path}[{i}]")) for i, a in enumerate(alias)]
     p = ParamLayout(
         dev_matrix=dev,
-        tensor_map=tuple(tm),
-        shape=shape,
+        tensor_map=tm,
+        shape=tuple(shape) if shape is not None else None,
         dtype=dtype,
-        stages=stages,
-        opt_shard_size=int(d.get("opt_shard_size", d.get("opt_weight_shard_size", 0)) or 0),
-        opt_shard_step=int(d.get("opt_shard_step", d.get("opt_weight_shard_step", 0)) or 0),
-        rank_list=_int_list(rl, src, f"{key}.rank_list") if rl is not None else None,
+        stages=tuple(stages),
+        opt_shard_size=size,
+        opt_shard_step=step,
+        rank_list=tuple(rank_list) if rank_list is not None else None,
         alias_name=tuple(alias) if alias is not None else None,
     )
-    return check_param(name, p, src)
+    p = check_param(name, p, f.source, f.key_path)
+    if p.alias_name is not None or p.rank_list is not None:
+        try:  # the names and ranks must make a valid Layout
+            p.to_layout()
+        except LayoutError as e:
+            raise f.error(e.detail, e.key) from None
+    return p
 
 
-_STAGE_PREFIX = re.compile(r"^(\d+)-(.+)$")
+_STAGE_PREFIX = re.compile(r"([0-9]+)-(.+)", re.S)
 
 
 def merge_stage_prefixed(
@@ -297,53 +399,92 @@ def merge_stage_prefixed(
     """Collect layouts, stripping MindSpore's ``"{stage}-"`` name prefix into the stage list."""
     out: dict[str, ParamLayout] = {}
     for name, p in items:
-        m = _STAGE_PREFIX.match(name) if prefixed else None
+        m = _STAGE_PREFIX.fullmatch(name) if prefixed else None
         if m:
+            if len(m.group(1)) > 10 or int(m.group(1)) > MAX_ID:
+                raise StrategyError(
+                    src, f"params.{key_text(name)}", f"stage prefix is above {MAX_ID}"
+                )
             stage, name = int(m.group(1)), m.group(2)
             p = replace(p, stages=(stage,))
         if name in out:
             q = out[name]
             if (q.dev_matrix, q.tensor_map) != (p.dev_matrix, p.tensor_map):
-                raise StrategyError(src, f"params.{name}", "is listed twice with different layouts")
+                raise StrategyError(
+                    src, f"params.{key_text(name)}", "is listed twice with different layouts"
+                )
             p = replace(q, stages=tuple(sorted(set(q.stages) | set(p.stages))))
         out[name] = p
     return out
 
 
-def _strategy_from_json(data: Any, src: str) -> Strategy:
-    if not isinstance(data, dict):
-        raise StrategyError(src, None, "is not a JSON object")
-    if data.get("format") == FORMAT_NAME:
-        params = data.get("params")
-        if not isinstance(params, dict):
-            raise StrategyError(src, "params", "is missing or not an object")
-        out = {n: _param_from_json(n, d, src) for n, d in params.items()}
-        extra = {k: data[k] for k in ("world_size",) if k in data}
-        st = Strategy(out, src, extra)
-        if "stage_device_num" in data and out:
-            got = st.stage_device_num
-            if got != data["stage_device_num"]:
-                raise StrategyError(
-                    src,
-                    "stage_device_num",
-                    f"is {data['stage_device_num']} but the dev matrices give {got}",
+def _params(top: Fields, key: str) -> list[tuple[str, Fields]]:
+    """The records of the object at `key`: (parameter name, its Fields)."""
+    group = top.child(key)
+    assert group is not None
+    return [(name, group.at(value, name)) for name, value in group.obj.items()]
+
+
+def _mindspore_stage(top: Fields) -> int:
+    """The pipeline stage of a MindSpore strategy: that of its first operator."""
+    stage = None
+    ops = top.child("parallel_strategy_item", None)
+    for name, value in ops.obj.items() if ops is not None else ():
+        op = ops.at(value, name)
+        op.check_keys(("stage", "parallel_strategy"))
+        op_stage = op.integer("stage")
+        path = op.path("parallel_strategy")
+        for i, dims in enumerate(op.get("parallel_strategy", list, [])):
+            if not isinstance(dims, list):
+                raise op.error_at(f"{path}[{i}]")(
+                    f"expected a list of split counts, found {describe(dims)}"
                 )
+            for k, d in enumerate(dims):
+                int_value(d, 1, MAX_ID, op.error_at(f"{path}[{i}][{k}]"))
+        stage = op_stage if stage is None else stage
+    return stage or 0
+
+
+def _strategy_from_json(data: Any, src: str) -> Strategy:
+    top = Fields(data, src, error=StrategyError)
+    if top.has("format") or top.has("params"):
+        top.check_keys(_TESSEL_KEYS)
+        top.string("format", choices=(FORMAT_NAME,))
+        if top.has("version") and top.obj["version"] != 1:
+            raise top.error(
+                f"found {describe(top.obj['version'])}; tessel reads version 1", "version"
+            )
+        out = {
+            name: _param_from_json(name, f, mindspore=False) for name, f in _params(top, "params")
+        }
+        st = Strategy(out, src)
+        if top.has("world_size") and out:
+            need = st.world_size
+            st.extra["world_size"] = top.integer("world_size", need, MAX_ID)
+        if top.has("stage_device_num") and out:
+            written = top.integer("stage_device_num", 1, MAX_ID)
+            got = st.stage_device_num
+            if got != written:
+                raise top.error(f"is {written} but the dev matrices give {got}", "stage_device_num")
         return st
-    if "parallel_layout_item" in data:  # MindSpore's JSON strategy
-        items = data["parallel_layout_item"]
-        if not isinstance(items, dict):
-            raise StrategyError(src, "parallel_layout_item", "is not an object")
-        stage = 0
-        ops = data.get("parallel_strategy_item")
-        if isinstance(ops, dict) and ops:
-            first = next(iter(ops.values()))
-            if isinstance(first, dict):
-                stage = int(first.get("stage", 0))
-        pairs = []
-        for n, d in items.items():
-            p = _param_from_json(n, d, src)
-            pairs.append((n, replace(p, stages=(stage,))))
+    if top.has("parallel_layout_item"):  # MindSpore's JSON strategy
+        top.check_keys(_MINDSPORE_KEYS)
+        top.integer("current_stage", 0, MAX_ID, 0)
+        for key in _MINDSPORE_KEYS[3:]:
+            top.child(key, None)
+        stage = _mindspore_stage(top)
+        pairs = [
+            (name, _param_from_json(name, f, mindspore=True, stage=stage))
+            for name, f in _params(top, "parallel_layout_item")
+        ]
         return Strategy(merge_stage_prefixed(pairs, src, prefixed=True), src)
+    known = (*_TESSEL_KEYS, *_MINDSPORE_KEYS)
+    for key in top.obj:
+        if key not in known and suggest(key, known):  # a misspelt key of either format
+            raise top.error(
+                f"unknown key; {suggest(key, known)}the file is neither a tessel nor a MindSpore JSON strategy",
+                key,
+            )
     raise StrategyError(
         src,
         None,
@@ -357,17 +498,24 @@ def load_strategy(path: str | os.PathLike | Strategy | None) -> Strategy | None:
     if path is None or isinstance(path, Strategy):
         return path
     src = str(path)
+    if "\0" in src:
+        raise StrategyError(repr(src), None, "a path cannot contain a NUL byte")
     p = Path(path)
-    if not p.is_file():
+    try:
+        raw = p.read_bytes() if p.is_file() else None
+    except OSError as e:  # a name too long, a file that cannot be read
+        raise StrategyError(src, None, f"cannot read the strategy file: {e.strerror}") from None
+    if raw is None:
         raise StrategyError(src, None, "strategy file does not exist")
-    raw = p.read_bytes()
     if not raw:
         raise StrategyError(src, None, "strategy file is empty")
     if p.suffix == ".json" or raw.lstrip()[:1] == b"{":
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise StrategyError(src, None, f"is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # also too-long integers, too-deep nesting
+            raise StrategyError(
+                src, None, f"is not valid JSON: {e or 'nested too deeply'}"
+            ) from None
         st = _strategy_from_json(data, src)
     else:
         from tessel.parallel.mindspore_proto import strategy_from_protobuf
