@@ -66,7 +66,7 @@ def main() -> None:
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import llama_config, tight_cluster
     from tessel.plan import has_rule
-    from tessel.plan.planner import captured_activation_bytes
+    from tessel.plan.planner import least_activation_bytes
 
     torch.manual_seed(0)
     cfg = llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)
@@ -74,7 +74,6 @@ def main() -> None:
     weights = sum(p.numel() * 4 for p in model.parameters())
     kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 64)), "use_cache": False}
     captured = capture(model, kwargs, keep=has_rule)
-    act = captured_activation_bytes(captured)
     idle = idle_worker_rss()
     print(f"model weights {weights / 2**20:.0f} MiB; idle worker peak RSS {idle / 2**20:.0f} MiB")
     print(f"single process holding the model: weight share 1.00 ({weights / 2**20:.0f} MiB)")
@@ -82,6 +81,7 @@ def main() -> None:
         f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}"
     )
     for n in args.devices:
+        act = least_activation_bytes(captured, n)
         tight = tight_cluster(n, weights, act, share=args.share)
         cluster = cluster_from_dict(tight, "tight") if n > 1 else 1
         built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)

@@ -114,7 +114,7 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import tight_cluster
     from tessel.plan import has_rule
-    from tessel.plan.planner import captured_activation_bytes
+    from tessel.plan.planner import least_activation_bytes
 
     model = llama()
     ids = inputs()
@@ -125,7 +125,7 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     if tight:
         weights = sum(p.numel() * 4 for p in model.parameters())
         cluster = cluster_from_dict(
-            tight_cluster(world, weights, captured_activation_bytes(captured)), "tight"
+            tight_cluster(world, weights, least_activation_bytes(captured, world)), "tight"
         )
     else:
         cluster = world

@@ -48,6 +48,7 @@ __all__ = [
     "group_ranks",
     "insert_single_dim_replication_strategy",
     "proxy_node",
+    "redistribute",
     "sharding_propagator",
     "traced_graph_length",
     "tree_flatten",
@@ -172,3 +173,23 @@ def serialization_get_layout() -> Callable[..., Any]:
     from torch.serialization import _get_layout
 
     return _get_layout
+
+
+def redistribute(value: Any, placements: tuple) -> Any:
+    """`value` (a DTensor) moved to `placements`, Partial targets included.
+
+    The public `DTensor.redistribute` refuses to make a tensor Partial; a plan may need exactly
+    that (a bias added once to partial sums, indices masked for a sharded embedding), and
+    DTensor's own op dispatch makes those moves through this same function.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    spec = value._spec
+    if tuple(spec.placements) == tuple(placements):
+        return value
+    target = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+    local = redistribute_local_tensor(value._local_tensor, spec, target)
+    return DTensor.from_local(
+        local, spec.mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
+    )

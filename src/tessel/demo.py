@@ -17,7 +17,7 @@ from tessel.builder import build
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.plan import has_rule
-from tessel.plan.planner import captured_activation_bytes
+from tessel.plan.planner import least_activation_bytes
 from tessel.report import format_plan
 from tessel.runtime import Session, finalize, initialize
 
@@ -68,7 +68,7 @@ def run_demo(devices: int = 4, layers: int = 4) -> int:
     captured = capture(model, kwargs, keep=has_rule)
     capture_s = time.perf_counter() - t
     cluster = cluster_from_dict(
-        tight_cluster(devices, weights, captured_activation_bytes(captured)),
+        tight_cluster(devices, weights, least_activation_bytes(captured, devices)),
         "<embedded demo cluster>",
     )
     print(

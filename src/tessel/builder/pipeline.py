@@ -357,6 +357,7 @@ def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:
     return {
         "estimated_time_s": plan.estimated_time,
         "solver": plan.solver,
+        "memory": plan.memory,
         "layers": layers,
         "fallbacks": [{"node": n, "op": t, "reason": r} for n, t, r in plan.fallbacks()],
         "fallback_ops": dict(fallbacks),

@@ -23,7 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tessel._torch import clear_dtensor_caches, fake_process_group, tree_leaves, tree_map
+from tessel._torch import (
+    clear_dtensor_caches,
+    fake_process_group,
+    redistribute,
+    tree_leaves,
+    tree_map,
+)
 from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention
 from tessel.errors import TesselError
@@ -207,34 +213,71 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
         if targets is None or j >= len(targets) or targets[j] is None:
             return value
         if isinstance(value, DTensor):
-            want = tuple(targets[j].placements)
-            if tuple(value.placements) != want:
-                try:
-                    value = value.redistribute(mesh, want)
-                except Exception:  # noqa: BLE001 - e.g. MaskPartial: let the op's dispatch decide
-                    log.debug("redistribute of %s to %s left to DTensor", a.name, want)
+            value = redistribute(value, tuple(targets[j].placements))
         return value
 
     return tree_map(sub, args, is_leaf=lambda x: isinstance(x, fx.Node))
 
 
+class NotAsPlanned(LoweringError):
+    """DTensor cannot run a node the way the plan places it; the planner drops that strategy."""
+
+    def __init__(self, node: fx.Node, strategy: Any, reason: str) -> None:
+        self.node = node
+        self.strategy = strategy
+        self.reason = reason
+        super().__init__(f"node {node.name} ({node.target}) cannot run as planned: {reason}")
+
+
 def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh) -> Any:
+    """Run one captured node on DTensors exactly as the plan places it.
+
+    Inputs are moved to the strategy's input placements, and the output must come out with the
+    planned placements (it is moved there when DTensor's dispatch picked another placement for
+    the same inputs). Where either cannot be done, `NotAsPlanned` names the node and strategy.
+    """
     if n.target in DROPPED:
         return None
     if n.target is operator.getitem:
         return env[n.args[0]][n.args[1]]
     choice = plan.choices[n]
-    if choice.kind in ("op",):
-        targets = list(plan.strategy(n).inputs)
+    if choice.kind != "op":
+        return _replicated(n, env, mesh)  # the plan runs it on whole tensors
+    strategy = plan.strategy(n)
+    targets = list(strategy.inputs)
+    try:
         args = _lookup(n.args, env, targets, mesh)
         kwargs = _lookup(n.kwargs, env, targets[_count_nodes(n.args) :], mesh)
-        try:
-            if n.target in LOCAL_RULES:
-                return _run_local(n, args, kwargs, plan, mesh)
-            return n.target(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - fall back to a replicated run of this node
-            log.debug("%s (%s) replicated at lowering: %s", n.name, n.target, exc)
-    return _replicated(n, env, mesh)
+        if n.target in LOCAL_RULES:
+            return _run_local(n, args, kwargs, plan, mesh)
+        out = n.target(*args, **kwargs)
+        return _as_planned(out, strategy, mesh)
+    except NotAsPlanned:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure means this strategy cannot be lowered
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        raise NotAsPlanned(n, strategy, reason) from exc
+
+
+def _as_planned(out: Any, strategy: Any, mesh: DeviceMesh) -> Any:
+    """`out` with every DTensor output at the placements the strategy promises."""
+    specs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if isinstance(out, DTensor):
+        return _moved(out, specs[0])
+    if isinstance(out, (tuple, list)):
+        moved = [_moved(v, specs[i] if i < len(specs) else None) for i, v in enumerate(out)]
+        return type(out)(moved)
+    return out
+
+
+def _moved(value: Any, spec: Any) -> Any:
+    if spec is None or not isinstance(value, DTensor):
+        return value
+    want = tuple(spec.placements)
+    if tuple(value.placements) != want:
+        log.debug("output placed %s by DTensor, moved to the planned %s", value.placements, want)
+        value = redistribute(value, want)
+    return value
 
 
 def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh) -> Any:

@@ -8,7 +8,7 @@ equal the x's (Alpa's formulation, compressed so identical rows and columns shar
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -17,12 +17,21 @@ from scipy.sparse import coo_matrix
 log = logging.getLogger(__name__)
 
 
+MemoryRow = dict[object, np.ndarray]  # decision -> bytes per device for each of its strategies
+
+
 @dataclass
 class Problem:
+    """One-hot decisions with linear and pairwise costs, under per-device memory limits.
+
+    Each memory row is what one device holds at one moment (its weights plus the activations
+    alive then); every row must stay within `memory_budget`.
+    """
+
     sizes: dict[object, int]  # decision -> number of strategies
     linear: dict[object, np.ndarray]  # decision -> cost per strategy
     pairs: dict[tuple[object, object], np.ndarray]  # (a, b) -> cost[k_a, k_b]
-    memory: dict[object, np.ndarray]  # decision -> bytes per device per strategy
+    memory: list[MemoryRow] = field(default_factory=list)
     memory_budget: float | None = None
 
 
@@ -101,11 +110,12 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
 
     total = n + len(extra_costs)
     c = np.concatenate([c, np.asarray(extra_costs)])
-    if problem.memory_budget is not None and problem.memory:
-        entries = []
-        for v, mem in problem.memory.items():
-            entries += [(offset[v] + i, float(m)) for i, m in enumerate(mem)]
-        add_row(entries, -np.inf, problem.memory_budget)
+    if problem.memory_budget is not None:
+        for memory_row in problem.memory:
+            entries = []
+            for v, mem in memory_row.items():
+                entries += [(offset[v] + i, float(m)) for i, m in enumerate(mem) if m]
+            add_row(entries, -np.inf, problem.memory_budget)
 
     a = coo_matrix((vals, (rows, cols)), shape=(row, total)).tocsr()
     integrality = np.concatenate([np.ones(n), np.zeros(total - n)])
@@ -123,3 +133,52 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     }
     log.info("ILP: %d variables, %d constraints, %s", total, row, result.message)
     return Solution(choice, float(result.fun), result.message, total, row)
+
+
+def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dict[object, int]]:
+    """The smallest per-device memory any choice needs, and a choice that needs it.
+
+    Minimises the largest memory row (a continuous variable bounds every row), costs aside.
+    """
+    offset: dict[object, int] = {}
+    n = 0
+    for v, k in problem.sizes.items():
+        offset[v] = n
+        n += k
+    peak = n  # the bound's column
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    for r, (v, k) in enumerate(problem.sizes.items()):
+        rows += [r] * k
+        cols += list(range(offset[v], offset[v] + k))
+        vals += [1.0] * k
+        lo.append(1.0)
+        hi.append(1.0)
+    for memory_row in problem.memory:
+        r = len(lo)
+        for v, mem in memory_row.items():
+            for i, m in enumerate(mem):
+                if m:
+                    rows.append(r)
+                    cols.append(offset[v] + i)
+                    vals.append(float(m))
+        rows.append(r)
+        cols.append(peak)
+        vals.append(-1.0)
+        lo.append(-np.inf)
+        hi.append(0.0)
+    c = np.zeros(n + 1)
+    c[peak] = 1.0
+    a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n + 1)).tocsr()
+    result = milp(
+        c,
+        constraints=LinearConstraint(a, np.asarray(lo), np.asarray(hi)),
+        integrality=np.concatenate([np.ones(n), [0]]),
+        bounds=Bounds(np.zeros(n + 1), np.concatenate([np.ones(n), [np.inf]])),
+        options={"time_limit": time_limit, "disp": False},
+    )
+    if result.x is None:
+        raise InfeasibleError(result.message)
+    choice = {
+        v: int(np.argmax(result.x[offset[v] : offset[v] + k])) for v, k in problem.sizes.items()
+    }
+    return float(result.x[peak]), choice

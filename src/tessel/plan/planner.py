@@ -21,9 +21,11 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.errors import TesselError
 from tessel.plan import cost
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
-from tessel.plan.ilp import InfeasibleError, Problem, solve
+from tessel.plan.ilp import InfeasibleError, Problem, least_memory, solve
 from tessel.plan.layers import layer_of, template_map
+from tessel.plan.memory import Footprint, footprint
 from tessel.plan.strategies import Replicate, Strategy
+from tessel.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class Plan:
     estimated_time: float
     timings: dict[str, float] = field(default_factory=dict)
     solver: dict[str, object] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)  # predicted bytes per device
 
     def strategy(self, node: fx.Node) -> Strategy:
         c = self.choices[node]
@@ -86,33 +89,28 @@ def make_plan(
     graph = ep.graph_module.graph
     world = cluster.world_size
     mesh = mesh_for(world)
-    param_targets = {
-        s.arg.name: s.target
-        for s in ep.graph_signature.input_specs
-        if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") and s.target is not None
-    }
+    param_targets = _weight_targets(ep)
     weight_names = {
         s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"
     }
+    state = {**ep.state_dict, **ep.constants}
+    weight_tensors = {name: state[fqn] for name, fqn in param_targets.items() if fqn in state}
     templates, families = template_map(graph)
     _map_layer_params(templates, weight_names)
+    _map_tied_weights(templates, graph, weight_tensors)
     choices = enumerate_candidates(graph, mesh, weight_names, templates)
     timings["strategies"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     problem = _problem(graph, choices, cluster, mesh)
-    budget = min(d.memory_bytes for d in cluster.devices) - activation_bytes(graph, weight_names)
-    problem.memory_budget = float(budget)
+    held = footprint(graph, choices, weight_tensors, tuple(mesh.shape))
+    device_bytes = min(d.memory_bytes for d in cluster.devices)
+    problem.memory = held.rows
+    problem.memory_budget = float(device_bytes - held.fixed)
     try:
         solution = solve(problem, time_limit)
-    except InfeasibleError as exc:
-        need = sum(float(m.min()) * 1 for m in problem.memory.values())
-        raise PlanError(
-            f"the model does not fit: even with every weight sharded it needs {need / 2**30:.2f} GiB "
-            f"per device plus {activation_bytes(graph, weight_names) / 2**30:.2f} GiB of "
-            f"activations, but the smallest device in {cluster.source} has "
-            f"{min(d.memory_bytes for d in cluster.devices) / 2**30:.2f} GiB ({exc})"
-        ) from exc
+    except InfeasibleError:
+        raise _does_not_fit(problem, held, choices, cluster, device_bytes, time_limit) from None
     timings["solve"] = time.perf_counter() - t1
     layers = {f: len(ix) for f, ix in families.items()}
     return Plan(
@@ -130,7 +128,77 @@ def make_plan(
             "decisions": len(problem.sizes),
             "repeated_layers": layers,
         },
+        memory={
+            "device_bytes": device_bytes,
+            "weight_bytes": held.weight_bytes(solution.choice),
+            "peak_bytes": held.peak_bytes(solution.choice),
+        },
     )
+
+
+def _does_not_fit(
+    problem: Problem,
+    held: Footprint,
+    choices: dict[fx.Node, NodeChoices],
+    cluster: ClusterConfig,
+    device_bytes: int,
+    time_limit: float,
+) -> PlanError:
+    """Why no plan fits: the least memory any plan needs, and what it is made of."""
+    least, choice = least_memory(problem, time_limit)
+    need = held.fixed + int(math.ceil(least))
+    weights = held.weight_bytes(choice)
+    message = (
+        f"the model does not fit: the plan that needs the least memory holds {human_bytes(need)} "
+        f"per device at its peak ({human_bytes(weights)} of weights, "
+        f"{human_bytes(max(0, need - weights))} of activations), but the smallest device in "
+        f"{cluster.source} has {human_bytes(device_bytes)}; devices of at least "
+        f"{human_bytes(need)} would fit"
+    )
+    whole = sorted(
+        (
+            n
+            for n, c in choices.items()
+            if c.kind == "param" and (c.owner is None or c.owner is n) and len(c.strategies) == 1
+        ),
+        key=lambda n: -cost.nbytes(n.meta.get("val")),
+    )
+    if whole:
+        names = ", ".join(
+            f"{n.name} {list(n.meta['val'].shape)} ({human_bytes(cost.nbytes(n.meta['val']))})"
+            for n in whole[:5]
+        )
+        message += (
+            f". {len(whole)} weight(s) have no dimension that splits {cluster.world_size} ways "
+            f"and stay whole on every device: {names}"
+        )
+    return PlanError(message)
+
+
+def _map_tied_weights(
+    templates: dict[fx.Node, fx.Node], graph: fx.Graph, weight_tensors: dict[str, torch.Tensor]
+) -> None:
+    """One tensor under several names (tied embeddings) is one weight: one decision, held once."""
+    first: dict[int, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op != "placeholder" or n.name not in weight_tensors:
+            continue
+        key = id(weight_tensors[n.name])
+        if key not in first:
+            first[key] = n
+        elif n not in templates:
+            rep = templates.get(first[key], first[key])
+            templates[n] = rep
+            templates.setdefault(rep, rep)
+
+
+def _weight_targets(ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """Placeholder name -> FQN of every weight, buffer and constant the program takes."""
+    return {
+        s.arg.name: s.target
+        for s in ep.graph_signature.input_specs
+        if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR") and s.target is not None
+    }
 
 
 def _map_layer_params(templates: dict[fx.Node, fx.Node], weight_names: set[str]) -> None:
@@ -176,7 +244,6 @@ def _problem(
     links = [cost.Links.of(cluster)] * mesh.ndim
     sizes: dict[fx.Node, int] = {}
     linear: dict[fx.Node, np.ndarray] = {}
-    memory: dict[fx.Node, np.ndarray] = {}
     for n, c in choices.items():
         v = c.owner or n
         sizes[v] = len(choices[v].strategies)
@@ -190,16 +257,9 @@ def _problem(
             multiplicity[c.owner or n] += 1
     for v, count in multiplicity.items():
         c = choices[v]
-        val = v.meta.get("val")
         if c.kind == "param":
-            b = cost.nbytes(val)
-            memory[v] = np.array(
-                [
-                    count * b / cost.shard_factor(s.output.placements, mesh_shape)
-                    for s in c.strategies
-                ]
-            )
             continue
+        val = v.meta.get("val")
         f = node_flops(v)
         moved = cost.nbytes(val) + sum(cost.nbytes(a.meta.get("val")) for a in c.args)
         linear[v] = np.array(
@@ -269,7 +329,7 @@ def _problem(
             ]
         )
         linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
-    return Problem(sizes, linear, dict(pairs), memory)
+    return Problem(sizes, linear, dict(pairs))
 
 
 def _placements(spec) -> tuple | None:
@@ -282,40 +342,25 @@ def _placements(spec) -> tuple | None:
     return tuple(spec.placements)
 
 
-def weight_names_of(captured: CapturedModel) -> set[str]:
-    sig = captured.program.graph_signature
-    return {s.arg.name for s in sig.input_specs if s.kind.name == "PARAMETER"}
+def least_activation_bytes(captured: CapturedModel, world: int) -> int:
+    """The smallest activation peak any plan on `world` devices can reach (weights aside).
 
-
-def captured_activation_bytes(captured: CapturedModel) -> int:
-    """Peak live activation bytes of a captured model (the planner's memory reserve)."""
-    return activation_bytes(captured.program.graph_module.graph, weight_names_of(captured))
-
-
-def activation_bytes(graph: fx.Graph, weight_names: set[str]) -> int:
-    """Peak bytes of live activations, counted at their full (replicated) size: an upper bound."""
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    last_use = {}
-    for i, n in enumerate(graph.nodes):
-        for a in _flat_nodes(n):
-            last_use[a] = i
-    live = 0
-    peak = 0
-    dying: dict[int, int] = defaultdict(int)
-    for i, n in enumerate(nodes):
-        if n.op == "placeholder" and n.name in weight_names:
-            continue
-        b = cost.nbytes(n.meta.get("val"))
-        live += b
-        dying[last_use.get(n, i)] += b
-        peak = max(peak, live)
-        live -= dying.pop(i, 0)
-    return peak
+    A cluster whose devices hold a share of the weights plus this much is one that a plan can
+    fit only by sharding its weights (benchmarks and demos size their devices with it).
+    """
+    ep = captured.program
+    graph = ep.graph_module.graph
+    mesh = mesh_for(world)
+    params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    templates, _ = template_map(graph)
+    choices = enumerate_candidates(graph, mesh, params, templates)
+    tensors = {n: ep.state_dict.get(fqn) for n, fqn in _weight_targets(ep).items()}
+    held = footprint(graph, choices, tensors, (world,), with_weights=False)
+    sizes = {v: len(choices[v].strategies) for v in {c.owner or n for n, c in choices.items()}}
+    least, _ = least_memory(Problem(sizes, {}, {}, held.rows))
+    return int(math.ceil(least))
 
 
 def layer_name(node: fx.Node) -> str:
     key = layer_of(node)
     return key[0].replace("*", str(key[1])) if key else ""
-
-
-__all__ = ["Plan", "PlanError", "make_plan", "mesh_for", "layer_name", "math"]
