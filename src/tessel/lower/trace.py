@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -50,7 +51,11 @@ def fake_world(rank: int, world_size: int) -> Iterator[DeviceMesh]:
             "tessel.build must run in a process without an initialised torch.distributed "
             "process group (it traces each rank under a fake one)"
         )
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # init_process_group wraps sys.excepthook to put "[rank0]:" before every line of an uncaught
+    # error, and never unwraps it; a build is one process, so its errors keep their own form
+    sys.excepthook = hook
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
