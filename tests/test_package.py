@@ -597,6 +597,8 @@ def _set(path: str, value: Any) -> Callable[[dict], None]:
         (_set("mode", "clustered"), None, "mode: found 'clustered'; allowed: partitioned"),
         (_set("plan/ranks", "many"), None, "plan.ranks: expected a list"),
         (_set("files/layouts.json", "00"), None, "expected a SHA-256"),
+        (_set("memory", {"peak": 1}), None, "manifest: unknown key 'memory'"),
+        (_set("submodels/1/extra", 1), None, r"submodels\[1\]: unknown key 'extra'"),
         (None, lambda t: t.replace('"world_size": 2', '"world_size": NaN'), "NaN is not a JSON"),
         (None, lambda t: t.replace('"world_size": 2', '"world_size": 2.0'), "expected an integer"),
         (None, lambda t: t.replace('"world_size": 2', '"world_size": 2.5.1'), "not valid JSON"),

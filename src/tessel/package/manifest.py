@@ -96,6 +96,15 @@ class _Field:
             raise self._expect("an object")
         return self.value
 
+    def only(self, keys: Iterable[str]) -> _Field:
+        """This object, refused if it has a key outside `keys`: the format is closed, so a
+        field this tessel does not know is an error, never silently dropped."""
+        keys = tuple(keys)
+        unknown = sorted(set(self.obj()) - set(keys), key=str)
+        if unknown:
+            raise self.fail(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(keys))}")
+        return self
+
     def items(self) -> Iterator[tuple[str, _Field]]:
         for k, v in self.obj().items():
             yield k, _Field(v, f"{self.key}[{k!r}]", self.source)
@@ -153,6 +162,7 @@ class TensorSpec:
 
     @classmethod
     def read(cls, f: _Field, named: bool) -> TensorSpec:
+        f.only(("shape", "dtype", "name", "high") if named else ("shape", "dtype"))
         return cls(
             shape=_shape(f.get("shape")),
             dtype=f.get("dtype").str(sorted(DTYPES)),
@@ -179,6 +189,7 @@ class Tie:
 
     @classmethod
     def read(cls, f: _Field) -> Tie:
+        f.only(("source", "chunks"))
         chunks = []
         for c in f.get("chunks", optional=True).optional(_Field.list) or []:
             parts = c.list()
@@ -208,6 +219,7 @@ class Submodel:
 
     @classmethod
     def read(cls, f: _Field, rank: int, world: int, members: frozenset[str]) -> Submodel:
+        f.only(x.name for x in fields(cls))
         weights = f.get("weights")
         if isinstance(weights.value, str):  # early version 1 packages named one member
             weights = _Field([weights.value], weights.key, weights.source)
@@ -258,6 +270,7 @@ class Mesh:
 
     @classmethod
     def read(cls, f: _Field) -> Mesh:
+        f.only(("shape", "dim_names"))
         shape = tuple(s.int(low=1) for s in f.get("shape").list())
         names = tuple(s.str() for s in f.get("dim_names").list())
         if not shape or len(names) != len(shape):
@@ -319,6 +332,7 @@ class Manifest(Mapping):
                 f"format version {version!r} is not supported; this tessel reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild the model with this tessel)",
             )
+        top.only([*(x.name for x in fields(cls)), "format"])
         files: dict[str, str] = {}
         if members is None:
             for name, sha in top.get("files").items():
@@ -358,8 +372,8 @@ class Manifest(Mapping):
             torch_version=top.get("torch_version").str(),
             mode=mode,
             soc_version=top.get("soc_version").str(),
-            device_type=top.get("device_type", optional=True).optional(_Field.str) or "",
-            backend=top.get("backend", optional=True).optional(_Field.str) or "",
+            device_type=top.get("device_type").str(),
+            backend=top.get("backend").str(),
             world_size=world,
             cluster=top.get("cluster").obj(),
             mesh=mesh,
