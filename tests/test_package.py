@@ -189,11 +189,14 @@ def _rename_first_input(name: str) -> Callable[[dict], None]:
     return edit
 
 
-def _set_float(program: dict) -> None:
-    _insert_calls(
-        program,
-        {"name": "x", "target": "aten.scalar_tensor.default", "args": [{"$float": "1e400"}]},
-    )
+def _set_float(literal: Any) -> Callable[[dict], None]:
+    def edit(program: dict) -> None:
+        _insert_calls(
+            program,
+            {"name": "x", "target": "aten.scalar_tensor.default", "args": [{"$float": literal}]},
+        )
+
+    return edit
 
 
 @pytest.mark.parametrize(
@@ -206,7 +209,8 @@ def _set_float(program: dict) -> None:
         (_call("aten.neg.default", ["$w"], {"x=__import__('os')": 1}), "no keyword argument"),
         (_call("aten.neg.default", ["$w", 1, 2]), "takes at most 1 arguments"),
         (_rename_first_input('x"); import os; ("'), "invalid name"),
-        (_set_float, "unknown value"),
+        (_set_float("1e400"), "unknown value"),
+        (_set_float([]), "unknown value"),
         (_call("aten.neg.default", [{"$node": "later"}]), "'later' is used before it is defined"),
         (lambda p: p["nodes"].pop(), "program has no output node"),
         (lambda p: p.update(format="tessel.program/9"), "unknown program format"),
@@ -220,6 +224,7 @@ def _set_float(program: dict) -> None:
         "extra_args",
         "name_injection",
         "bad_float",
+        "float_list",
         "undefined_node",
         "no_output",
         "format",

@@ -167,7 +167,7 @@ def _check_value(value: Any, defined: set[str], where: str, depth: int = 0) -> N
             if isinstance(inner, str) and not ok:
                 raise ProgramError(f"{where}: node {inner!r} is used before it is defined")
         elif key == "$float":
-            ok = inner in _FLOATS
+            ok = isinstance(inner, str) and inner in _FLOATS
         elif key == "$group":
             ok = isinstance(inner, list) and all(type(r) is int and r >= 0 for r in inner)
         elif key in _VALUE_KEYS:
