@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tests.conftest import subprocess_env
 
 from tessel.cli import main
 
@@ -116,7 +117,7 @@ def test_trace_every_layer_reaches_capture_and_lowering(files, monkeypatch):
 
 
 def test_build_inspect_run(files):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     subprocess.run(
         TESSEL + _build_args(files, **{"--log": "info"}), check=True, env=env, capture_output=True
     )
@@ -171,7 +172,7 @@ def test_ctrl_c_leaves_no_worker(files):
     model = files / "out" / "llama.tessel"
     if not model.exists():
         pytest.skip("needs the model built by test_build_inspect_run")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     proc = subprocess.Popen(
         TESSEL + ["run", str(model), "--repeat", "100000"],
         env=env,
@@ -195,3 +196,99 @@ def test_ctrl_c_leaves_no_worker(files):
     assert proc.returncode in (130, 1), proc.stderr.read()
     gone, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, f"workers outlived Ctrl-C: {[p.pid for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def gpt2_package(tmp_path_factory):
+    from tests.conftest import small_gpt2, token_ids
+
+    import tessel
+
+    path = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    return tessel.save(tessel.build(small_gpt2(layers=2), (token_ids(),), cluster=2), path)
+
+
+def test_inspect_reads_the_manifest_without_importing_torch(gpt2_package):
+    code = (
+        "import json, sys\n"
+        "from tessel.cli import main\n"
+        f"assert main(['inspect', '--json', {str(gpt2_package)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        f"assert main(['inspect', {str(gpt2_package)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_inspect_names_every_weight_unambiguously(gpt2_package, capsys):
+    assert main(["inspect", str(gpt2_package)]) == 0
+    text = capsys.readouterr().out
+    assert "attn.c_proj.weight" in text and "mlp.c_proj.weight" in text
+    section = text.split("placements per layer")[1].split("per device")[0]
+    groups = section.strip().split("\n  ")  # one group per layer, or per run of equal layers
+    for group in groups:
+        names = [line.split()[0] for line in group.splitlines()[1:] if line.strip()]
+        assert len(names) == len(set(names)), group
+    assert main(["inspect", "--json", str(gpt2_package)]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    names = [name for params in layers.values() for name in params]
+    assert len(names) == len(set(names))
+    assert "lm.transformer.h.0.attn.c_proj.weight" in names
+    assert "lm.transformer.h.0.mlp.c_proj.weight" in names
+
+
+def test_a_worker_error_is_one_line_and_its_traceback_shows_at_debug(gpt2_package, tmp_path):
+    import zipfile
+
+    bad = tmp_path / "altered.tessel"
+    with zipfile.ZipFile(gpt2_package) as zin, zipfile.ZipFile(bad, "w") as zout:
+        for name in zin.namelist():
+            data = bytearray(zin.read(name))
+            if name.startswith("weights/"):
+                data[-1] ^= 0xFF
+            zout.writestr(name, bytes(data))
+    run = subprocess.run(
+        TESSEL + ["run", str(bad)], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert re.fullmatch(
+        r"tessel: error: rank [01] failed: PackageError: .*fails its checksum: the file was altered",
+        lines[0],
+    )
+    debug = subprocess.run(
+        TESSEL + ["--log=debug", "run", str(bad)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert debug.returncode == 1
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("tessel: error: rank ")
+
+
+FAILING_BUILD = """
+import sys
+sys.path.insert(0, {root!r})
+import tessel
+from tests.conftest import small_llama, token_ids
+
+tessel.build(small_llama(layers=1), (token_ids(),), cluster=2)
+raise ValueError("this script fails after a build")
+"""
+
+
+def test_an_error_after_a_build_is_not_prefixed_by_rank(tmp_path):
+    """Lowering traces ranks under a fake process group; an error after it reads as usual."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING_BUILD.format(root=str(ROOT)))
+    run = subprocess.run(
+        [sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert "ValueError: this script fails after a build" in run.stderr
+    assert "[rank" not in run.stderr, run.stderr

@@ -6,9 +6,9 @@ import operator
 
 import pytest
 import torch
+from tests.conftest import small_gpt2, small_llama, token_ids
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
-from tests.conftest import small_gpt2, small_llama, token_ids
 
 from tessel.builder.pipeline import _lower_all
 from tessel.capture import capture

@@ -1,17 +1,32 @@
-"""The offline model file: refused when truncated, altered, of an unknown version, or loaded wrongly."""
+"""The offline model file: refused when truncated, altered, of an unknown version, or loaded wrongly.
+
+A package is read as untrusted input: every tampered package here has its checksums recomputed,
+so what refuses it is the check meant for it, and it is always a `PackageError` or a
+`ProgramError`, never a raw exception.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
+import warnings
 import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tests.conftest import small_gpt2, small_llama, token_ids
 
 import tessel
+from tessel.lower.program import ProgramError
 from tessel.package import Package, PackageError
 from tessel.package.format import MANIFEST
+from tessel.package.manifest import Manifest
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +45,62 @@ def _rewrite(src, dst, edit):
             zout.writestr(item.filename, edit(item.filename, zin.read(item.filename)))
 
 
+def _tamper(
+    src: Path,
+    dst: Path,
+    members: dict[str, Callable[[bytes], bytes]] | None = None,
+    manifest: Callable[[dict], Any] | None = None,
+    manifest_text: Callable[[str], str] | None = None,
+) -> Path:
+    """Rewrite a package with edited members and manifest, checksums recomputed to match."""
+    members = members or {}
+    with zipfile.ZipFile(src) as zin:
+        data = {n: zin.read(n) for n in zin.namelist()}
+    m = json.loads(data.pop(MANIFEST))
+    for name, edit in members.items():
+        data[name] = edit(data[name])
+    m["files"] = {n: hashlib.sha256(d).hexdigest() for n, d in data.items()}
+    if manifest is not None:
+        edited = manifest(m)
+        m = m if edited is None else edited
+    text = json.dumps(m)
+    if manifest_text is not None:
+        text = manifest_text(text)
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for name, d in data.items():
+            zout.writestr(name, d)
+        zout.writestr(MANIFEST, text)
+    return dst
+
+
+def _edit_program(edit: Callable[[dict], None]) -> Callable[[bytes], bytes]:
+    def apply(data: bytes) -> bytes:
+        program = json.loads(data)
+        edit(program)
+        return json.dumps(program).encode()
+
+    return apply
+
+
+def _first_input(program: dict) -> str:
+    return next(n["name"] for n in program["nodes"] if n["op"] == "input")
+
+
+def _insert_calls(program: dict, *calls: dict) -> None:
+    """Put calls just before the first call, so they run before anything else."""
+    at = next(i for i, n in enumerate(program["nodes"]) if n["op"] == "call")
+    program["nodes"][at:at] = [{"op": "call", "kwargs": {}, **c} for c in calls]
+
+
 def test_manifest_records_what_a_loader_needs(built):
     _, _, path, _ = built
     m = Package.open(path).manifest
-    assert m["format_version"] == 2 and m["torch_version"] == torch.__version__
-    assert m["mesh"]["shape"] == [2] and len(m["submodels"]) == 2
-    for s in m["submodels"]:
-        assert {"rank", "logical_device", "program", "weights", "comm_groups"} <= set(s)
-    layouts = Package.open(path).json(m["layouts"])
+    assert m.format_version == 2 and m.torch_version == torch.__version__
+    assert m.mesh.shape == (2,) and len(m.submodels) == 2
+    assert [s.rank for s in m.submodels] == [0, 1]
+    assert m.to_json() == json.loads(zipfile.ZipFile(path).read(MANIFEST))
+    assert dict(m) == m.to_json()  # the mapping view is the JSON form
+    layouts = Package.open(path).json(m.layouts)
     assert all({"shape", "dtype", "placements"} <= set(v) for v in layouts.values())
     Package.open(path).verify()
 
@@ -84,51 +147,192 @@ def test_unknown_format_version_is_refused(built, tmp_path):
         Package.open(future)
 
 
-def test_program_naming_foreign_code_is_refused(built, tmp_path):
-    _, _, path, single = built
-    evil = tmp_path / "evil.tessel"
-    m = json.loads(zipfile.ZipFile(single).read(MANIFEST))
-    program_name = m["submodels"][0]["program"]
+def _from_file_then_fill(target: Path) -> Callable[[dict], None]:
+    def edit(program: dict) -> None:
+        _insert_calls(
+            program,
+            {"name": "f", "target": "aten.from_file.default", "args": [str(target), True, 16]},
+            {"name": "g", "target": "aten.fill_.Scalar", "args": [{"$node": "f"}, 7]},
+        )
 
-    def inject(name, data):
-        if name == program_name:
-            p = json.loads(data)
-            p["nodes"].insert(
-                1,
-                {
-                    "op": "call",
-                    "name": "x",
-                    "target": "builtins.eval.default",
-                    "args": ["1"],
-                    "kwargs": {},
-                },
-            )
-            return json.dumps(p).encode()
-        if name == MANIFEST:
-            return data
-        return data
+    return edit
 
-    _rewrite(single, evil, inject)
-    # the checksum catches the edit first; with the checksum updated, the op allow-list refuses it
-    with pytest.raises(PackageError, match="fails its checksum"):
+
+def _copy_into_weight(program: dict) -> None:
+    w = _first_input(program)
+    _insert_calls(
+        program,
+        {"name": "z", "target": "aten.zeros_like.default", "args": [{"$node": w}]},
+        {"name": "c", "target": "aten.copy_.default", "args": [{"$node": w}, {"$node": "z"}]},
+    )
+
+
+def _call(target: str, args: list, kwargs: dict | None = None) -> Callable[[dict], None]:
+    def edit(program: dict) -> None:
+        w = _first_input(program)
+        filled = [{"$node": w} if a == "$w" else a for a in args]
+        _insert_calls(program, {"name": "x", "target": target, "args": filled})
+        program["nodes"][next(i for i, n in enumerate(program["nodes"]) if n.get("name") == "x")][
+            "kwargs"
+        ] = kwargs or {}
+
+    return edit
+
+
+def _rename_first_input(name: str) -> Callable[[dict], None]:
+    def edit(program: dict) -> None:
+        old = _first_input(program)
+        text = json.dumps(program).replace(f'"{old}"', json.dumps(name))
+        program.clear()
+        program.update(json.loads(text))
+
+    return edit
+
+
+def _set_float(literal: Any) -> Callable[[dict], None]:
+    def edit(program: dict) -> None:
+        _insert_calls(
+            program,
+            {"name": "x", "target": "aten.scalar_tensor.default", "args": [{"$float": literal}]},
+        )
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (_call("builtins.eval.default", ["1"]), "'builtins.eval.default', which is not on"),
+        (_copy_into_weight, "'aten.copy_.default', which is not on tessel's list"),
+        (_call("aten.bernoulli.p", ["$w", 0.5]), "'aten.bernoulli.p', which is not on"),
+        (_call("aten.add.out", ["$w", "$w"]), "'aten.add.out', which is not on"),
+        (_call("aten.neg.default", ["$w"], {"x=__import__('os')": 1}), "no keyword argument"),
+        (_call("aten.neg.default", ["$w", 1, 2]), "takes at most 1 arguments"),
+        (_rename_first_input('x"); import os; ("'), "invalid name"),
+        (_set_float("1e400"), "unknown value"),
+        (_set_float([]), "unknown value"),
+        (_call("aten.neg.default", [{"$node": "later"}]), "'later' is used before it is defined"),
+        (lambda p: p["nodes"].pop(), "program has no output node"),
+        (lambda p: p.update(format="tessel.program/9"), "unknown program format"),
+    ],
+    ids=[
+        "eval",
+        "copy_into_weight",
+        "random_op",
+        "out_variant",
+        "kwarg_injection",
+        "extra_args",
+        "name_injection",
+        "bad_float",
+        "float_list",
+        "undefined_node",
+        "no_output",
+        "format",
+    ],
+)
+def test_tampered_program_is_refused(built, tmp_path, edit, words):
+    _, _, _, single = built
+    program = Package.open(single).submodel(0).program
+    evil = _tamper(single, tmp_path / "evil.tessel", {program: _edit_program(edit)})
+    Package.open(evil).verify()  # the checksums match: only the program check can refuse it
+    with pytest.raises(ProgramError, match=words):
         tessel.load_model(evil)
-    import hashlib
 
-    fixed = tmp_path / "evil2.tessel"
 
-    def fix(name, data):
-        if name == MANIFEST:
-            mm = json.loads(data)
-            program = zipfile.ZipFile(evil).read(program_name)
-            mm["files"][program_name] = hashlib.sha256(program).hexdigest()
-            return json.dumps(mm).encode()
-        return data
+def test_program_cannot_write_a_file(built, tmp_path):
+    _, _, _, single = built
+    target = tmp_path / "written_by_the_program"
+    program = Package.open(single).submodel(0).program
+    evil = _tamper(
+        single, tmp_path / "evil.tessel", {program: _edit_program(_from_file_then_fill(target))}
+    )
+    with pytest.raises(ProgramError, match="'aten.from_file.default', which is not on"):
+        tessel.load_model(evil)
+    assert not target.exists()
 
-    _rewrite(evil, fixed, fix)
-    from tessel.lower.program import ProgramError
 
-    with pytest.raises(ProgramError, match="unknown operator 'builtins.eval.default'"):
-        tessel.load_model(fixed)
+def _program(*calls: dict, out: str) -> dict:
+    return {
+        "format": "tessel.program/1",
+        "nodes": [
+            {"op": "input", "name": "w"},
+            {"op": "input", "name": "x"},
+            *({"op": "call", "kwargs": {}, **c} for c in calls),
+            {"op": "output", "args": [{"$node": out}]},
+        ],
+    }
+
+
+def test_no_allowed_operator_writes_touches_files_or_draws_random_numbers():
+    from tessel.lower.operators import ALLOWED
+
+    for name in sorted(ALLOWED):
+        ns, packet, overload = name.split(".")
+        op = getattr(getattr(getattr(torch.ops, ns), packet), overload)
+        schema = op._schema
+        assert not schema.is_mutable, name
+        assert not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        assert not any(w in name for w in ("file", "storage", "save", "load", "set_", "_copy_from"))
+        if "scaled_dot_product" not in name:  # attention is tagged for its dropout, left at 0
+            assert torch.Tag.nondeterministic_seeded not in op.tags, name
+
+
+def test_writes_into_inputs_or_their_views_are_refused(monkeypatch):
+    """Were an in-place operator ever allowed, it could write only into the program's own
+    temporaries: never into an input (a weight), a view of one, or through `_unsafe_view`."""
+    from tessel.lower import program as prog
+    from tessel.lower.program import check, decode
+
+    monkeypatch.setattr(prog, "ALLOWED", prog.ALLOWED | {"aten.copy_.default"})
+    copy = lambda dst, name="c": {  # noqa: E731
+        "name": name,
+        "target": "aten.copy_.default",
+        "args": [{"$node": dst}, {"$node": "x"}],
+    }
+    view = lambda target, name="v": {  # noqa: E731
+        "name": name,
+        "target": target,
+        "args": [{"$node": "w"}, [4]],
+    }
+    for bad in (
+        _program(copy("w"), out="c"),
+        _program(view("aten.view.default"), copy("v"), out="c"),
+        _program(view("aten._unsafe_view.default"), copy("v"), out="c"),
+        _program(
+            {"name": "s", "target": "aten.split.Tensor", "args": [{"$node": "w"}, 2]},
+            {"name": "g", "target": "getitem", "args": [{"$node": "s"}, 0]},
+            copy("g"),
+            out="c",
+        ),
+    ):
+        with pytest.raises(
+            ProgramError, match="writes into its argument 'self'.*program input 'w'"
+        ):
+            check(bad)
+    fresh = _program(
+        {"name": "t", "target": "aten.clone.default", "args": [{"$node": "w"}]},
+        copy("t"),
+        out="t",
+    )
+    w, x = torch.zeros(4), torch.arange(4.0)
+    (out,) = decode(fresh, {}, torch.device("cpu"), {})(w, x)
+    assert torch.equal(out, x) and torch.equal(w, torch.zeros(4))
+
+
+def test_build_refuses_an_operator_not_on_the_list():
+    from torch import fx
+
+    from tessel.lower.program import encode
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.exponential.default, (x,))
+    graph.output([y])
+    with pytest.raises(
+        ProgramError,
+        match="node 'exponential_default' calls 'aten.exponential.default', which is not",
+    ):
+        encode(fx.GraphModule(torch.nn.Module(), graph))
 
 
 def test_single_device_path_refuses_a_distributed_model(built):
@@ -152,10 +356,27 @@ def test_save_is_atomic(built, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(fmt.os, "replace", fail)
+    _, _, _, single = built
+    package = Package.open(single)
+    members = {name: package.read(name) for name in package.manifest.files}
     with pytest.raises(OSError):
-        fmt.write_package(target, {"format": "x"}, {"a": b"1"})
+        fmt.write_package(target, package.manifest, members)
     assert target.read_bytes() == b"earlier output"
     assert [p.name for p in tmp_path.iterdir()] == ["keep.tessel"]
+
+
+def test_a_manifest_that_disagrees_with_its_members_is_not_written(built, tmp_path):
+    from tessel.package import format as fmt
+
+    _, _, _, single = built
+    package = Package.open(single)
+    members = {name: package.read(name) for name in package.manifest.files}
+    members.pop(package.manifest.layouts)
+    with pytest.raises(PackageError, match="manifest layouts: names the member 'layouts.json'"):
+        fmt.write_package(tmp_path / "x", dict(package.manifest), members)
+    with pytest.raises(PackageError, match="names members that are not written: .'layouts.json'"):
+        fmt.write_package(tmp_path / "x", package.manifest, members)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_package_carries_a_strategy_file_for_checkpoint_tools(built, tmp_path):
@@ -164,9 +385,9 @@ def test_package_carries_a_strategy_file_for_checkpoint_tools(built, tmp_path):
     _, _, path, _ = built
     package = Package.open(path)
     target = tmp_path / "strategy.json"
-    target.write_bytes(package.read(package.manifest["strategy"]))
+    target.write_bytes(package.read(package.manifest.strategy))
     strategy = load_strategy(target)
-    layouts = package.json(package.manifest["layouts"])
+    layouts = package.json(package.manifest.layouts)
     assert set(strategy.params) == set(layouts)
     for name, layout in layouts.items():
         p = strategy.params[name]
@@ -182,14 +403,14 @@ def test_programs_call_device_neutral_attention(built):
     _, _, path, single = built
     for pkg in (path, single):
         package = Package.open(pkg)
-        for sub in package.manifest["submodels"]:
-            targets = [n.get("target") for n in package.json(sub["program"])["nodes"]]
+        for sub in package.manifest.submodels:
+            targets = [n.get("target") for n in package.json(sub.program)["nodes"]]
             assert "aten.scaled_dot_product_attention.default" in targets
             assert not [t for t in targets if t and t.endswith("_for_cpu.default")]
 
 
 def test_cpu_only_kernel_is_refused_on_another_device():
-    from tessel.lower.program import ProgramError, decode
+    from tessel.lower.program import decode
 
     program = {
         "format": "tessel.program/1",
@@ -205,7 +426,20 @@ def test_cpu_only_kernel_is_refused_on_another_device():
             {"op": "output", "args": [{"$node": "attn"}]},
         ],
     }
-    assert decode(program, {}, torch.device("cpu"), {}) is not None
+    program["nodes"][-1:] = [
+        {
+            "op": "call",
+            "name": "out",
+            "target": "getitem",
+            "args": [{"$node": "attn"}, 0],
+            "kwargs": {},
+        },
+        {"op": "output", "args": [{"$node": "out"}]},
+    ]
+    q = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    (out,) = decode(program, {}, torch.device("cpu"), {})(q)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)
     with pytest.raises(ProgramError, match="'attn' calls the CPU-only kernel.*cannot run on meta"):
         decode(program, {}, torch.device("meta"), {})
 
@@ -290,12 +524,12 @@ def test_tied_weights_are_stored_once_and_load_as_each_rank_needs(tmp_path):
     members = [n for n in zipfile.ZipFile(path).namelist() if n.startswith("weights/")]
     stored = [k for m in members for k in pkg.tensors(m)]
     assert len(stored) == len(set(stored))
-    layouts = pkg.json(pkg.manifest["layouts"])
+    layouts = pkg.json(pkg.manifest.layouts)
     wte = model.lm.transformer.wte.weight.detach()
-    ties = [s["tied"] for s in pkg.manifest["submodels"]]
+    ties = [s.tied for s in pkg.manifest.submodels]
     assert all(len(t) == 1 for t in ties), ties
-    for rank, sub in enumerate(pkg.manifest["submodels"]):
-        (name,) = sub["tied"]
+    for rank, sub in enumerate(pkg.manifest.submodels):
+        (name,) = sub.tied
         assert name not in stored
         placements = tuple(
             Shard(int(p[2:-1])) if p.startswith("S(") else Replicate()
@@ -329,3 +563,263 @@ def test_writing_back_while_saving_leaves_the_same_file(built, tmp_path, monkeyp
     with zipfile.ZipFile(path) as before, zipfile.ZipFile(again) as after:
         assert after.namelist() == before.namelist()
         assert all(after.read(n) == before.read(n) for n in names)
+
+
+def _drop(key: str) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        del m[key]
+
+    return edit
+
+
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        *parents, last = path.split("/")
+        for p in parents:
+            m = m[int(p)] if isinstance(m, list) else m[p]
+        if isinstance(m, list):
+            m[int(last)] = value
+        else:
+            m[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "manifest, text, words",
+    [
+        (lambda m: [m], None, "manifest: expected an object, found"),
+        (_drop("submodels"), None, "manifest: has no 'submodels'"),
+        (_set("world_size", "two"), None, "manifest world_size: expected an integer, found 'two'"),
+        (_set("world_size", 0), None, "world_size: found 0; the least allowed is 1"),
+        (_set("world_size", 3), None, "manifest mesh: a partitioned model on 3 devices needs"),
+        (_set("submodels/1/rank", 0), None, r"submodels\[1\].rank: expected 1"),
+        (_set("submodels/0/program", "programs/none.json"), None, "which the package does not"),
+        (_set("submodels/0/weights", ["../../etc/passwd"]), None, "is not a valid member name"),
+        (_set("submodels/0/comm_groups", [[0, 5]]), None, "the most allowed is 1"),
+        (_set("inputs/0/shape", [2, -16]), None, r"inputs\[0\].shape\[1\]: found -16"),
+        (_set("inputs/0/dtype", "float128"), None, "found 'float128'; allowed: bfloat16"),
+        (_set("mode", "clustered"), None, "mode: found 'clustered'; allowed: partitioned"),
+        (_set("plan/ranks", "many"), None, "plan.ranks: expected a list"),
+        (_set("files/layouts.json", "00"), None, "expected a SHA-256"),
+        (_set("memory", {"peak": 1}), None, "manifest: unknown key 'memory'"),
+        (_set("submodels/1/extra", 1), None, r"submodels\[1\]: unknown key 'extra'"),
+        (None, lambda t: t.replace('"world_size": 2', '"world_size": NaN'), "NaN is not a JSON"),
+        (None, lambda t: t.replace('"world_size": 2', '"world_size": 2.0'), "expected an integer"),
+        (None, lambda t: t.replace('"world_size": 2', '"world_size": 2.5.1'), "not valid JSON"),
+        (None, lambda t: t.replace('"world_size": 2', '"world_size": 1e999'), "expected an int"),
+        (None, lambda t: t.replace('"world_size": 2', '"world_size": ' + "9" * 5000), "not valid"),
+        (None, lambda t: t.replace('"estimated_time_s": ', '"estimated_time_s": 1e999 +'), "JSON"),
+        (None, lambda t: t[:-1], "manifest is not valid JSON"),
+        (None, lambda t: "[" * 100000 + "]" * 100000, "manifest is not valid JSON"),
+    ],
+    ids=lambda v: None if callable(v) or v is None else str(v)[:40],
+)
+def test_tampered_manifest_is_refused(built, tmp_path, manifest, text, words):
+    _, _, path, _ = built
+    bad = _tamper(path, tmp_path / "bad.tessel", manifest=manifest, manifest_text=text)
+    with pytest.raises(PackageError, match=words):
+        Package.open(bad)
+
+
+def _with_claimed_size(path: Path, member: str, size: int) -> None:
+    """Make the zip directory say `member` holds `size` bytes (zip64 sizes, as a big file has)."""
+    data = bytearray(path.read_bytes())
+    end = len(data) - 22
+    cd_size, cd_offset = struct.unpack("<II", data[end + 12 : end + 20])
+    directory, out, i = data[cd_offset : cd_offset + cd_size], bytearray(), 0
+    while i < len(directory):
+        n, m, k = struct.unpack("<HHH", directory[i + 28 : i + 34])
+        entry = bytearray(directory[i : i + 46 + n + m + k])
+        if entry[46 : 46 + n].decode() == member:
+            entry[20:28] = b"\xff" * 8  # sizes are in the zip64 extra field
+            extra = struct.pack("<HHQQ", 1, 16, size, size)
+            entry[30:32] = struct.pack("<H", m + len(extra))
+            entry[46 + n + m : 46 + n + m] = extra
+        out += entry
+        i += 46 + n + m + k
+    data[cd_offset:] = out + data[end:]
+    data[-10:-6] = struct.pack("<I", len(out))
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("member", ["weights/replicated.safetensors", MANIFEST])
+def test_a_member_claiming_more_bytes_than_the_file_is_refused_before_reading(
+    built, tmp_path, member
+):
+    _, _, _, single = built
+    bad = _tamper(single, tmp_path / "big.tessel")
+    _with_claimed_size(bad, member, 10**15)
+    with pytest.raises(PackageError, match=f"member '{member}' claims {10**15} bytes"):
+        Package.open(bad)
+
+
+def _raw_zip(path: Path, entries: list[tuple[str, bytes]], compress: set[str] = frozenset()):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of a duplicate name, and writes it
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
+            for name, data in entries:
+                method = zipfile.ZIP_DEFLATED if name in compress else zipfile.ZIP_STORED
+                zout.writestr(name, data, compress_type=method)
+
+
+def _entries(path: Path) -> list[tuple[str, bytes]]:
+    with zipfile.ZipFile(path) as z:
+        return [(n, z.read(n)) for n in z.namelist()]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ("append", "bytes follow the end of the zip archive"),
+        ("prepend", "the zip directory is not where its end record says"),
+        ("dotdot", "member name '../evil.json' is not a plain relative path"),
+        ("absolute", "member name '/evil.json' is not a plain relative path"),
+        ("backslash", r"member name 'a\\\\evil.json' is not a plain relative path"),
+        ("duplicate", r"members named twice: \['layouts.json'\]"),
+        ("compressed", "member 'layouts.json' is compressed"),
+        ("unlisted", r"not listed: \['notes.txt'\]"),
+        ("missing", r"missing: \['layouts.json'\]"),
+        ("comment", "bytes follow the end of the zip archive"),
+    ],
+)
+def test_zip_layout_a_package_never_has_is_refused(built, tmp_path, change, words):
+    _, _, _, single = built
+    entries = _entries(single)
+    bad = tmp_path / "bad.tessel"
+    layouts = dict(entries)["layouts.json"]
+    if change in ("append", "prepend"):
+        data = single.read_bytes()
+        bad.write_bytes(data + b"PK\x03\x04 trailing" if change == "append" else b"garbage" + data)
+    elif change in ("dotdot", "absolute", "backslash"):
+        name = {"dotdot": "../evil.json", "absolute": "/evil.json", "backslash": "a\\evil.json"}
+        _raw_zip(bad, [*entries, (name[change], b"{}")])
+    elif change == "duplicate":
+        _raw_zip(bad, [*entries, ("layouts.json", layouts)])
+    elif change == "compressed":
+        _raw_zip(bad, entries, compress={"layouts.json"})
+    elif change == "unlisted":
+        _raw_zip(bad, [*entries, ("notes.txt", b"hello")])
+    elif change == "missing":
+        _raw_zip(bad, [e for e in entries if e[0] != "layouts.json"])
+    elif change == "comment":
+        with zipfile.ZipFile(bad, "w") as zout:
+            for name, data in entries:
+                zout.writestr(name, data)
+            zout.comment = b"hello"
+    with pytest.raises(PackageError, match=words):
+        Package.open(bad)
+
+
+def test_zip64_end_records_are_read(built, tmp_path, monkeypatch):
+    """Packages past 4 GiB end in zip64 records; a small one made to end that way opens."""
+    _, ids, _, single = built
+    entries = _entries(single)
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 1000)  # any offset past 1000 bytes needs zip64
+    with zipfile.ZipFile(tmp_path / "z64.tessel", "w") as zout:
+        for name, data in entries:
+            zout.writestr(name, data)
+    monkeypatch.undo()
+    assert (tmp_path / "z64.tessel").read_bytes()[-98:-94] == b"PK\x06\x06"
+    Package.open(tmp_path / "z64.tessel").verify()
+    appended = tmp_path / "z64_appended.tessel"
+    appended.write_bytes((tmp_path / "z64.tessel").read_bytes() + b"x" * 40)
+    with pytest.raises(PackageError, match="bytes follow the end"):
+        Package.open(appended)
+
+
+def test_format_version_1_packages_still_load(built, tmp_path):
+    """Version 1 had no tied weights, and its early packages no strategy member and no outputs."""
+    model, ids, _, single = built
+
+    def downgrade(m: dict) -> None:
+        m["format_version"] = 1
+        for s in m["submodels"]:
+            s.pop("tied")
+        m.pop("strategy")
+        m.pop("outputs")
+
+    entries = [e for e in _entries(single) if e[0] != "strategy.json"]
+    v1 = tmp_path / "v1.tessel"
+    _raw_zip(tmp_path / "src.tessel", entries)
+    _tamper(tmp_path / "src.tessel", v1, manifest=downgrade)
+    manifest = Package.open(v1).manifest
+    assert manifest.format_version == 1 and manifest.strategy is None and manifest.outputs is None
+    (out,) = tessel.load_model(v1)(ids)
+    with torch.no_grad():
+        assert (out - model(ids)).abs().max().item() <= 1e-5
+
+
+def _json_values():
+    leaves = st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats() | st.text(max_size=8)
+    return st.recursive(
+        leaves,
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+        ),
+        max_leaves=6,
+    )
+
+
+def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def manifest_json(built):
+    _, _, path, _ = built
+    return json.loads(zipfile.ZipFile(path).read(MANIFEST))
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_edit_of_a_manifest_is_read_or_refused_as_a_package_error(manifest_json, data):
+    """Replace any one value of a real manifest with any JSON: it reads, and `tessel inspect`
+    shows it, or it is refused with a PackageError; never another exception."""
+    from tessel.report import format_plan, inspect_json
+
+    m = json.loads(json.dumps(manifest_json))
+    paths = [p for p in _paths(m) if p]
+    path = data.draw(st.sampled_from(paths))
+    value = data.draw(_json_values())
+    target = m
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    try:
+        manifest = Manifest.from_json(m, "fuzz")
+    except PackageError:
+        return
+    format_plan(manifest)
+    json.dumps(inspect_json(manifest))
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_edit_of_a_program_is_loaded_or_refused_as_a_program_error(built, data):
+    from tessel.lower.program import decode
+
+    _, _, _, single = built
+    package = Package.open(single)
+    program = package.json(package.submodel(0).program)
+    paths = [p for p in _paths(program) if p]
+    path = data.draw(st.sampled_from(paths))
+    target = program
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(_json_values())
+    try:
+        decode(program, {}, torch.device("cpu"), {})
+    except ProgramError:
+        pass

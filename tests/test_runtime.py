@@ -1,23 +1,27 @@
-"""Workers that die or hang make run_graph fail fast; several nodes meet at the head's address."""
+"""Workers that die or hang make run_graph fail fast; several nodes meet at the head's address;
+misuse of the runtime and a worker's failure each read as one clear line."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+import uuid
+import zipfile
 
+import psutil
 import pytest
 import torch
-from tests.conftest import small_llama, token_ids
+from tests.conftest import small_llama, subprocess_env, token_ids
 
 import tessel
-
-ROOT = Path(__file__).resolve().parents[1]
+from tessel.errors import TesselError
+from tessel.package import Package, PackageError
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,107 @@ def session():
 
 def test_session_needs_initialize():
     tessel.finalize()
-    with pytest.raises(RuntimeError, match="initialize"):
+    with pytest.raises(tessel.SessionError, match="call tessel.initialize"):
         tessel.Session()
+    assert issubclass(tessel.SessionError, TesselError)
+
+
+def test_misuse_of_a_session_is_a_tessel_error(model_file, session, tmp_path):
+    _, ids, path = model_file
+    with pytest.raises(tessel.ConfigError, match="graph 0 is not loaded"):
+        session.run_graph(0, [ids])
+    with pytest.raises(PackageError, match="file not found"):
+        session.load_graph(0, {}, tmp_path / "missing.tessel")
+    with pytest.raises(tessel.ConfigError, match="path: expected a file path, found NoneType"):
+        session.load_graph(0, {}, None)
+    with pytest.raises(tessel.ConfigError, match="options: expected a dict, found int"):
+        session.load_graph(0, 5, path)
+    with pytest.raises(tessel.ConfigError, match="graph_id: expected an integer"):
+        session.load_graph("first", {}, path)
+    session.load_graph(0, {}, path)
+    for bad in (5, "ids", None, ids):  # a bare tensor is not a list of them either
+        with pytest.raises(tessel.ConfigError, match="inputs: expected a list of tensors"):
+            session.run_graph(0, bad)
+    with pytest.raises(tessel.ConfigError, match="input_0: expected a tensor, found int"):
+        session.run_graph(0, [5])
+    tessel.finalize()
+    with pytest.raises(tessel.SessionError, match="finalize"):
+        session.load_graph(1, {}, path)
+
+
+def _altered(path, tmp_path):
+    """The package with a byte of a weights member every rank reads flipped."""
+    shared = set.intersection(*(set(s.weights) for s in Package.open(path).manifest.submodels))
+    target = sorted(shared)[0]
+    bad = tmp_path / "altered.tessel"
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(bad, "w") as zout:
+        for name in zin.namelist():
+            data = bytearray(zin.read(name))
+            if name == target:
+                data[-1] ^= 0xFF
+            zout.writestr(name, bytes(data))
+    return bad, target
+
+
+def test_a_worker_error_is_one_line_naming_the_rank_and_the_cause(
+    model_file, session, tmp_path, caplog
+):
+    _, _, path = model_file
+    bad, target = _altered(path, tmp_path)
+    with caplog.at_level(logging.DEBUG, logger="tessel.runtime.session"):
+        with pytest.raises(tessel.WorkerError) as info:
+            session.load_graph(0, {}, bad)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"rank {info.value.rank} failed: PackageError: "), message
+    assert message.endswith(f"member '{target}' fails its checksum: the file was altered")
+    assert "Traceback (most recent call last)" in info.value.worker_traceback
+    assert "Traceback (most recent call last)" in caplog.text  # shown at --log=debug
+
+
+UNGUARDED = """
+import tessel
+
+tessel.initialize()
+session = tessel.Session()
+session.load_graph(0, {{}}, {path!r})
+print("loaded")
+"""
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TESSEL_TEST_MARK") == mark:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_script_without_a_main_guard_gets_one_sentence(model_file, tmp_path):
+    """With the spawn start method every worker imports the script again; a script that starts a
+    session at its top level gets one sentence, not a traceback from every worker."""
+    _, _, path = model_file
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(path=str(path)))
+    mark = uuid.uuid4().hex
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        env=subprocess_env(TESSEL_TEST_MARK=mark),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1 and "loaded" not in run.stdout
+    err = run.stderr
+    sentence = "must do so under 'if __name__ == \"__main__\":'"
+    assert err.count(sentence) == 1, err
+    assert err.count("Traceback") == 1, err  # the script's own, ending in that sentence
+    assert err.strip().splitlines()[-1].startswith("tessel.runtime.session.WorkerError: rank ")
+    gone, alive = psutil.wait_procs(_marked(mark), timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
 def test_wrong_inputs_are_named(model_file, session):
@@ -72,7 +175,10 @@ def test_hung_worker_times_out(model_file, session):
     victim = session._graphs[0].procs[1]
     os.kill(victim.pid, signal.SIGSTOP)
     t = time.monotonic()
-    with pytest.raises(tessel.WorkerError, match=r"no answer from ranks \[0\] in time"):
+    # the session's deadline and rank 0's own collective timeout are both 5 s: either may speak
+    with pytest.raises(
+        tessel.WorkerError, match=r"no answer from ranks \[0\] in time|rank 0 failed: .*Timed out"
+    ):
         session.run_graph(0, [ids])
     assert time.monotonic() - t < 30
 
@@ -104,10 +210,9 @@ def test_two_nodes_on_loopback(tmp_path, session):
         tessel.build(model, (ids,), cluster=str(tmp_path / "numa_config_2node.json")),
         tmp_path / "two",
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     remote = subprocess.Popen(
         [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
-        env=env,
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

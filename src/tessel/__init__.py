@@ -24,6 +24,7 @@ _EXPORTS = {
     "GRAPH_PARALLEL_OPTION_PATH": "tessel.builder.seed_api",
     "ConfigError": "tessel.config",
     "Session": "tessel.runtime",
+    "SessionError": "tessel.runtime",
     "WorkerError": "tessel.runtime",
     "initialize": "tessel.runtime",
     "finalize": "tessel.runtime",

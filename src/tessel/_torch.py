@@ -10,6 +10,7 @@ of a traced layer). A torch upgrade that moves any of them touches this file alo
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -101,7 +102,11 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.Backend.register_backend(
             "fake", _create_fake_group, extended_api=True, devices=["cpu", "cuda"]
         )
+    hook = sys.excepthook
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    # init_process_group wraps sys.excepthook to put "[rank0]:" before every line of an uncaught
+    # error and never unwraps it; a build is one process, so its errors keep their own form
+    sys.excepthook = hook
     try:
         yield
     finally:

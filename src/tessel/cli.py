@@ -51,6 +51,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    # reads the manifest alone: no torch unless --verify reads the members
     from tessel.package import Package
     from tessel.report import format_plan, inspect_json
 
@@ -171,7 +172,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _configure_logging(value: str) -> None:
-    from tessel.builder.options import log_level
+    from tessel.log_levels import log_level
 
     level = log_level(value)
     logging.basicConfig(

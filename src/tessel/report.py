@@ -1,34 +1,45 @@
-"""Human-readable plan reports for `tessel inspect` and the demo."""
+"""Human-readable plan reports for `tessel inspect` and the demo; they need no torch."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+
+from tessel.package.manifest import Manifest
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def inspect_json(manifest: dict) -> dict:
-    """The plan as JSON: ranks with their weights and collectives, layers, solver, timings."""
-    plan = manifest.get("plan", {})
+def inspect_json(manifest: Manifest) -> dict:
+    """The plan as JSON: ranks with their weights and collectives, layers, solver, timings.
+
+    Layers map each weight's full name to its placements, so no two weights share a name.
+    """
+    plan = manifest.plan
     return {
-        "mode": manifest["mode"],
-        "world_size": manifest["world_size"],
-        "mesh": manifest["mesh"],
-        "soc_version": manifest["soc_version"],
-        "inputs": manifest["inputs"],
-        "outputs": manifest["outputs"],
+        "mode": manifest.mode,
+        "world_size": manifest.world_size,
+        "mesh": manifest.mesh.to_json(),
+        "soc_version": manifest.soc_version,
+        "inputs": [i.to_json() for i in manifest.inputs],
+        "outputs": [o.to_json() for o in manifest.outputs or ()],
         "estimated_time_s": plan.get("estimated_time_s"),
         "solver": plan.get("solver"),
-        "timings": manifest.get("timings", {}),
-        "layers": plan.get("layers", {}),
-        "fallbacks": plan.get("fallbacks", []),
-        "ranks": plan.get("ranks", []),
+        "timings": dict(manifest.timings),
+        "layers": plan.get("layers") or {},
+        "fallbacks": plan.get("fallbacks") or [],
+        "ranks": plan.get("ranks") or [],
     }
 
 
-def format_plan(manifest: dict) -> str:
+def _within(layer: str, name: str) -> str:
+    """A weight's name relative to its layer (`attn.c_proj.weight`), or in full outside one."""
+    return name.removeprefix(layer + ".") if layer and name.startswith(layer + ".") else name
+
+
+def format_plan(manifest: Manifest) -> str:
+    """The plan as text: placements per layer (identical layers grouped), then per device."""
     data = inspect_json(manifest)
     lines = [
         f"offline model: {data['mode']}, {data['world_size']} devices, mesh {data['mesh']['shape']}, "
@@ -46,15 +57,7 @@ def format_plan(manifest: dict) -> str:
     lines.append("placements per layer (weight: placement on the mesh)")
     groups: dict[tuple, list[str]] = defaultdict(list)
     for layer, params in data["layers"].items():
-        key = tuple(
-            sorted(
-                (
-                    name.split(".")[-2] + "." + name.split(".")[-1] if "." in name else name,
-                    "/".join(p),
-                )
-                for name, p in params.items()
-            )
-        )
+        key = tuple(sorted((_within(layer, name), "/".join(p)) for name, p in params.items()))
         groups[key].append(layer)
     for key, layers in groups.items():
         title = (
@@ -66,15 +69,17 @@ def format_plan(manifest: dict) -> str:
     lines.append("")
     lines.append("per device")
     for r in data["ranks"]:
-        counts = Counter(c["kind"] for c in r["collectives"])
-        volume = sum(c.get("bytes", 0) for c in r["collectives"])
+        collectives = r.get("collectives") or []
+        counts = Counter(c.get("kind", "?") for c in collectives)
+        volume = sum(c.get("bytes") or 0 for c in collectives)
         colls = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
         lines.append(
-            f"  rank {r['rank']} ({r['logical_device']}): weights {_mib(r['weight_bytes'])}, "
-            f"collectives {colls}, {_mib(volume)} per run"
+            f"  rank {r.get('rank', '?')} ({r.get('logical_device', '?')}): "
+            f"weights {_mib(r.get('weight_bytes') or 0)}, collectives {colls}, "
+            f"{_mib(volume)} per run"
         )
     if data["fallbacks"]:
-        ops = Counter(f["op"] for f in data["fallbacks"])
+        ops = Counter(f.get("op", "?") for f in data["fallbacks"])
         lines.append("")
         lines.append(
             "replicated for lack of a sharding rule: "

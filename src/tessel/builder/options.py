@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from tessel.capture.export import FRAMEWORKS
 from tessel.config.errors import ConfigError
-
-LOG_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "null": None,
-}
+from tessel.log_levels import LOG_LEVELS, log_level  # noqa: F401 - still importable from here
 
 
 @dataclass(frozen=True)
@@ -92,9 +84,3 @@ def check_build_options(
             f"is only used with {names['distributed_cluster_build']}=1 and {names['enable_graph_parallel']}=1",
         )
     return BuildOptions(dcb, egp, cluster_config, graph_parallel_option_path, soc_version)
-
-
-def log_level(value: str, source: str = "--log") -> int | None:
-    if value not in LOG_LEVELS:
-        raise ConfigError(source, None, f"found {value!r}; allowed: {'|'.join(LOG_LEVELS)}")
-    return LOG_LEVELS[value]

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from tessel.package.format import (
     CONSTANT_PREFIX,
     FORMAT,
     FORMAT_VERSION,
+    Manifest,
     Member,
     write_package,
 )
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 class BuiltModel:
     """An offline model held in memory until `save` writes it."""
 
-    manifest: dict
+    manifest: Manifest
     members: dict[str, Member]  # bytes, or tensors that `save` streams as safetensors
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -48,6 +49,7 @@ class BuiltModel:
         t = time.perf_counter()
         out = write_package(path, self.manifest, self.members)
         self.timings["save"] = time.perf_counter() - t
+        self.manifest = replace(self.manifest, timings=dict(self.timings))  # for the report
         return out
 
 
@@ -108,7 +110,8 @@ def build(
     manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
     timings["pack"] = time.perf_counter() - t
     manifest["timings"] = timings
-    return BuiltModel(manifest, members, timings)
+    # checked as a loader checks it, so a model that would be refused is never saved
+    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
 
 
 def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:

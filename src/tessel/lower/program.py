@@ -1,11 +1,16 @@
 """A rank's program as plain JSON: a list of ATen and collective calls, loaded without pickle.
 
-Only operators from an allow-list of namespaces are resolved when loading, so a program file can
-name what to compute but never run code of its own.
+A program may call only the operators on tessel's list (`tessel.lower.operators`): pure
+computations and functional collectives, none that reads or writes files or writes into its
+arguments. Writes are checked besides, from each operator's schema: were an in-place operator
+listed, it could write only into tensors the program made itself, never into an input (a weight)
+or a view of one. Every program is checked when it is built and again when it is loaded, so a
+program file can name what to compute but never run code of its own or change a weight.
 """
 
 from __future__ import annotations
 
+import keyword
 import math
 import operator
 from typing import Any
@@ -15,40 +20,161 @@ from torch import fx
 
 from tessel._torch import OpOverload, group_ranks
 from tessel.errors import TesselError
+from tessel.lower.operators import ALLOWED
 
 FORMAT = "tessel.program/1"
-_NAMESPACES = {"aten", "_c10d_functional", "prims"}
 _COLLECTIVES = "_c10d_functional"
+_NODE_KINDS = ("input", "constant", "call", "output")
+_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}  # what `repr` gives non-finite
+_VALUE_KEYS = ("$node", "$dtype", "$device", "$layout", "$memory_format", "$float", "$group")
+# operators whose result shares its argument's storage though their schema does not say so
+_UNANNOTATED_VIEWS = {"aten._unsafe_view.default"}
 
 
 class ProgramError(TesselError, ValueError):
-    pass
+    """A program that calls what tessel does not allow, or is not well formed."""
 
 
 def _op_name(target: Any) -> str:
     if target is operator.getitem:
         return "getitem"
     if isinstance(target, OpOverload):
-        ns = target.namespace
-        if ns not in _NAMESPACES:
-            raise ProgramError(
-                f"operator {target} is outside the supported namespaces {_NAMESPACES}"
-            )
-        return f"{ns}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+        return f"{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
     raise ProgramError(f"cannot serialise call target {target!r}")
 
 
 def _resolve(name: str) -> Any:
+    """The operator an allowed name stands for; only names on the list are ever looked up."""
     if name == "getitem":
         return operator.getitem
-    parts = name.split(".")
-    if len(parts) != 3 or parts[0] not in _NAMESPACES:
+    if name not in ALLOWED:
         raise ProgramError(f"unknown operator {name!r} in program")
-    packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
-    op = getattr(packet, parts[2], None) if packet is not None else None
+    ns, packet, overload = name.split(".")
+    op = getattr(getattr(getattr(torch.ops, ns), packet, None), overload, None)
     if not isinstance(op, OpOverload):
-        raise ProgramError(f"unknown operator {name!r} in program")
+        raise ProgramError(f"operator {name!r} does not exist in this torch ({torch.__version__})")
     return op
+
+
+def check(program: Any) -> None:
+    """Refuse a program that is not well formed, calls an operator not on the list, or writes
+    into an input (a weight) or a view of one; raises `ProgramError` naming the node and op."""
+    if not isinstance(program, dict) or program.get("format") != FORMAT:
+        found = program.get("format") if isinstance(program, dict) else type(program).__name__
+        raise ProgramError(f"unknown program format {found!r}; expected {FORMAT}")
+    nodes = program.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ProgramError("program has no list of nodes")
+    defined: set[str] = set()
+    inputs: dict[str, str] = {}  # inputs, constants and views of them -> the input: read-only
+    for i, node in enumerate(nodes):
+        if not isinstance(node, dict) or node.get("op") not in _NODE_KINDS:
+            raise ProgramError(f"program node {i} is not one of {', '.join(_NODE_KINDS)}")
+        kind = node["op"]
+        if kind == "output":
+            if i != len(nodes) - 1:
+                raise ProgramError(f"program node {i} is an output before the last node")
+            _check_value(node.get("args"), defined, f"output node {i}")
+            return
+        name = node.get("name")
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ProgramError(f"program node {i} has an invalid name {name!r}")
+        if name in defined:
+            raise ProgramError(f"program node {name!r} is defined twice")
+        if kind == "call":
+            root = _check_call(node, defined, inputs)
+            if root is not None:
+                inputs[name] = root
+        else:
+            inputs[name] = name
+        defined.add(name)
+    raise ProgramError("program has no output node")
+
+
+def _check_call(node: dict, defined: set[str], inputs: dict[str, str]) -> str | None:
+    """Check one call; returns the input its result may share storage with, if any."""
+    name, target = node["name"], node.get("target")
+    args, kwargs = node.get("args"), node.get("kwargs")
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise ProgramError(f"program node {name!r} needs a list of args and a dict of kwargs")
+    where = f"program node {name!r}"
+    _check_value(args, defined, where)
+    for value in kwargs.values():
+        _check_value(value, defined, where)
+    if target == "getitem":
+        if len(args) != 2 or not _is_node(args[0]) or type(args[1]) is not int or kwargs:
+            raise ProgramError(f"{where}: getitem takes a node and an index")
+        return inputs.get(args[0]["$node"])
+    if not isinstance(target, str) or target not in ALLOWED:
+        raise ProgramError(
+            f"{where} calls {target!r}, which is not on tessel's list of operators "
+            "(tessel/lower/operators.py)"
+        )
+    schema = _resolve(target)._schema
+    params = schema.arguments
+    if len(args) > len(params):
+        raise ProgramError(f"{where}: {target} takes at most {len(params)} arguments")
+    by_name = {p.name: p for p in params[len(args) :]}  # those not already passed by position
+    for key in kwargs:
+        if key not in by_name:
+            raise ProgramError(f"{where}: {target} has no keyword argument {key!r} left to pass")
+    passed = [*zip(params, args), *((by_name[k], v) for k, v in kwargs.items())]
+    aliased = None
+    for param, value in passed:
+        touched = sorted(inputs[n] for n in _node_names(value) if n in inputs)
+        if param.alias_info is not None and param.alias_info.is_write and touched:
+            raise ProgramError(
+                f"{where}: {target} writes into its argument {param.name!r}, which is "
+                f"the program input {touched[0]!r} or a view of it"
+            )
+        if touched and (param.alias_info is not None or target in _UNANNOTATED_VIEWS):
+            aliased = touched[0]
+    # a result shares an argument's storage only where the schema says so (views, in-place)
+    views = target in _UNANNOTATED_VIEWS or any(r.alias_info is not None for r in schema.returns)
+    return aliased if views else None
+
+
+def _is_node(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("$node"), str)
+
+
+def _node_names(value: Any) -> set[str]:
+    if _is_node(value):
+        return {value["$node"]}
+    if isinstance(value, list):
+        return set().union(*(_node_names(v) for v in value)) if value else set()
+    return set()
+
+
+def _check_value(value: Any, defined: set[str], where: str, depth: int = 0) -> None:
+    """An argument is JSON of known forms: plain values, lists, and one-key `$` objects."""
+    if depth > 8:
+        raise ProgramError(f"{where}: arguments nest too deep")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ProgramError(f"{where}: non-finite float {value!r} outside a $float")
+        return
+    if isinstance(value, list):
+        for v in value:
+            _check_value(v, defined, where, depth + 1)
+        return
+    if isinstance(value, dict) and len(value) == 1:
+        (key, inner), ok = next(iter(value.items())), False
+        if key == "$node":
+            ok = isinstance(inner, str) and inner in defined
+            if isinstance(inner, str) and not ok:
+                raise ProgramError(f"{where}: node {inner!r} is used before it is defined")
+        elif key == "$float":
+            ok = isinstance(inner, str) and inner in _FLOATS
+        elif key == "$group":
+            ok = isinstance(inner, list) and all(type(r) is int and r >= 0 for r in inner)
+        elif key in _VALUE_KEYS:
+            ok = isinstance(inner, str)
+        if ok:
+            return
+    raise ProgramError(f"{where}: unknown value {str(value)[:80]!r} in program")
 
 
 def _group_ranks(name: str) -> list[int]:
@@ -103,7 +229,9 @@ def encode(gm: fx.GraphModule) -> dict:
             nodes.append({"op": "output", "args": enc(n.args[0], False)})
         else:
             raise ProgramError(f"cannot serialise node kind {n.op}")
-    return {"format": FORMAT, "nodes": nodes}, constants
+    program = {"format": FORMAT, "nodes": nodes}
+    check(program)  # what a loader would refuse is refused here, when the model is built
+    return program, constants
 
 
 def groups_in(program: dict) -> list[list[int]]:
@@ -168,9 +296,12 @@ def decode(
     device: torch.device,
     group_name: dict[tuple[int, ...], str] | None = None,
 ) -> fx.GraphModule:
-    """Rebuild a runnable GraphModule; collective groups are looked up in `group_name`."""
-    if program.get("format") != FORMAT:
-        raise ProgramError(f"unknown program format {program.get('format')!r}; expected {FORMAT}")
+    """Rebuild a runnable GraphModule; collective groups are looked up in `group_name`.
+
+    The program is checked first (see `check`), so nothing off the operator list is looked up and
+    no input is written into.
+    """
+    check(program)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     root = torch.nn.Module()
@@ -192,7 +323,7 @@ def decode(
             if "$memory_format" in a:
                 return _attr(torch, a["$memory_format"], torch.memory_format)
             if "$float" in a:
-                return float(a["$float"])
+                return _FLOATS[a["$float"]]
             if "$group" in a:
                 key = tuple(a["$group"])
                 if group_name is None or key not in group_name:
@@ -209,6 +340,8 @@ def decode(
             name = node["name"]
             if name not in constants:
                 raise ProgramError(f"constant {name!r} missing from the weights")
+            if hasattr(root, name):
+                raise ProgramError(f"constant {name!r} has a reserved name")
             root.register_buffer(name, constants[name].to(device))
             env[name] = graph.get_attr(name)
         elif kind == "call":

@@ -3,6 +3,7 @@
 from tessel.package.format import (
     FORMAT_VERSION,
     SUFFIX,
+    Manifest,
     Package,
     PackageError,
     write_package,
@@ -11,6 +12,7 @@ from tessel.package.format import (
 __all__ = [
     "FORMAT_VERSION",
     "SUFFIX",
+    "Manifest",
     "Package",
     "PackageError",
     "write_package",

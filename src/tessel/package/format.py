@@ -9,48 +9,57 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
+import struct
 import tempfile
 import zipfile
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Union
 
-import torch
-
-from tessel.errors import TesselError
-from tessel.package.safetensors_io import (
-    SafetensorsFormatError,
-    tensors_from_buffer,
-    write_safetensors,
+from tessel.package.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    READABLE_VERSIONS,
+    Manifest,
+    PackageError,
+    Submodel,
+    valid_member_name,
 )
 
-FORMAT = "tessel.offline_model"
-FORMAT_VERSION = 2  # 2: a submodel may name tied weights, stored once (see Package.weights)
-READABLE_VERSIONS = (1, 2)
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CONSTANT_PREFIX",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "READABLE_VERSIONS",
+    "SUFFIX",
+    "Manifest",
+    "Member",
+    "Package",
+    "PackageError",
+    "parse_json",
+    "write_package",
+]
+
 SUFFIX = ".tessel"
-MANIFEST = "manifest.json"
 CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
 _READ_CHUNK = 16 << 20  # a member is read in pieces this big (each read makes a temporary)
-
-
-class PackageError(TesselError, ValueError):
-    """A package that cannot be used: missing, truncated, altered, or of an unknown version."""
-
-    def __init__(self, path: str | Path, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
+_MAX_MANIFEST = 64 << 20  # a manifest is JSON of a few KiB to a few MiB
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-Member = bytes | Mapping[str, torch.Tensor]  # raw bytes, or tensors stored as safetensors
+Member = Union[bytes, Mapping[str, "torch.Tensor"]]  # raw bytes, or tensors stored as safetensors
 
 
 class _WriteBack:
@@ -115,12 +124,23 @@ class _HashingWriter:
         return self.sha.hexdigest()
 
 
-def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member]) -> Path:
+def write_package(
+    path: str | Path, manifest: Manifest | Mapping[str, Any], members: Mapping[str, Member]
+) -> Path:
     """Write atomically: a temporary file in the same folder, on disk, then renamed.
 
     Tensor members stream into the archive as safetensors, hashed on the way; the manifest,
-    which records every member's SHA-256, is written last.
+    which records every member's SHA-256, is written last. The manifest is checked against the
+    members first, so a package that would be refused on load is never written.
     """
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest.from_json(dict(manifest), "manifest to write", members)
+    bad = [n for n in members if not valid_member_name(n) or n == MANIFEST]
+    if bad:
+        raise PackageError(path, f"invalid member names {bad}")
+    missing = sorted(manifest.member_names() - set(members))
+    if missing:
+        raise PackageError(path, f"the manifest names members that are not written: {missing}")
     path = Path(path)
     if path.suffix != SUFFIX:
         path = path.with_name(path.name + SUFFIX)
@@ -140,10 +160,13 @@ def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member
                         if isinstance(data, bytes):
                             out.write(data)
                         else:
+                            from tessel.package.safetensors_io import write_safetensors
+
                             write_safetensors(out, data)
                     files[name] = out.hexdigest()
                 zf.writestr(
-                    MANIFEST, json.dumps({**manifest, "files": files}, indent=1, sort_keys=True)
+                    MANIFEST,
+                    json.dumps(manifest.with_files(files).to_json(), indent=1, sort_keys=True),
                 )
             write_back.finish()
         os.replace(tmp, path)
@@ -153,37 +176,139 @@ def write_package(path: str | Path, manifest: dict, members: Mapping[str, Member
     return path
 
 
+def parse_json(data: bytes | bytearray, source: Any, what: str) -> Any:
+    """Strict JSON: no NaN or Infinity literals; any parse failure is a `PackageError`."""
+
+    def refuse(literal: str) -> Any:
+        raise ValueError(f"{literal} is not a JSON number")
+
+    try:
+        return json.loads(data, parse_constant=refuse)
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, syntax, huge integers, deep nesting
+        raise PackageError(source, f"{what} is not valid JSON ({exc})") from None
+
+
+_LOCAL_HEADER = struct.Struct("<4s2xHH8xIIHH")  # signature, flags, method, sizes, name, extra
+_END = struct.Struct("<4s4xHHIIH")  # signature, entries, entries, cd size, cd offset, comment
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_END = struct.Struct("<4sQ")  # signature, size of the rest of the record
+
+
+def _directory_bounds(path: Path, f: BinaryIO) -> tuple[int, int]:
+    """Where the zip directory starts and ends; refuses bytes after the end record and comments.
+
+    A package ends with the zip end record (after the zip64 end records where sizes need them).
+    """
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - _END.size))
+    tail = f.read(_END.size)
+    if len(tail) < _END.size or tail[:4] != b"PK\x05\x06" or tail[-2:] != b"\0\0":
+        f.seek(max(0, size - (1 << 16)))
+        found = f.read().rfind(b"PK\x05\x06")
+        if found >= 0:
+            after = min(size, 1 << 16) - found - _END.size
+            raise PackageError(
+                path, f"{after} bytes follow the end of the zip archive: not a tessel package"
+            )
+        raise PackageError(path, "not a tessel offline model, or truncated (no zip end record)")
+    _, _, _, cd_size, cd_offset, _ = _END.unpack(tail)
+    cd_end = size - _END.size
+    f.seek(max(0, cd_end - _ZIP64_LOCATOR.size))
+    locator = f.read(_ZIP64_LOCATOR.size)
+    if cd_end >= _ZIP64_LOCATOR.size and locator[:4] == b"PK\x06\x07":
+        record = _ZIP64_LOCATOR.unpack(locator)[2]
+        f.seek(record)
+        head = f.read(56)
+        if len(head) < 56 or head[:4] != b"PK\x06\x06":
+            raise PackageError(path, "the zip64 end record is damaged")
+        if record + 12 + _ZIP64_END.unpack(head[:12])[1] != cd_end - _ZIP64_LOCATOR.size:
+            raise PackageError(path, "bytes lie between the zip64 end records")
+        cd_size, cd_offset = struct.unpack("<QQ", head[40:56])
+        cd_end = record
+    if cd_offset + cd_size != cd_end:
+        raise PackageError(
+            path, "the zip directory is not where its end record says: bytes were added or removed"
+        )
+    return cd_offset, cd_end
+
+
+def _check_members(path: Path, f: BinaryIO, infos: list[zipfile.ZipInfo], cd_offset: int) -> None:
+    """Refuse anything a package that tessel writes never holds, before any member is read.
+
+    A package is members laid end to end from the first byte, then the zip directory: no bytes
+    before or between them, each member stored (not compressed, not encrypted) and named once by
+    a plain relative path. The layout bounds every member's size by the file's, so no claimed
+    size can make a reader allocate more than the file holds.
+    """
+    names = [i.filename for i in infos]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise PackageError(path, f"the archive holds members named twice: {twice}")
+    expected = 0
+    for info in sorted(infos, key=lambda i: i.header_offset):
+        name = info.filename
+        if not valid_member_name(name):
+            raise PackageError(path, f"member name {name!r} is not a plain relative path")
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+            raise PackageError(path, f"member {name!r} is compressed; packages are stored")
+        if info.flag_bits & 0x9:  # bit 0: encrypted, bit 3: sizes in a trailing descriptor
+            raise PackageError(path, f"member {name!r} is encrypted or streamed")
+        if info.header_offset != expected:
+            raise PackageError(
+                path, f"member {name!r} starts at byte {info.header_offset}, expected {expected}"
+            )
+        f.seek(info.header_offset)
+        header = f.read(_LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size:
+            raise PackageError(path, f"member {name!r} lies past the end of the file")
+        sig, _, method, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+        if sig != b"PK\x03\x04" or f.read(name_len) != name.encode() or method != 0:
+            raise PackageError(path, f"member {name!r}: local header disagrees with the directory")
+        expected = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len + info.file_size
+        if expected > cd_offset:
+            raise PackageError(
+                path, f"member {name!r} claims {info.file_size} bytes, more than the file holds"
+            )
+    if expected != cd_offset:
+        raise PackageError(path, "bytes lie between the last member and the zip directory")
+
+
 @dataclass
 class Package:
     """An opened offline model; members are verified against their checksums when read."""
 
     path: Path
-    manifest: dict
+    manifest: Manifest
 
     @classmethod
     def open(cls, path: str | Path) -> Package:
+        """Open and check a package: its zip layout and its manifest; no member is read yet."""
         path = Path(path)
         if not path.is_file():
             raise PackageError(path, "file not found")
         try:
-            with zipfile.ZipFile(path) as zf:
-                raw = zf.read(MANIFEST)
-        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+            with open(path, "rb") as f:
+                cd_offset, _ = _directory_bounds(path, f)
+                with zipfile.ZipFile(f) as zf:
+                    infos = zf.infolist()
+                    _check_members(path, f, infos, cd_offset)
+                    info = zf.getinfo(MANIFEST)
+                    if info.file_size > _MAX_MANIFEST:
+                        raise PackageError(path, f"manifest of {info.file_size} bytes is too big")
+                    raw = zf.read(MANIFEST)
+        except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError) as exc:
+            if isinstance(exc, PackageError):
+                raise
             raise PackageError(path, f"not a tessel offline model, or truncated ({exc})") from exc
-        try:
-            manifest = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise PackageError(path, f"manifest is not valid JSON ({exc})") from exc
-        if manifest.get("format") != FORMAT:
-            raise PackageError(
-                path, f"not a tessel offline model (format {manifest.get('format')!r})"
-            )
-        version = manifest.get("format_version")
-        if version not in READABLE_VERSIONS:
+        manifest = Manifest.from_json(parse_json(raw, path, "manifest"), path)
+        held = {i.filename for i in infos} - {MANIFEST}
+        if held != set(manifest.files):
+            extra, missing = sorted(held - set(manifest.files)), sorted(set(manifest.files) - held)
             raise PackageError(
                 path,
-                f"format version {version!r} is not supported; this tessel reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild the model with this tessel)",
+                "the archive's members differ from the manifest's list"
+                + (f"; not listed: {extra}" if extra else "")
+                + (f"; missing: {missing}" if missing else ""),
             )
         return cls(path, manifest)
 
@@ -192,19 +317,22 @@ class Package:
 
     def _read_checked(self, name: str) -> bytearray:
         """A member's bytes, read into one buffer and checked against the manifest's SHA-256."""
-        expected = self.manifest.get("files", {}).get(name)
+        expected = self.manifest.files.get(name)
         if expected is None:
             raise PackageError(self.path, f"member {name!r} is not listed in the manifest")
         try:
             with zipfile.ZipFile(self.path) as zf, zf.open(name) as member:
-                data = bytearray(zf.getinfo(name).file_size)
+                size = zf.getinfo(name).file_size
+                if size > self.path.stat().st_size:  # the file changed since it was opened
+                    raise EOFError(f"member claims {size} bytes, more than the file holds")
+                data = bytearray(size)
                 view, got = memoryview(data), 0
                 while got < len(data):
                     n = member.readinto(view[got : got + _READ_CHUNK])
                     if not n:
                         raise EOFError(f"member ends after {got} of {len(data)} bytes")
                     got += n
-        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+        except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError) as exc:
             raise PackageError(self.path, f"member {name!r} cannot be read ({exc})") from exc
         if _sha(data) != expected:
             raise PackageError(
@@ -214,14 +342,17 @@ class Package:
 
     def verify(self) -> None:
         """Read every member and check its checksum."""
-        for name in self.manifest.get("files", {}):
+        for name in self.manifest.files:
             self.read(name)
 
     def json(self, name: str) -> Any:
-        return json.loads(self.read(name))
+        """A JSON member, checked and parsed (strictly: see `parse_json`)."""
+        return parse_json(self.read(name), self.path, f"member {name!r}")
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """A safetensors member's tensors, as views of the one buffer it was read into."""
+        from tessel.package.safetensors_io import SafetensorsFormatError, tensors_from_buffer
+
         data = self._read_checked(name)
         try:
             return tensors_from_buffer(data)
@@ -231,7 +362,7 @@ class Package:
                 self.path, f"{where}member {name!r} is not valid safetensors: {exc}"
             ) from exc
 
-    def weights(self, submodel: dict) -> dict[str, torch.Tensor]:
+    def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
         """All tensors a submodel loads: shared replicated weights plus its own shards.
 
         A tied weight (one tensor under two names, like GPT-2's embedding and output layer) is
@@ -239,27 +370,31 @@ class Package:
         it this rank holds, so the second name is a view where the chunk is contiguous.
         """
         out: dict[str, torch.Tensor] = {}
-        for name in submodel["weights"]:
+        for name in submodel.weights:
             out.update(self.tensors(name))
-        for name, tie in submodel.get("tied", {}).items():
-            if tie.get("source") not in out:
+        for name, tie in submodel.tied.items():
+            if tie.source not in out:
                 raise PackageError(
-                    self.path, f"tied weight {name!r} names a missing source {tie.get('source')!r}"
+                    self.path, f"tied weight {name!r} names a missing source {tie.source!r}"
                 )
-            tensor = out[tie["source"]]
-            for dim, count, index in tie.get("chunks", []):
-                tensor = tensor.chunk(count, dim)[index]
+            tensor = out[tie.source]
+            for dim, count, index in tie.chunks:
+                if dim >= tensor.dim():
+                    raise PackageError(
+                        self.path, f"tied weight {name!r} is chunked along a missing dim {dim}"
+                    )
+                pieces = tensor.chunk(count, dim)
+                if index >= len(pieces):
+                    raise PackageError(
+                        self.path, f"tied weight {name!r} names chunk {index} of {len(pieces)}"
+                    )
+                tensor = pieces[index]
             out[name] = tensor.contiguous()
         return out
 
     @property
     def world_size(self) -> int:
-        return int(self.manifest["world_size"])
+        return self.manifest.world_size
 
-    def submodel(self, rank: int) -> dict:
-        return self.manifest["submodels"][rank]
-
-
-def read_manifest_bytes(data: bytes) -> dict:
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        return json.loads(zf.read(MANIFEST))
+    def submodel(self, rank: int) -> Submodel:
+        return self.manifest.submodel(rank)

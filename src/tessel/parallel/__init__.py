@@ -1,27 +1,39 @@
-"""mindspore.parallel-style API for PyTorch: Layout, strategy files, checkpoint conversion."""
+"""mindspore.parallel-style API for PyTorch: Layout, strategy files, checkpoint conversion.
 
-from tessel.parallel.api import (
-    build_searched_strategy,
-    convert_checkpoint_by_rank,
-    convert_checkpoints,
-    load_distributed_checkpoint,
-    load_segmented_checkpoints,
-    merge_pipeline_strategys,
-    rank_list_for_convert,
-    restore_group_info_list,
-    shard_checkpoint,
-    unified_safetensors,
-)
-from tessel.parallel.dtensor import layout_from_dtensor, layout_to_dtensor, layout_to_placements
-from tessel.parallel.errors import (
-    CheckpointError,
-    LayoutError,
-    LayoutTypeError,
-    NotExpressibleError,
-    StrategyError,
-)
-from tessel.parallel.layout import Layout
-from tessel.parallel.strategy import ParamLayout, Strategy, load_strategy, save_strategy_file
+Names are imported on first use, so the command line can register `tessel ckpt` (and read a
+package's manifest) without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "build_searched_strategy": "tessel.parallel.api",
+    "convert_checkpoint_by_rank": "tessel.parallel.api",
+    "convert_checkpoints": "tessel.parallel.api",
+    "load_distributed_checkpoint": "tessel.parallel.api",
+    "load_segmented_checkpoints": "tessel.parallel.api",
+    "merge_pipeline_strategys": "tessel.parallel.api",
+    "rank_list_for_convert": "tessel.parallel.api",
+    "restore_group_info_list": "tessel.parallel.api",
+    "shard_checkpoint": "tessel.parallel.api",
+    "unified_safetensors": "tessel.parallel.api",
+    "layout_from_dtensor": "tessel.parallel.dtensor",
+    "layout_to_dtensor": "tessel.parallel.dtensor",
+    "layout_to_placements": "tessel.parallel.dtensor",
+    "CheckpointError": "tessel.parallel.errors",
+    "LayoutError": "tessel.parallel.errors",
+    "LayoutTypeError": "tessel.parallel.errors",
+    "NotExpressibleError": "tessel.parallel.errors",
+    "StrategyError": "tessel.parallel.errors",
+    "Layout": "tessel.parallel.layout",
+    "ParamLayout": "tessel.parallel.strategy",
+    "Strategy": "tessel.parallel.strategy",
+    "load_strategy": "tessel.parallel.strategy",
+    "save_strategy_file": "tessel.parallel.strategy",
+}
 
 __all__ = [
     "Layout",
@@ -48,3 +60,9 @@ __all__ = [
     "shard_checkpoint",
     "unified_safetensors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tessel.parallel' has no attribute {name!r}")

@@ -14,26 +14,27 @@ from safetensors.torch import load_file, save_file
 
 from tessel.config.errors import ConfigError
 from tessel.package import Package
+from tessel.package.manifest import Manifest
 from tessel.runtime.session import Session, finalize, initialize
 
 
-def random_inputs(manifest: dict) -> list[torch.Tensor]:
+def random_inputs(manifest: Manifest) -> list[torch.Tensor]:
     """Inputs of the recorded shapes: integers below the example's bound, floats from N(0, 1)."""
     out = []
-    for spec in manifest["inputs"]:
-        dtype = getattr(torch, spec["dtype"])
+    for spec in manifest.inputs:
+        dtype = getattr(torch, spec.dtype)
         if dtype.is_floating_point:
-            out.append(torch.randn(spec["shape"], dtype=dtype))
+            out.append(torch.randn(spec.shape, dtype=dtype))
         elif dtype == torch.bool:
-            out.append(torch.ones(spec["shape"], dtype=dtype))
+            out.append(torch.ones(spec.shape, dtype=dtype))
         else:
-            out.append(torch.randint(0, int(spec.get("high", 2)), spec["shape"], dtype=dtype))
+            out.append(torch.randint(0, spec.high or 2, spec.shape, dtype=dtype))
     return out
 
 
-def read_inputs(path: str, manifest: dict) -> list[torch.Tensor]:
+def read_inputs(path: str, manifest: Manifest) -> list[torch.Tensor]:
     tensors = load_file(path)
-    names = [f"input_{i}" for i in range(len(manifest["inputs"]))]
+    names = [f"input_{i}" for i in range(len(manifest.inputs))]
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ConfigError(path, None, f"missing tensors {missing}; expected {names}")
@@ -65,7 +66,7 @@ def run_command(args: argparse.Namespace) -> int:
         session = Session()
         t = time.perf_counter()
         session.load_graph(0, options, args.model)
-        print(f"loaded on {manifest['world_size']} devices in {time.perf_counter() - t:.2f} s")
+        print(f"loaded on {manifest.world_size} devices in {time.perf_counter() - t:.2f} s")
         times = []
         for _ in range(max(1, args.repeat)):
             t = time.perf_counter()

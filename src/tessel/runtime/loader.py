@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from tessel.lower.program import decode
-from tessel.package.format import CONSTANT_PREFIX, Package
+from tessel.package.format import CONSTANT_PREFIX, Package, PackageError
 
 
 def load_rank(
@@ -20,5 +20,20 @@ def load_rank(
         for k, v in tensors.items()
         if k.startswith(CONSTANT_PREFIX)
     }
-    weights = [tensors[name].to(device) for name in sub["weight_order"]]
-    return decode(package.json(sub["program"]), constants, device, groups), weights
+    missing = [name for name in sub.weight_order if name not in tensors]
+    if missing:
+        raise PackageError(
+            package.path, f"rank {rank} needs weights its members do not hold: {missing[:5]}"
+        )
+    weights = [tensors[name].to(device) for name in sub.weight_order]
+    program = package.json(sub.program)
+    takes = len(sub.weight_order) + len(package.manifest.inputs)
+    if isinstance(program, dict) and isinstance(program.get("nodes"), list):
+        found = sum(isinstance(n, dict) and n.get("op") == "input" for n in program["nodes"])
+        if found != takes:
+            raise PackageError(
+                package.path,
+                f"the program of rank {rank} takes {found} inputs; its weights and the model's "
+                f"inputs are {takes}",
+            )
+    return decode(program, constants, device, groups), weights

@@ -17,7 +17,7 @@ def load_model(
 ) -> Callable[..., list[torch.Tensor]]:
     """Load a single-device offline model in this process; returns `run(*inputs) -> outputs`."""
     package = Package.open(path)
-    if package.manifest["mode"] != "replicated" or package.world_size != 1:
+    if package.manifest.mode != "replicated" or package.world_size != 1:
         raise PackageError(
             path,
             "this offline model was built for distributed deployment (--distributed_cluster_build=1) "

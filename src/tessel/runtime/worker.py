@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.package.format import Package
+from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime.loader import load_rank
 
 
@@ -65,10 +66,10 @@ def _device(spec: WorkerSpec) -> torch.device:
     return device
 
 
-def _groups(manifest: dict, world: int) -> dict[tuple[int, ...], str]:
+def _groups(manifest: Manifest, world: int) -> dict[tuple[int, ...], str]:
     """Create every group any rank uses, in one order on all ranks; map rank lists to names."""
     names: dict[tuple[int, ...], str] = {}
-    wanted = sorted({tuple(g) for s in manifest["submodels"] for g in s["comm_groups"]})
+    wanted = sorted({g for s in manifest.submodels for g in s.comm_groups})
     for ranks in wanted:
         if list(ranks) == list(range(world)):
             names[ranks] = dist.group.WORLD.group_name
@@ -97,10 +98,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             groups = _groups(package.manifest, spec.world_size)
         program, weights = load_rank(package, spec.rank, device, groups)
         conn.send(("ready", spec.rank, None))
-        _serve(spec, conn, program, weights, device, package.manifest["inputs"])
-    except BaseException:  # noqa: BLE001 - report everything to the session, then exit
+        _serve(spec, conn, program, weights, device, package.manifest.inputs)
+    except BaseException as exc:  # noqa: BLE001 - report everything to the session, then exit
+        # plain strings: an exception object may not unpickle on the other side
+        report = (type(exc).__name__, str(exc), traceback.format_exc())
         with contextlib.suppress(Exception):
-            conn.send(("error", spec.rank, traceback.format_exc()))
+            conn.send(("error", spec.rank, report))
         os._exit(1)
     finally:
         if dist.is_initialized():
@@ -115,7 +118,7 @@ def _serve(
     program,
     weights: list,
     device: torch.device,
-    input_specs: list[dict],
+    input_specs: tuple[TensorSpec, ...],
 ) -> None:
     leader = spec.rank == 0 or not spec.distributed
     while True:
@@ -132,7 +135,7 @@ def _serve(
             command = int(word.item())
             if not leader and command == _RUN:
                 inputs = [
-                    torch.empty(x["shape"], dtype=getattr(torch, x["dtype"]), device=device)
+                    torch.empty(x.shape, dtype=getattr(torch, x.dtype), device=device)
                     for x in input_specs
                 ]
             for x in inputs:

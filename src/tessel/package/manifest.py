@@ -1,0 +1,494 @@
+"""The manifest of an offline model as typed, frozen objects, checked field by field on load.
+
+A package may come from anywhere, so nothing in its manifest is trusted: every field is checked
+for its type, its range and its agreement with the rest (ranks 0..n-1, members that exist, shapes
+of non-negative sizes, known dtypes) before any of it is used, and a wrong field is named by its
+key path. This module needs no torch, so tools that only read a manifest start fast.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+from typing import Any
+
+from tessel.errors import TesselError
+
+FORMAT = "tessel.offline_model"
+FORMAT_VERSION = 2  # 2: a submodel may name tied weights, stored once
+READABLE_VERSIONS = (1, 2)
+MANIFEST = "manifest.json"
+MODES = ("partitioned", "replicated")
+# torch dtype names (without "torch.") that packages carry: those safetensors can store
+DTYPES = frozenset(
+    {
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    }
+)
+# member names: plain relative paths of safe characters; no "..", no absolute paths, no "\"
+_MEMBER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class PackageError(TesselError, ValueError):
+    """A package that cannot be used: missing, truncated, altered, or of an unknown version."""
+
+    def __init__(self, path: Any, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+
+
+def valid_member_name(name: str) -> bool:
+    """Whether `name` may name a package member (a relative path without `..` or `\\`)."""
+    return (
+        isinstance(name, str)
+        and len(name) <= 255
+        and _MEMBER.fullmatch(name) is not None
+        and ".." not in name.split("/")
+    )
+
+
+class _Field:
+    """A JSON value at a key path; its accessors check the type and name the path when wrong."""
+
+    def __init__(self, value: Any, key: str, source: str) -> None:
+        self.value, self.key, self.source = value, key, source
+
+    def fail(self, message: str) -> PackageError:
+        where = f"manifest {self.key}" if self.key else "manifest"
+        return PackageError(self.source, f"{where}: {message}")
+
+    def _found(self) -> str:
+        text = repr(self.value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def _expect(self, what: str) -> PackageError:
+        return self.fail(f"expected {what}, found {self._found()}")
+
+    def get(self, key: str, optional: bool = False) -> _Field:
+        obj = self.obj()
+        path = f"{self.key}.{key}" if self.key else key
+        if key not in obj:
+            if optional:
+                return _Field(None, path, self.source)
+            raise self.fail(f"has no {key!r}")
+        return _Field(obj[key], path, self.source)
+
+    def obj(self) -> dict:
+        if not isinstance(self.value, dict):
+            raise self._expect("an object")
+        return self.value
+
+    def only(self, keys: Iterable[str]) -> _Field:
+        """This object, refused if it has a key outside `keys`: the format is closed, so a
+        field this tessel does not know is an error, never silently dropped."""
+        keys = tuple(keys)
+        unknown = sorted(set(self.obj()) - set(keys), key=str)
+        if unknown:
+            raise self.fail(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(keys))}")
+        return self
+
+    def items(self) -> Iterator[tuple[str, _Field]]:
+        for k, v in self.obj().items():
+            yield k, _Field(v, f"{self.key}[{k!r}]", self.source)
+
+    def list(self) -> list[_Field]:
+        if not isinstance(self.value, (list, tuple)):  # tuples: a manifest built in memory
+            raise self._expect("a list")
+        return [_Field(v, f"{self.key}[{i}]", self.source) for i, v in enumerate(self.value)]
+
+    def str(self, choices: Iterable[str] | None = None) -> str:
+        if not isinstance(self.value, str):
+            raise self._expect("a string")
+        if choices is not None:
+            allowed = tuple(choices)
+            if self.value not in allowed:
+                raise self.fail(f"found {self._found()}; allowed: {', '.join(allowed)}")
+        return self.value
+
+    def int(self, low: int | None = 0, high: int | None = None) -> int:
+        # bool is an int in Python but never a count or an index in a manifest
+        if not isinstance(self.value, int) or isinstance(self.value, bool):
+            raise self._expect("an integer")
+        if low is not None and self.value < low:
+            raise self.fail(f"found {self.value}; the least allowed is {low}")
+        if high is not None and self.value > high:
+            raise self.fail(f"found {self.value}; the most allowed is {high}")
+        return self.value
+
+    def number(self) -> float:
+        ok = isinstance(self.value, (int, float)) and not isinstance(self.value, bool)
+        if not ok or not math.isfinite(self.value):
+            raise self._expect("a finite number")
+        return float(self.value)
+
+    def member(self, members: frozenset[str]) -> str:
+        name = self.str()
+        if not valid_member_name(name):
+            raise self.fail(f"{name!r} is not a valid member name")
+        if name not in members:
+            raise self.fail(f"names the member {name!r}, which the package does not hold")
+        return name
+
+    def optional(self, read: Callable[[_Field], Any]) -> Any:
+        return None if self.value is None else read(self)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a model input or output; inputs have a name, integer inputs a bound."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    name: str | None = None
+    high: int | None = None  # integer inputs: `tessel run` draws random values below this
+
+    @classmethod
+    def read(cls, f: _Field, named: bool) -> TensorSpec:
+        f.only(("shape", "dtype", "name", "high") if named else ("shape", "dtype"))
+        return cls(
+            shape=_shape(f.get("shape")),
+            dtype=f.get("dtype").str(sorted(DTYPES)),
+            name=f.get("name").str() if named else None,
+            high=f.get("high", optional=True).optional(lambda h: h.int(low=1)),
+        )
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.high is not None:
+            out["high"] = self.high
+        return out
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A weight stored under another name: its source and the (dim, count, index) chunks of it
+    this rank holds."""
+
+    source: str
+    chunks: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def read(cls, f: _Field) -> Tie:
+        f.only(("source", "chunks"))
+        chunks = []
+        for c in f.get("chunks", optional=True).optional(_Field.list) or []:
+            parts = c.list()
+            if len(parts) != 3:
+                raise c.fail(f"expected [dim, count, index], found {c._found()}")
+            dim, count = parts[0].int(high=64), parts[1].int(low=1)
+            chunks.append((dim, count, parts[2].int(high=count - 1)))
+        return cls(f.get("source").str(), tuple(chunks))
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "chunks": [list(c) for c in self.chunks]}
+
+
+@dataclass(frozen=True)
+class Submodel:
+    """One rank: where it runs, its program and weight members, and the groups it talks in."""
+
+    rank: int
+    logical_device: str
+    node_id: int
+    device_id: int
+    program: str
+    weights: tuple[str, ...]
+    weight_order: tuple[str, ...]
+    tied: Mapping[str, Tie]
+    comm_groups: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def read(cls, f: _Field, rank: int, world: int, members: frozenset[str]) -> Submodel:
+        f.only(x.name for x in fields(cls))
+        weights = f.get("weights")
+        if isinstance(weights.value, str):  # early version 1 packages named one member
+            weights = _Field([weights.value], weights.key, weights.source)
+        groups = []
+        for g in f.get("comm_groups").list():
+            ranks = tuple(r.int(high=world - 1) for r in g.list())
+            if not ranks or len(set(ranks)) != len(ranks):
+                raise g.fail(f"expected distinct ranks, found {g._found()}")
+            groups.append(ranks)
+        order = tuple(w.str() for w in f.get("weight_order").list())
+        if len(set(order)) != len(order):
+            raise f.get("weight_order").fail("names a weight twice")
+        tied_f = f.get("tied", optional=True)
+        tied = {k: Tie.read(v) for k, v in tied_f.items()} if tied_f.value is not None else {}
+        got = f.get("rank").int()
+        if got != rank:
+            raise f.get("rank").fail(f"expected {rank} (submodels are listed by rank), found {got}")
+        return cls(
+            rank=rank,
+            logical_device=f.get("logical_device").str(),
+            node_id=f.get("node_id").int(),
+            device_id=f.get("device_id").int(),
+            program=f.get("program").member(members),
+            weights=tuple(w.member(members) for w in weights.list()),
+            weight_order=order,
+            tied=tied,
+            comm_groups=tuple(groups),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "logical_device": self.logical_device,
+            "node_id": self.node_id,
+            "device_id": self.device_id,
+            "program": self.program,
+            "weights": list(self.weights),
+            "weight_order": list(self.weight_order),
+            "tied": {k: t.to_json() for k, t in self.tied.items()},
+            "comm_groups": [list(g) for g in self.comm_groups],
+        }
+
+
+@dataclass(frozen=True)
+class Mesh:
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+
+    @classmethod
+    def read(cls, f: _Field) -> Mesh:
+        f.only(("shape", "dim_names"))
+        shape = tuple(s.int(low=1) for s in f.get("shape").list())
+        names = tuple(s.str() for s in f.get("dim_names").list())
+        if not shape or len(names) != len(shape):
+            raise f.fail(f"expected one name per mesh dimension, found {f._found()}")
+        return cls(shape, names)
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dim_names": list(self.dim_names)}
+
+
+@dataclass(frozen=True)
+class Manifest(Mapping):
+    """What `manifest.json` records: how the model was built, per-rank submodels, member checksums.
+
+    The object is also a read-only mapping of its JSON form, for code that reads plain keys.
+    """
+
+    format_version: int
+    tessel_version: str
+    torch_version: str
+    mode: str
+    soc_version: str
+    device_type: str
+    backend: str
+    world_size: int
+    cluster: Mapping[str, Any]  # the cluster config as given; parsed where workers start
+    mesh: Mesh
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...] | None  # absent in early version 1 packages
+    submodels: tuple[Submodel, ...]
+    layouts: str
+    strategy: str | None  # absent in early version 1 packages
+    plan: Mapping[str, Any]  # the plan explained, for `tessel inspect`
+    timings: Mapping[str, float] = field(default_factory=dict)
+    files: Mapping[str, str] = field(default_factory=dict)  # member -> SHA-256
+
+    format = FORMAT
+
+    @classmethod
+    def from_json(
+        cls, obj: Any, source: Any = MANIFEST, members: Iterable[str] | None = None
+    ) -> Manifest:
+        """Check a parsed manifest and type it; raises `PackageError` naming the wrong key.
+
+        `members` are the member names the package holds; by default the manifest's own
+        `files`, which must then be present (a manifest about to be written has none yet).
+        """
+        source = str(source)
+        top = _Field(obj, "", source)
+        if not isinstance(obj, dict):
+            raise PackageError(source, f"manifest: expected an object, found {top._found()}")
+        fmt = top.get("format")
+        if fmt.value != FORMAT:
+            raise PackageError(source, f"not a tessel offline model (format {fmt.value!r})")
+        version = top.get("format_version", optional=True).value
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise PackageError(
+                source,
+                f"format version {version!r} is not supported; this tessel reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild the model with this tessel)",
+            )
+        top.only([*(x.name for x in fields(cls)), "format"])
+        files: dict[str, str] = {}
+        if members is None:
+            for name, sha in top.get("files").items():
+                if not valid_member_name(name) or name == MANIFEST:
+                    raise sha.fail(f"{name!r} is not a valid member name")
+                if _SHA256.fullmatch(sha.str()) is None:
+                    raise sha.fail("expected a SHA-256 in lower-case hex")
+                files[name] = sha.value
+            names = frozenset(files)
+        else:
+            names = frozenset(members)
+        world = top.get("world_size").int(low=1, high=1 << 20)
+        mode = top.get("mode").str(MODES)
+        mesh = Mesh.read(top.get("mesh"))
+        want = world if mode == "partitioned" else 1
+        if math.prod(mesh.shape) != want:
+            raise top.get("mesh").fail(
+                f"a {mode} model on {world} devices needs a mesh of {want} devices, "
+                f"found shape {list(mesh.shape)}"
+            )
+        subs = top.get("submodels").list()
+        if len(subs) != world:
+            raise top.get("submodels").fail(
+                f"expected one submodel per device ({world}), found {len(subs)}"
+            )
+        inputs = tuple(TensorSpec.read(i, named=True) for i in top.get("inputs").list())
+        input_names = [i.name for i in inputs]
+        if len(set(input_names)) != len(input_names):
+            raise top.get("inputs").fail(f"names an input twice: {input_names}")
+        outputs = top.get("outputs", optional=True).optional(
+            lambda o: tuple(TensorSpec.read(x, named=False) for x in o.list())
+        )
+        timings = {k: v.number() for k, v in top.get("timings").items()} if "timings" in obj else {}
+        return cls(
+            format_version=version,
+            tessel_version=top.get("tessel_version").str(),
+            torch_version=top.get("torch_version").str(),
+            mode=mode,
+            soc_version=top.get("soc_version").str(),
+            device_type=top.get("device_type").str(),
+            backend=top.get("backend").str(),
+            world_size=world,
+            cluster=top.get("cluster").obj(),
+            mesh=mesh,
+            inputs=inputs,
+            outputs=outputs,
+            submodels=tuple(Submodel.read(s, r, world, names) for r, s in enumerate(subs)),
+            layouts=top.get("layouts").member(names),
+            strategy=top.get("strategy", optional=True).optional(lambda s: s.member(names)),
+            plan=_plan(top.get("plan", optional=True)),
+            timings=timings,
+            files=files,
+        )
+
+    def to_json(self) -> dict:
+        """The manifest as `manifest.json` holds it."""
+        out: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "tessel_version": self.tessel_version,
+            "torch_version": self.torch_version,
+            "mode": self.mode,
+            "soc_version": self.soc_version,
+            "device_type": self.device_type,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "cluster": self.cluster,
+            "mesh": self.mesh.to_json(),
+            "inputs": [i.to_json() for i in self.inputs],
+            "submodels": [s.to_json() for s in self.submodels],
+            "layouts": self.layouts,
+            "plan": self.plan,
+            "timings": dict(self.timings),
+            "files": dict(self.files),
+        }
+        if self.outputs is not None:
+            out["outputs"] = [o.to_json() for o in self.outputs]
+        if self.strategy is not None:
+            out["strategy"] = self.strategy
+        return out
+
+    def with_files(self, files: Mapping[str, str]) -> Manifest:
+        """This manifest with the members' checksums recorded."""
+        return replace(self, files=dict(files))
+
+    def submodel(self, rank: int) -> Submodel:
+        if not 0 <= rank < self.world_size:
+            raise PackageError(
+                MANIFEST, f"rank {rank} is outside this model's {self.world_size} devices"
+            )
+        return self.submodels[rank]
+
+    def member_names(self) -> set[str]:
+        """Every member the manifest refers to."""
+        names = {self.layouts, *([self.strategy] if self.strategy else [])}
+        for s in self.submodels:
+            names.add(s.program)
+            names.update(s.weights)
+        return names
+
+    @cached_property
+    def _json(self) -> dict:
+        return self.to_json()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._json[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._json)
+
+    def __len__(self) -> int:
+        return len(self._json)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[:8])
+        return f"Manifest({shown}, ...)"
+
+
+def _shape(f: _Field) -> tuple[int, ...]:
+    dims = f.list()
+    if len(dims) > 64:
+        raise f.fail(f"expected at most 64 dimensions, found {len(dims)}")
+    return tuple(d.int(high=1 << 62) for d in dims)
+
+
+def _plan(f: _Field) -> dict:
+    """The plan explanation: free-form, but the parts `tessel inspect` shows have their types.
+
+    Every part may be absent (the report shows what there is), so the plan can grow.
+    """
+    if f.value is None:
+        return {}
+    plan = f.obj()
+
+    def part(parent: _Field, key: str, read: Callable[[_Field], Any]) -> None:
+        value = parent.get(key, optional=True)
+        if value.value is not None:
+            read(value)
+
+    part(f, "estimated_time_s", _Field.number)
+    part(f, "solver", _Field.obj)
+    part(f, "fallback_ops", _Field.obj)
+    for _, params in f.get("layers", optional=True).optional(_Field.items) or ():
+        for _, placements in params.items():
+            for p in placements.list():
+                p.str()
+    for r in f.get("ranks", optional=True).optional(_Field.list) or ():
+        r.obj()
+        part(r, "rank", _Field.int)
+        part(r, "logical_device", _Field.str)
+        part(r, "weight_bytes", _Field.int)
+        for c in r.get("collectives", optional=True).optional(_Field.list) or ():
+            c.obj()
+            part(c, "kind", _Field.str)
+            part(c, "bytes", _Field.int)
+    for fb in f.get("fallbacks", optional=True).optional(_Field.list) or ():
+        fb.obj()
+        part(fb, "op", _Field.str)
+    return plan
