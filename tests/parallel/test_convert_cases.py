@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
 import multiprocessing as mp
 import os
+import signal
 import struct
 from pathlib import Path
 
@@ -441,6 +443,51 @@ def test_interrupt_cleans_up_and_leaves_no_processes(tmp_path, src):
 
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2, progress=boom)
+    assert not (tmp_path / "B").exists()
+    assert mp.active_children() == []
+
+
+def test_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, src, monkeypatch):
+    from tessel.parallel import convert
+
+    a_dir, a = src
+    b = _tp((1, 4), tmp_path / "tp4b.json")
+    real = convert.run_job
+
+    def dying(job, staging):
+        if job.rel_path.startswith("rank_2/"):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        return real(job, staging)
+
+    monkeypatch.setattr(convert, "run_job", dying)
+    with pytest.raises(CheckpointError, match="writer process died"):
+        convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2)
+    assert not (tmp_path / "B").exists()
+    assert mp.active_children() == []
+
+
+@pytest.mark.parametrize(
+    "error, kind, words",
+    [
+        (CheckpointError("src.safetensors", "qkv", "source file disappeared"), CheckpointError,
+         "src.safetensors: qkv: source file disappeared"),
+        (OSError(errno.ENOSPC, "No space left on device", "f"), OSError, "No space left"),
+        (ZeroDivisionError("a bug"), RuntimeError, "(?s)writer process failed.*ZeroDivisionError: a bug"),
+    ],
+)  # fmt: skip
+def test_error_in_a_writer_process_reaches_the_caller(tmp_path, src, monkeypatch, error, kind,
+                                                      words):  # fmt: skip
+    from tessel.parallel import convert
+
+    a_dir, a = src
+    b = _tp((1, 4), tmp_path / "tp4b.json")
+
+    def failing(job, staging):
+        raise error
+
+    monkeypatch.setattr(convert, "run_job", failing)
+    with pytest.raises(kind, match=words):
+        convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2)
     assert not (tmp_path / "B").exists()
     assert mp.active_children() == []
 

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
+from tessel.errors import TesselError
 from tessel.package.safetensors_io import build_header
 from tessel.parallel.errors import CheckpointError
 from tessel.parallel.plan import FileJob, OutParam
@@ -107,7 +111,7 @@ def run_job(job: FileJob, staging: str) -> int:
 
 
 def _worker_init() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):  # die with the parent even if it is killed outright
         try:
@@ -118,9 +122,88 @@ def _worker_init() -> None:
             pass
 
 
-def _run_job_star(args: tuple[FileJob, str]) -> tuple[str, int]:
-    job, staging = args
-    return job.rel_path, run_job(job, staging)
+def _writer(jobs: Sequence[FileJob], staging: str, next_job, conn) -> None:
+    """A writer process: take the next unwritten job until none is left; report each file's
+    bytes, or the error that stopped it, on ``conn`` (its own pipe, so no lock is shared with
+    the parent and killing a writer can never block it)."""
+    _worker_init()
+    try:
+        while True:
+            with next_job.get_lock():
+                i = next_job.value
+                next_job.value = i + 1
+            if i >= len(jobs):
+                break
+            conn.send(("done", run_job(jobs[i], staging)))
+    except BaseException as e:
+        conn.send(("error", _error_report(e)))
+    finally:
+        conn.close()
+
+
+def _error_report(e: BaseException) -> tuple:
+    """An exception as plain data (tessel's errors do not survive pickling as they are)."""
+    if isinstance(e, TesselError):
+        return ("tessel", str(e))
+    if isinstance(e, OSError):
+        return ("os", e.errno, e.strerror, e.filename)
+    return ("other", "".join(traceback.format_exception(e)))
+
+
+def _raise_report(report: tuple) -> NoReturn:
+    kind, *rest = report
+    if kind == "tessel":
+        raise CheckpointError(None, None, rest[0])
+    if kind == "os":
+        raise OSError(*rest)
+    raise RuntimeError(f"a checkpoint writer process failed:\n{rest[0]}")
+
+
+def _write_in_processes(
+    order: Sequence[FileJob], staging: Path, process_num: int, finished: Callable[[int], None]
+) -> None:
+    """Write the jobs with ``process_num`` writer processes, each taking the next job in order.
+
+    A writer that dies (killed, out of memory) is reported as an error rather than waited for;
+    on any error or Ctrl-C every writer is stopped before this returns.
+    """
+    ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
+    next_job = ctx.Value("q", 0)
+    writers: dict = {}  # the read end of each writer's pipe -> its process
+    try:
+        for _ in range(min(process_num, len(order))):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_writer, args=(order, str(staging), next_job, send))
+            proc.daemon = True
+            proc.start()
+            send.close()
+            writers[recv] = proc
+        while writers:
+            for conn in mp_connection.wait(list(writers)):
+                try:
+                    kind, value = conn.recv()
+                except EOFError:  # the writer is gone: done, or died
+                    proc = writers.pop(conn)
+                    conn.close()
+                    proc.join()
+                    if proc.exitcode:
+                        raise CheckpointError(
+                            None, None, f"a checkpoint writer process died (exit code "
+                            f"{proc.exitcode}); nothing was written to the destination",
+                        ) from None  # fmt: skip
+                    continue
+                if kind == "error":
+                    _raise_report(value)
+                finished(value)
+    finally:
+        for conn, proc in writers.items():
+            conn.close()
+            proc.terminate()
+        for proc in writers.values():
+            proc.join(10)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
 
 
 def _check_forbidden(jobs: Sequence[FileJob], dst: Path, forbidden: Sequence[str]) -> None:
@@ -172,16 +255,8 @@ def _write_jobs(
         for j in jobs:
             finished(run_job(j, str(staging)))
         return
-    ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
-    pool = ctx.Pool(min(process_num, len(jobs)), initializer=_worker_init)
-    try:
-        order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
-        for _, n in pool.imap_unordered(_run_job_star, [(j, str(staging)) for j in order]):
-            finished(n)
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
+    order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
+    _write_in_processes(order, staging, process_num, finished)
 
 
 def _write_small(path: Path, data: bytes) -> None:
