@@ -227,7 +227,11 @@ def _wait_for(marker: Path, pid: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     log = marker.with_suffix(".log")
     while not marker.exists():
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        try:
+            dead = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            dead = True
+        if dead:
             raise AssertionError(f"exited before its pause point:\n{log.read_text()}")
         if time.monotonic() > deadline:
             raise AssertionError(f"did not reach its pause point in {timeout}s")
