@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tests.conftest import subprocess_env
 
+import tessel
 from tessel.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +45,22 @@ def files(tmp_path_factory):
     }
     (d / "parallel_option.json").write_text(json.dumps(option))
     return d
+
+
+@pytest.fixture(scope="module")
+def model(files, tmp_path_factory) -> Path:
+    """The small Llama built once by `tessel build` in a subprocess, for the tests that run it."""
+    out = tmp_path_factory.mktemp("model") / "llama"
+    built = subprocess.run(
+        TESSEL + _build_args(files, **{"--output": str(out), "--log": "info"}),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr
+    path = out.with_name("llama.tessel")
+    assert path.is_file()
+    return path
 
 
 def _build_args(d: Path, **extra: str) -> list[str]:
@@ -116,13 +132,8 @@ def test_trace_every_layer_reaches_capture_and_lowering(files, monkeypatch):
     assert seen == {"capture": False, "lower": {False}}
 
 
-def test_build_inspect_run(files):
+def test_build_inspect_run(files, model):
     env = subprocess_env()
-    subprocess.run(
-        TESSEL + _build_args(files, **{"--log": "info"}), check=True, env=env, capture_output=True
-    )
-    model = files / "out" / "llama.tessel"
-    assert model.is_file()
     shown = subprocess.run(
         TESSEL + ["inspect", str(model)], check=True, env=env, capture_output=True, text=True
     ).stdout
@@ -168,41 +179,47 @@ def test_build_inspect_run(files):
     assert "output_0: [2, 16, 256] float32" in shown
 
 
-def test_ctrl_c_leaves_no_worker(files):
-    model = files / "out" / "llama.tessel"
-    if not model.exists():
-        pytest.skip("needs the model built by test_build_inspect_run")
-    env = subprocess_env()
+def test_ctrl_c_leaves_no_worker(model):
     proc = subprocess.Popen(
         TESSEL + ["run", str(model), "--repeat", "100000"],
-        env=env,
+        env=subprocess_env(PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        text=True,
     )
-    parent = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 120
-    workers: list[psutil.Process] = []
-    while time.monotonic() < deadline and len(workers) < 2:
+    try:
+        # "loaded on N devices" is printed once every worker has the model and runs begin
+        for line in proc.stdout:
+            if line.startswith("loaded on"):
+                break
+        else:
+            proc.wait(timeout=60)
+            raise AssertionError(
+                f"exited ({proc.returncode}) before running:\n{proc.stderr.read()}"
+            )
         workers = [
             p
-            for p in parent.children(recursive=True)
+            for p in psutil.Process(proc.pid).children(recursive=True)
             if "resource_tracker" not in " ".join(p.cmdline())
         ]
-        time.sleep(0.2)
-    assert len(workers) >= 2, "workers did not start"
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    assert proc.returncode in (130, 1), proc.stderr.read()
-    gone, alive = psutil.wait_procs(workers, timeout=15)
-    assert not alive, f"workers outlived Ctrl-C: {[p.pid for p in alive]}"
+        assert len(workers) >= 2, "no worker per device"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+        assert proc.returncode == 130 and "tessel: interrupted" in err, err
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, f"workers outlived Ctrl-C: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
 def gpt2_package(tmp_path_factory):
     from tests.conftest import small_gpt2, token_ids
-
-    import tessel
 
     path = tmp_path_factory.mktemp("gpt2") / "gpt2"
     return tessel.save(tessel.build(small_gpt2(layers=2), (token_ids(),), cluster=2), path)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
 import multiprocessing as mp
 import os
+import signal
 import struct
 from pathlib import Path
 
@@ -313,42 +315,97 @@ def _fail_on_call(monkeypatch, name: str, failing) -> list:
     return calls
 
 
-@pytest.mark.parametrize("existing", [("rank_0",), ("rank_0", "rank_1")])
-def test_failed_rename_into_existing_destination_restores_it(tmp_path, src, monkeypatch, existing):
+def _existing_destination(dst: Path) -> None:
+    """A destination that already holds an older rank 0 and files no conversion writes."""
+    (dst / "rank_0").mkdir(parents=True)
+    (dst / "rank_0" / "checkpoint_0.safetensors").write_bytes(b"old rank 0")
+    (dst / "rank_0" / "notes.txt").write_text("keep me too")
+    (dst / "logs").mkdir()
+    (dst / "logs" / "run.txt").write_text("keep the logs")
+    (dst / "notes.txt").write_text("keep me")
+    (dst / "latest").symlink_to("rank_0")
+
+
+def test_existing_destination_keeps_what_the_output_does_not_replace(tmp_path, src, full):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    dst = tmp_path / "B"
+    _existing_destination(dst)
+    dst.chmod(0o750)
+    notes = os.stat(dst / "notes.txt")
+    convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+    assert _check(dst, full, b) == 2
+    assert (dst / "notes.txt").read_text() == "keep me"
+    assert (dst / "rank_0" / "notes.txt").read_text() == "keep me too"
+    assert (dst / "logs" / "run.txt").read_text() == "keep the logs"
+    assert os.readlink(dst / "latest") == "rank_0"
+    assert os.stat(dst / "notes.txt").st_ino == notes.st_ino  # kept as a link, not copied
+    assert dst.stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_failed_swap_leaves_existing_destination_as_it_was(tmp_path, src, monkeypatch, exchange):
+    from tessel.parallel import publish
+
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    dst = tmp_path / "B"
+    _existing_destination(dst)
+    before = _digest(dst)
+    if exchange:
+
+        def broken(x, y):
+            raise OSError("injected failure of the exchange")
+
+        monkeypatch.setattr(publish, "exchange", broken)
+    else:  # no atomic exchange: the old tree goes aside, then moving the new one in fails
+        monkeypatch.setattr(publish, "exchange", lambda x, y: False)
+        _fail_on_call(monkeypatch, "rename", lambda n: n == 2)
+    with pytest.raises(CheckpointError, match="injected.*destination is unchanged"):
+        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+    monkeypatch.undo()
+    assert _digest(dst) == before and os.readlink(dst / "latest") == "rank_0"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_output_in_the_way_of_an_existing_entry(tmp_path, src):
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "tp2.json")
     dst = tmp_path / "B"
     dst.mkdir()
-    (dst / "notes.txt").write_text("keep me")
-    for d in existing:
-        (dst / d).mkdir()
-        (dst / d / f"checkpoint_{d[-1]}.safetensors").write_bytes(f"old {d}".encode())
+    (dst / "rank_1").write_text("a file where the output needs a directory")
     before = _digest(dst)
-    calls = _fail_on_call(monkeypatch, "replace", lambda n: n == 2)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(CheckpointError, match="in the way of an output"):
         convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
-    monkeypatch.undo()
     assert _digest(dst) == before
-    assert sorted(p.name for p in dst.iterdir()) == sorted(["notes.txt", *existing])
-    assert len(calls) >= 3  # new rank 0 went in, rank 1 failed, rank 0's original came back
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
-def test_failed_restore_names_replaced_files_and_keeps_originals(tmp_path, src, monkeypatch):
+def test_symlinked_destination_replaces_the_tree_it_points_to(tmp_path, src, full):
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "tp2.json")
-    dst = tmp_path / "B"
-    (dst / "rank_0").mkdir(parents=True)
-    old = dst / "rank_0" / "checkpoint_0.safetensors"
-    old.write_bytes(b"old contents")
-    _fail_on_call(monkeypatch, "replace", lambda n: n >= 2)
-    with pytest.raises(CheckpointError, match="could not be restored") as e:
-        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
-    monkeypatch.undo()
-    msg = str(e.value)
-    assert str(old) in msg and "injected" in msg
-    kept = [p for p in dst.rglob("checkpoint_0.safetensors") if ".replaced" in p.parts]
-    assert len(kept) == 1 and kept[0].read_bytes() == b"old contents"
-    assert str(kept[0].parent.parent) in msg
+    _existing_destination(tmp_path / "real")
+    (tmp_path / "B").symlink_to("real")
+    convert_checkpoints(a_dir, tmp_path / "B", "checkpoint_", a, b)
+    assert os.readlink(tmp_path / "B") == "real"
+    assert _check(tmp_path / "real", full, b) == 2
+    assert (tmp_path / "real" / "notes.txt").read_text() == "keep me"
+
+
+def test_rank_file_over_an_existing_one(tmp_path, src, full):
+    a_dir, a = src
+    b = _tp((1, 2), tmp_path / "tp2.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rank1.safetensors").write_bytes(b"old")
+    (out / "other.txt").write_text("keep")
+    files = {r: a_dir / f"rank_{r}" / f"checkpoint_{r}.safetensors" for r in range(4)}
+    convert_checkpoint_by_rank(1, files, out / "rank1.safetensors", a, b)
+    got = load_file(str(out / "rank1.safetensors"))
+    want = ref_rank_slices(full, load_strategy(b), 1)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(p.name for p in out.iterdir()) == ["other.txt", "rank1.safetensors"]
 
 
 def test_new_destination_appears_in_one_rename(tmp_path, src, full, monkeypatch):
@@ -386,6 +443,51 @@ def test_interrupt_cleans_up_and_leaves_no_processes(tmp_path, src):
 
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2, progress=boom)
+    assert not (tmp_path / "B").exists()
+    assert mp.active_children() == []
+
+
+def test_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, src, monkeypatch):
+    from tessel.parallel import convert
+
+    a_dir, a = src
+    b = _tp((1, 4), tmp_path / "tp4b.json")
+    real = convert.run_job
+
+    def dying(job, staging):
+        if job.rel_path.startswith("rank_2/"):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        return real(job, staging)
+
+    monkeypatch.setattr(convert, "run_job", dying)
+    with pytest.raises(CheckpointError, match="writer process died"):
+        convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2)
+    assert not (tmp_path / "B").exists()
+    assert mp.active_children() == []
+
+
+@pytest.mark.parametrize(
+    "error, kind, words",
+    [
+        (CheckpointError("src.safetensors", "qkv", "source file disappeared"), CheckpointError,
+         "src.safetensors: qkv: source file disappeared"),
+        (OSError(errno.ENOSPC, "No space left on device", "f"), OSError, "No space left"),
+        (ZeroDivisionError("a bug"), RuntimeError, "(?s)writer process failed.*ZeroDivisionError: a bug"),
+    ],
+)  # fmt: skip
+def test_error_in_a_writer_process_reaches_the_caller(tmp_path, src, monkeypatch, error, kind,
+                                                      words):  # fmt: skip
+    from tessel.parallel import convert
+
+    a_dir, a = src
+    b = _tp((1, 4), tmp_path / "tp4b.json")
+
+    def failing(job, staging):
+        raise error
+
+    monkeypatch.setattr(convert, "run_job", failing)
+    with pytest.raises(kind, match=words):
+        convert_checkpoints(a_dir, tmp_path / "B", "x_", a, b, process_num=2)
     assert not (tmp_path / "B").exists()
     assert mp.active_children() == []
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tessel.parallel.boxes import Box, device_box
-from tessel.parallel.convert import execute, shape_bytes
+from tessel.parallel.convert import execute, execute_file, shape_bytes
 from tessel.parallel.errors import CheckpointError, StrategyError
 from tessel.parallel.plan import FileJob, needed_holders, plan_file
 from tessel.parallel.sources import (
@@ -249,7 +249,7 @@ def convert_checkpoint_by_rank(
     """Build destination rank ``rank_id``'s safetensors file ``save_file`` from ``{src rank: file}``.
 
     Only the files ``rank_list_for_convert`` names are needed. The output is written under a
-    temporary name and renamed when complete. ``save_checkpoint_file_name`` is MindSpore's name
+    temporary name beside ``save_file``, synced and renamed over it when complete. ``save_checkpoint_file_name`` is MindSpore's name
     for ``save_file`` (keyword-only).
     """
     save = Path(_pick_required("convert_checkpoint_by_rank", "save_file", save_file,
@@ -279,7 +279,7 @@ def convert_checkpoint_by_rank(
         raise StrategyError(dst.source, None, f"rank {rank_id} holds no parameter")
     job = plan_file(source, entries, save.name, prefer=rank_id, allowed=set(files),
                     metadata={"format": "pt", "tessel_rank": str(rank_id)})  # fmt: skip
-    execute([job], save.parent, forbidden=list(files.values()))
+    execute_file(job, save, forbidden=list(files.values()))
     return str(save)
 
 
@@ -379,6 +379,15 @@ def plan_unify(
     return jobs, weight_map, total, source
 
 
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def unify_index(weight_map: Mapping[str, str], total: int) -> bytes:
+    """The Hugging Face index file of unified shards."""
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": dict(weight_map)},
+                      indent=2).encode()  # fmt: skip
+
+
 def unified_safetensors(
     src_dir: str | os.PathLike,
     src_strategy_file: StrategyArg,
@@ -419,14 +428,12 @@ def unified_safetensors(
             raise CheckpointError(None, "split_dst_file", f"is {split_dst_file}; need 1 <= k <= n")
         jobs = [j for i, j in enumerate(jobs) if i % n == k - 1]
         write_index = k == 1
-    out = execute(jobs, dst_dir, process_num, progress, source.holder_files())
+    extra = {}
+    if write_index:  # published with the shards, so the index never names missing files
+        extra[INDEX_NAME] = unify_index(weight_map, total)
+    out = execute(jobs, dst_dir, process_num, progress, source.holder_files(), extra)
     if write_index:
-        idx = Path(dst_dir) / "model.safetensors.index.json"
-        tmp = idx.with_name(f".{idx.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                  indent=2))  # fmt: skip
-        os.replace(tmp, idx)
-        out.append(str(idx))
+        out.append(str(Path(dst_dir) / INDEX_NAME))
     return out
 
 

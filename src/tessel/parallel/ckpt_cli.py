@@ -66,7 +66,7 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def _run(jobs, dst, args, forbidden) -> list[str]:
+def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
     from tqdm import tqdm
 
     from tessel.parallel.convert import execute, nbytes_of
@@ -82,7 +82,7 @@ def _run(jobs, dst, args, forbidden) -> list[str]:
         file=sys.stderr,
     )
     try:
-        return execute(jobs, dst, args.process_num, bar.update, forbidden)
+        return execute(jobs, dst, args.process_num, bar.update, forbidden, extra_files)
     finally:
         bar.close()
 
@@ -102,16 +102,12 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _unify(args: argparse.Namespace) -> int:
-    import os
-
-    from tessel.parallel.api import plan_unify
+    from tessel.parallel.api import INDEX_NAME, plan_unify, unify_index
 
     jobs, weight_map, total, source = plan_unify(args.src, args.strategy, args.max_shard_size)
-    out = _run(jobs, args.dst, args, source.holder_files())
-    idx = Path(args.dst) / "model.safetensors.index.json"
-    tmp = idx.with_name(f".{idx.name}.tmp")
-    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    os.replace(tmp, idx)
+    index = {INDEX_NAME: unify_index(weight_map, total)}
+    out = _run(jobs, args.dst, args, source.holder_files(), index)
+    idx = Path(args.dst) / INDEX_NAME
     print(f"wrote {len(out)} shards ({_gib(total)}) and {idx}")
     return 0
 

@@ -5,30 +5,32 @@ tensor's bytes at its offset. A tensor whose pieces are long contiguous runs is 
 by the kernel (``copy_file_range``); otherwise one buffer the size of that output slice is filled
 from the source regions and written. So peak memory is about the largest output slice.
 
-All outputs are written under a staging directory and moved into place only when every file is
-complete. A destination that does not exist yet is staged whole as a hidden sibling and renamed
-in one step; into an existing one the files are moved one by one, keeping each file they replace
-until all are in, so a failure restores it. On any error (or Ctrl-C) the destination is left as it
-was. Sources are only ever opened read-only.
+Outputs are published with ``tessel.parallel.publish``: a tree is built whole beside the
+destination and swapped in at once, a single file is written under a temporary name and renamed,
+so an error, Ctrl-C or kill at any moment leaves the old output or the complete new one. Sources
+are only ever opened read-only.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import shutil
 import signal
 import sys
-import uuid
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
+from tessel.errors import TesselError
 from tessel.package.safetensors_io import build_header
 from tessel.parallel.errors import CheckpointError
 from tessel.parallel.plan import FileJob, OutParam
+from tessel.parallel.publish import StagedTree, pause_point, staged_file, sync_file
 from tessel.parallel.st_io import (
     DIRECT_RUN_BYTES,
     copy_range,
@@ -82,10 +84,8 @@ def _write_param(op: OutParam, out_fd: int, offset: int, fds: _Fds) -> None:
         write_all(out_fd, buf.view(-1).view(torch.uint8).numpy(), offset)
 
 
-def run_job(job: FileJob, staging: str) -> int:
-    """Write one output file under ``staging``; returns the bytes of tensor data written."""
-    path = Path(staging) / job.rel_path
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_file(job: FileJob, path: str | os.PathLike) -> int:
+    """Write one job's safetensors file at ``path`` and sync it; returns the tensor bytes."""
     head, offsets = build_header([(o.name, o.dtype, o.shape) for o in job.params], job.metadata)
     total = len(head) + sum(nb for _, nb in offsets.values())
     fds = _Fds()
@@ -95,6 +95,7 @@ def run_job(job: FileJob, staging: str) -> int:
         os.ftruncate(out_fd, total)
         for op in job.params:
             _write_param(op, out_fd, offsets[op.name][0], fds)
+        sync_file(out_fd)  # on disk before the tree holding it is published
     finally:
         os.close(out_fd)
         fds.close()
@@ -102,8 +103,15 @@ def run_job(job: FileJob, staging: str) -> int:
     return total - len(head)
 
 
+def run_job(job: FileJob, staging: str) -> int:
+    """Write one output file under ``staging``; returns the bytes of tensor data written."""
+    path = Path(staging) / job.rel_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_file(job, path)
+
+
 def _worker_init() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):  # die with the parent even if it is killed outright
         try:
@@ -114,13 +122,88 @@ def _worker_init() -> None:
             pass
 
 
-def _run_job_star(args: tuple[FileJob, str]) -> tuple[str, int]:
-    job, staging = args
-    return job.rel_path, run_job(job, staging)
+def _writer(jobs: Sequence[FileJob], staging: str, next_job, conn) -> None:
+    """A writer process: take the next unwritten job until none is left; report each file's
+    bytes, or the error that stopped it, on ``conn`` (its own pipe, so no lock is shared with
+    the parent and killing a writer can never block it)."""
+    _worker_init()
+    try:
+        while True:
+            with next_job.get_lock():
+                i = next_job.value
+                next_job.value = i + 1
+            if i >= len(jobs):
+                break
+            conn.send(("done", run_job(jobs[i], staging)))
+    except BaseException as e:
+        conn.send(("error", _error_report(e)))
+    finally:
+        conn.close()
 
 
-class _RestoreError(CheckpointError):
-    """Publishing failed and some replaced files could not be put back (their backups are kept)."""
+def _error_report(e: BaseException) -> tuple:
+    """An exception as plain data (tessel's errors do not survive pickling as they are)."""
+    if isinstance(e, TesselError):
+        return ("tessel", str(e))
+    if isinstance(e, OSError):
+        return ("os", e.errno, e.strerror, e.filename)
+    return ("other", "".join(traceback.format_exception(e)))
+
+
+def _raise_report(report: tuple) -> NoReturn:
+    kind, *rest = report
+    if kind == "tessel":
+        raise CheckpointError(None, None, rest[0])
+    if kind == "os":
+        raise OSError(*rest)
+    raise RuntimeError(f"a checkpoint writer process failed:\n{rest[0]}")
+
+
+def _write_in_processes(
+    order: Sequence[FileJob], staging: Path, process_num: int, finished: Callable[[int], None]
+) -> None:
+    """Write the jobs with ``process_num`` writer processes, each taking the next job in order.
+
+    A writer that dies (killed, out of memory) is reported as an error rather than waited for;
+    on any error or Ctrl-C every writer is stopped before this returns.
+    """
+    ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
+    next_job = ctx.Value("q", 0)
+    writers: dict = {}  # the read end of each writer's pipe -> its process
+    try:
+        for _ in range(min(process_num, len(order))):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_writer, args=(order, str(staging), next_job, send))
+            proc.daemon = True
+            proc.start()
+            send.close()
+            writers[recv] = proc
+        while writers:
+            for conn in mp_connection.wait(list(writers)):
+                try:
+                    kind, value = conn.recv()
+                except EOFError:  # the writer is gone: done, or died
+                    proc = writers.pop(conn)
+                    conn.close()
+                    proc.join()
+                    if proc.exitcode:
+                        raise CheckpointError(
+                            None, None, f"a checkpoint writer process died (exit code "
+                            f"{proc.exitcode}); nothing was written to the destination",
+                        ) from None  # fmt: skip
+                    continue
+                if kind == "error":
+                    _raise_report(value)
+                finished(value)
+    finally:
+        for conn, proc in writers.items():
+            conn.close()
+            proc.terminate()
+        for proc in writers.values():
+            proc.join(10)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
 
 
 def _check_forbidden(jobs: Sequence[FileJob], dst: Path, forbidden: Sequence[str]) -> None:
@@ -159,93 +242,32 @@ def _write_jobs(
     progress: Callable[[int], None] | None,
 ) -> None:
     """Write every job's file under ``staging``, in this process or in a pool of workers."""
+    done = 0
+
+    def finished(n: int) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(n)
+        pause_point(f"written-{done}")
+
     if process_num <= 1 or len(jobs) <= 1:
         for j in jobs:
-            n = run_job(j, str(staging))
-            if progress:
-                progress(n)
+            finished(run_job(j, str(staging)))
         return
-    ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
-    pool = ctx.Pool(min(process_num, len(jobs)), initializer=_worker_init)
+    order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
+    _write_in_processes(order, staging, process_num, finished)
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    """Write a small file (an index) into a staged tree, synced like the tensor files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first balances best
-        for _, n in pool.imap_unordered(_run_job_star, [(j, str(staging)) for j in order]):
-            if progress:
-                progress(n)
-        pool.close()
+        write_all(fd, data, 0)
+        sync_file(fd)
     finally:
-        pool.terminate()
-        pool.join()
-
-
-def _publish_dir(staging: Path, dst: Path) -> None:
-    """Move a complete staged output directory to ``dst`` (which did not exist) in one rename."""
-    try:
-        os.rename(staging, dst)
-    except OSError as e:
-        raise CheckpointError(
-            str(dst), None, f"could not move the finished output into place ({e}); nothing written"
-        ) from None
-
-
-def _keep_old(final: Path, backup: Path) -> None:
-    """Keep the file about to be replaced: a hard link (``final`` stays in place), else a move."""
-    backup.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(final, backup)
-    except OSError:
-        os.replace(final, backup)
-
-
-def _publish_files(jobs: Sequence[FileJob], staging: Path, dst: Path) -> None:
-    """Move staged files into an existing ``dst`` one by one; on any failure put it back as it was.
-
-    Each file that would be overwritten is first kept under ``staging/.replaced``; a failure
-    restores those, removes the new files and the directories made for them.
-    """
-    backups = staging / ".replaced"
-    placed: list[tuple[Path, Path | None]] = []  # (final, kept original or None if it was new)
-    made: list[Path] = []
-    try:
-        for j in jobs:
-            final = dst / j.rel_path
-            made += _make_dirs(final.parent)
-            backup = None
-            if final.exists() or final.is_symlink():
-                backup = backups / j.rel_path
-                _keep_old(final, backup)
-            placed.append((final, backup))
-            os.replace(staging / j.rel_path, final)
-    except BaseException as e:
-        _roll_back(placed, made, dst, backups, e)
-        raise
-
-
-def _roll_back(
-    placed: Sequence[tuple[Path, Path | None]],
-    made: Sequence[Path],
-    dst: Path,
-    backups: Path,
-    cause: BaseException,
-) -> None:
-    """Undo ``_publish_files``; raise ``_RestoreError`` naming what could not be restored."""
-    failed = []
-    for final, backup in reversed(placed):
-        try:
-            if backup is not None:
-                os.replace(backup, final)
-            else:
-                final.unlink(missing_ok=True)
-        except OSError as e:
-            failed.append(f"{final} (original kept at {backup}: {e})" if backup else f"{final}")
-    _remove_empty_dirs(made)
-    if failed:
-        raise _RestoreError(
-            str(dst),
-            None,
-            f"moving the new files into place failed ({cause!r}) and these could not be "
-            f"restored: {failed}; the replaced originals are kept under {backups}",
-        ) from cause
+        os.close(fd)
 
 
 def execute(
@@ -254,41 +276,50 @@ def execute(
     process_num: int = 1,
     progress: Callable[[int], None] | None = None,
     forbidden: Sequence[str] = (),
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> list[str]:
-    """Write all jobs into ``dst_dir`` all-or-nothing; returns the output paths.
+    """Write all jobs (and ``extra_files``, ``{relative path: bytes}``) as the tree ``dst_dir``;
+    returns the paths of the jobs' files.
 
-    A new ``dst_dir`` is staged whole as a hidden sibling and renamed into place in one step. In
-    an existing one, files are staged inside it and moved in one by one, and a failure restores
-    every file already replaced. ``forbidden`` lists source files that must never be overwritten.
+    The tree is built whole beside ``dst_dir`` and swapped in at once (see ``publish``), so a
+    failure, Ctrl-C or kill at any moment leaves the old ``dst_dir`` or the new one. Entries of
+    an existing ``dst_dir`` that no output replaces are kept. ``forbidden`` lists source files
+    that must never be overwritten.
     """
-    dst = Path(dst_dir)
-    _check_forbidden(jobs, dst, forbidden)
-    fresh = not dst.exists()
-    made = _make_dirs(dst.parent) if fresh else []
-    tag = uuid.uuid4().hex[:12]
-    if fresh:
-        staging = dst.parent / f".{dst.name}.tessel-staging-{tag}"
-    else:
-        dst.mkdir(exist_ok=True)  # a clear FileExistsError if dst is a file
-        staging = dst / f".tessel-staging-{tag}"
-    staging.mkdir()
-    ok = keep_staging = False
+    tree = StagedTree(dst_dir)
+    _check_forbidden(jobs, tree.dst, forbidden)
+    made = _make_dirs(tree.dst.parent)
+    ok = False
     try:
-        _write_jobs(jobs, staging, process_num, progress)
-        if fresh:
-            _publish_dir(staging, dst)
-        else:
-            _publish_files(jobs, staging, dst)
+        with tree:
+            pause_point("staged")
+            _write_jobs(jobs, tree.path, process_num, progress)
+            for rel, data in (extra_files or {}).items():
+                _write_small(tree.path / rel, data)
+            tree.publish()
         ok = True
-        return [str(dst / j.rel_path) for j in jobs]
-    except _RestoreError:
-        keep_staging = True  # it holds the originals that could not be put back
-        raise
     finally:
-        if not keep_staging:
-            shutil.rmtree(staging, ignore_errors=True)
         if not ok:
             _remove_empty_dirs(made)
+    return [str(Path(dst_dir) / j.rel_path) for j in jobs]
+
+
+def execute_file(job: FileJob, path: str | os.PathLike, forbidden: Sequence[str] = ()) -> str:
+    """Write one job's file at ``path`` (its ``rel_path`` is ignored) all-or-nothing: under a
+    temporary name beside it, synced, then renamed over ``path``."""
+    target = Path(path)
+    if os.path.realpath(target) in {os.path.realpath(f) for f in forbidden}:
+        raise CheckpointError(str(target), None, "output would overwrite a source file")
+    made = _make_dirs(target.parent)
+    ok = False
+    try:
+        with staged_file(target) as tmp:
+            write_file(job, tmp)
+        ok = True
+    finally:
+        if not ok:
+            _remove_empty_dirs(made)
+    return str(target)
 
 
 def nbytes_of(jobs: Sequence[FileJob]) -> int:
