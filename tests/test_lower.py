@@ -10,12 +10,10 @@ from tests.conftest import small_gpt2, small_llama, token_ids
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tessel.builder.pipeline import _lower_all
+from tessel.builder.pipeline import plan_and_lower
 from tessel.capture import capture
 from tessel.config.cluster import local_cluster
-from tessel.config.parallel_option import ParallelOption
 from tessel.lower.trace import fake_world, lower_rank
-from tessel.plan import make_plan
 
 N = 4
 
@@ -23,8 +21,7 @@ N = 4
 @pytest.mark.parametrize("make", [small_llama, small_gpt2], ids=["llama", "gpt2"])
 def test_every_rank_gets_the_program_tracing_it_alone_gives(make):
     captured = capture(make(), (token_ids(),))
-    plan = make_plan(captured, local_cluster(N, "cpu"), ParallelOption(), 60)
-    programs = _lower_all(captured, plan, N)
+    plan, programs = plan_and_lower(captured, local_cluster(N, "cpu"))
     assert len(programs) == N
     for rank, got in enumerate(programs):
         alone = lower_rank(captured, plan, rank)

@@ -12,12 +12,12 @@ from torch import fx, nn
 from torch.distributed.tensor import Shard
 
 import tessel.lower.trace as trace_mod
+from tessel.builder.pipeline import plan_and_lower
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluster_dict
-from tessel.config.parallel_option import ParallelOption
 from tessel.lower.stitch import Stitcher, StitchError, _contiguous_runs
 from tessel.lower.trace import _trace, lower_rank, weight_inputs
-from tessel.plan import has_rule, make_plan
+from tessel.plan import has_rule
 from tessel.plan.planner import least_activation_bytes
 
 FALLBACK = "tracing every layer"
@@ -124,7 +124,7 @@ def test_stitched_rank_equals_tracing_every_layer(captured, world, tight, run_no
     caplog.set_level(logging.INFO, logger=TRACE_LOG)
     model, cap = captured
     cluster = tight_cluster(model, cap, world) if tight else local_cluster(world, "cpu")
-    plan = make_plan(cap, cluster, ParallelOption(), 60)
+    plan, _ = plan_and_lower(cap, cluster)
     if tight:  # the stitched layers read sharded weights and activations
         assert sharded_weights(cap, plan)
     stitcher = Stitcher.for_plan(cap.program.graph, plan)
@@ -151,8 +151,8 @@ def test_stitched_capture_and_traced_capture_lower_alike(captured):
     inputs = {"input_ids": token_ids(seq=8, vocab=128), "use_cache": False}
     full = capture(model, inputs, keep=has_rule, reuse_layers=False)
     world = 4
-    plan = make_plan(cap, tight_cluster(model, cap, world), ParallelOption(), 60)
-    plan_full = make_plan(full, tight_cluster(model, full, world), ParallelOption(), 60)
+    plan, _ = plan_and_lower(cap, tight_cluster(model, cap, world))
+    plan_full, _ = plan_and_lower(full, tight_cluster(model, full, world))
     rank = world - 1
     assert_same_program(lower_rank(cap, plan, rank), _trace(full, plan_full, rank, None))
 
@@ -162,7 +162,7 @@ def test_stitch_error_traces_every_layer(captured, where, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=TRACE_LOG)
     model, cap = captured
     world = 2
-    plan = make_plan(cap, tight_cluster(model, cap, world), ParallelOption(), 60)
+    plan, _ = plan_and_lower(cap, tight_cluster(model, cap, world))
     rank = world - 1
     want = _trace(cap, plan, rank, None)
     raised = []

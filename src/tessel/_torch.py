@@ -52,6 +52,7 @@ __all__ = [
     "redistribute",
     "sharding_propagator",
     "traced_graph_length",
+    "traced_nodes_since",
     "tree_flatten",
     "tree_leaves",
     "tree_map",
@@ -149,6 +150,12 @@ def traced_graph_length() -> int | None:
     """How many nodes the program being traced holds so far (None: nothing is being traced)."""
     mode = _proxy_mode()
     return None if mode is None else len(mode.tracer.graph.nodes)
+
+
+def traced_nodes_since(length: int) -> list[torch.fx.Node]:
+    """The nodes the program being traced gained after it held `length` nodes."""
+    mode = _proxy_mode()
+    return [] if mode is None else list(mode.tracer.graph.nodes)[length:]
 
 
 def proxy_node(t: torch.Tensor) -> torch.fx.Node | None:

@@ -42,6 +42,7 @@ def _build(args: argparse.Namespace) -> int:
         soc_version=opts.soc_version,
         graph_parallel=opts.enable_graph_parallel,
         reuse_layers=not args.trace_every_layer,
+        verify=args.verify,
     )
     path = built.save(args.output)
     if logging.getLogger().isEnabledFor(logging.INFO):
@@ -81,6 +82,17 @@ def _demo(args: argparse.Namespace) -> int:
     from tessel.demo import run_demo
 
     return run_demo(args.devices, args.layers)
+
+
+def _switch(flag: str):
+    """An ATC-style 0/1 flag value."""
+
+    def parse(value: str) -> bool:
+        if value not in ("0", "1"):
+            raise ConfigError(flag, None, f"expected 0 or 1, found {value!r}")
+        return value == "1"
+
+    return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -126,6 +138,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--trace_every_layer",
         action="store_true",
         help="trace every layer of a stack of identical layers (default: trace one, copy it)",
+    )
+    b.add_argument(
+        "--verify",
+        nargs="?",
+        const="1",
+        default="1",
+        type=_switch("--verify"),
+        help="1 (default): run the built model on the example inputs in this process and refuse "
+        "to write it unless it agrees with the eager model (costs one forward pass of the model "
+        "plus one of every device's share); 0: skip the check",
     )
     b.set_defaults(func=_build)
 

@@ -16,23 +16,32 @@ from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
 from tessel._torch import tree_leaves
+from tessel.builder.verify import check_against_eager
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import ClusterConfig, local_cluster, read_cluster_config
 from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
-from tessel.lower.trace import RankProgram, lower_rank, weight_inputs
+from tessel.lower.trace import (
+    LoweringError,
+    NotAsPlanned,
+    RankProgram,
+    lower_rank,
+    weight_inputs,
+)
 from tessel.lower.weights import local_shard, local_shard_shape, placement_str, shard_chunks
 from tessel.package.format import (
     CONSTANT_PREFIX,
     FORMAT,
     FORMAT_VERSION,
+    BuiltPackage,
     Manifest,
     Member,
     write_package,
 )
 from tessel.plan import Plan, has_rule, make_plan
 from tessel.plan.planner import layer_name
+from tessel.plan.strategies import describe_strategy, strategy_key
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +78,7 @@ def build(
     example_kwargs: dict | None = None,
     time_limit: float = 60.0,
     reuse_layers: bool = True,
+    verify: bool = True,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
@@ -76,6 +86,9 @@ def build(
     algorithm-based partitioning); without it the whole model is deployed to every device and
     runs are load-balanced over the replicas. `reuse_layers=False` traces every layer of a
     stack of identical layers, in capture and in lowering, instead of tracing one and copying it.
+    With `verify` (the default) the built model runs on the example inputs in this process and
+    must agree with the eager model, or `VerifyError` is raised and nothing is returned; it costs
+    one forward pass of the model plus one of every device's share.
     """
     timings: dict[str, float] = {}
     cluster = _cluster(cluster, soc_version)
@@ -98,20 +111,87 @@ def build(
         )
     timings["capture"] = time.perf_counter() - t
 
-    plan_world = cluster.world_size if graph_parallel else 1
     plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
-    plan = make_plan(captured, plan_cluster, policy, time_limit)
-    timings.update(plan.timings)
-
-    t = time.perf_counter()
-    programs = _lower_all(captured, plan, plan_world, reuse_layers)
-    timings["lower"] = time.perf_counter() - t
+    plan, programs = plan_and_lower(
+        captured,
+        plan_cluster,
+        policy,
+        time_limit=time_limit,
+        reuse_layers=reuse_layers,
+        timings=timings,
+    )
     t = time.perf_counter()
     manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
     timings["pack"] = time.perf_counter() - t
+    if verify and captured.source is not None:
+        t = time.perf_counter()
+        package = BuiltPackage(Manifest.from_json(manifest, "the built model", members), members)
+        manifest["plan"]["verify"] = check_against_eager(
+            package, captured.example_inputs, captured.eager_outputs()
+        )
+        timings["verify"] = time.perf_counter() - t
     manifest["timings"] = timings
     # checked as a loader checks it, so a model that would be refused is never saved
     return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
+
+
+MAX_REPLANS = 25
+
+
+def plan_and_lower(
+    captured: CapturedModel,
+    cluster: ClusterConfig,
+    policy: ParallelOption | None = None,
+    *,
+    time_limit: float = 60.0,
+    reuse_layers: bool = True,
+    timings: dict[str, float] | None = None,
+) -> tuple[Plan, list[RankProgram]]:
+    """Plan for `cluster`, then lower every rank exactly as planned.
+
+    Where DTensor cannot run a node the way the plan places it, that strategy is dropped from
+    the node's candidates and the model is planned again, so the program always is the plan;
+    each such re-plan is recorded in the plan for `tessel inspect`.
+    """
+    policy = policy or ParallelOption()
+    timings = {} if timings is None else timings
+    world = cluster.world_size
+    banned: dict[str, set] = {}
+    replanned: list[dict[str, str]] = []
+    for _ in range(MAX_REPLANS + 1):
+        plan = make_plan(captured, cluster, policy, time_limit, banned=banned)
+        for phase in ("strategies", "solve"):
+            timings[phase] = timings.get(phase, 0.0) + plan.timings.get(phase, 0.0)
+        t = time.perf_counter()
+        try:
+            programs = _lower_all(captured, plan, world, reuse_layers)
+        except NotAsPlanned as exc:
+            before = {owner: set(keys) for owner, keys in banned.items()}
+            for node, strategy, reason in exc.failures:
+                owner = (plan.choices[node].owner or node).name
+                key = strategy_key(strategy)
+                if key in before.get(owner, set()):
+                    raise LoweringError(f"{exc} (that strategy was dropped already)") from exc
+                if key in banned.get(owner, set()):
+                    continue
+                banned.setdefault(owner, set()).add(key)
+                replanned.append(
+                    {
+                        "node": node.name,
+                        "op": str(node.target),
+                        "strategy": describe_strategy(strategy),
+                        "reason": reason,
+                    }
+                )
+                log.info("re-planning %s without %s: %s", owner, key, reason)
+            continue
+        finally:
+            timings["lower"] = timings.get("lower", 0.0) + time.perf_counter() - t
+        plan.replanned = replanned
+        return plan, programs
+    raise LoweringError(
+        f"the plan still cannot be lowered after {MAX_REPLANS} re-plans; last: {replanned[-1]}"
+    )
 
 
 def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
@@ -227,10 +307,11 @@ def _pack(
             }
             for fqn, source in tied.items()
         }
-        weight_bytes = sum(
+        # a tied weight is a view of its source: the device holds the bytes once
+        aliased = sum(
             _nbytes(state[fqn], () if fqn in whole else placements[fqn], plan, mesh_rank)
-            for _, fqn in weights
-        ) + sum(v.numel() * v.element_size() for v in rp.constants.values())
+            for fqn in tied
+        )
         colls = collectives(rp.program, rp.shapes)
         submodels.append(
             {
@@ -249,7 +330,8 @@ def _pack(
             {
                 "rank": rank,
                 "logical_device": device.logical_id,
-                "weight_bytes": weight_bytes,
+                "weight_bytes": rp.weight_bytes - aliased,
+                "peak_bytes": rp.peak_bytes - aliased,
                 "collectives": [
                     {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)}
                     for c in colls
@@ -364,5 +446,6 @@ def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:
         "layers": layers,
         "fallbacks": [{"node": n, "op": t, "reason": r} for n, t, r in plan.fallbacks()],
         "fallback_ops": dict(fallbacks),
+        "replanned": plan.replanned,
         "ranks": ranks,
     }

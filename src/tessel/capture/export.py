@@ -6,7 +6,7 @@ import contextlib
 import importlib.util
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,26 @@ _SDPA_OPS = (
 
 @dataclass
 class CapturedModel:
-    """A decomposed ExportedProgram plus the flat list of user inputs it takes."""
+    """A decomposed ExportedProgram plus the flat list of user inputs it takes.
+
+    `source` is the model as the user gave it, called with `example_args` and `example_kwargs`
+    to check a build against it.
+    """
 
     program: ExportedProgram
     example_inputs: list[torch.Tensor]
     input_names: list[str]
+    source: Callable[..., Any] | None = None
+    example_args: tuple = ()
+    example_kwargs: dict = field(default_factory=dict)
+
+    def eager_outputs(self) -> list[torch.Tensor]:
+        """The source model's outputs on the example inputs, as a flat list of tensors."""
+        if self.source is None:
+            raise ValueError("this captured model keeps no source model to run")
+        with torch.no_grad():
+            out = self.source(*self.example_args, **self.example_kwargs)
+        return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
 
 
 def capture(
@@ -56,6 +71,8 @@ def capture(
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
     if isinstance(model, ExportedProgram):
         ep = model
+        if not args and not kwargs and model.example_inputs is not None:
+            args, kwargs = model.example_inputs  # what torch.export.save kept
     else:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(
@@ -83,11 +100,12 @@ def capture(
     portable_attention(ep.graph_module, recompile=False)
     ep.graph_module.recompile()
     names, values = _user_inputs(ep)
-    if not isinstance(model, ExportedProgram):
+    if args or kwargs:
         given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if len(given) == len(values):
             values = [g.detach().clone() for g in given]
-    return CapturedModel(ep, values, names)
+    source = model.module() if isinstance(model, ExportedProgram) else model
+    return CapturedModel(ep, values, names, source, args, kwargs)
 
 
 def _export_stamped(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram | None:

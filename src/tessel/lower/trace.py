@@ -27,6 +27,8 @@ from tessel._torch import (
     clear_dtensor_caches,
     fake_process_group,
     redistribute,
+    traced_graph_length,
+    traced_nodes_since,
     tree_leaves,
     tree_map,
 )
@@ -38,6 +40,7 @@ from tessel.lower.stitch import Stitcher, StitchError
 from tessel.lower.weights import local_shard
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
+from tessel.plan.memory import program_peak_bytes
 from tessel.plan.strategies import LOCAL_RULES
 
 log = logging.getLogger(__name__)
@@ -79,11 +82,14 @@ def weight_inputs(captured: CapturedModel, plan: Plan) -> list[tuple[str, str]]:
 
 @dataclass
 class RankProgram:
-    """One rank's lowered program (JSON), the constants it uses and its local tensor shapes."""
+    """One rank's lowered program (JSON), the constants it uses and its local tensor shapes,
+    with the bytes its device holds: weights, and at the program's peak."""
 
     program: dict
     constants: dict[str, torch.Tensor]
     shapes: dict[str, tuple[list[int], str]]
+    weight_bytes: int = 0
+    peak_bytes: int = 0
 
 
 def lower_rank(captured: CapturedModel, plan: Plan, rank: int, stitch: bool = True) -> RankProgram:
@@ -139,6 +145,7 @@ def _trace(
     }
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     world = plan.mesh_shape[0]
+    checked = _Checked()
     with fake_world(rank, world) as mesh:
 
         def run(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -168,10 +175,10 @@ def _trace(
                         stitcher.record(env)
                     return outputs
                 if stitcher is None:
-                    env[n] = _run_node(n, env, plan, mesh)
+                    env[n] = _run_node(n, env, plan, mesh, checked)
                 elif not stitcher.skips(n):
                     stitcher.before(n)
-                    env[n] = _run_node(n, env, plan, mesh)
+                    env[n] = _run_node(n, env, plan, mesh, checked)
                     stitcher.after(n)
             raise LoweringError("graph has no output node")
 
@@ -183,12 +190,15 @@ def _trace(
             example.append(torch.empty(shard.shape, dtype=shard.dtype))
         example += [torch.zeros_like(x) for x in captured.example_inputs]
         gm = make_fx(run, tracing_mode="fake")(*example)
+        checked.raise_if_any()
         if stitcher is not None:
             stitcher.stitch(gm.graph)
         gm.graph.eliminate_dead_code()
         portable_attention(gm, recompile=False)  # the program is read, never run, here
         program, constants = encode(gm)  # resolves collective groups while the world exists
-    return RankProgram(program, constants, node_shapes(gm))
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]))
+    return RankProgram(program, constants, node_shapes(gm), held, peak)
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
@@ -220,21 +230,37 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
 
 
 class NotAsPlanned(LoweringError):
-    """DTensor cannot run a node the way the plan places it; the planner drops that strategy."""
+    """DTensor cannot run some nodes the way the plan places them; the planner drops those
+    strategies. `failures` holds (node, strategy, reason) for each."""
 
-    def __init__(self, node: fx.Node, strategy: Any, reason: str) -> None:
-        self.node = node
-        self.strategy = strategy
-        self.reason = reason
-        super().__init__(f"node {node.name} ({node.target}) cannot run as planned: {reason}")
+    def __init__(self, failures: list[tuple[fx.Node, Any, str]]) -> None:
+        self.failures = failures
+        node, _, reason = failures[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        super().__init__(f"node {node.name} ({node.target}) cannot run as planned: {reason}{more}")
 
 
-def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh) -> Any:
+class _Checked:
+    """Nodes whose lowering departed from the plan while one rank was traced."""
+
+    def __init__(self) -> None:
+        self.failures: list[tuple[fx.Node, Any, str]] = []
+
+    def fail(self, n: fx.Node, strategy: Any, reason: str) -> None:
+        self.failures.append((n, strategy, reason))
+
+    def raise_if_any(self) -> None:
+        if self.failures:
+            raise NotAsPlanned(self.failures)
+
+
+def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh, checked: _Checked) -> Any:
     """Run one captured node on DTensors exactly as the plan places it.
 
-    Inputs are moved to the strategy's input placements, and the output must come out with the
-    planned placements (it is moved there when DTensor's dispatch picked another placement for
-    the same inputs). Where either cannot be done, `NotAsPlanned` names the node and strategy.
+    Inputs are moved to the strategy's input placements; DTensor must then run the op without
+    moving anything itself (no collective inside the op) and give the planned output placements.
+    A departure is recorded in `checked` and the trace goes on as the plan says, so one trace
+    finds every node the plan must drop a strategy for.
     """
     if n.target in DROPPED:
         return None
@@ -248,36 +274,53 @@ def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh) -> Any:
     try:
         args = _lookup(n.args, env, targets, mesh)
         kwargs = _lookup(n.kwargs, env, targets[_count_nodes(n.args) :], mesh)
-        if n.target in LOCAL_RULES:
-            return _run_local(n, args, kwargs, plan, mesh)
-        out = n.target(*args, **kwargs)
-        return _as_planned(out, strategy, mesh)
-    except NotAsPlanned:
+    except StitchError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure means this strategy cannot be lowered
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-        raise NotAsPlanned(n, strategy, reason) from exc
+    except Exception as exc:  # noqa: BLE001 - a move DTensor cannot make
+        checked.fail(n, strategy, f"cannot move an input: {_first_line(exc)}")
+        return _replicated(n, env, mesh)
+    if n.target in LOCAL_RULES:
+        return _run_local(n, args, kwargs, plan, mesh)
+    before = traced_graph_length() or 0
+    try:
+        out = n.target(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - DTensor cannot run the op on these placements
+        checked.fail(n, strategy, _first_line(exc))
+        return _replicated(n, env, mesh)
+    moved = sorted({str(t.target) for t in traced_nodes_since(before) if _is_collective(t)})
+    if moved:
+        checked.fail(n, strategy, f"DTensor moved its inputs itself ({', '.join(moved)})")
+    return _as_planned(out, strategy, n, checked)
 
 
-def _as_planned(out: Any, strategy: Any, mesh: DeviceMesh) -> Any:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def _as_planned(out: Any, strategy: Any, n: fx.Node, checked: _Checked) -> Any:
     """`out` with every DTensor output at the placements the strategy promises."""
     specs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+
+    def planned(value: Any, spec: Any) -> Any:
+        if spec is None or not isinstance(value, DTensor):
+            return value
+        want = tuple(spec.placements)
+        if tuple(value.placements) != want:
+            checked.fail(n, strategy, f"DTensor placed the output {tuple(value.placements)}")
+            value = redistribute(value, want)
+        return value
+
     if isinstance(out, DTensor):
-        return _moved(out, specs[0])
+        return planned(out, specs[0])
     if isinstance(out, (tuple, list)):
-        moved = [_moved(v, specs[i] if i < len(specs) else None) for i, v in enumerate(out)]
+        moved = [planned(v, specs[i] if i < len(specs) else None) for i, v in enumerate(out)]
         return type(out)(moved)
     return out
-
-
-def _moved(value: Any, spec: Any) -> Any:
-    if spec is None or not isinstance(value, DTensor):
-        return value
-    want = tuple(spec.placements)
-    if tuple(value.placements) != want:
-        log.debug("output placed %s by DTensor, moved to the planned %s", value.placements, want)
-        value = redistribute(value, want)
-    return value
 
 
 def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh) -> Any:

@@ -14,7 +14,7 @@ import os
 import struct
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -363,34 +363,71 @@ class Package:
             ) from exc
 
     def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
-        """All tensors a submodel loads: shared replicated weights plus its own shards.
+        """All tensors a submodel loads (see `submodel_weights`)."""
+        return submodel_weights(self.path, submodel, self.tensors)
 
-        A tied weight (one tensor under two names, like GPT-2's embedding and output layer) is
-        stored once; the submodel's `tied` entries say which name to read and which chunks of
-        it this rank holds, so the second name is a view where the chunk is contiguous.
-        """
-        out: dict[str, torch.Tensor] = {}
-        for name in submodel.weights:
-            out.update(self.tensors(name))
-        for name, tie in submodel.tied.items():
-            if tie.source not in out:
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    def submodel(self, rank: int) -> Submodel:
+        return self.manifest.submodel(rank)
+
+
+def submodel_weights(
+    where: str | Path, submodel: Submodel, tensors: Callable[[str], dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """All tensors a submodel loads: shared replicated weights plus its own shards.
+
+    A tied weight (one tensor under two names, like GPT-2's embedding and output layer) is
+    stored once; the submodel's `tied` entries say which name to read and which chunks of it
+    this rank holds, so the second name is a view where the chunk is contiguous.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in submodel.weights:
+        out.update(tensors(name))
+    for name, tie in submodel.tied.items():
+        if tie.source not in out:
+            raise PackageError(where, f"tied weight {name!r} names a missing source {tie.source!r}")
+        tensor = out[tie.source]
+        for dim, count, index in tie.chunks:
+            if dim >= tensor.dim():
                 raise PackageError(
-                    self.path, f"tied weight {name!r} names a missing source {tie.source!r}"
+                    where, f"tied weight {name!r} is chunked along a missing dim {dim}"
                 )
-            tensor = out[tie.source]
-            for dim, count, index in tie.chunks:
-                if dim >= tensor.dim():
-                    raise PackageError(
-                        self.path, f"tied weight {name!r} is chunked along a missing dim {dim}"
-                    )
-                pieces = tensor.chunk(count, dim)
-                if index >= len(pieces):
-                    raise PackageError(
-                        self.path, f"tied weight {name!r} names chunk {index} of {len(pieces)}"
-                    )
-                tensor = pieces[index]
-            out[name] = tensor.contiguous()
-        return out
+            pieces = tensor.chunk(count, dim)
+            if index >= len(pieces):
+                raise PackageError(
+                    where, f"tied weight {name!r} names chunk {index} of {len(pieces)}"
+                )
+            tensor = pieces[index]
+        out[name] = tensor.contiguous()
+    return out
+
+
+class BuiltPackage:
+    """A package still in memory (its manifest and members), read the way a file is read."""
+
+    path = "<built model>"
+
+    def __init__(self, manifest: Manifest, members: Mapping[str, Member]) -> None:
+        self.manifest = manifest
+        self.members = members
+
+    def json(self, name: str) -> Any:
+        data = self.members[name]
+        if not isinstance(data, bytes):
+            raise PackageError(self.path, f"member {name!r} is not a JSON member")
+        return parse_json(data, self.path, f"member {name!r}")
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        data = self.members[name]
+        if isinstance(data, bytes):
+            raise PackageError(self.path, f"member {name!r} is not a tensor member")
+        return dict(data)
+
+    def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
+        return submodel_weights(self.path, submodel, self.tensors)
 
     @property
     def world_size(self) -> int:

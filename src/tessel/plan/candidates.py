@@ -19,6 +19,7 @@ from tessel.plan.strategies import (
     as_op_strategy,
     op_strategies,
     placement_strategies,
+    strategy_key,
     tensor_meta,
 )
 
@@ -58,8 +59,12 @@ def enumerate_candidates(
     mesh: DeviceMesh,
     param_names: set[str],
     templates: dict[fx.Node, fx.Node],
+    banned: dict[str, set[str]] | None = None,
 ) -> dict[fx.Node, NodeChoices]:
-    """Strategies per node; nodes of repeated layers reuse their template's list."""
+    """Strategies per node; nodes of repeated layers reuse their template's list.
+
+    `banned` names, per node, strategies that lowering found it cannot run (`strategy_key`).
+    """
     choices: dict[fx.Node, NodeChoices] = {}
     for n in graph.nodes:
         if n.op == "output":
@@ -112,12 +117,16 @@ def enumerate_candidates(
         if not args:
             choices[n] = _replicated(n, mesh, "factory", "")
             continue
-        choices[n] = _op_choices(n, args, mesh, choices)
+        choices[n] = _op_choices(n, args, mesh, choices, (banned or {}).get(n.name, set()))
     return choices
 
 
 def _op_choices(
-    n: fx.Node, args: list[fx.Node], mesh: DeviceMesh, choices: dict[fx.Node, NodeChoices]
+    n: fx.Node,
+    args: list[fx.Node],
+    mesh: DeviceMesh,
+    choices: dict[fx.Node, NodeChoices],
+    banned: set[str],
 ) -> NodeChoices:
     def to_strategy(a):
         if isinstance(a, fx.Node):
@@ -140,7 +149,7 @@ def _op_choices(
             )
     if found is None:
         return _replicated(n, mesh, "fallback", "no DTensor sharding rule")
-    found = [s for s in found if len(s.inputs) == len(args)]
+    found = [s for s in found if len(s.inputs) == len(args) and strategy_key(s) not in banned]
     if not found:
         return _replicated(n, mesh, "fallback", "rule gave no strategy for these arguments")
     return NodeChoices(n, "op", found, args)

@@ -212,3 +212,24 @@ def footprint(
 
 def _placements(spec: object) -> tuple[Placement, ...] | None:
     return None if spec is None else tuple(spec.placements)
+
+
+def program_peak_bytes(graph: fx.Graph, weights: set[str]) -> tuple[int, int]:
+    """(weight bytes, peak bytes) of a traced local program: what the device running it holds.
+
+    `weights` names the placeholders that are weights; constants the program holds count as
+    weights too. The peak adds the most activation bytes alive at once, as the program runs
+    node by node and frees each value after its last use.
+    """
+
+    def size(val: object) -> int:
+        return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+    held = sum(
+        size(n.meta.get("val"))
+        for n in graph.nodes
+        if (n.op == "placeholder" and n.name in weights) or n.op == "get_attr"
+    )
+    moments = peak_points(storages(graph, weights))
+    peak = max((sum(size(s.value) for s in moment) for moment in moments), default=0)
+    return held, held + peak

@@ -46,6 +46,7 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     solver: dict[str, object] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)  # predicted bytes per device
+    replanned: list[dict[str, str]] = field(default_factory=list)  # strategies lowering dropped
 
     def strategy(self, node: fx.Node) -> Strategy:
         c = self.choices[node]
@@ -81,8 +82,12 @@ def make_plan(
     cluster: ClusterConfig,
     option: ParallelOption,
     time_limit: float = 60.0,
+    banned: dict[str, set[str]] | None = None,
 ) -> Plan:
-    """Solve for the placement of every node on a 1-D mesh over all devices."""
+    """Solve for the placement of every node on a 1-D mesh over all devices.
+
+    `banned` drops strategies, per node name, that lowering cannot run (see `strategy_key`).
+    """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     ep = captured.program
@@ -98,7 +103,7 @@ def make_plan(
     templates, families = template_map(graph)
     _map_layer_params(templates, weight_names)
     _map_tied_weights(templates, graph, weight_tensors)
-    choices = enumerate_candidates(graph, mesh, weight_names, templates)
+    choices = enumerate_candidates(graph, mesh, weight_names, templates, banned)
     timings["strategies"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()

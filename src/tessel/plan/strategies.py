@@ -233,3 +233,22 @@ def as_op_strategy(
         seen.add(key)
         specs.append(OpSpec(out))
     return OpStrategy(specs)
+
+
+def _placement_text(spec: DTensorSpec | tuple | None) -> str:
+    if spec is None:
+        return "-"
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(_placement_text(s) for s in spec) + ")"
+    return "/".join(str(p) for p in spec.placements)
+
+
+def describe_strategy(strategy: Strategy) -> str:
+    """`S(0), R -> S(0)`: the input placements, then the output's."""
+    ins = ", ".join(_placement_text(s) for s in strategy.inputs)
+    return f"{ins} -> {_placement_text(strategy.output)}"
+
+
+def strategy_key(strategy: Strategy) -> str:
+    """A name for a strategy that is the same in every planning of one graph."""
+    return describe_strategy(strategy)
