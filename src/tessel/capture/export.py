@@ -14,7 +14,8 @@ import torch
 from torch.export import ExportedProgram
 
 from tessel._torch import export_post_dispatch, tree_leaves
-from tessel.capture.portable import portable_attention
+from tessel.capture.custom_ops import custom_op_decompositions
+from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
 from tessel.config.errors import ConfigError
 
@@ -91,6 +92,7 @@ def capture(
             table.pop(op, None)
     if keep is not None:
         table = {op: fn for op, fn in table.items() if not keep(op)}
+    table.update(custom_op_decompositions(ep.graph))
     # factories (no graph inputs) are replicated whatever they are, so they never need it
     if any(
         n.op == "call_function" and n.target in table and n.all_input_nodes for n in ep.graph.nodes
@@ -98,6 +100,7 @@ def capture(
         ep.graph_module.recompile()
         ep = ep.run_decompositions(table)  # a second trace of the model, only when needed
     portable_attention(ep.graph_module, recompile=False)
+    zero_fill_allocations(ep.graph_module)
     ep.graph_module.recompile()
     names, values = _user_inputs(ep)
     if args or kwargs:

@@ -1,9 +1,11 @@
-"""Make a traced graph device-neutral where the trace picked a CPU-only kernel.
+"""Rewrites that make a traced graph portable and deterministic.
 
 Tracing runs on CPU tensors, so dispatch resolves attention to the CPU flash kernel. The planner
 shards the device-neutral `scaled_dot_product_attention` (by batch or head), and a package built
 for CUDA or NPU devices must call it too, so each device dispatches to its own kernel when the
-program runs. Both the captured graph and every traced rank program are rewritten.
+program runs. And a program never allocates memory it does not fill (whatever the memory held
+before could otherwise reach an output): `empty` allocations become zero-filled ones. Both the
+captured graph and every traced rank program are rewritten.
 """
 
 from __future__ import annotations
@@ -49,3 +51,21 @@ def portable_attention(gm: fx.GraphModule, recompile: bool = True) -> int:
     if rewritten and recompile:
         gm.recompile()
     return rewritten
+
+
+_ZERO_FILLED = {
+    torch.ops.aten.empty_like.default: torch.ops.aten.zeros_like.default,
+    torch.ops.aten.empty.memory_format: torch.ops.aten.zeros.default,
+}
+
+
+def zero_fill_allocations(gm: fx.GraphModule) -> int:
+    """Make every `empty`/`empty_like` allocation zero-filled; returns how many (no recompile)."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _ZERO_FILLED:
+            if node.target is torch.ops.aten.empty.memory_format:
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+            node.target = _ZERO_FILLED[node.target]
+            changed += 1
+    return changed

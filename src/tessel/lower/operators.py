@@ -145,6 +145,10 @@ _ATEN = {
     "one_hot.default",
     "nonzero.default",
     "diff.default",
+    "histc.default",
+    "bincount.default",
+    "searchsorted.Tensor",
+    "bucketize.Tensor",
     # softmax and normalisation
     "softmax.int",
     "_softmax.default",

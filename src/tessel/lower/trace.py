@@ -33,7 +33,7 @@ from tessel._torch import (
     tree_map,
 )
 from tessel.capture import CapturedModel
-from tessel.capture.portable import portable_attention
+from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.errors import TesselError
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
@@ -195,6 +195,7 @@ def _trace(
             stitcher.stitch(gm.graph)
         gm.graph.eliminate_dead_code()
         portable_attention(gm, recompile=False)  # the program is read, never run, here
+        zero_fill_allocations(gm)
         program, constants = encode(gm)  # resolves collective groups while the world exists
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]))
