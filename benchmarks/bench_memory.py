@@ -66,7 +66,6 @@ def main() -> None:
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import llama_config, tight_cluster
     from tessel.plan import has_rule
-    from tessel.plan.planner import least_activation_bytes
 
     torch.manual_seed(0)
     cfg = llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)
@@ -81,8 +80,7 @@ def main() -> None:
         f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}"
     )
     for n in args.devices:
-        act = least_activation_bytes(captured, n)
-        tight = tight_cluster(n, weights, act, share=args.share)
+        tight = tight_cluster(captured, n, share=args.share)
         cluster = cluster_from_dict(tight, "tight") if n > 1 else 1
         built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)
         with tempfile.TemporaryDirectory() as tmp:

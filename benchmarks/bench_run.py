@@ -114,7 +114,6 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import tight_cluster
     from tessel.plan import has_rule
-    from tessel.plan.planner import least_activation_bytes
 
     model = llama()
     ids = inputs()
@@ -123,10 +122,7 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
         reference = model(**kwargs).logits
     captured = capture(model, kwargs, keep=has_rule)
     if tight:
-        weights = sum(p.numel() * 4 for p in model.parameters())
-        cluster = cluster_from_dict(
-            tight_cluster(world, weights, least_activation_bytes(captured, world)), "tight"
-        )
+        cluster = cluster_from_dict(tight_cluster(captured, world), "tight")
     else:
         cluster = world
     built = tessel.build(captured, cluster=cluster)

@@ -18,7 +18,7 @@ from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluste
 from tessel.lower.stitch import Stitcher, StitchError, _contiguous_runs
 from tessel.lower.trace import _trace, lower_rank, weight_inputs
 from tessel.plan import has_rule
-from tessel.plan.planner import least_activation_bytes
+from tessel.plan.planner import least_memory_plan
 
 FALLBACK = "tracing every layer"
 TRACE_LOG = "tessel.lower.trace"
@@ -51,7 +51,8 @@ def tight_cluster(model: nn.Module, captured, world: int):
     matrices = sum(p.numel() * p.element_size() for p in params if p.dim() >= 2)
     vectors = sum(p.numel() * p.element_size() for p in params if p.dim() < 2)
     vectors += sum(b.numel() * b.element_size() for b in model.buffers())
-    act = least_activation_bytes(captured, world)
+    peak, held = least_memory_plan(captured, world)
+    act = peak - held
     data = local_cluster_dict(world)
     data["item_def"][0]["memory"] = f"[DDR:{int(act + 0.6 * matrices + vectors)}B]"
     cluster = cluster_from_dict(data, "tight.json")

@@ -194,12 +194,20 @@ def redistribute(value: Any, placements: tuple) -> Any:
     that (a bias added once to partial sums, indices masked for a sharded embedding), and
     DTensor's own op dispatch makes those moves through this same function.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
     spec = value._spec
     if tuple(spec.placements) == tuple(placements):
         return value
+    # DTensor makes a tensor Partial only from Replicate: a shard is gathered first
+    via = tuple(
+        Replicate() if isinstance(a, Shard) and b.is_partial() else a
+        for a, b in zip(spec.placements, placements)
+    )
+    if via != tuple(spec.placements):
+        value = redistribute(value, via)
+        spec = value._spec
     target = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
     local = redistribute_local_tensor(value._local_tensor, spec, target)
     return DTensor.from_local(

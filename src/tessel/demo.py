@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from tessel.builder import build
-from tessel.capture import capture
+from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.plan import has_rule
-from tessel.plan.planner import least_activation_bytes
+from tessel.plan.planner import least_memory_plan
 from tessel.report import format_plan
 from tessel.runtime import Session, finalize, initialize
 
@@ -46,11 +46,23 @@ def demo_model(layers: int, hidden: int = 256, heads: int = 8, vocab: int = 8192
     return LlamaForCausalLM(llama_config(layers, hidden, heads, vocab=vocab)).eval()
 
 
-def tight_cluster(devices: int, weight_bytes: int, act_bytes: int, share: float = 1.3) -> dict:
-    """A local CPU cluster whose devices hold about share/N of the weights plus the activations."""
+def weight_bytes(captured: CapturedModel) -> int:
+    """Bytes of the model's weights, buffers and constants, each tensor counted once."""
+    ep = captured.program
+    tensors = {id(t): t for t in (*ep.state_dict.values(), *ep.constants.values())}
+    return sum(
+        t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)
+    )
+
+
+def tight_cluster(captured: CapturedModel, devices: int, share: float = 1.15) -> dict:
+    """A local CPU cluster whose devices hold `share`/N of the weights plus the activations of
+    the plan that needs the least memory (or that plan's peak, where it keeps more than that
+    share of the weights): too little for replicated weights."""
+    peak, weights = least_memory_plan(captured, devices)
+    room = max(0, int(share * weight_bytes(captured) / devices) - weights)
     data = local_cluster_dict(devices)
-    mib = int((act_bytes + share * weight_bytes / devices) / 2**20) + 1
-    data["item_def"][0]["memory"] = f"[DDR:{mib}MB]"
+    data["item_def"][0]["memory"] = f"[DDR:{peak + room}B]"
     return data
 
 
@@ -68,7 +80,7 @@ def run_demo(devices: int = 4, layers: int = 4) -> int:
     captured = capture(model, kwargs, keep=has_rule)
     capture_s = time.perf_counter() - t
     cluster = cluster_from_dict(
-        tight_cluster(devices, weights, least_activation_bytes(captured, devices)),
+        tight_cluster(captured, devices),
         "<embedded demo cluster>",
     )
     print(

@@ -151,15 +151,19 @@ def plan_and_lower(
 
     Where DTensor cannot run a node the way the plan places it, that strategy is dropped from
     the node's candidates and the model is planned again, so the program always is the plan;
-    each such re-plan is recorded in the plan for `tessel inspect`.
+    each such re-plan is recorded in the plan for `tessel inspect`. Where a lowered program
+    would hold more than its device's memory (buffers the memory model does not see), the
+    model is planned again with that much kept free.
     """
     policy = policy or ParallelOption()
     timings = {} if timings is None else timings
     world = cluster.world_size
     banned: dict[str, set] = {}
     replanned: list[dict[str, str]] = []
+    device_bytes = min(d.memory_bytes for d in cluster.devices)
+    reserve = 0
     for _ in range(MAX_REPLANS + 1):
-        plan = make_plan(captured, cluster, policy, time_limit, banned=banned)
+        plan = make_plan(captured, cluster, policy, time_limit, banned=banned, reserve=reserve)
         for phase in ("strategies", "solve"):
             timings[phase] = timings.get(phase, 0.0) + plan.timings.get(phase, 0.0)
         t = time.perf_counter()
@@ -187,6 +191,20 @@ def plan_and_lower(
             continue
         finally:
             timings["lower"] = timings.get("lower", 0.0) + time.perf_counter() - t
+        worst = max(p.peak_bytes for p in programs)
+        if worst > device_bytes:
+            reserve += worst - device_bytes
+            replanned.append(
+                {
+                    "node": "(memory)",
+                    "op": "",
+                    "strategy": f"keep {reserve} bytes free",
+                    "reason": f"a lowered program holds {worst} bytes at its peak, more than "
+                    f"the {device_bytes} bytes of its device",
+                }
+            )
+            log.info("re-planning with %d bytes kept free: a program needs %d", reserve, worst)
+            continue
         plan.replanned = replanned
         return plan, programs
     raise LoweringError(
@@ -307,11 +325,6 @@ def _pack(
             }
             for fqn, source in tied.items()
         }
-        # a tied weight is a view of its source: the device holds the bytes once
-        aliased = sum(
-            _nbytes(state[fqn], () if fqn in whole else placements[fqn], plan, mesh_rank)
-            for fqn in tied
-        )
         colls = collectives(rp.program, rp.shapes)
         submodels.append(
             {
@@ -330,8 +343,8 @@ def _pack(
             {
                 "rank": rank,
                 "logical_device": device.logical_id,
-                "weight_bytes": rp.weight_bytes - aliased,
-                "peak_bytes": rp.peak_bytes - aliased,
+                "weight_bytes": rp.weight_bytes,
+                "peak_bytes": rp.peak_bytes,
                 "collectives": [
                     {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)}
                     for c in colls

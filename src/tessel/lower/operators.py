@@ -232,6 +232,14 @@ _ATEN = {
     "scalar_tensor.default",
 }
 
-ALLOWED: frozenset[str] = frozenset(
-    {f"aten.{name}" for name in _ATEN} | {f"_c10d_functional.{name}" for name in _COLLECTIVES}
+# in-place operators DTensor's dispatch applies to the temporaries it makes (the mask of a
+# vocabulary-sharded embedding lookup); a program may never apply them to one of its inputs,
+# nor to a view of one (`tessel.lower.program.check`)
+IN_PLACE = frozenset({"aten.index_put_.default", "aten.masked_fill_.Scalar"})
+
+ALLOWED: frozenset[str] = (
+    frozenset(
+        {f"aten.{name}" for name in _ATEN} | {f"_c10d_functional.{name}" for name in _COLLECTIVES}
+    )
+    | IN_PLACE
 )

@@ -198,7 +198,14 @@ def _trace(
         zero_fill_allocations(gm)
         program, constants = encode(gm)  # resolves collective groups while the world exists
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]))
+    # a weight under a second name (tied) loads as the first name's tensor: held once
+    first: dict[int, str] = {}
+    aliases = {
+        name
+        for name, (_, fqn) in zip(inputs, weights)
+        if first.setdefault(id(state[fqn]), name) != name
+    }
+    held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]) - aliases, aliases)
     return RankProgram(program, constants, node_shapes(gm), held, peak)
 
 
@@ -224,10 +231,20 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
         if targets is None or j >= len(targets) or targets[j] is None:
             return value
         if isinstance(value, DTensor):
-            value = redistribute(value, tuple(targets[j].placements))
+            value = _moved_for_op(value, tuple(targets[j].placements))
         return value
 
     return tree_map(sub, args, is_leaf=lambda x: isinstance(x, fx.Node))
+
+
+def _moved_for_op(value: DTensor, want: tuple) -> DTensor:
+    """`value` moved to the placements an op takes it in, except that a replicated tensor the
+    op takes as partial is handed over replicated: the op's own dispatch makes that local move
+    (a masked embedding lookup keeps what it needs of it)."""
+    have = tuple(value.placements)
+    if all(a == b or (a.is_replicate() and b.is_partial()) for a, b in zip(have, want)):
+        return value
+    return redistribute(value, want)
 
 
 class NotAsPlanned(LoweringError):
@@ -294,6 +311,11 @@ def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh, checked: _Che
     return _as_planned(out, strategy, n, checked)
 
 
+def _text(placements: Any) -> tuple[str, ...]:
+    """Placements as text: a masked-partial placement compares by its layout, not its mask."""
+    return tuple(str(p) for p in placements)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -311,9 +333,12 @@ def _as_planned(out: Any, strategy: Any, n: fx.Node, checked: _Checked) -> Any:
         if spec is None or not isinstance(value, DTensor):
             return value
         want = tuple(spec.placements)
-        if tuple(value.placements) != want:
+        if _text(value.placements) != _text(want):
             checked.fail(n, strategy, f"DTensor placed the output {tuple(value.placements)}")
-            value = redistribute(value, want)
+            try:
+                value = redistribute(value, want)
+            except Exception:  # noqa: BLE001 - the trace cannot go on as planned: stop it here
+                checked.raise_if_any()
         return value
 
     if isinstance(out, DTensor):

@@ -67,9 +67,9 @@ def transition(src: Placement, dst: Placement) -> str | None:
             return "reduce_scatter"
         return "all_reduce"
     if isinstance(src, Shard):
-        if isinstance(dst, Shard):
-            return "all_to_all"
-        return "all_gather"  # to Replicate, or to Partial through Replicate
+        # to Replicate, to Partial through Replicate, or to another dimension: lowered programs
+        # are traced on CPU meshes, where DTensor moves a shard by gathering it whole
+        return "all_gather"
     return None  # Replicate -> Shard / Partial is a local slice or zero-fill
 
 

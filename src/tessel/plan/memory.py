@@ -16,26 +16,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import fx
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from tessel.plan.candidates import NodeChoices
+from tessel.plan.ilp import MemoryRow
 
-_UNSAFE_VIEWS = {torch.ops.aten._unsafe_view.default}
+# ops that hand back (a view of) their argument though their schema does not say so
+_UNANNOTATED_VIEWS = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+}
 
 
 def is_view(node: fx.Node) -> bool:
-    """Whether `node` returns an alias of its first argument (no new storage)."""
+    """Whether `node` returns (a view of) its first argument: no new storage."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return is_view(node.args[0]) if isinstance(node.args[0], fx.Node) else False
-    if node.target in _UNSAFE_VIEWS:
+    if node.target in _UNANNOTATED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns:
         return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
+    return schema.returns[0].alias_info is not None  # a view, or an in-place op's own argument
 
 
 def local_bytes(
@@ -105,30 +109,34 @@ def storages(graph: fx.Graph, weights: set[str]) -> list[Storage]:
     return out
 
 
-def peak_points(live: list[Storage]) -> list[list[Storage]]:
+def peak_points(live: list[Storage], also: set[int] = frozenset()) -> list[list[Storage]]:
     """The sets of storages alive together at the moments memory can peak.
 
     Memory can peak only just before something is freed, so a set is taken at each step where a
     storage dies. The set at a death step holds everything alive then; the set at the next
     death step is contained in it unless something was born in between, so only steps after a
-    birth are kept.
+    birth are kept. Steps in `also` (where a node allocates buffers of its own) are always kept.
     """
+    return [moment for _, moment in _moments(live, also)]
+
+
+def _moments(live: list[Storage], also: set[int]) -> list[tuple[int, list[Storage]]]:
     by_birth = sorted(live, key=lambda s: s.born)
-    moments = sorted({s.dies for s in live})
-    out: list[list[Storage]] = []
+    deaths = {s.dies for s in live}
+    out: list[tuple[int, list[Storage]]] = []
     alive: list[Storage] = []
     i = 0
-    previous = -1
-    for t in moments:
-        born_since = False
+    born_since = False
+    for t in sorted(deaths | set(also)):
         while i < len(by_birth) and by_birth[i].born <= t:
             alive.append(by_birth[i])
-            born_since = born_since or by_birth[i].born > previous
+            born_since = True
             i += 1
         alive = [s for s in alive if s.dies >= t]
-        if born_since or not out:
-            out.append(list(alive))
-        previous = t
+        if t in also or (t in deaths and (born_since or not out)):
+            out.append((t, list(alive)))
+        if t in deaths:
+            born_since = False
     return out
 
 
@@ -137,11 +145,11 @@ class Footprint:
     """The memory rows of a plan's ILP: what one device holds at each moment memory can peak.
 
     `fixed` is what every device holds whatever the plan chooses (weights with one placement);
-    each row maps a decision to the bytes its strategies add at one peak moment, weights
-    included.
+    each row holds, per decision, the bytes its strategies add at one moment (weights
+    included), and per producer-consumer pair the buffer a resharding between them allocates.
     """
 
-    rows: list[dict[fx.Node, np.ndarray]]
+    rows: list[MemoryRow]
     weights: dict[fx.Node, np.ndarray]
     fixed: int
 
@@ -150,10 +158,8 @@ class Footprint:
 
     def peak_bytes(self, choice: dict[fx.Node, int]) -> int:
         """The most one device holds at once under `choice`, weights included."""
-        peaks = [sum(b[choice[v]] for v, b in row.items()) for row in self.rows]
-        return self.fixed + int(
-            max(peaks, default=sum(b[choice[v]] for v, b in self.weights.items()))
-        )
+        weights = sum(b[choice[v]] for v, b in self.weights.items())
+        return self.fixed + int(max((r.bytes_for(choice) for r in self.rows), default=weights))
 
 
 def footprint(
@@ -161,11 +167,9 @@ def footprint(
     choices: dict[fx.Node, NodeChoices],
     weight_tensors: dict[str, torch.Tensor],
     mesh_shape: tuple[int, ...],
-    with_weights: bool = True,
 ) -> Footprint:
     """Memory rows for the ILP. `weight_tensors` maps each weight placeholder to its tensor: one
-    tensor under two names (tied weights) is held once. Without `with_weights`, the rows hold
-    activations alone."""
+    tensor under two names (tied weights) is held once."""
 
     def owner(n: fx.Node) -> fx.Node:
         return choices[n].owner or n
@@ -183,7 +187,7 @@ def footprint(
     weights: dict[fx.Node, np.ndarray] = {}
     held: set[tuple[fx.Node, int]] = set()
     for n in graph.nodes:
-        if not with_weights or n.op != "placeholder" or n.name not in weight_tensors:
+        if n.op != "placeholder" or n.name not in weight_tensors:
             continue
         v, tensor = owner(n), weight_tensors[n.name]
         if (v, id(tensor)) in held:
@@ -195,30 +199,141 @@ def footprint(
         else:
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
-    rows: dict[bytes, dict[fx.Node, np.ndarray]] = {}
-    for moment in peak_points(storages(graph, set(weight_tensors))):
-        row: dict[fx.Node, np.ndarray] = dict(weights)
+    buffers = _resharding_buffers(graph, choices, mesh_shape)
+    starts = {b.start for b in buffers}
+    rows: dict[bytes, MemoryRow] = {}
+    for t, moment in _moments(storages(graph, set(weight_tensors)), starts):
+        row = MemoryRow(dict(weights))
         for s in moment:
             if s.node not in choices:
                 continue
             v = owner(s.node)
-            row[v] = row.get(v, 0) + sizes(v, s.value, s.index)
-        key = b"".join(
-            v.name.encode() + b"=" + row[v].tobytes() for v in sorted(row, key=lambda x: x.name)
-        )
-        rows.setdefault(key, row)
+            row.linear[v] = row.linear.get(v, 0) + sizes(v, s.value, s.index)
+        for b in buffers:
+            if not b.start <= t <= b.end:
+                continue
+            vp, vc = b.pair
+            if vp is vc:
+                row.linear[vp] = row.linear.get(vp, 0) + np.diag(b.bytes)
+            else:
+                row.pairs[b.pair] = row.pairs.get(b.pair, 0) + b.bytes
+        rows.setdefault(_row_key(row), row)
     return Footprint(list(rows.values()), weights, fixed)
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """A copy that resharding an input makes: which (producer, consumer) strategy pairs make
+    it, its bytes for each pair, and the steps it lives."""
+
+    pair: tuple[fx.Node, fx.Node]
+    bytes: np.ndarray
+    start: int
+    end: int
+
+
+def _resharding_buffers(
+    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], mesh_shape: tuple[int, ...]
+) -> list[_Buffer]:
+    """The buffers that moving nodes' inputs to their placements allocates.
+
+    An input whose producer's placement differs from the one the consumer takes is copied (a
+    gather, a reduction, a slice): the copy, at the consumer's placement, lives while the
+    consumer runs, or, where the consumer is a view, as long as the view does. The outputs
+    are gathered whole at the end.
+    """
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    last = len(nodes) - 1
+    lives: dict[fx.Node, int] = {}  # a view's last step, through views of it
+    for n in reversed(nodes):
+        end = max((last if u.op == "output" else position[u] for u in n.users), default=0)
+        for u in n.users:
+            if is_view(u):
+                end = max(end, lives[u])
+        lives[n] = max(end, position[n])
+    whole = tuple(Replicate() for _ in mesh_shape)
+    out: list[_Buffer] = []
+    for t, n in enumerate(nodes):
+        if n.op == "output":
+            edges = [(a, None, whole) for a in n.all_input_nodes]
+            vc, end = None, t
+        else:
+            c = choices.get(n)
+            if c is None or c.kind not in ("op", "fallback"):
+                continue
+            vc = c.owner or n
+            edges = [(a, j, None) for j, a in enumerate(c.args)]
+            end = lives[n] if is_view(n) else t
+        for a, j, fixed_dst in edges:
+            p, val = choices.get(a), a.meta.get("val")
+            if p is None or p.kind in ("const", "drop") or not isinstance(val, torch.Tensor):
+                continue
+            vp = p.owner or a
+            src = [_placements(s.output_at(p.out_index)) for s in choices[vp].strategies]
+            if fixed_dst is not None:  # an output: a buffer of the producer's choice alone
+                sizes = [_buffer_bytes(val, s, fixed_dst, mesh_shape) for s in src]
+                if any(sizes):
+                    out.append(_Buffer((vp, vp), np.diag(sizes), t, end))
+                continue
+            dst = [
+                _placements(s.inputs[j]) if j < len(s.inputs) else None
+                for s in choices[vc].strategies
+            ]
+            m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
+            if np.any(m):
+                out.append(_Buffer((vp, vc), m, t, end))
+    return out
+
+
+def _buffer_bytes(
+    val: torch.Tensor,
+    src: tuple[Placement, ...] | None,
+    dst: tuple[Placement, ...] | None,
+    mesh_shape: tuple[int, ...],
+) -> float:
+    """Bytes a device allocates to move `val` from `src` to `dst` placements.
+
+    The copy has the target's size. Gathering a shard of any dimension but the first gathers
+    the pieces along the first and then joins them along their own: two buffers of that size.
+    Moving a shard to another dimension gathers the whole tensor and keeps a slice (the
+    programs are traced on CPU meshes, where DTensor has no all-to-all).
+    """
+    if src is None or dst is None or src == dst:
+        return 0.0
+    size = float(local_bytes(val, dst, mesh_shape))
+    gathered = tuple(
+        Replicate() if isinstance(a, Shard) and isinstance(b, Shard) and a.dim != b.dim else b
+        for a, b in zip(src, dst)
+    )
+    if gathered != dst:
+        return float(local_bytes(val, gathered, mesh_shape)) + size
+    regathered = any(
+        isinstance(a, Shard) and a.dim != 0 and not isinstance(b, Shard) for a, b in zip(src, dst)
+    )
+    return 2 * size if regathered else size
+
+
+def _row_key(row: MemoryRow) -> bytes:
+    parts = [v.name.encode() + b"=" + row.linear[v].tobytes() for v in row.linear]
+    parts += [
+        a.name.encode() + b"," + b.name.encode() + b"=" + m.tobytes()
+        for (a, b), m in row.pairs.items()
+    ]
+    return b"|".join(sorted(parts))
 
 
 def _placements(spec: object) -> tuple[Placement, ...] | None:
     return None if spec is None else tuple(spec.placements)
 
 
-def program_peak_bytes(graph: fx.Graph, weights: set[str]) -> tuple[int, int]:
+def program_peak_bytes(
+    graph: fx.Graph, weights: set[str], aliases: set[str] = frozenset()
+) -> tuple[int, int]:
     """(weight bytes, peak bytes) of a traced local program: what the device running it holds.
 
     `weights` names the placeholders that are weights; constants the program holds count as
-    weights too. The peak adds the most activation bytes alive at once, as the program runs
+    weights too. `aliases` names placeholders that are another input's tensor: held once. The peak adds the most activation bytes alive at once, as the program runs
     node by node and frees each value after its last use.
     """
 
@@ -230,6 +345,6 @@ def program_peak_bytes(graph: fx.Graph, weights: set[str]) -> tuple[int, int]:
         for n in graph.nodes
         if (n.op == "placeholder" and n.name in weights) or n.op == "get_attr"
     )
-    moments = peak_points(storages(graph, weights))
+    moments = peak_points(storages(graph, weights | aliases))
     peak = max((sum(size(s.value) for s in moment) for moment in moments), default=0)
     return held, held + peak

@@ -83,27 +83,18 @@ def make_plan(
     option: ParallelOption,
     time_limit: float = 60.0,
     banned: dict[str, set[str]] | None = None,
+    reserve: int = 0,
 ) -> Plan:
     """Solve for the placement of every node on a 1-D mesh over all devices.
 
-    `banned` drops strategies, per node name, that lowering cannot run (see `strategy_key`).
+    `banned` drops strategies, per node name, that lowering cannot run (see `strategy_key`);
+    `reserve` keeps that many bytes of each device free of what the memory model counts.
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    ep = captured.program
-    graph = ep.graph_module.graph
-    world = cluster.world_size
-    mesh = mesh_for(world)
-    param_targets = _weight_targets(ep)
-    weight_names = {
-        s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"
-    }
-    state = {**ep.state_dict, **ep.constants}
-    weight_tensors = {name: state[fqn] for name, fqn in param_targets.items() if fqn in state}
-    templates, families = template_map(graph)
-    _map_layer_params(templates, weight_names)
-    _map_tied_weights(templates, graph, weight_tensors)
-    choices = enumerate_candidates(graph, mesh, weight_names, templates, banned)
+    graph = captured.program.graph_module.graph
+    mesh = mesh_for(cluster.world_size)
+    param_targets, weight_tensors, families, choices = _candidates(captured, mesh, banned)
     timings["strategies"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -111,11 +102,13 @@ def make_plan(
     held = footprint(graph, choices, weight_tensors, tuple(mesh.shape))
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     problem.memory = held.rows
-    problem.memory_budget = float(device_bytes - held.fixed)
+    problem.memory_budget = float(device_bytes - held.fixed - reserve)
     try:
         solution = solve(problem, time_limit)
     except InfeasibleError:
-        raise _does_not_fit(problem, held, choices, cluster, device_bytes, time_limit) from None
+        raise _does_not_fit(
+            problem, held, choices, cluster, device_bytes, time_limit, reserve
+        ) from None
     timings["solve"] = time.perf_counter() - t1
     layers = {f: len(ix) for f, ix in families.items()}
     return Plan(
@@ -141,6 +134,25 @@ def make_plan(
     )
 
 
+def _candidates(
+    captured: CapturedModel, mesh: DeviceMesh, banned: dict[str, set[str]] | None = None
+) -> tuple[dict[str, str], dict[str, torch.Tensor], dict[str, list[int]], dict]:
+    """Each node's candidate strategies on `mesh`, identical layers and tied weights sharing
+    one decision. Returns the weight FQNs, the weight tensors (both by placeholder name), the
+    repeated layer families and the candidates."""
+    ep = captured.program
+    graph = ep.graph_module.graph
+    param_targets = _weight_targets(ep)
+    params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    state = {**ep.state_dict, **ep.constants}
+    weight_tensors = {name: state[fqn] for name, fqn in param_targets.items() if fqn in state}
+    templates, families = template_map(graph)
+    _map_layer_params(templates, params)
+    _map_tied_weights(templates, graph, weight_tensors)
+    choices = enumerate_candidates(graph, mesh, params, templates, banned)
+    return param_targets, weight_tensors, families, choices
+
+
 def _does_not_fit(
     problem: Problem,
     held: Footprint,
@@ -148,15 +160,18 @@ def _does_not_fit(
     cluster: ClusterConfig,
     device_bytes: int,
     time_limit: float,
+    reserve: int = 0,
 ) -> PlanError:
-    """Why no plan fits: the least memory any plan needs, and what it is made of."""
+    """Why no plan fits: the least memory any plan needs, and what it is made of. `reserve` is
+    what lowered programs were found to need beyond the memory model's count."""
     least, choice = least_memory(problem, time_limit)
-    need = held.fixed + int(math.ceil(least))
+    need = held.fixed + int(math.ceil(least)) + reserve
     weights = held.weight_bytes(choice)
     message = (
         f"the model does not fit: the plan that needs the least memory holds {human_bytes(need)} "
         f"per device at its peak ({human_bytes(weights)} of weights, "
-        f"{human_bytes(max(0, need - weights))} of activations), but the smallest device in "
+        f"{human_bytes(max(0, need - weights))} of activations and buffers), but the smallest "
+        "device in "
         f"{cluster.source} has {human_bytes(device_bytes)}; devices of at least "
         f"{human_bytes(need)} would fit"
     )
@@ -347,23 +362,20 @@ def _placements(spec) -> tuple | None:
     return tuple(spec.placements)
 
 
-def least_activation_bytes(captured: CapturedModel, world: int) -> int:
-    """The smallest activation peak any plan on `world` devices can reach (weights aside).
+def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
+    """(peak bytes, weight bytes) per device of the plan on `world` devices that needs the
+    least memory, costs aside.
 
-    A cluster whose devices hold a share of the weights plus this much is one that a plan can
-    fit only by sharding its weights (benchmarks and demos size their devices with it).
+    A device holding `share`/N of the weights plus that plan's activations can hold no
+    replicated weights; benchmarks, tests and the demo size their devices this way.
     """
-    ep = captured.program
-    graph = ep.graph_module.graph
+    graph = captured.program.graph_module.graph
     mesh = mesh_for(world)
-    params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"}
-    templates, _ = template_map(graph)
-    choices = enumerate_candidates(graph, mesh, params, templates)
-    tensors = {n: ep.state_dict.get(fqn) for n, fqn in _weight_targets(ep).items()}
-    held = footprint(graph, choices, tensors, (world,), with_weights=False)
+    _, weight_tensors, _, choices = _candidates(captured, mesh)
+    held = footprint(graph, choices, weight_tensors, (world,))
     sizes = {v: len(choices[v].strategies) for v in {c.owner or n for n, c in choices.items()}}
-    least, _ = least_memory(Problem(sizes, {}, {}, held.rows))
-    return int(math.ceil(least))
+    least, choice = least_memory(Problem(sizes, {}, {}, held.rows))
+    return held.fixed + int(math.ceil(least)), held.weight_bytes(choice)
 
 
 def layer_name(node: fx.Node) -> str:

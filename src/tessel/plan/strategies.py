@@ -120,11 +120,9 @@ def op_strategies(
         out_meta: Any = tuple(tensor_meta(v) for v in out_val)
     else:
         out_meta = tensor_meta(out_val)
-    if op in prop.op_strategy_funcs:
-        info = prop.op_to_schema_info.get(op)
-        schema = OpSchema(op, args, kwargs, schema_info=info)
-        result = prop.op_strategy_funcs[op](schema)
-    elif op in prop.op_single_dim_strategy_funcs:
+    # DTensor's dispatch takes an op's single-dim rule over its full rule where it has both,
+    # so the planner offers what dispatch will do
+    if op in prop.op_single_dim_strategy_funcs:
         info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
         schema = OpSchema(op, args, kwargs, schema_info=info)
         rule = prop.op_single_dim_strategy_funcs[op]
@@ -143,6 +141,10 @@ def op_strategies(
             input_index=n_out,
             allow_uneven_sharding=False,
         )
+    elif op in prop.op_strategy_funcs:
+        info = prop.op_to_schema_info.get(op)
+        schema = OpSchema(op, args, kwargs, schema_info=info)
+        result = prop.op_strategy_funcs[op](schema)
     else:
         return None
     if not isinstance(result, OpStrategy):
