@@ -107,6 +107,7 @@ def _load(
     if spec.distributed:
         _groups(package.manifest, spec.world_size, groups)
     program, weights = load_rank(package, spec.rank, device, groups)
+    _release_memory(device)  # what decoding the program left behind, before the first run
     return _Loaded(program, weights, package.manifest.inputs)
 
 
