@@ -1,12 +1,25 @@
-"""Benchmark 3 of issue 2: peak RSS per worker against the single-process model.
+"""Benchmark 3: each worker's peak memory, as the build predicts it and as measured.
 
 A Llama whose weights dominate (width 1024, 4 layers, about 330 MiB of fp32 weights) is built for
 1, 2 and 4 CPU devices too small to hold replicated weights (each holds 1.05/N of the weights plus
-the activations, so only small tensors can be replicated), loaded and run once. For each worker
-we read its peak RSS (VmHWM) and its RSS after the run, subtract the peak RSS of an idle worker
-(a process that imported torch and tessel's runtime and nothing else), and report what remains
-as a fraction of the model's weight bytes. Both should fall as 1/N; the peak holds a rank's
-weights twice for a moment (the checked bytes read from the file, then the tensors).
+the activations, so only small tensors can be replicated), loaded and run 4 times.
+
+The build predicts each rank's peak (`plan.ranks[].peak_bytes` in the manifest: the rank's
+weights plus the most activation bytes its program holds at once). We measure it in the worker:
+its peak RSS (VmHWM) once it is idle, having loaded and run a one-layer model of the same shape,
+so that what any worker holds before a model (torch, tessel's runtime, the process group, the
+kernels' code) is counted; then, in the same worker (the session reuses it), its peak RSS after
+it loaded the model, after one run and after all. The difference is what the model costs the
+worker; the ratio is measured/predicted after all runs, over the ranks.
+
+Each device count is measured twice: with glibc's malloc as it comes, and with its mmap
+threshold fixed (MALLOC_MMAP_THRESHOLD_=131072 in the workers' environment). As it comes, the
+threshold rises to the largest block freed, so activations up to 32 MiB are carved from the heap,
+which keeps and fragments what they free from run to run; fixed, each activation is mapped when
+made and returned when freed, so a worker holds what the program holds, at the cost of fresh
+pages for every activation on every run. Beyond the program's tensors a worker also holds the
+program itself and what the first run of its kernels allocates once (a few MiB), and rank 0
+copies its outputs into shared memory for the pipe to the session.
 
     python benchmarks/bench_memory.py [--devices 1 2 4] [--share 1.05]
 """
@@ -15,13 +28,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
 HIDDEN, LAYERS, HEADS, VOCAB = 1024, 4, 16, 8192
+MIB = 2**20
 
 
 def peak_rss(pid: int) -> int:
@@ -32,15 +48,8 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def current_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def idle_worker_rss() -> int:
+def idle_process_rss() -> int:
+    """Peak RSS of a process that imported torch and tessel's runtime and nothing else."""
     code = "import torch, tessel.runtime.worker, tessel.lower.program; print(open('/proc/self/status').read())"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
@@ -65,41 +74,97 @@ def main() -> None:
     from tessel.capture import capture
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import llama_config, tight_cluster
+    from tessel.package import Package
     from tessel.plan import has_rule
 
     torch.manual_seed(0)
-    cfg = llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)).eval()
     weights = sum(p.numel() * 4 for p in model.parameters())
-    kwargs = {"input_ids": torch.randint(0, VOCAB, (2, 64)), "use_cache": False}
-    captured = capture(model, kwargs, keep=has_rule)
-    idle = idle_worker_rss()
-    print(f"model weights {weights / 2**20:.0f} MiB; idle worker peak RSS {idle / 2**20:.0f} MiB")
-    print(f"single process holding the model: weight share 1.00 ({weights / 2**20:.0f} MiB)")
+    ids = torch.randint(0, VOCAB, (2, 64))
+    captured = capture(model, {"input_ids": ids, "use_cache": False}, keep=has_rule)
+    small = LlamaForCausalLM(llama_config(1, 64, 4, vocab=256)).eval()
+    small_ids = torch.randint(0, 256, (2, 16))
     print(
-        f"{'devices':>7} {'peak RSS/worker MiB':>20} {'peak share':>11} {'RSS after run MiB':>18} {'steady share':>13} {'1/N':>6}"
+        f"model weights {weights / MIB:.0f} MiB; a process that imported torch and tessel's "
+        f"runtime peaks at {idle_process_rss() / MIB:.0f} MiB RSS"
+    )
+    print(
+        f"{'devices':>7} {'allocator':>10} {'idle worker':>12} {'predicted':>10} "
+        f"{'after load':>11} {'1 run':>10} {f'{RUNS} runs':>10} {'measured/predicted':>19} "
+        f"{'run':>8}"
     )
     for n in args.devices:
         tight = tight_cluster(captured, n, share=args.share)
         cluster = cluster_from_dict(tight, "tight") if n > 1 else 1
-        built = tessel.build(captured, cluster=cluster, graph_parallel=n > 1)
         with tempfile.TemporaryDirectory() as tmp:
-            path = built.save(os.path.join(tmp, "m"))
-            tessel.initialize()
-            try:
-                session = tessel.Session()
-                session.load_graph(0, {}, path)
-                session.run_graph(0, [kwargs["input_ids"]])
-                procs = session._graphs[0].procs
-                peaks = [peak_rss(p.pid) for p in procs]
-                steady = [current_rss(p.pid) for p in procs]
-            finally:
-                tessel.finalize()
-        worst, now = max(peaks), max(steady)
-        print(
-            f"{n:>7} {worst / 2**20:>20.0f} {(worst - idle) / weights:>11.2f} "
-            f"{now / 2**20:>18.0f} {(now - idle) / weights:>13.2f} {1 / n:>6.2f}"
-        )
+            path = tessel.build(captured, cluster=cluster, graph_parallel=n > 1).save(
+                os.path.join(tmp, "m")
+            )
+            warm = tessel.build(
+                small,
+                example_kwargs={"input_ids": small_ids, "use_cache": False},
+                cluster=cluster,
+                graph_parallel=n > 1,
+                verify=False,
+            ).save(os.path.join(tmp, "small"))
+            ranks = Package.open(path).manifest.plan["ranks"]
+            predicted = [r["peak_bytes"] for r in sorted(ranks, key=lambda r: r["rank"])]
+            for allocator, threshold in ALLOCATORS.items():
+                idle, loaded, first, ran, run_s = measure(path, ids, warm, small_ids, threshold)
+                ratios = [m / p for m, p in zip(ran, predicted)]
+                spread = f"{min(ratios):.2f}" + (f"-{max(ratios):.2f}" if n > 1 else "")
+                print(
+                    f"{n:>7} {allocator:>10} {max(idle) / MIB:>8.0f} MiB "
+                    f"{max(predicted) / MIB:>6.1f} MiB {max(loaded) / MIB:>7.1f} MiB "
+                    f"{max(first) / MIB:>6.1f} MiB {max(ran) / MIB:>6.1f} MiB {spread:>19} "
+                    f"{1e3 * run_s:>5.0f} ms",
+                    flush=True,
+                )
+
+
+# glibc's malloc as it comes (its mmap threshold rises to the largest block freed, so freed
+# activations up to 32 MiB stay in the heap for the next run), and with the threshold fixed,
+# so every activation above 128 KiB is mapped when made and returned when freed
+ALLOCATORS = {"glibc": None, "fixed mmap": "131072"}
+
+
+def measure(
+    path: str, ids: torch.Tensor, warm: str, warm_ids: torch.Tensor, threshold: str | None
+) -> tuple[list[int], list[int], list[int], list[int], float]:
+    """Each worker's peak RSS when idle, and above that after loading `path`, after one run and
+    after `RUNS`; and the median time of a run after the first."""
+    import tessel
+
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold  # read by the workers' malloc at start
+    tessel.initialize()
+    try:
+        session = tessel.Session()
+        session.load_graph(0, {}, warm)
+        session.run_graph(0, [warm_ids])
+        pids = [p.pid for p in session._graphs[0].procs]
+        session.remove_graph(0)
+        idle = [peak_rss(p) for p in pids]
+        session.load_graph(1, {}, path)
+        assert [p.pid for p in session._graphs[1].procs] == pids, "the workers were not reused"
+        loaded = [peak_rss(p) - i for p, i in zip(pids, idle)]
+        times, first = [], []
+        for _ in range(RUNS):
+            t = time.perf_counter()
+            session.run_graph(1, [ids])
+            times.append(time.perf_counter() - t)
+            first = first or [peak_rss(p) - i for p, i in zip(pids, idle)]
+        ran = [peak_rss(p) - i for p, i in zip(pids, idle)]
+    finally:
+        tessel.finalize()
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return idle, loaded, first, ran, statistics.median(times[1:])
+
+
+RUNS = 4
 
 
 if __name__ == "__main__":

@@ -257,6 +257,47 @@ def test_inspect_names_every_weight_unambiguously(gpt2_package, capsys):
     assert "lm.transformer.h.0.mlp.c_proj.weight" in names
 
 
+def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2_package, capsys):
+    from tessel.package import Package, PackageError
+    from tessel.package.manifest import Manifest
+    from tessel.report import format_plan, inspect_json
+    from tessel.units import human_bytes
+
+    assert main(["inspect", str(gpt2_package)]) == 0
+    text = capsys.readouterr().out
+    manifest = Package.open(gpt2_package).manifest
+    plan = manifest.plan
+    for r in plan["ranks"]:  # the device's memory: 16 GiB, the cpu soc's default
+        assert (
+            f"rank {r['rank']} ({r['logical_device']}): weights {human_bytes(r['weight_bytes'])}, "
+            f"peak {human_bytes(r['peak_bytes'])} of 16.00 GiB, " in text
+        )
+        assert r["weight_bytes"] <= r["peak_bytes"]
+    memory = plan["memory"]
+    assert (
+        f"planner's estimate per device: weights {human_bytes(memory['weight_bytes'])}, "
+        f"peak {human_bytes(memory['peak_bytes'])}, device memory 16.00 GiB" in text
+    )
+    assert "checked against eager: max relative difference " in text
+    assert "re-planned" not in text
+    data = inspect_json(manifest)
+    assert data["verify"]["max_relative_diff"] <= 1e-4 and data["replanned"] == []
+    assert [r["device_bytes"] for r in data["ranks"]] == [16 << 30] * 2
+
+    edited = json.loads(json.dumps(manifest.to_json()))
+    edited["plan"]["replanned"] = [
+        {"node": "mm_3", "op": "aten.mm.default", "strategy": "S(1), S(0) -> P", "reason": "why"}
+    ]
+    del edited["plan"]["verify"]
+    text = format_plan(Manifest.from_json(edited, "edited"))
+    assert "re-planned (strategies the lowering could not run, dropped)" in text
+    assert "  mm_3 (aten.mm.default): S(1), S(0) -> P: why" in text
+    assert "checked against eager: no" in text
+    edited["plan"]["ranks"][0]["peak_bytes"] = "1 GiB"  # what inspect shows has its type
+    with pytest.raises(PackageError, match=r"plan.ranks\[0\].peak_bytes: expected an integer"):
+        Manifest.from_json(edited, "edited")
+
+
 def test_a_worker_error_is_one_line_and_its_traceback_shows_at_debug(gpt2_package, tmp_path):
     import zipfile
 

@@ -17,7 +17,7 @@ import zipfile
 import psutil
 import pytest
 import torch
-from tests.conftest import small_llama, subprocess_env, token_ids
+from tests.conftest import small_gpt2, small_llama, subprocess_env, token_ids
 
 import tessel
 from tessel.errors import TesselError
@@ -227,3 +227,122 @@ def test_two_nodes_on_loopback(tmp_path, session):
         if remote.poll() is None:
             remote.kill()
             remote.wait()
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    """A GPT-2 built for 2 devices and for 3."""
+    d = tmp_path_factory.mktemp("rt_gpt2")
+    model = small_gpt2(layers=1)
+    ids = token_ids()
+    return model, {
+        n: tessel.save(tessel.build(model, (ids,), cluster=n), d / f"tp{n}") for n in (2, 3)
+    }
+
+
+def _pids(session, graph_id):
+    return [p.pid for p in session._graphs[graph_id].procs]
+
+
+def _assert_matches(session, graph_id, model, ids):
+    (out,) = session.run_graph(graph_id, [ids])
+    with torch.no_grad():
+        assert (out - model(ids)).abs().max().item() <= 1e-4
+
+
+def _gone(pids):
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 10)
+    return not alive
+
+
+def test_a_removed_graphs_workers_serve_the_next_package_of_their_shape(
+    model_file, gpt2_files, session
+):
+    llama, ids, llama_path = model_file
+    gpt2, paths = gpt2_files
+    session.load_graph(0, {}, llama_path)
+    _assert_matches(session, 0, llama, ids)
+    first = _pids(session, 0)
+    session.remove_graph(0)
+    session.load_graph(1, {}, paths[2])
+    assert _pids(session, 1) == first
+    _assert_matches(session, 1, gpt2, ids)
+    _assert_matches(session, 1, gpt2, token_ids(seed=7))
+    session.remove_graph(1)
+    session.load_graph(2, {}, llama_path)  # and back: the groups made first serve again
+    assert _pids(session, 2) == first
+    _assert_matches(session, 2, llama, ids)
+    session.remove_graph(2)
+    session.load_graph(3, {}, paths[3])  # another world size: new workers, the idle ones stop
+    assert len(_pids(session, 3)) == 3 and not set(_pids(session, 3)) & set(first)
+    assert _gone(first)
+    _assert_matches(session, 3, gpt2, ids)
+
+
+def test_a_loaded_graph_keeps_its_workers_to_itself(model_file, gpt2_files, session):
+    llama, ids, llama_path = model_file
+    gpt2, paths = gpt2_files
+    session.load_graph(0, {}, llama_path)
+    session.load_graph(1, {}, paths[2])
+    assert not set(_pids(session, 0)) & set(_pids(session, 1))
+    _assert_matches(session, 0, llama, ids)
+    _assert_matches(session, 1, gpt2, ids)
+
+
+def test_reuse_can_be_turned_off(model_file, session):
+    _, _, path = model_file
+    session.load_graph(0, {"tessel.reuse_workers": "false"}, path)
+    first = _pids(session, 0)
+    session.remove_graph(0)
+    assert _gone(first)
+    session.load_graph(1, {}, path)
+    assert not set(_pids(session, 1)) & set(first)
+    with pytest.raises(tessel.ConfigError, match="tessel.reuse_workers: expected true or false"):
+        session.load_graph(2, {"tessel.reuse_workers": "maybe"}, path)
+
+
+def test_after_a_worker_error_the_next_load_starts_fresh_workers(
+    model_file, gpt2_files, session, tmp_path
+):
+    llama, ids, path = model_file
+    gpt2, paths = gpt2_files
+    # a run that fails: the workers are stopped, the graph says so, and nothing is reused
+    session.load_graph(0, {}, path)
+    first = _pids(session, 0)
+    os.kill(first[1], signal.SIGKILL)
+    with pytest.raises(tessel.WorkerError, match=r"rank 1 died"):
+        session.run_graph(0, [ids])
+    assert _gone(first)
+    with pytest.raises(tessel.WorkerError, match="stopped after an error"):
+        session.run_graph(0, [ids])
+    session.remove_graph(0)
+    session.load_graph(1, {}, paths[2])
+    second = _pids(session, 1)
+    assert not set(second) & set(first)
+    _assert_matches(session, 1, gpt2, ids)
+    # a load that fails on reused workers: they are stopped, and the next load starts anew
+    session.remove_graph(1)
+    bad, _ = _altered(path, tmp_path)
+    with pytest.raises(tessel.WorkerError, match="fails its checksum"):
+        session.load_graph(2, {}, bad)
+    assert _gone(second)
+    session.load_graph(3, {}, path)
+    assert not set(_pids(session, 3)) & set(second)
+    _assert_matches(session, 3, llama, ids)
+
+
+def test_idle_workers_outlive_the_collective_timeout(model_file, gpt2_files, session):
+    """Ranks other than 0 wait for rank 0's word inside a broadcast, which gloo fails after the
+    group's timeout; rank 0 keeps them alive while a graph or the idle workers wait."""
+    llama, ids, path = model_file
+    gpt2, paths = gpt2_files
+    options = {"tessel.run_timeout_s": 1.5}
+    session.load_graph(0, options, path)
+    first = _pids(session, 0)
+    time.sleep(4)
+    _assert_matches(session, 0, llama, ids)
+    session.remove_graph(0)
+    time.sleep(4)
+    session.load_graph(1, options, paths[2])
+    assert _pids(session, 1) == first
+    _assert_matches(session, 1, gpt2, ids)

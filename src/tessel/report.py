@@ -3,20 +3,43 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import Any
 
+from tessel.errors import TesselError
 from tessel.package.manifest import Manifest
+from tessel.units import human_bytes
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _device_memory(manifest: Manifest) -> dict[str, int]:
+    """Each logical device's memory, from the model's cluster config (empty if it cannot say)."""
+    from tessel.config.cluster import cluster_from_dict
+
+    try:
+        cluster = cluster_from_dict(manifest.cluster, "the model's cluster", manifest.soc_version)
+    except TesselError:
+        return {}
+    return {d.logical_id: d.memory_bytes for d in cluster.devices}
+
+
+def _ranks(manifest: Manifest, memory: dict) -> list[dict]:
+    """The plan's ranks, each with its device's memory where the cluster config gives it."""
+    devices = _device_memory(manifest)
+    ranks = []
+    for r in manifest.plan.get("ranks") or []:
+        device_bytes = devices.get(r.get("logical_device"), memory.get("device_bytes"))
+        ranks.append({**r, "device_bytes": device_bytes} if device_bytes is not None else dict(r))
+    return ranks
 
 
 def inspect_json(manifest: Manifest) -> dict:
-    """The plan as JSON: ranks with their weights and collectives, layers, solver, timings.
+    """The plan as JSON: ranks with their weights, predicted peak memory, device memory and
+    collectives; layers, solver, the planner's memory estimate, re-planned strategies, the
+    build's check against eager, timings.
 
     Layers map each weight's full name to its placements, so no two weights share a name.
     """
     plan = manifest.plan
+    memory = dict(plan.get("memory") or {})
     return {
         "mode": manifest.mode,
         "world_size": manifest.world_size,
@@ -29,7 +52,10 @@ def inspect_json(manifest: Manifest) -> dict:
         "timings": dict(manifest.timings),
         "layers": plan.get("layers") or {},
         "fallbacks": plan.get("fallbacks") or [],
-        "ranks": plan.get("ranks") or [],
+        "memory": memory,
+        "replanned": plan.get("replanned") or [],
+        "verify": plan.get("verify"),
+        "ranks": _ranks(manifest, memory),
     }
 
 
@@ -67,17 +93,31 @@ def format_plan(manifest: Manifest) -> str:
         for name, placement in key:
             lines.append(f"    {name:<40} {placement}")
     lines.append("")
-    lines.append("per device")
+    lines.append("per device (peak: weights plus the most activation bytes alive at once)")
     for r in data["ranks"]:
         collectives = r.get("collectives") or []
         counts = Counter(c.get("kind", "?") for c in collectives)
         volume = sum(c.get("bytes") or 0 for c in collectives)
         colls = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
+        memory = f"weights {human_bytes(r.get('weight_bytes') or 0)}"
+        if r.get("peak_bytes") is not None:
+            memory += f", peak {human_bytes(r['peak_bytes'])}"
+        if r.get("device_bytes"):
+            memory += f" of {human_bytes(r['device_bytes'])}"
         lines.append(
-            f"  rank {r.get('rank', '?')} ({r.get('logical_device', '?')}): "
-            f"weights {_mib(r.get('weight_bytes') or 0)}, collectives {colls}, "
-            f"{_mib(volume)} per run"
+            f"  rank {r.get('rank', '?')} ({r.get('logical_device', '?')}): {memory}, "
+            f"collectives {colls}, {human_bytes(volume)} per run"
         )
+    lines.extend(_memory_lines(data["memory"]))
+    lines.extend(_verify_lines(data["verify"]))
+    if data["replanned"]:
+        lines.append("")
+        lines.append("re-planned (strategies the lowering could not run, dropped)")
+        for rp in data["replanned"]:
+            lines.append(
+                f"  {rp.get('node', '?')} ({rp.get('op', '?')}): {rp.get('strategy', '?')}: "
+                f"{rp.get('reason', '?')}"
+            )
     if data["fallbacks"]:
         ops = Counter(f.get("op", "?") for f in data["fallbacks"])
         lines.append("")
@@ -91,3 +131,29 @@ def format_plan(manifest: Manifest) -> str:
             "build time: " + ", ".join(f"{k} {v:.2f} s" for k, v in data["timings"].items())
         )
     return "\n".join(lines)
+
+
+def _memory_lines(memory: dict[str, Any]) -> list[str]:
+    """The planner's own estimate of one device's memory, beside the device's capacity."""
+    shown = [
+        f"{label} {human_bytes(memory[key])}"
+        for key, label in (
+            ("weight_bytes", "weights"),
+            ("peak_bytes", "peak"),
+            ("device_bytes", "device memory"),
+        )
+        if memory.get(key) is not None
+    ]
+    return ["", "planner's estimate per device: " + ", ".join(shown)] if shown else [""]
+
+
+def _verify_lines(verify: Any) -> list[str]:
+    """The build's run of the package against the eager model on the example inputs."""
+    if not isinstance(verify, dict):
+        return ["checked against eager: no"]
+    diff, seconds = verify.get("max_relative_diff"), verify.get("seconds")
+    text = "checked against eager: "
+    text += "yes" if diff is None else f"max relative difference {diff:.3g}"
+    if seconds is not None:
+        text += f" ({seconds:.2f} s)"
+    return [text]

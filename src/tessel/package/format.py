@@ -51,7 +51,7 @@ __all__ = [
 
 SUFFIX = ".tessel"
 CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
-_READ_CHUNK = 16 << 20  # a member is read in pieces this big (each read makes a temporary)
+_READ_CHUNK = 16 << 20  # a member is read into its buffer in pieces this big
 _MAX_MANIFEST = 64 << 20  # a manifest is JSON of a few KiB to a few MiB
 
 
@@ -316,19 +316,33 @@ class Package:
         return bytes(self._read_checked(name))
 
     def _read_checked(self, name: str) -> bytearray:
-        """A member's bytes, read into one buffer and checked against the manifest's SHA-256."""
+        """A member's bytes, read into one buffer and checked against the manifest's SHA-256.
+
+        Members are stored, so the bytes are read from the file straight into the buffer: a
+        worker holds its weights once, with no temporary copy beside them while they load.
+        """
         expected = self.manifest.files.get(name)
         if expected is None:
             raise PackageError(self.path, f"member {name!r} is not listed in the manifest")
         try:
-            with zipfile.ZipFile(self.path) as zf, zf.open(name) as member:
-                size = zf.getinfo(name).file_size
+            with open(self.path, "rb", buffering=0) as f:
+                with zipfile.ZipFile(f) as zf:
+                    info = zf.getinfo(name)
+                size = info.file_size
                 if size > self.path.stat().st_size:  # the file changed since it was opened
                     raise EOFError(f"member claims {size} bytes, more than the file holds")
+                f.seek(info.header_offset)
+                header = f.read(_LOCAL_HEADER.size)
+                if len(header) < _LOCAL_HEADER.size:
+                    raise EOFError("the member's header lies past the end of the file")
+                sig, _, method, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+                if sig != b"PK\x03\x04" or method != zipfile.ZIP_STORED:
+                    raise ValueError("its local header disagrees with the directory")
+                f.seek(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
                 data = bytearray(size)
                 view, got = memoryview(data), 0
                 while got < len(data):
-                    n = member.readinto(view[got : got + _READ_CHUNK])
+                    n = f.readinto(view[got : got + _READ_CHUNK])
                     if not n:
                         raise EOFError(f"member ends after {got} of {len(data)} bytes")
                     got += n

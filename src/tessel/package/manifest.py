@@ -475,6 +475,20 @@ def _plan(f: _Field) -> dict:
     part(f, "estimated_time_s", _Field.number)
     part(f, "solver", _Field.obj)
     part(f, "fallback_ops", _Field.obj)
+    memory = f.get("memory", optional=True)
+    if memory.value is not None:
+        memory.obj()
+        for key in ("device_bytes", "weight_bytes", "peak_bytes"):
+            part(memory, key, _Field.int)
+    verify = f.get("verify", optional=True)
+    if verify.value is not None:
+        verify.obj()
+        part(verify, "max_relative_diff", _Field.number)
+        part(verify, "seconds", _Field.number)
+    for rp in f.get("replanned", optional=True).optional(_Field.list) or ():
+        rp.obj()
+        for key in ("node", "op", "strategy", "reason"):
+            part(rp, key, _Field.str)
     for _, params in f.get("layers", optional=True).optional(_Field.items) or ():
         for _, placements in params.items():
             for p in placements.list():
@@ -484,6 +498,7 @@ def _plan(f: _Field) -> dict:
         part(r, "rank", _Field.int)
         part(r, "logical_device", _Field.str)
         part(r, "weight_bytes", _Field.int)
+        part(r, "peak_bytes", _Field.int)
         for c in r.get("collectives", optional=True).optional(_Field.list) or ():
             c.obj()
             part(c, "kind", _Field.str)

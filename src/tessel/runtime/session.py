@@ -106,20 +106,73 @@ def _option(options: dict, key: str, kind: type, default: Any) -> Any:
         raise ConfigError("options", key, f"expected {kind.__name__}, found {value!r}") from exc
 
 
+def _flag(options: dict, key: str, default: bool) -> bool:
+    value = options.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)) and str(value).strip().lower() in _FLAGS:
+        return _FLAGS[str(value).strip().lower()]
+    raise ConfigError("options", key, f"expected true or false, found {value!r}")
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 @dataclass
-class _Graph:
-    package: Package
+class _Workers:
+    """One worker process per local device, with the pipes the session talks to them through.
+
+    `key` says what makes two sets of workers interchangeable (see `_pool_key`); None when
+    these workers may serve only the package they were started for. `broken` is set on any
+    error or interruption: broken workers are stopped and never handed another package.
+    """
+
     procs: list[Any]
     conns: list[Connection]
     ranks: list[int]
     distributed: bool
     run_timeout: float
+    key: tuple | None = None
+    broken: bool = False
+
+
+@dataclass
+class _Graph:
+    package: Package
+    workers: _Workers
     next_replica: int = 0
     inputs: tuple[TensorSpec, ...] = ()
 
+    @property
+    def procs(self) -> list[Any]:
+        return self.workers.procs
+
+    @property
+    def conns(self) -> list[Connection]:
+        return self.workers.conns
+
+    @property
+    def distributed(self) -> bool:
+        return self.workers.distributed
+
 
 class Session:
-    """Loads offline models onto the cluster's devices and runs them."""
+    """Loads offline models onto the cluster's devices and runs them.
+
+    Options (also per `load_graph`): `tessel.node_id`, `tessel.master_port`,
+    `tessel.threads_per_worker`, `tessel.load_timeout_s`, `tessel.run_timeout_s`, and
+    `tessel.reuse_workers` (default true).
+
+    Workers are reused: `remove_graph` keeps the graph's workers, idle, and the next
+    `load_graph` whose workers would be the same (same local devices and ranks, world size,
+    backend, device type, threads, timeout and master port) hands them the new package
+    instead of starting new processes; they make any process groups it adds on the process
+    group they already share. One idle set is kept: a package that needs other workers stops
+    it and starts fresh ones. A graph still loaded keeps its workers to itself, so a second
+    graph loaded beside it gets its own. Workers that reported an error, died, stopped
+    answering or were interrupted are never reused. Clusters of several nodes reuse no workers
+    of a partitioned model: the other nodes' workers leave when the graph is removed.
+    """
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         _exit_if_importing_main()
@@ -129,6 +182,7 @@ class Session:
             raise ConfigError("options", None, f"expected a dict, found {type(options).__name__}")
         self.options = dict(options or {})
         self._graphs: dict[int, _Graph] = {}
+        self._idle: _Workers | None = None  # the workers of a removed graph, kept for reuse
         _sessions.add(self)
 
     def __enter__(self) -> Session:
@@ -138,7 +192,8 @@ class Session:
         self.close()
 
     def load_graph(self, graph_id: int, options: dict[str, Any] | None, path: str | Path) -> None:
-        """Start one worker per device of this node, join the process groups, load every rank."""
+        """Load every rank of this node onto one worker per device (idle workers, where they
+        fit, or new ones that join the process groups); returns when every rank is ready."""
         _exit_if_importing_main()
         if not _state["initialized"]:
             raise SessionError("tessel.finalize() was called; call tessel.initialize() again")
@@ -165,7 +220,9 @@ class Session:
         node_id = _option(options, "tessel.node_id", int, cluster.head.node_id)
         load_timeout = _option(options, "tessel.load_timeout_s", float, 300.0)
         run_timeout = _option(options, "tessel.run_timeout_s", float, 300.0)
+        reuse = _flag(options, "tessel.reuse_workers", True)
         distributed = manifest.mode == "partitioned" and package.world_size > 1
+        port_option = options.get("tessel.master_port")
         if len(cluster.nodes) == 1 and distributed:
             addr, port = "127.0.0.1", _option(options, "tessel.master_port", int, _free_port())
         else:
@@ -179,11 +236,29 @@ class Session:
         threads = _option(
             options, "tessel.threads_per_worker", int, max(1, (os.cpu_count() or 1) // len(local))
         )
-        graph = _start_workers(package, local, addr, port, threads, run_timeout, distributed)
+        key = None
+        # the workers of a partitioned model spanning nodes share a process group with other
+        # nodes' workers, which leave when the graph is removed: those are never reused
+        if reuse and (len(cluster.nodes) == 1 or not distributed):
+            key = _pool_key(manifest, local, distributed, threads, run_timeout, port_option)
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            healthy = _healthy(idle)
+            if key is None or idle.key != key or not healthy:
+                _stop(idle, graceful=healthy)
+                idle = None
+        if idle is not None:
+            workers = idle
+            _send_load(workers, str(package.path))
+        else:
+            workers = _start_workers(package, local, addr, port, threads, run_timeout, distributed)
+            workers.key = key
+        graph = _Graph(package, workers)
         self._graphs[graph_id] = graph
         try:
-            _wait_ready(graph, load_timeout)
+            _wait_ready(workers, load_timeout)
         except BaseException:
+            workers.broken = True
             self.remove_graph(graph_id)
             raise
         if node_id != cluster.head.node_id:
@@ -196,22 +271,44 @@ class Session:
         """Run a loaded graph; returns the same outputs as the single-device model."""
         graph = self._graph(graph_id)
         tensors = _check_inputs(graph.inputs, inputs)
-        if graph.distributed:
+        workers = graph.workers
+        if workers.broken:
+            raise WorkerError(
+                f"graph {graph_id}'s workers were stopped after an error; remove the graph and "
+                "load it again"
+            )
+        if workers.distributed:
             index = 0
         else:
             index = graph.next_replica
-            graph.next_replica = (index + 1) % len(graph.conns)
-        graph.conns[index].send(("run", tensors))
-        return _wait_result(graph, index)
+            graph.next_replica = (index + 1) % len(workers.conns)
+        # a worker gone since the last run closed its pipe: the wait below says how it ended
+        with contextlib.suppress(OSError):
+            workers.conns[index].send(("run", tensors))
+        return _wait_result(workers, index)
 
     def remove_graph(self, graph_id: int) -> None:
+        """Unload a graph. Its workers stay, idle, for a later `load_graph` to reuse where they
+        can serve again (see the class docstring); otherwise they stop."""
         graph = self._graphs.pop(graph_id, None)
-        if graph is not None:
-            _stop(graph)
+        if graph is None:
+            return
+        workers = graph.workers
+        if workers.key is None or workers.broken or not _unload(workers):
+            _stop(workers, graceful=not workers.broken)
+            return
+        if self._idle is not None:
+            _stop(self._idle)
+        self._idle = workers
 
     def close(self) -> None:
+        """Stop every worker this session started: loaded graphs' and idle ones."""
         for graph_id in list(self._graphs):
-            self.remove_graph(graph_id)
+            graph = self._graphs.pop(graph_id)
+            _stop(graph.workers, graceful=not graph.workers.broken)
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            _stop(idle)
 
     def _graph(self, graph_id: int) -> _Graph:
         if graph_id not in self._graphs:
@@ -221,7 +318,69 @@ class Session:
         return self._graphs[graph_id]
 
 
-def _start_workers(package, local, addr, port, threads, run_timeout, distributed) -> _Graph:
+def _pool_key(
+    manifest: Any,
+    local: list,
+    distributed: bool,
+    threads: int,
+    run_timeout: float,
+    port: Any,
+) -> tuple:
+    """What must match for idle workers to take a package: everything a worker is started with
+    except the package. A port chosen for the session (none given) is no constraint: the
+    workers already share a process group."""
+    return (
+        tuple((d.rank, d.node_id, d.device_id) for d in local),
+        manifest.world_size,
+        manifest.backend,
+        manifest.device_type,
+        distributed,
+        threads,
+        run_timeout,
+        None if port is None else str(port),
+    )
+
+
+def _healthy(workers: _Workers) -> bool:
+    """Idle workers that are all alive and have said nothing since they went idle."""
+    if workers.broken or not all(p.is_alive() for p in workers.procs):
+        return False
+    try:
+        return not any(c.poll() for c in workers.conns)
+    except OSError:
+        return False
+
+
+def _send_load(workers: _Workers, path: str) -> None:
+    """Hand idle workers a package; rank 0 passes the word on to the other ranks."""
+    targets = workers.conns[:1] if workers.distributed else workers.conns
+    for conn in targets:
+        with contextlib.suppress(OSError):  # a worker gone: the wait for `ready` says how
+            conn.send(("load", path))
+
+
+_UNLOAD_TIMEOUT_S = 10.0
+
+
+def _unload(workers: _Workers) -> bool:
+    """Make loaded workers drop their model and wait until all are idle; False if any fail."""
+    targets = workers.conns[:1] if workers.distributed else workers.conns
+    try:
+        for conn in targets:
+            conn.send(("unload",))
+        _poll(workers, time.monotonic() + _UNLOAD_TIMEOUT_S, "idle", None)
+    except (WorkerError, OSError) as exc:
+        log.debug("workers could not be kept for reuse: %s", exc)
+        workers.broken = True
+        return False
+    except BaseException:
+        workers.broken = True
+        _stop(workers, graceful=False)
+        raise
+    return True
+
+
+def _start_workers(package, local, addr, port, threads, run_timeout, distributed) -> _Workers:
     manifest = package.manifest
     ctx = mp.get_context("spawn")
     procs, conns, ranks = [], [], []
@@ -248,7 +407,7 @@ def _start_workers(package, local, addr, port, threads, run_timeout, distributed
         procs.append(proc)
         conns.append(parent)
         ranks.append(device.rank)
-    return _Graph(package, procs, conns, ranks, distributed, run_timeout)
+    return _Workers(procs, conns, ranks, distributed, run_timeout)
 
 
 def _check_inputs(expected: tuple[TensorSpec, ...], inputs: Any) -> list[torch.Tensor]:
@@ -284,30 +443,30 @@ def _check_inputs(expected: tuple[TensorSpec, ...], inputs: Any) -> list[torch.T
     return [x.detach().cpu().contiguous() for x in inputs]
 
 
-def _describe_exit(graph: _Graph, i: int) -> str:
+def _describe_exit(workers: _Workers, i: int) -> str:
     # The pipe closes a moment before the OS reaps the process; wait briefly for the code.
-    graph.procs[i].join(timeout=5)
-    code = graph.procs[i].exitcode
+    workers.procs[i].join(timeout=5)
+    code = workers.procs[i].exitcode
     if code == _UNGUARDED_MAIN_EXIT:
-        return f"rank {graph.ranks[i]} could not start: {_UNGUARDED_MAIN}"
-    return f"rank {graph.ranks[i]} died (exit code {code})"
+        return f"rank {workers.ranks[i]} could not start: {_UNGUARDED_MAIN}"
+    return f"rank {workers.ranks[i]} died (exit code {code})"
 
 
-def _poll(graph: _Graph, deadline: float, want: str, index: int | None) -> Any:
+def _poll(workers: _Workers, deadline: float, want: str, index: int | None) -> Any:
     """Wait for `want` from worker `index` (or all ready); fail fast on errors and deaths.
 
     Blocks in `multiprocessing.connection.wait` on every pipe and process sentinel, so an answer
     is taken the moment it arrives and an idle session costs no CPU.
     """
-    pending = set(range(len(graph.conns))) if index is None else {index}
-    conn_index = {id(c): i for i, c in enumerate(graph.conns)}
-    sentinels = {p.sentinel: i for i, p in enumerate(graph.procs)}
+    pending = set(range(len(workers.conns))) if index is None else {index}
+    conn_index = {id(c): i for i, c in enumerate(workers.conns)}
+    sentinels = {p.sentinel: i for i, p in enumerate(workers.procs)}
     result = None
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise WorkerError(f"no answer from ranks {[graph.ranks[i] for i in pending]} in time")
-        ready = wait([*graph.conns, *sentinels], timeout=remaining)
+            raise WorkerError(f"no answer from ranks {[workers.ranks[i] for i in pending]} in time")
+        ready = wait([*workers.conns, *sentinels], timeout=remaining)
         answered = set()
         for obj in ready:
             if isinstance(obj, int):
@@ -317,7 +476,7 @@ def _poll(graph: _Graph, deadline: float, want: str, index: int | None) -> Any:
             try:
                 kind, rank, payload = obj.recv()
             except (EOFError, OSError):
-                raise WorkerError(_describe_exit(graph, i)) from None
+                raise WorkerError(_describe_exit(workers, i)) from None
             if kind == "error":
                 raise _worker_failed(rank, payload)
             if kind == want and i in pending:
@@ -325,7 +484,7 @@ def _poll(graph: _Graph, deadline: float, want: str, index: int | None) -> Any:
                 result = payload
         for obj in ready:  # a process gone without a last word on its pipe
             if isinstance(obj, int) and sentinels[obj] not in answered:
-                raise WorkerError(_describe_exit(graph, sentinels[obj]))
+                raise WorkerError(_describe_exit(workers, sentinels[obj]))
     return result
 
 
@@ -343,34 +502,36 @@ def _worker_failed(rank: int, report: Any) -> WorkerError:
     return WorkerError(f"rank {rank} failed: {kind}: {cause}", rank, details)
 
 
-def _wait_ready(graph: _Graph, timeout: float) -> None:
-    _poll(graph, time.monotonic() + timeout, "ready", None)
+def _wait_ready(workers: _Workers, timeout: float) -> None:
+    _poll(workers, time.monotonic() + timeout, "ready", None)
 
 
-def _wait_result(graph: _Graph, index: int) -> list[torch.Tensor]:
+def _wait_result(workers: _Workers, index: int) -> list[torch.Tensor]:
     try:
-        return _poll(graph, time.monotonic() + graph.run_timeout, "result", index)
-    except WorkerError:
-        _stop(graph, graceful=False)
+        return _poll(workers, time.monotonic() + workers.run_timeout, "result", index)
+    except BaseException:  # a failure, or an interruption that leaves a run in flight
+        _stop(workers, graceful=False)
         raise
 
 
-def _stop(graph: _Graph, graceful: bool = True) -> None:
+def _stop(workers: _Workers, graceful: bool = True) -> None:
+    """Stop the workers: asked to (where `graceful`), then terminated, then killed."""
+    workers.broken = True
     if graceful:
-        for proc, conn in zip(graph.procs, graph.conns):
+        for proc, conn in zip(workers.procs, workers.conns):
             if proc.is_alive():
                 with contextlib.suppress(Exception):
                     conn.send(("stop",))
         deadline = time.monotonic() + 10
-        for proc in graph.procs:
+        for proc in workers.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in graph.procs:
+    for proc in workers.procs:
         if proc.is_alive():
             proc.terminate()
-    for proc in graph.procs:
+    for proc in workers.procs:
         proc.join(5)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    for conn in graph.conns:
+    for conn in workers.conns:
         conn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from tessel.package.format import Package
+from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime.loader import load_rank
 
@@ -38,7 +39,8 @@ class WorkerSpec:
     distributed: bool
 
 
-_STOP, _RUN = 0, 1
+# The words rank 0 broadcasts to say what every rank does next.
+_STOP, _RUN, _IDLE, _LOAD, _UNLOAD = 0, 1, 2, 3, 4
 
 
 def _die_with_parent() -> None:
@@ -66,16 +68,58 @@ def _device(spec: WorkerSpec) -> torch.device:
     return device
 
 
-def _groups(manifest: Manifest, world: int) -> dict[tuple[int, ...], str]:
-    """Create every group any rank uses, in one order on all ranks; map rank lists to names."""
-    names: dict[tuple[int, ...], str] = {}
-    wanted = sorted({g for s in manifest.submodels for g in s.comm_groups})
+def _groups(manifest: Manifest, world: int, names: dict[tuple[int, ...], str]) -> None:
+    """Create every group any rank uses that `names` lacks, in one order on all ranks.
+
+    `names` maps rank lists to group names. A worker that loads several packages in turn keeps
+    the groups it made for earlier ones: every rank has loaded the same packages in the same
+    order, so every rank makes the same new groups in the same order here.
+    """
+    wanted = sorted({g for s in manifest.submodels for g in s.comm_groups} - set(names))
     for ranks in wanted:
         if list(ranks) == list(range(world)):
             names[ranks] = dist.group.WORLD.group_name
         else:
             names[ranks] = dist.new_group(list(ranks)).group_name
-    return names
+
+
+@dataclass
+class _Loaded:
+    """The model a worker serves now: its rank's program, weights and the model's inputs."""
+
+    program: object
+    weights: list
+    inputs: tuple[TensorSpec, ...]
+
+
+def _load(
+    spec: WorkerSpec, path: str, device: torch.device, groups: dict[tuple[int, ...], str]
+) -> _Loaded:
+    """Open a package and load this worker's rank of it.
+
+    `groups` holds the groups made for earlier packages and gains the ones this package adds.
+    """
+    package = Package.open(path)
+    if package.world_size != spec.world_size:  # the session matched them; a last check
+        raise PackageError(
+            path, f"built for {package.world_size} devices; these workers are {spec.world_size}"
+        )
+    if spec.distributed:
+        _groups(package.manifest, spec.world_size, groups)
+    program, weights = load_rank(package, spec.rank, device, groups)
+    _release_memory(device)  # what decoding the program left behind, before the first run
+    return _Loaded(program, weights, package.manifest.inputs)
+
+
+def _release_memory(device: torch.device) -> None:
+    """Give an unloaded model's memory back: glibc and accelerator caches keep it otherwise."""
+    gc.collect()
+    if device.type != "cpu":
+        with contextlib.suppress(Exception):
+            getattr(torch, device.type).empty_cache()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -85,7 +129,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     torch.set_num_threads(max(1, spec.threads))
     try:
         device = _device(spec)
-        package = Package.open(spec.package)
         groups: dict[tuple[int, ...], str] = {}
         if spec.distributed:
             dist.init_process_group(
@@ -95,10 +138,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 world_size=spec.world_size,
                 timeout=datetime.timedelta(seconds=spec.timeout_s),
             )
-            groups = _groups(package.manifest, spec.world_size)
-        program, weights = load_rank(package, spec.rank, device, groups)
+        loaded = _load(spec, spec.package, device, groups)
         conn.send(("ready", spec.rank, None))
-        _serve(spec, conn, program, weights, device, package.manifest.inputs)
+        _serve(spec, conn, device, groups, loaded)
     except BaseException as exc:  # noqa: BLE001 - report everything to the session, then exit
         # plain strings: an exception object may not unpickle on the other side
         report = (type(exc).__name__, str(exc), traceback.format_exc())
@@ -112,39 +154,98 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     os._exit(0)
 
 
+def _keepalive_s(spec: WorkerSpec) -> float:
+    """How long rank 0 waits for the session before it broadcasts `_IDLE`.
+
+    The other ranks wait for rank 0's word inside a broadcast, which fails after the group's
+    timeout; an idle word well within it keeps an idle model (or an idle pool) alive for good.
+    """
+    return max(0.05, min(60.0, spec.timeout_s / 4))
+
+
+def _next_command(
+    spec: WorkerSpec, conn: Connection, device: torch.device, leader: bool
+) -> tuple[int, tuple]:
+    """The next command and its message: the leader reads the session's pipe, the others hear
+    rank 0's broadcast word (and a loaded package's path) when the model is partitioned."""
+    while True:
+        message: tuple = ()
+        command = _IDLE
+        if leader:
+            if not spec.distributed or conn.poll(_keepalive_s(spec)):
+                message = conn.recv()
+                command = _COMMANDS.get(message[0], _STOP)
+        if not spec.distributed:
+            return command, message
+        word = torch.tensor([command], device=device)
+        dist.broadcast(word, src=0)
+        command = int(word.item())
+        if command == _IDLE:
+            continue
+        if command == _LOAD:
+            message = ("load", _broadcast_text(message[1] if leader else "", device))
+        return command, message
+
+
+_COMMANDS = {"run": _RUN, "load": _LOAD, "unload": _UNLOAD, "stop": _STOP}
+
+
+def _broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's `text` on every rank (a package path: the other ranks may have no pipe)."""
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().tolist()).decode()
+
+
 def _serve(
     spec: WorkerSpec,
     conn: Connection,
-    program,
-    weights: list,
     device: torch.device,
-    input_specs: tuple[TensorSpec, ...],
+    groups: dict[tuple[int, ...], str],
+    loaded: _Loaded | None,
 ) -> None:
+    """Serve commands until stopped: run the loaded model, unload it, load another package.
+
+    Every rank answers `load` with `ready` and `unload` with `idle`; only the leader answers runs.
+    """
     leader = spec.rank == 0 or not spec.distributed
     while True:
-        inputs: list[torch.Tensor] = []
-        if leader:
-            message = conn.recv()
-            command = _RUN if message[0] == "run" else _STOP
-            if command == _RUN:
-                inputs = [x.to(device) for x in message[1]]
-        if spec.distributed:
-            # the session checked the inputs against the manifest, so only the command travels
-            word = torch.tensor([command if leader else _STOP], device=device)
-            dist.broadcast(word, src=0)
-            command = int(word.item())
-            if not leader and command == _RUN:
-                inputs = [
-                    torch.empty(x.shape, dtype=getattr(torch, x.dtype), device=device)
-                    for x in input_specs
-                ]
-            for x in inputs:
-                dist.broadcast(x, src=0)
+        command, message = _next_command(spec, conn, device, leader)
         if command == _STOP:
             if spec.distributed:
                 dist.barrier()
             return
+        if command == _UNLOAD:
+            loaded = None
+            _release_memory(device)
+            conn.send(("idle", spec.rank, None))
+            continue
+        if command == _LOAD:
+            loaded = None
+            _release_memory(device)
+            loaded = _load(spec, message[1], device, groups)
+            conn.send(("ready", spec.rank, None))
+            continue
+        if loaded is None:
+            raise RuntimeError("asked to run with no model loaded")
+        inputs: list[torch.Tensor] = []
+        if leader:
+            inputs = [x.to(device) for x in message[1]]
+        if spec.distributed:
+            # the session checked the inputs against the manifest, so only rank 0's travel
+            if not leader:
+                inputs = [
+                    torch.empty(x.shape, dtype=getattr(torch, x.dtype), device=device)
+                    for x in loaded.inputs
+                ]
+            for x in inputs:
+                dist.broadcast(x, src=0)
         with torch.inference_mode():
-            outputs = program(*weights, *inputs)
+            outputs = loaded.program(*loaded.weights, *inputs)
         if leader:
             conn.send(("result", spec.rank, [o.cpu() for o in outputs]))
