@@ -13,17 +13,23 @@ from tessel.parallel import shard_checkpoint
 from tessel.parallel.strategy import ParamLayout, Strategy, write_strategy
 
 
+def _piece(t: torch.Tensor, k: int, dim: int, i: int) -> torch.Tensor:
+    """Piece ``i`` of ``t`` cut into ``k`` along ``dim`` as torch.chunk cuts (empty past the end)."""
+    pieces = t.chunk(k, dim=dim)
+    return pieces[i] if i < len(pieces) else t.narrow(dim, t.shape[dim], 0)
+
+
 def ref_slice(full: torch.Tensor, p: ParamLayout, index: int) -> torch.Tensor:
-    """The slice device ``index`` holds, by nested splitting (outer axis first), not boxes.py."""
+    """The slice device ``index`` holds, by nested chunking (outer axis first), not boxes.py."""
     coord = np.unravel_index(index, p.dev_matrix) if p.dev_matrix else ()
     n = len(p.dev_matrix)
     t = full
     for d, axes in enumerate(p.tensor_map):
         for a in axes:
             m = n - 1 - a
-            t = t.tensor_split(p.dev_matrix[m], dim=d)[int(coord[m])]
+            t = _piece(t, p.dev_matrix[m], d, int(coord[m]))
     if p.opt_shard_size:
-        t = t.tensor_split(p.opt_shard_size, dim=0)[(index // p.opt_shard_step) % p.opt_shard_size]
+        t = _piece(t, p.opt_shard_size, 0, (index // p.opt_shard_step) % p.opt_shard_size)
     return t
 
 

@@ -96,6 +96,29 @@ def test_tp4_to_dp2_tp2_with_optimizer_shard_and_back(tmp_path, src, full):
     assert files_bytes(tmp_path / "A2") == files_bytes(a_dir)
 
 
+def test_uneven_shards_convert_like_any_other_layout(tmp_path, full):
+    """Dims that do not divide are cut as torch.chunk cuts them (DTensor's Shard): a checkpoint
+    sharded 3 ways converts to 4 ways and back, and unifies to the original tensors."""
+    hf = write_full(full, tmp_path / "hf")
+    three = _tp((1, 3), tmp_path / "tp3.json")
+    shard_checkpoint(hf, tmp_path / "A", three)
+    assert _check(tmp_path / "A", full, three) == 3
+    got = load_file(str(tmp_path / "A/rank_2/checkpoint_2.safetensors"))
+    assert torch.equal(got["emb"], full["emb"][12:16])  # 16 rows: 6, 6, 4
+    four = _tp((1, 4), tmp_path / "tp4.json")
+    assert convert_checkpoints(tmp_path / "A", tmp_path / "B", "checkpoint_", three, four)
+    assert _check(tmp_path / "B", full, four) == 4
+    convert_checkpoints(tmp_path / "B", tmp_path / "A2", "checkpoint_", four, three)
+    assert files_bytes(tmp_path / "A2") == files_bytes(tmp_path / "A")
+    unified_safetensors(tmp_path / "A", three, tmp_path / "U")
+    merged = {}
+    for f in sorted((tmp_path / "U").glob("*.safetensors")):
+        merged.update(load_file(str(f)))
+    assert set(merged) == set(full)
+    for k in full:
+        assert torch.equal(merged[k], full[k]), k
+
+
 def test_to_tp8_and_pipeline_stages(tmp_path, src, full):
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "pp2.json", stages={"emb": [0, 1], "qkv": 0, "out": 1, "norm": 1})

@@ -197,10 +197,18 @@ def test_missing_strategy_file(tmp_path):
         load_strategy(tmp_path / "nope.json")
 
 
-def test_save_strategy_rejects_indivisible_shape_and_bad_opt(tmp_path):
+def test_save_strategy_rejects_bad_opt_and_keeps_uneven_splits_out_of_mindspore(tmp_path):
+    from tessel.parallel.boxes import device_box
+    from tessel.parallel.mindspore_proto import strategy_to_protobuf
+
     lay = Layout((4,), ("tp",))
-    with pytest.raises(StrategyError, match="not divisible"):
-        save_strategy_file(tmp_path / "s.json", {"w": (lay("tp"), (6,), "float32")})
+    save_strategy_file(tmp_path / "s.json", {"w": (lay("tp"), (6,), "float32")})
+    st = load_strategy(tmp_path / "s.json")
+    # torch.chunk's cut, as DTensor's Shard: 2, 2, 2 and an empty last slice
+    boxes = [device_box(st.params["w"], i, (6,)) for i in range(4)]
+    assert boxes == [((0, 2),), ((2, 4),), ((4, 6),), ((6, 6),)]
+    with pytest.raises(StrategyError, match="splits unevenly into 4 slices"):
+        strategy_to_protobuf(st)
     lay2 = Layout((2, 2), ("dp", "tp"))
     with pytest.raises(StrategyError, match="opt_shard_size"):
         save_strategy_file(
@@ -266,7 +274,6 @@ def _mindspore_file(**changes) -> dict:
         (_tessel_file(stages=[-1]), "params.w.stages[0]", "found number -1"),
         (_tessel_file(stages=[0, 0]), "params.w.stages", "lists 0 twice"),
         (_tessel_file(tensor_map=["0", []]), "params.w.tensor_map[0]", "found string '0'"),
-        (_tessel_file(shape=[7, 4]), "params.w.shape", "dim 0 of size 7 is not divisible"),
         (_tessel_file(dtype="float13"), "params.w.dtype", "'float13' is unknown"),
         (_tessel_file(dev_matrx=[2]), "params.w.dev_matrx", "did you mean 'dev_matrix'?"),
         (_tessel_file(rank_list=[0, 1, 1, 2]), "params.w.rank_list", "lists 1 twice"),

@@ -193,7 +193,8 @@ def plan_and_lower(
             timings["lower"] = timings.get("lower", 0.0) + time.perf_counter() - t
         worst = max(p.peak_bytes for p in programs)
         if worst > device_bytes:
-            reserve += worst - device_bytes
+            # keep free what the programs hold beyond what the model counted
+            reserve = max(reserve + worst - device_bytes, worst - plan.memory["peak_bytes"])
             replanned.append(
                 {
                     "node": "(memory)",

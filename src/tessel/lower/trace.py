@@ -152,7 +152,10 @@ def _trace(
             it = iter(flat)
             raw = {placeholders[name]: next(it) for name, _fqn in weights}
             env = _Values(
-                {n: partial(_wrap, t, mesh, plan.out_placements(n)) for n, t in raw.items()},
+                {
+                    n: partial(_wrap, t, mesh, plan.out_placements(n), n.meta["val"])
+                    for n, t in raw.items()
+                },
                 stitcher,
             )
             if stitcher is not None:
@@ -209,8 +212,11 @@ def _trace(
     return RankProgram(program, constants, node_shapes(gm), held, peak)
 
 
-def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
-    return DTensor.from_local(local, mesh, placements, run_check=False)
+def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple, whole: torch.Tensor) -> DTensor:
+    """A rank's shard as a DTensor of the whole tensor's shape (shards may be uneven)."""
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=whole.shape, stride=whole.stride()
+    )
 
 
 def _whole(value: Any, mesh: DeviceMesh) -> Any:
@@ -356,8 +362,7 @@ def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh)
         return a.to_local() if isinstance(a, DTensor) else a
 
     out = n.target(*tree_map(local, args), **tree_map(local, kwargs))
-    placements = plan.out_placements(n)
-    return DTensor.from_local(out, mesh, placements, run_check=False)
+    return _wrap(out, mesh, plan.out_placements(n), n.meta["val"])
 
 
 def _count_nodes(args: Any) -> int:

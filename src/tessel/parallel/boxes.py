@@ -1,6 +1,9 @@
 """Slices as boxes: which region of the full tensor each device holds under a ParamLayout.
 
-A box is a tuple of ``(start, stop)`` per tensor dim, in full-tensor coordinates.
+A box is a tuple of ``(start, stop)`` per tensor dim, in full-tensor coordinates. A dim split
+into k slices is cut as torch.chunk cuts it (and DTensor's Shard): every slice but the last
+holds ceil(size / k) rows, so where k does not divide the size the last slices are shorter or
+empty. Where it divides, these are MindSpore's even slices.
 """
 
 from __future__ import annotations
@@ -23,8 +26,16 @@ def coords(index: int, dev_matrix: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def chunk(size: int, k: int, index: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` slice ``index`` of ``k`` holds of a dim of ``size`` rows."""
+    length = -(-size // k)
+    start = min(index * length, size)
+    return start, min(start + length, size)
+
+
 def check_divisible(name: str, p: ParamLayout, shape: Sequence[int], src: str) -> None:
-    """Each layout must divide its own tensor evenly (as in MindSpore)."""
+    """A layout must name every dim of its tensor; the optimizer shard must divide dim 0's
+    slice. Other dims may split unevenly (see the module docstring)."""
     splits = p.splits()
     if len(shape) != len(splits):
         raise StrategyError(
@@ -32,11 +43,12 @@ def check_divisible(name: str, p: ParamLayout, shape: Sequence[int], src: str) -
             f"params.{name}.tensor_map",
             f"has {len(splits)} entries for a {len(shape)}-dim tensor of shape {list(shape)}",
         )
-    for d, (s, k) in enumerate(zip(shape, splits, strict=False)):
-        if s % k:
-            raise StrategyError(
-                src, f"params.{name}", f"dim {d} of size {s} is not divisible into {k} slices"
-            )
+    if p.opt_shard_size and shape[0] % splits[0]:
+        raise StrategyError(
+            src,
+            f"params.{name}.opt_shard_size",
+            f"needs dim 0 (size {shape[0]}) to split evenly into {splits[0]} slices",
+        )
     if p.opt_shard_size and (shape[0] // splits[0]) % p.opt_shard_size:
         raise StrategyError(
             src,
@@ -57,8 +69,8 @@ def device_box(p: ParamLayout, index: int, shape: Sequence[int]) -> Box:
             size = p.dev_matrix[n - 1 - a]
             idx = idx * size + c[n - 1 - a]
             k *= size
-        length = shape[d] // k
-        start = idx * length
+        start, stop = chunk(shape[d], k, idx)
+        length = stop - start
         if d == 0 and p.opt_shard_size:
             sub = length // p.opt_shard_size
             j = (index // p.opt_shard_step) % p.opt_shard_size
@@ -107,8 +119,12 @@ def check_tiling(name: str, p: ParamLayout, src: str, shape: Sequence[int] | Non
     check_divisible(name, p, shape, src)
     if volume(tuple((0, s) for s in shape)) == 0:
         return
-    boxes = distinct_boxes(p, shape)
-    want = math.prod(p.splits()) * (p.opt_shard_size or 1)
+    boxes = {b for b in distinct_boxes(p, shape) if volume(b)}
+    want = math.prod(
+        -(-size // -(-size // k)) if size else 1  # the non-empty chunks torch.chunk makes
+        for k, size in zip(p.splits(), shape, strict=False)
+    )
+    want *= p.opt_shard_size or 1
     if len(boxes) != want:
         raise StrategyError(
             src,

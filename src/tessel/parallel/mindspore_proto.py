@@ -157,6 +157,14 @@ def strategy_to_protobuf(strategy: Strategy, stage: int | None = None) -> bytes:
         item = m.parallel_strategy_item.add(node_name="Default/tessel")
         item.parallel_strategys.stage = stages[0] if stage is None else stage
     for name, p in strategy.params.items():
+        for d, (size, k) in enumerate(zip(p.shape or (), p.splits())):
+            if size % k:
+                raise StrategyError(
+                    strategy.source,
+                    f"params.{name}",
+                    f"dim {d} of size {size} splits unevenly into {k} slices, which MindSpore's "
+                    "strategy format cannot express",
+                )
         for s in p.stages if merged else (p.stages[0],):
             it = m.parallel_layout_item.add(param_name=f"{s}-{name}" if merged else name)
             lay = it.parallel_layouts

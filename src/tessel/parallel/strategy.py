@@ -179,6 +179,11 @@ class Strategy:
 # validation
 
 
+def _splits(dev_matrix: tuple[int, ...], tensor_map: tuple[tuple[int, ...], ...]) -> list[int]:
+    n = len(dev_matrix)
+    return [math.prod(dev_matrix[n - 1 - a] for a in axes if 0 <= a < n) for axes in tensor_map]
+
+
 def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> ParamLayout:
     """Validate one layout and resolve opt_shard_size -1 / a missing step; returns the result.
 
@@ -215,11 +220,6 @@ def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> 
             )
         if any(s < 0 for s in p.shape):
             raise StrategyError(src, f"{key}.shape", f"{list(p.shape)} has a negative size")
-        for d, (s, k) in enumerate(zip(p.shape, p.splits())):
-            if s % k:
-                raise StrategyError(
-                    src, f"{key}.shape", f"dim {d} of size {s} is not divisible into {k} slices"
-                )
     if not p.stages or any(not 0 <= s <= MAX_ID for s in p.stages):
         raise StrategyError(src, f"{key}.stages", f"{list(p.stages)}: need stage ids 0..{MAX_ID}")
     if len(set(p.stages)) != len(p.stages):
@@ -344,6 +344,11 @@ def _param_from_json(name: str, f: Fields, mindspore: bool, stage: int = 0) -> P
     tm = _tensor_map(f)
     if mindspore:
         shape = f.int_list("tensor_shape", 0, MAX_DIM, None)
+        for d, (s, k) in enumerate(zip(shape or (), _splits(dev, tm))):
+            if s % k:  # MindSpore's slices are even
+                raise f.error(
+                    f"dim {d} of size {s} is not divisible into {k} slices", "tensor_shape"
+                )
         dtype = None
         stages: Any = [stage]
         if f.integer("field", 0, MAX_ID, 0):

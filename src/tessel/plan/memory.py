@@ -294,24 +294,37 @@ def _buffer_bytes(
 ) -> float:
     """Bytes a device allocates to move `val` from `src` to `dst` placements.
 
-    The copy has the target's size. Gathering a shard of any dimension but the first gathers
-    the pieces along the first and then joins them along their own: two buffers of that size.
-    Moving a shard to another dimension gathers the whole tensor and keeps a slice (the
-    programs are traced on CPU meshes, where DTensor has no all-to-all).
+    The copy has the target's size. Gathering a shard (to replicate it, or to shard another
+    dimension: the programs are traced on CPU meshes, where DTensor has no all-to-all) gathers
+    the padded whole: shards of a dimension that does not split evenly are first padded to the
+    largest shard's size (a copy), and a dimension other than the first is gathered along the
+    first and then joined along its own (a second buffer of the gathered size).
     """
     if src is None or dst is None or src == dst:
         return 0.0
-    size = float(local_bytes(val, dst, mesh_shape))
-    gathered = tuple(
-        Replicate() if isinstance(a, Shard) and isinstance(b, Shard) and a.dim != b.dim else b
-        for a, b in zip(src, dst)
-    )
-    if gathered != dst:
-        return float(local_bytes(val, gathered, mesh_shape)) + size
-    regathered = any(
-        isinstance(a, Shard) and a.dim != 0 and not isinstance(b, Shard) for a, b in zip(src, dst)
-    )
-    return 2 * size if regathered else size
+    total = 0.0
+    here = list(src)
+    for m, (a, b) in enumerate(zip(src, dst)):
+        if not isinstance(a, Shard) or a == b:
+            continue
+        whole = list(here)
+        whole[m] = Replicate()
+        rows = val.shape[a.dim]
+        for p, n in zip(whole, mesh_shape):  # the rows of this dim other mesh dims leave
+            if isinstance(p, Shard) and p.dim == a.dim:
+                rows = -(-rows // n)
+        n = mesh_shape[m]
+        padded = -(-rows // n) * n
+        gathered = local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)
+        total += gathered
+        if padded != rows:
+            total += local_bytes(val, tuple(here), mesh_shape)  # the padded shard
+        if a.dim != 0:
+            total += local_bytes(val, tuple(whole), mesh_shape)  # joined along its own dim
+        here = whole
+    if tuple(here) != tuple(dst):
+        total += local_bytes(val, dst, mesh_shape)  # then sliced, reduced or made partial
+    return float(total)
 
 
 def _row_key(row: MemoryRow) -> bytes:

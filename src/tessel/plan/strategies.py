@@ -66,30 +66,36 @@ def tensor_meta(val: Any) -> TensorMeta | None:
 def placement_strategies(
     mesh: DeviceMesh, val: torch.Tensor, replicate_only: bool = False
 ) -> list[Strategy]:
-    """Every evenly divisible (Replicate | Shard(d)) per mesh dim, for graph inputs and weights."""
+    """Every (Replicate | Shard(d)) per mesh dim, for graph inputs and weights.
+
+    Shards follow torch.chunk, as DTensor's do: where a dimension does not divide, the first
+    devices hold one more row and the last may hold fewer or none.
+    """
     meta = tensor_meta(val)
     options: list[list[Placement]] = []
     for size in mesh.shape:
         dims: list[Placement] = [Replicate()]
-        if not replicate_only:
-            dims += [Shard(d) for d, n in enumerate(val.shape) if n % size == 0 and n >= size]
+        if not replicate_only and size > 1:
+            dims += [Shard(d) for d, n in enumerate(val.shape) if n > 1]
         options.append(dims)
     out = []
     for combo in itertools.product(*options):
-        if _even(val.shape, combo, mesh.shape):
+        if _splittable(val.shape, combo, mesh.shape):
             out.append(Strategy(DTensorSpec(mesh, tuple(combo), meta), ()))
     return out
 
 
-def _even(
+def _splittable(
     shape: torch.Size, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
 ) -> bool:
+    """Whether every shard of the placements holds more than one piece of some device's work:
+    a dimension split further than it has rows leaves nothing to gain."""
     local = list(shape)
     for p, n in zip(placements, mesh_shape):
         if isinstance(p, Shard):
-            if local[p.dim] % n:
+            if local[p.dim] < 2:
                 return False
-            local[p.dim] //= n
+            local[p.dim] = -(-local[p.dim] // n)
     return True
 
 
@@ -139,7 +145,7 @@ def op_strategies(
             rules,
             output_tensor_meta=out_meta,
             input_index=n_out,
-            allow_uneven_sharding=False,
+            allow_uneven_sharding=True,
         )
     elif op in prop.op_strategy_funcs:
         info = prop.op_to_schema_info.get(op)
@@ -156,31 +162,31 @@ def _attention_strategies(
     args: tuple, kwargs: dict, out_val: Any, mesh: DeviceMesh
 ) -> list[Strategy]:
     """Attention is independent per batch row and per head: shard q, k, v (and a mask that has
-    the dim) on dim 0 or 1, get the output sharded the same way."""
+    the dim) on dim 0 or 1, get the output sharded the same way.
+
+    Shards follow torch.chunk, so a head is never split across devices; heads are sharded only
+    where k and v have as many heads as q (each device then holds the key and value heads its
+    query heads read).
+    """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, OpStrategy)]
     metas = [t.strategies[0].output_spec.tensor_meta for t in tensors]
     q = metas[0]
     out = []
     for combo in itertools.product(*[(None, 0, 1) for _ in mesh.shape]):
-        ok = True
-        sizes = {0: 1, 1: 1}
-        for d, n in zip(combo, mesh.shape):
-            if d is not None:
-                sizes[d] *= n
+        if any(d is not None and q.shape[d] < 2 for d in combo):
+            continue
         ins = []
         for i, m in enumerate(metas):
             placements = []
             for d in combo:
-                if d is None:
+                if d is None or (i >= 3 and m.shape[d] == 1):  # a mask broadcast over this dim
                     placements.append(Replicate())
-                elif i >= 3 and m.shape[d] == 1:  # a mask broadcast over this dim
-                    placements.append(Replicate())
-                elif m.shape[d] % sizes[d] == 0 and (i >= 3 or m.shape[d] >= sizes[d]):
+                elif m.shape[d] == q.shape[d]:
                     placements.append(Shard(d))
                 else:
-                    ok = False
-            ins.append(DTensorSpec(mesh, tuple(placements), m) if ok else None)
-        if not ok or q.shape[0] % sizes[0] or q.shape[1] % sizes[1]:
+                    placements.append(None)
+            ins.append(DTensorSpec(mesh, tuple(placements), m) if None not in placements else None)
+        if None in ins:
             continue
         placements = tuple(Replicate() if d is None else Shard(d) for d in combo)
         out.append(Strategy(DTensorSpec(mesh, placements, tensor_meta(out_val)), tuple(ins)))
