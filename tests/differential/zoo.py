@@ -58,11 +58,11 @@ class Family:
     name: str
     features: str
     make: Callable[[], torch.nn.Module]
-    inputs: Callable[[int], tuple[torch.Tensor, ...]]
+    inputs: Callable[[int, int], tuple[torch.Tensor, ...]]  # (batch, seed) -> inputs
 
 
-def _ids(batch: int, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed + batch)
+def _ids(batch: int, seed: int = 0, seq: int = SEQ, vocab: int = VOCAB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + batch)
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
@@ -147,8 +147,8 @@ def _mamba() -> torch.nn.Module:
     return Logits(MambaForCausalLM(cfg), use_cache=False)
 
 
-def _pixels(batch: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(batch)
+def _pixels(batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1000 * seed + batch)
     return (torch.randn(batch, 3, 32, 32, generator=g),)
 
 
@@ -169,13 +169,13 @@ FAMILIES: dict[str, Family] = {
                 bos_token_id=0,
                 eos_token_id=0,
             ),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "llama",
             "GQA, RoPE, RMSNorm, SwiGLU",
             _lm("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **_DECODER),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "mistral",
@@ -187,7 +187,7 @@ FAMILIES: dict[str, Family] = {
                 sliding_window=8,
                 **_DECODER,
             ),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "gemma2",
@@ -200,7 +200,7 @@ FAMILIES: dict[str, Family] = {
                 sliding_window=8,
                 **_DECODER,
             ),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "falcon",
@@ -213,19 +213,19 @@ FAMILIES: dict[str, Family] = {
                 num_hidden_layers=LAYERS,
                 num_attention_heads=HEADS,
             ),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "gpt_neox",
             "parallel attention, partial rotary",
             _lm("GPTNeoXConfig", "GPTNeoXForCausalLM", **_DECODER),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "phi3",
             "fused qkv and gate-up projections",
             _lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **_DECODER),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "opt",
@@ -241,13 +241,13 @@ FAMILIES: dict[str, Family] = {
                 max_position_embeddings=64,
                 word_embed_proj_dim=HIDDEN,
             ),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "bloom",
             "ALiBi, tied embeddings",
             _lm("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "mixtral",
@@ -260,16 +260,21 @@ FAMILIES: dict[str, Family] = {
                 num_experts_per_tok=2,
                 **_DECODER,
             ),
-            lambda b: (_ids(b),),
+            lambda b, seed=0: (_ids(b, seed),),
         ),
-        Family("bert", "bidirectional encoder", _seeded(_bert), lambda b: (_ids(b),)),
+        Family("bert", "bidirectional encoder", _seeded(_bert), lambda b, seed=0: (_ids(b, seed),)),
         Family(
             "t5",
             "encoder-decoder, relative position bias",
             _seeded(_t5),
-            lambda b: (_ids(b), _ids(b, seq=8, seed=5)),
+            lambda b, seed=0: (_ids(b, seed), _ids(b, seed + 7, seq=8)),
         ),
         Family("vit", "vision transformer, patch convolution", _seeded(_vit), _pixels),
-        Family("mamba", "selective state-space model", _seeded(_mamba), lambda b: (_ids(b),)),
+        Family(
+            "mamba",
+            "selective state-space model",
+            _seeded(_mamba),
+            lambda b, seed=0: (_ids(b, seed),),
+        ),
     ]
 }

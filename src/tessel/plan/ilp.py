@@ -9,6 +9,7 @@ the x's (Alpa's formulation, compressed so identical rows and columns share a va
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,8 +18,12 @@ from scipy.sparse import coo_matrix
 
 log = logging.getLogger(__name__)
 
+# a plan within this fraction of the best one is good enough: the last fraction of a percent
+# costs HiGHS most of its time on memory-tight problems, and the cost model is not that exact
+MIP_GAP = 0.01
 
-@dataclass
+
+@dataclass(eq=False)
 class MemoryRow:
     """What one device holds at one moment: bytes per strategy of single decisions, and bytes
     per (k_a, k_b) of decision pairs (a buffer that exists only for some combinations)."""
@@ -70,7 +75,8 @@ def _groups(matrix: np.ndarray) -> list[list[int]]:
 class _Model:
     """The constraint matrix shared by both objectives: one-hot rows, edge variables, memory."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, rows: list[MemoryRow] | None = None) -> None:
+        """`rows`: the memory rows the program will hold (their pairs need edge variables)."""
         self.problem = problem
         self.offset: dict[object, int] = {}
         n = 0
@@ -90,7 +96,7 @@ class _Model:
         for v, k in problem.sizes.items():
             self.add_row([(self.offset[v] + i, 1.0) for i in range(k)], 1.0, 1.0)
         memory_pairs: dict[tuple, list[np.ndarray]] = {}
-        for row in problem.memory:
+        for row in problem.memory if rows is None else rows:
             for key, m in row.pairs.items():
                 memory_pairs.setdefault(key, []).append(m)
         # per pair: the edge-variable coefficient for any (k_a, k_b) matrix over the pair
@@ -170,9 +176,9 @@ class _Model:
             constraints=LinearConstraint(a, np.asarray(self.lo), np.asarray(self.hi)),
             integrality=integrality,
             bounds=Bounds(np.zeros(len(c)), upper),
-            options={"time_limit": time_limit, "disp": False},
+            options={"time_limit": time_limit, "disp": False, "mip_rel_gap": MIP_GAP},
         )
-        if result.x is None:
+        if result.x is None and result.status != 1:  # 1: out of time before any answer
             raise InfeasibleError(result.message)
         return result
 
@@ -184,17 +190,112 @@ class _Model:
 
 
 def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
-    """The cheapest choice whose every memory row fits `memory_budget`."""
-    model = _Model(problem)
-    if problem.memory_budget is not None:
-        for row in problem.memory:
-            model.add_row(model.memory_entries(row), -np.inf, problem.memory_budget)
+    """The cheapest choice whose every memory row fits `memory_budget`.
+
+    First without the memory rows: where that answer fits, it is the best. Otherwise memory is
+    priced into the objective (a Lagrangian relaxation): each row an answer broke costs its
+    bytes, in units of the budget, times a price of its own; a broken row's price rises and a
+    row with room's price falls, and the cheapest answer that fits every row is kept. Each of
+    these programs has no memory rows, so HiGHS solves it as fast as the first (memory rows in
+    the program make it hard: its relaxation drifts far from the integers). Where no prices
+    make an answer fit, the memory rows go into the program itself, lazily.
+    """
+    start = time.perf_counter()
+    budget = problem.memory_budget
+    best = _solve_priced(problem, {}, time_limit)
+    if budget is None or _fits(problem, best.choice):
+        return best
+    prices: dict[int, float] = {}
+    rows = {id(r): r for r in problem.memory}
+    first = 1e-2 * best.objective or 1e-9  # seconds of run time per budget-full of memory
+    fitting: Solution | None = None
+    since_better = 0
+    for step in range(_PRICE_STEPS):
+        if time.perf_counter() - start > time_limit / 2:
+            break
+        candidate = _solve_priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
+        broken = {id(r) for r in _broken(problem, candidate.choice)}
+        log.debug(
+            "prices %d: cost %.4g, %d rows broken, %.2f s",
+            step,
+            candidate.objective,
+            len(broken),
+            time.perf_counter() - start,
+        )
+        if not broken and (fitting is None or candidate.objective < fitting.objective):
+            fitting, since_better = candidate, 0
+        else:
+            since_better += 1
+        if fitting is not None and (
+            since_better >= 6 or fitting.objective <= best.objective * (1 + MIP_GAP)
+        ):
+            break
+        # until an answer fits, prices only rise (falling prices make the answers cycle);
+        # then they move gently, towards the cheapest answer that fits
+        up, down = (2.0, 1.0) if fitting is None else (1.5, 0.85)
+        for k in broken:
+            prices[k] = prices.get(k, first / up) * up
+        for k in set(prices) - broken:
+            prices[k] *= down
+    if fitting is not None:
+        log.info("ILP: memory priced on %d rows; %d programs", len(prices), step + 1)
+        return fitting
+    return _solve_constrained(problem, time_limit - (time.perf_counter() - start))
+
+
+def _fits(problem: Problem, choice: dict[object, int]) -> bool:
+    return not _broken(problem, choice)
+
+
+def _broken(problem: Problem, choice: dict[object, int]) -> list[MemoryRow]:
+    budget = problem.memory_budget or 0.0
+    broken = [r for r in problem.memory if r.bytes_for(choice) > budget * (1 + 1e-9)]
+    return sorted(broken, key=lambda r: -r.bytes_for(choice))
+
+
+def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:
+    """The cheapest choice when each priced row costs its price per budget-full of bytes."""
+    model = _Model(problem, list(prices))
     c = np.concatenate([model.cost, np.asarray(model.extra)])
-    result = model.run(c, model.n, np.ones(model.width), time_limit)
-    log.info("ILP: %d variables, %d constraints, %s", model.width, len(model.lo), result.message)
-    return Solution(
-        model.choice(result.x), float(result.fun), result.message, model.width, len(model.lo)
-    )
+    per_budget = 1.0 / max(problem.memory_budget or 1.0, 1.0)
+    for row, price in prices.items():
+        for col, v in model.memory_entries(row):
+            c[col] += price * per_budget * v
+    scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
+    result = model.run(c / scale, model.n, np.ones(model.width), time_limit)
+    if result.x is None:
+        raise InfeasibleError(result.message)
+    choice = model.choice(result.x)
+    cost = np.concatenate([model.cost, np.asarray(model.extra)]) @ result.x
+    return Solution(choice, float(cost), result.message, model.width, len(model.lo))
+
+
+def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
+    """Memory rows in the program, added as answers break them, until none is broken."""
+    active: list[MemoryRow] = []
+    budget = problem.memory_budget or 0.0
+    scale = 1.0 / max(budget, 1.0)  # in units of the budget, so every coefficient is near 1
+    while True:
+        model = _Model(problem, active)
+        for row in active:
+            entries = [(col, v * scale) for col, v in model.memory_entries(row)]
+            model.add_row(entries, -np.inf, budget * scale)
+        c = np.concatenate([model.cost, np.asarray(model.extra)])
+        c_scale = float(np.abs(c).max()) or 1.0
+        result = model.run(c / c_scale, model.n, np.ones(model.width), max(1.0, time_limit))
+        if result.x is None:
+            raise InfeasibleError(result.message)
+        choice = model.choice(result.x)
+        broken = _broken(problem, choice)
+        if not broken:
+            return Solution(
+                choice, float(result.fun) * c_scale, result.message, model.width, len(model.lo)
+            )
+        active += broken[:_ROWS_PER_ROUND]
+
+
+_PRICE_STEPS = 40  # programs solved while looking for the prices of memory
+_ROWS_PER_ROUND = 8  # broken memory rows added to the program per round
 
 
 def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dict[object, int]]:
@@ -210,4 +311,6 @@ def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dic
     c[peak] = 1.0
     upper = np.concatenate([np.ones(peak), [np.inf]])
     result = model.run(c, model.n, upper, time_limit)
+    if result.x is None:
+        raise InfeasibleError(result.message)
     return float(result.x[peak]), model.choice(result.x)
