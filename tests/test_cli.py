@@ -36,6 +36,9 @@ def files(tmp_path_factory):
     (d / "model.py").write_text(MODEL_PY.format(root=str(ROOT)))
     cluster = json.loads((ROOT / "examples" / "cluster_4p.json").read_text())
     cluster["cluster"][0]["cluster_nodes"][0]["item_list"] = [{"item_id": 0}, {"item_id": 1}]
+    # the small Llama replicated holds about 750 KB at its peak and the leanest plan about
+    # 390 KB: devices of 576 KB make the plan shard weights, so the programs hold collectives
+    cluster["item_def"][0]["memory"] = "[DDR:576KB]"
     (d / "cluster_2p.json").write_text(json.dumps(cluster))
     option = {
         "graph_parallel_option": {
@@ -146,6 +149,7 @@ def test_build_inspect_run(files, model):
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for r in data["ranks"]:
         assert {"rank", "logical_device", "weight_bytes", "collectives"} <= set(r)
+        assert r["collectives"], r  # sharded weights: partial sums are reduced, shards gathered
         for c in r["collectives"]:
             assert isinstance(c["kind"], str) and c["group"] == [0, 1] and c["bytes"] > 0
 
