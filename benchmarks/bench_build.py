@@ -1,4 +1,4 @@
-"""Benchmark 1 of issue 2: build time by phase for GPT-2 (width 768) on a 1-D mesh of 4.
+"""Build time by phase for GPT-2 (width 768) on a 1-D mesh of 4, beside autoparallel's.
 
 The peer, meta-pytorch/autoparallel, cannot be installed here (it is not on the package
 registries), so its figures are the ones measured on this kind of machine in
@@ -6,12 +6,17 @@ shared/reference/peer-baselines.md §1.4 (gpt2, mesh 4, tp mode: 6.9 / 14.7 / 56
 Note the difference in work: autoparallel plans a joint forward+backward training graph, tessel
 an inference forward graph, and tessel also writes the weights of every rank to one file.
 
-    python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer]
+    python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer] [--profile FILE]
+
+`--profile FILE` profiles each build and save with cProfile and writes the statistics to FILE
+(FILE.<layers>L for each count when several are given); read them with `python -m pstats FILE`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
 import tempfile
@@ -30,6 +35,11 @@ def gpt2(layers: int):
     return GPT2LMHeadModel(cfg).eval()
 
 
+def profile_path(base: str, layers: int, counts: int) -> str:
+    """Where the profile of the build with `layers` layers goes (one file per layer count)."""
+    return base if counts == 1 else f"{base}.{layers}L"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
@@ -39,6 +49,11 @@ def main() -> None:
     parser.add_argument(
         "--trace_every_layer", action="store_true", help="build without reusing identical layers"
     )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="write cProfile statistics of each build and save to FILE (FILE.<layers>L if several)",
+    )
     args = parser.parse_args()
 
     import tessel
@@ -47,17 +62,23 @@ def main() -> None:
     for layers in args.layers:
         model = gpt2(layers)
         ids = torch.randint(0, 50304, (args.batch, args.seq))
+        profiler = cProfile.Profile() if args.profile else None
         t = time.perf_counter()
-        built = tessel.build(
-            model,
-            {"input_ids": ids, "use_cache": False},
-            cluster=args.devices,
-            reuse_layers=not args.trace_every_layer,
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            path = built.save(os.path.join(tmp, "gpt2"))
-            size = path.stat().st_size
+        with profiler or contextlib.nullcontext():
+            built = tessel.build(
+                model,
+                {"input_ids": ids, "use_cache": False},
+                cluster=args.devices,
+                reuse_layers=not args.trace_every_layer,
+            )
+            with tempfile.TemporaryDirectory() as tmp:
+                path = built.save(os.path.join(tmp, "gpt2"))
+                size = path.stat().st_size
         total = time.perf_counter() - t
+        if profiler is not None:
+            out = profile_path(args.profile, layers, len(args.layers))
+            profiler.dump_stats(out)
+            print(f"wrote the profile of {layers} layers to {out}", flush=True)
         phases = {k: round(v, 2) for k, v in built.timings.items()}
         solver = built.manifest["plan"]["solver"]
         rows.append(

@@ -1,4 +1,4 @@
-"""Benchmark 2 of issue 2: run_graph latency against torch's own tensor parallel.
+"""run_graph latency against torch's own tensor parallel.
 
 Llama (4 layers, width 256, 8 heads, vocab 8192, seq 128, batch 4), fp32, at 2 and 4 CPU
 processes. Side by side in one run:

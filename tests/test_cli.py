@@ -36,6 +36,9 @@ def files(tmp_path_factory):
     (d / "model.py").write_text(MODEL_PY.format(root=str(ROOT)))
     cluster = json.loads((ROOT / "examples" / "cluster_4p.json").read_text())
     cluster["cluster"][0]["cluster_nodes"][0]["item_list"] = [{"item_id": 0}, {"item_id": 1}]
+    # the small Llama replicated holds about 750 KB at its peak and the leanest plan about
+    # 390 KB: devices of 576 KB make the plan shard weights, so the programs hold collectives
+    cluster["item_def"][0]["memory"] = "[DDR:576KB]"
     (d / "cluster_2p.json").write_text(json.dumps(cluster))
     option = {
         "graph_parallel_option": {
@@ -146,6 +149,7 @@ def test_build_inspect_run(files, model):
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for r in data["ranks"]:
         assert {"rank", "logical_device", "weight_bytes", "collectives"} <= set(r)
+        assert r["collectives"], r  # sharded weights: partial sums are reduced, shards gathered
         for c in r["collectives"]:
             assert isinstance(c["kind"], str) and c["group"] == [0, 1] and c["bytes"] > 0
 
@@ -350,3 +354,55 @@ def test_an_error_after_a_build_is_not_prefixed_by_rank(tmp_path):
     assert run.returncode == 1
     assert "ValueError: this script fails after a build" in run.stderr
     assert "[rank" not in run.stderr, run.stderr
+
+
+def _bad_inputs(directory: Path) -> dict[str, tuple[Path, str]]:
+    """Input files `tessel run` must refuse, each with the words its one-line error holds."""
+    text = directory / "notes.safetensors"
+    text.write_text("these are not tensors")
+    empty = directory / "empty.safetensors"
+    empty.write_bytes(b"")
+    floats = directory / "floats.safetensors"
+    save_file({"input_0": torch.zeros(2, 16)}, str(floats))
+    short = directory / "short.safetensors"
+    save_file({"input_0": torch.zeros(2, 8, dtype=torch.int64)}, str(short))
+    other = directory / "other.safetensors"
+    save_file({"ids": torch.zeros(2, 16, dtype=torch.int64)}, str(other))
+    return {
+        "text": (text, "not a safetensors file (Error while deserializing header"),
+        "empty": (empty, "not a safetensors file (Error while deserializing header"),
+        "dtype": (
+            floats,
+            "input_0: expected shape [2, 16] int64 (the model's input 'input_ids'), "
+            "found [2, 16] float32",
+        ),
+        "shape": (short, "input_0: expected shape [2, 16] int64"),
+        "missing": (other, "missing tensors ['input_0']; expected ['input_0']"),
+        "absent": (directory / "absent.safetensors", "no such file"),
+        "directory": (directory, "cannot read it"),
+    }
+
+
+def test_run_refuses_bad_inputs_with_one_line_naming_the_file(gpt2_package, tmp_path, capsys):
+    for case, (path, words) in _bad_inputs(tmp_path).items():
+        assert main(["run", str(gpt2_package), "--inputs", str(path)]) == 2, case
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, (case, lines)
+        assert lines[0].startswith(f"tessel: error: {path}: {words}"), (case, lines[0])
+
+
+def test_the_command_line_starts_without_torch():
+    """Importing the CLI, building its parser (every subcommand's flags) and setting up logging
+    import neither torch nor the builder: a subcommand imports what it needs when it runs."""
+    code = (
+        "import sys\n"
+        "from tessel.cli import _configure_logging, make_parser\n"
+        "make_parser().parse_args(['ckpt', 'ranks', '0'])\n"
+        "_configure_logging('info')\n"
+        "heavy = sorted(m for m in ('torch', 'tessel.builder') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr

@@ -1,4 +1,5 @@
-"""The cluster config and policy files, read as the seed documents write them, and their errors."""
+"""The cluster config and policy files, read as CANN's published examples write them, and their
+errors."""
 
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ def test_unparseable_file_names_line_and_column(tmp_path):
         read_cluster_config(path)
 
 
-def test_seed_semi_auto_policy_is_read_as_written():
-    # the seed's example lacks a comma after "O1"; it is read, then O1 is refused as not built
+def test_published_semi_auto_policy_is_read_as_written():
+    # CANN's semi-auto example lacks a comma after "O1"; it is read, then O1 is refused as not built
     with pytest.raises(
         ConfigError, match=r"opt_level: 'O1' \(the dynamic-programming solver\) is not built yet"
     ):

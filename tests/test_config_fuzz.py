@@ -405,8 +405,8 @@ def _check_cluster(cluster: Any) -> None:
 
 
 def test_the_examples_are_valid(workdir):
-    """The fuzz starts from valid files: each example loads as it is (the seed's semi-auto
-    policy is read, then its O1 solver is refused as not built)."""
+    """The fuzz starts from valid files: each example loads as it is (CANN's semi-auto
+    example policy is read, then its O1 solver is refused as not built)."""
     for doc in CLUSTERS:
         _check_cluster(read_cluster_config(_write(workdir, doc, "numa_config.json"), "Ascend910B"))
     for doc in POLICIES:

@@ -1,4 +1,4 @@
-"""Build + run on local CPU devices equals the single-device model (issue 2's core promise)."""
+"""Build + run on local CPU devices gives the single-device model's outputs."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_replicated_mode_balances_runs_over_replicas(tmp_path, session):
     assert len(graph.procs) == 2
 
 
-def test_seed_build_api_names(tmp_path):
+def test_cann_build_api_names(tmp_path):
     cluster = tmp_path / "numa_config_2p.json"
     cluster.write_text(
         '{"cluster": [{"cluster_nodes": [{"node_id": 0, "node_type": "ATLAS800", "ipaddr": "127.0.0.1",'
@@ -78,7 +78,7 @@ def test_seed_build_api_names(tmp_path):
             tessel.GRAPH_PARALLEL_OPTION_PATH: str(policy),
         },
     )
-    path = tessel.save_model(tmp_path / "seed", built)
+    path = tessel.save_model(tmp_path / "cann_api", built)
     tessel.build_finalize()
     manifest = built.manifest
     assert manifest["mode"] == "partitioned" and manifest["world_size"] == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tests.conftest import small_llama, token_ids
 
 import tessel
@@ -75,11 +76,41 @@ def test_impossible_memory_is_a_clear_error():
         make_plan(capture(model, (ids,)), cluster_from_dict(data, "tiny.json"), ParallelOption())
 
 
-def test_plan_reports_fallbacks_and_explains_layers():
+def test_plan_explains_layers_and_reports_no_fallback_for_a_llama():
     model = small_llama(layers=2)
     built = tessel.build(model, (token_ids(),), cluster=2)
     plan = built.manifest["plan"]
-    assert isinstance(plan["fallbacks"], list)
-    assert all({"node", "op", "reason"} <= set(f) for f in plan["fallbacks"])
+    assert plan["fallbacks"] == []  # every op of a Llama has a sharding rule
+    assert plan["fallback_ops"] == {}
     assert "lm.model.layers.0" in plan["layers"] and "lm.model.layers.1" in plan["layers"]
     assert plan["estimated_time_s"] > 0
+
+
+class _Bucketed(torch.nn.Module):
+    """A linear layer whose output is multiplied by its bucket index: `searchsorted` has no
+    DTensor sharding rule, so the planner replicates it and reports it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("edges", torch.linspace(-1, 1, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * torch.searchsorted(self.edges, h.contiguous())
+
+
+def test_plan_reports_an_op_without_a_rule_as_a_fallback():
+    torch.manual_seed(0)
+    model = _Bucketed().eval()
+    x = torch.randn(4, 8)
+    built = tessel.build(model, (x,), cluster=2)  # verified against the eager model
+    plan = built.manifest["plan"]
+    assert plan["fallbacks"] == [
+        {
+            "node": "searchsorted",
+            "op": "aten.searchsorted.Tensor",
+            "reason": "no DTensor sharding rule",
+        }
+    ]
+    assert plan["fallback_ops"] == {"aten.searchsorted.Tensor": 1}

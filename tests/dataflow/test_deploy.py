@@ -1,4 +1,4 @@
-"""The deploy-info grammar: the seed's example file, device lists, ranges, syntax errors."""
+"""The deploy-info grammar: the example deploy file, device lists, ranges, syntax errors."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def ids(text: str, keep: bool = True) -> list[str]:
     return [str(d) for d in parse_logic_device_list(text, keep_order=keep)]
 
 
-def test_seed_example_expands_to_the_devices_it_describes():
+def test_example_deploy_file_expands_to_the_devices_it_describes():
     info = read_deploy_info(EXAMPLES / "data_flow_deploy_info.json")
     assert info.keep_logic_device_order is False
     got = {tuple(e.nodes): [str(d) for d in e.devices] for e in info.entries}

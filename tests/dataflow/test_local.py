@@ -400,7 +400,7 @@ def test_values_larger_than_a_slot_still_arrive(cluster4):
     assert np.array_equal(g.fetch()[0][0], np.arange(5000) + 1)
 
 
-def test_seed_range_gives_four_running_instances(tmp_path, cluster4):
+def test_a_range_of_devices_and_of_ids_gives_four_running_instances(tmp_path, cluster4):
     @df.pyflow
     def where(v):
         return df.get_running_instance_id(), df.get_running_device_id()

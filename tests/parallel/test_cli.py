@@ -75,7 +75,7 @@ def test_progress_bar_is_shown(tmp_path):
     assert "writing 4 files" in out.stderr and "100%" in out.stderr
 
 
-def test_convert_with_issue_option_names(tmp_path):
+def test_convert_with_the_api_s_option_names(tmp_path):
     """`--dst-prefix` / `--process-num` are the API's names; `--prefix` / `-j` stay as aliases."""
     full = make_full(SHAPES)
     hf = write_full(full, tmp_path / "hf")

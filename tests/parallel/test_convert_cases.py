@@ -530,7 +530,7 @@ def test_output_format_and_suffix(tmp_path, src):
         convert_checkpoint_by_rank(0, files, tmp_path / "x.ckpt", a, a)
 
 
-def test_issue_parameter_names_come_first_and_aliases_are_keyword_only():
+def test_api_parameter_names_come_first_and_aliases_are_keyword_only():
     sig = inspect.signature(convert_checkpoints).parameters
     assert list(sig)[:7] == ["src_dir", "dst_dir", "dst_prefix", "src_strategy_file",
                              "dst_strategy_file", "process_num", "output_format"]  # fmt: skip
@@ -545,7 +545,7 @@ def test_issue_parameter_names_come_first_and_aliases_are_keyword_only():
         assert params[alias].kind is inspect.Parameter.KEYWORD_ONLY, alias
 
 
-def test_issue_names_and_mindspore_aliases_give_the_same_files(tmp_path, src):
+def test_api_names_and_mindspore_aliases_give_the_same_files(tmp_path, src):
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "tp2.json")
     convert_checkpoints(src_dir=a_dir, dst_dir=tmp_path / "N", dst_prefix="c_",

@@ -1,4 +1,5 @@
-"""Layout semantics (MindSpore reference §3) and Layout <-> DTensor placements."""
+"""MindSpore's Layout (device matrix, alias names, tensor maps, interleaving) and Layout <->
+DTensor placements."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ATC flag rules of seed 000/002, shared by the CLI and the seed-style build API."""
+"""ATC's build flag rules (`--distributed_cluster_build`, `--enable_graph_parallel`, ...), shared by
+the CLI and CANN's IR build API names (`tessel.builder.seed_api`)."""
 
 from __future__ import annotations
 

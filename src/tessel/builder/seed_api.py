@@ -1,4 +1,5 @@
-"""The seed's build API names (aclgrphBuildInitialize/Model/SaveModel/Finalize) over `tessel.build`."""
+"""CANN's IR build API names (aclgrphBuildInitialize, aclgrphBuildModel, aclgrphSaveModel,
+aclgrphBuildFinalize) and its option keys (`ge.cluster_config`, ...), over `tessel.build`."""
 
 from __future__ import annotations
 

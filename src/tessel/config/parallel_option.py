@@ -1,4 +1,5 @@
-"""The partitioning policy file (`--graph_parallel_option_path`), read as seed 002 writes it."""
+"""The partitioning policy file (`--graph_parallel_option_path`): `graph_parallel_option` with
+`auto`, `opt_level`, `tensor_parallel_option` and `tensor_sharding`, as CANN's examples write it."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ class FlowTimeout(TesselError, TimeoutError):
     """feed/fetch waited longer than its timeout (ms)."""
 
 
-# Rule names, as the seed states them; tests match on these.
+# The placement rules a deploy file must keep, one name each: errors carry them and tests match
+# on them.
 RULE_ALL_PLACED = "every node must be placed"
 RULE_ONCE = "a node may be placed only once"
 RULE_IN_CLUSTER = "the device must be in the cluster config"

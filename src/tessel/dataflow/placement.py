@@ -1,7 +1,7 @@
 """Placement: a graph + a deploy file + a cluster config -> the devices of every node instance.
 
-Applies the seed's rules, each with its own error (rule names in errors.py), and its policies for
-invoked models: a UDF on the host puts the model on the first device of its server, a UDF on a
+Applies DataFlow's placement rules, each with its own error (rule names in errors.py), and its
+policies for invoked models: a UDF on the host puts the model on the first device of its server, a UDF on a
 device puts it on the same device. A nested flow graph runs inline in the invoking UDF's process
 (node_runtime.InlineGraph), so its nodes must sit on that UDF's device with one instance each.
 """
@@ -292,7 +292,8 @@ class Placer:
             devs = entry.devices
             where = entry.key_path
         else:
-            # the seed's policies: host UDF -> first device of its server; device UDF -> same device
+            # not in the deploy file: a host UDF's model goes to the first device of its server,
+            # a device UDF's model to the UDF's own device
             devs = [
                 LogicDevice(p.device.cluster, p.device.server, 0, 0)
                 if p.device.is_host

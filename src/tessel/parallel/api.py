@@ -1,4 +1,6 @@
-"""The mindspore.parallel checkpoint API (seed 004 names) on top of sources, plans and jobs."""
+"""The mindspore.parallel checkpoint API (`convert_checkpoints`, `unified_safetensors`, ...; the
+parameter names of tessel's API first, MindSpore's names as keyword-only aliases) on top of
+sources, plans and jobs."""
 
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ def _rank_jobs(
 def _pick(
     func: str, name: str, value: Any, alias: str, alias_value: Any, default: Any = None
 ) -> Any:
-    """One argument given by its seed-004 name or its MindSpore alias (keyword-only), not both."""
+    """One argument given by its name or by its MindSpore alias (keyword-only), not both."""
     if value is not None and alias_value is not None:
         raise TypeError(
             f"{func}() got both {name!r} and its MindSpore alias {alias!r}; give only one"

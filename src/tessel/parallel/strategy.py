@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tessel.atomic import replace_atomically
 from tessel.config.fields import (
     MAX_ID,
     Fields,
@@ -537,11 +538,16 @@ def load_strategy(path: str | os.PathLike | Strategy | None) -> Strategy | None:
 
 
 def write_strategy(strategy: Strategy, path: str | os.PathLike) -> None:
-    """Write a strategy as tessel JSON, atomically (temporary name, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(strategy.to_json(), indent=1))
-    os.replace(tmp, path)
+    """Write a strategy as tessel JSON, atomically: to a temporary name beside `path`, synced,
+    then renamed over it; a failure leaves `path` as it was and no temporary behind."""
+    text = json.dumps(strategy.to_json(), indent=1)
+    try:
+        with replace_atomically(path) as tmp:
+            tmp.write_text(text)
+    except OSError as e:
+        raise StrategyError(
+            str(path), None, f"cannot write the strategy file: {e.strerror or e}"
+        ) from None
 
 
 def param_from_layout(

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from tessel.atomic import replace_atomically
 from tessel.config.errors import ConfigError
 from tessel.package import Package
 from tessel.package.manifest import Manifest
@@ -33,7 +33,16 @@ def random_inputs(manifest: Manifest) -> list[torch.Tensor]:
 
 
 def read_inputs(path: str, manifest: Manifest) -> list[torch.Tensor]:
-    tensors = load_file(path)
+    """`input_0, input_1, ...` from a safetensors file, each of the shape and dtype the model
+    was built for; anything else is a `ConfigError` naming the file (and the tensor)."""
+    try:
+        tensors = load_file(path)
+    except FileNotFoundError:
+        raise ConfigError(path, None, "no such file") from None
+    except OSError as exc:  # a directory, a file that cannot be read
+        raise ConfigError(path, None, f"cannot read it: {exc.strerror or exc}") from None
+    except SafetensorError as exc:
+        raise ConfigError(path, None, f"not a safetensors file ({_first_line(exc)})") from None
     names = [f"input_{i}" for i in range(len(manifest.inputs))]
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -41,20 +50,35 @@ def read_inputs(path: str, manifest: Manifest) -> list[torch.Tensor]:
     extra = sorted(set(tensors) - set(names))
     if extra:
         raise ConfigError(path, None, f"unexpected tensors {extra}; expected {names}")
+    for name, spec in zip(names, manifest.inputs):
+        x = tensors[name]
+        dtype = str(x.dtype).removeprefix("torch.")
+        if tuple(x.shape) != spec.shape or dtype != spec.dtype:
+            raise ConfigError(
+                path,
+                name,
+                f"expected shape {list(spec.shape)} {spec.dtype} (the model's input "
+                f"{spec.name!r}), found {list(x.shape)} {dtype}",
+            )
     return [tensors[n] for n in names]
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
 def write_outputs(path: str, outputs: list[torch.Tensor]) -> None:
+    """Write `output_0, output_1, ...` to a safetensors file, atomically: to a temporary name
+    beside it, synced, then renamed over it; a failure leaves no temporary behind."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
+    tensors = {f"output_{i}": o.contiguous() for i, o in enumerate(outputs)}
     try:
-        save_file({f"output_{i}": o.contiguous() for i, o in enumerate(outputs)}, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with replace_atomically(target) as tmp:
+            save_file(tensors, str(tmp))
+    except OSError as exc:
+        raise ConfigError(path, None, f"cannot write it: {exc.strerror or exc}") from None
 
 
 def run_command(args: argparse.Namespace) -> int:

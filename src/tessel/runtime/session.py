@@ -7,6 +7,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import weakref
@@ -514,6 +515,14 @@ def _wait_result(workers: _Workers, index: int) -> list[torch.Tensor]:
         raise
 
 
+def _continue(pid: int | None) -> None:
+    """Resume a stopped process (SIGSTOP, a debugger's pause) so a pending SIGTERM ends it now
+    rather than when something else resumes it."""
+    if pid is not None and hasattr(signal, "SIGCONT"):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def _stop(workers: _Workers, graceful: bool = True) -> None:
     """Stop the workers: asked to (where `graceful`), then terminated, then killed."""
     workers.broken = True
@@ -528,6 +537,7 @@ def _stop(workers: _Workers, graceful: bool = True) -> None:
     for proc in workers.procs:
         if proc.is_alive():
             proc.terminate()
+            _continue(proc.pid)
     for proc in workers.procs:
         proc.join(5)
         if proc.is_alive():

@@ -1,5 +1,6 @@
 """The single-device load path (aclmdlLoadFromFile's counterpart), for models built without
-distributed deployment. A distributed model is refused here, as the seed requires."""
+distributed deployment. A model built for distributed deployment is refused here: it needs a
+Session, which starts a worker per device and joins them in process groups."""
 
 from __future__ import annotations
 

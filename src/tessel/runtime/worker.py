@@ -35,8 +35,24 @@ class WorkerSpec:
     device_type: str
     device_index: int
     threads: int
-    timeout_s: float
+    timeout_s: float  # the session's run deadline
     distributed: bool
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """How long a collective may wait before it fails (see `collective_timeout_s`)."""
+        return collective_timeout_s(self.timeout_s)
+
+
+def collective_timeout_s(run_timeout_s: float) -> float:
+    """The process groups' timeout for a session whose run deadline is `run_timeout_s`.
+
+    Twice the deadline: a rank that stops answering is always reported by the session, whose
+    deadline passes first (and which then stops every worker), never by a peer's collective
+    timing out a moment earlier or later. The timeout still ends the workers of a node whose
+    session is gone (a `tessel serve` node whose head node died).
+    """
+    return 2.0 * run_timeout_s
 
 
 # The words rank 0 broadcasts to say what every rank does next.
@@ -136,7 +152,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
                 rank=spec.rank,
                 world_size=spec.world_size,
-                timeout=datetime.timedelta(seconds=spec.timeout_s),
+                timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
             )
         loaded = _load(spec, spec.package, device, groups)
         conn.send(("ready", spec.rank, None))
@@ -160,7 +176,7 @@ def _keepalive_s(spec: WorkerSpec) -> float:
     The other ranks wait for rank 0's word inside a broadcast, which fails after the group's
     timeout; an idle word well within it keeps an idle model (or an idle pool) alive for good.
     """
-    return max(0.05, min(60.0, spec.timeout_s / 4))
+    return max(0.05, min(60.0, spec.collective_timeout_s / 8))
 
 
 def _next_command(

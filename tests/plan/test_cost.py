@@ -1,0 +1,162 @@
+"""The cost model, value by value: alpha-beta ring collectives, the collective each placement
+change needs, resharding time, shard factors, flops and the compute roofline.
+
+Expected values are worked out by hand in each test from the textbook formulas, so a change to
+a formula shows up as a wrong number, not as a changed snapshot.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from tessel.config.cluster import local_cluster
+from tessel.plan import cost
+
+# 1 GB/s links with 10 us per step: volumes and latencies give round numbers
+LINKS = cost.Links(bandwidth=1e9, latency=1e-5)
+SLOW = cost.Links(bandwidth=1e8, latency=1e-3)
+MB4 = 4e6  # a 4 MB tensor
+
+
+def test_ring_all_reduce_sends_twice_n_minus_one_over_n():
+    # 2(n-1) steps of alpha, and 2(n-1)/n of the buffer over the link
+    assert cost.all_reduce_time(MB4, 4, LINKS) == pytest.approx(6 * 1e-5 + 1.5 * 4e-3)
+    assert cost.all_reduce_time(MB4, 2, LINKS) == pytest.approx(2 * 1e-5 + 1.0 * 4e-3)
+    assert cost.all_reduce_time(MB4, 4, SLOW) == pytest.approx(6 * 1e-3 + 1.5 * 4e-2)
+
+
+def test_ring_all_gather_and_reduce_scatter_send_n_minus_one_over_n():
+    assert cost.all_gather_time(MB4, 4, LINKS) == pytest.approx(3 * 1e-5 + 0.75 * 4e-3)
+    assert cost.all_gather_time(MB4, 8, LINKS) == pytest.approx(7 * 1e-5 + 0.875 * 4e-3)
+    # a reduce-scatter moves the same volume in the same number of steps
+    assert cost.reduce_scatter_time(MB4, 4, LINKS) == pytest.approx(3 * 1e-5 + 0.75 * 4e-3)
+    # an all-reduce is a reduce-scatter followed by an all-gather
+    assert cost.all_reduce_time(MB4, 4, LINKS) == pytest.approx(
+        cost.reduce_scatter_time(MB4, 4, LINKS) + cost.all_gather_time(MB4, 4, LINKS)
+    )
+
+
+def test_all_to_all_exchanges_a_share_of_each_rank_s_part():
+    # each rank holds 1 MB of the 4 MB and sends 3/4 of it
+    assert cost.all_to_all_time(MB4, 4, LINKS) == pytest.approx(3 * 1e-5 + 0.75 * 1e-3)
+
+
+@pytest.mark.parametrize(
+    "collective",
+    [cost.all_reduce_time, cost.all_gather_time, cost.reduce_scatter_time, cost.all_to_all_time],
+)
+@pytest.mark.parametrize("n", [0, 1])
+def test_a_collective_over_one_device_is_free(collective, n):
+    assert collective(MB4, n, LINKS) == 0.0
+
+
+def test_links_of_a_cluster_take_its_bandwidth_and_its_soc_s_latency():
+    cluster = local_cluster(2, "cpu")
+    links = cost.Links.of(cluster)
+    assert links == cost.Links(cluster.bandwidth([0, 1]), cluster.soc.link_latency)
+    assert cost.Links.of(cluster, [0]).bandwidth == cluster.bandwidth([0])
+
+
+R, S0, S1, P, AVG = Replicate(), Shard(0), Shard(1), Partial(), Partial("avg")
+
+TRANSITIONS = [
+    (R, R, None),
+    (R, S0, None),  # a local slice
+    (R, P, None),  # keep one copy, zero the others
+    (S0, S0, None),
+    (S0, R, "all_gather"),
+    (S0, S1, "all_gather"),  # gathered whole, then sliced (DTensor on CPU meshes)
+    (S0, P, "all_gather"),  # through Replicate
+    (P, P, None),
+    (P, R, "all_reduce"),
+    (P, S0, "reduce_scatter"),
+    (P, S1, "reduce_scatter"),
+    (P, AVG, "all_reduce"),  # another reduction: reduce, then hold as the new partial
+]
+
+
+@pytest.mark.parametrize("src,dst,expected", TRANSITIONS)
+def test_transition_for_every_pair_of_placements(src, dst, expected):
+    assert cost.transition(src, dst) == expected
+
+
+def test_transition_table_covers_every_pair_of_kinds():
+    kinds = {(type(a), type(b)) for a, b, _ in TRANSITIONS}
+    assert kinds == {
+        (a, b) for a in (Replicate, Shard, Partial) for b in (Replicate, Shard, Partial)
+    }
+
+
+def test_redistribute_time_on_a_1d_mesh():
+    mesh = (4,)
+    t = cost.redistribute_time
+    assert t((S0,), (R,), MB4, mesh, [LINKS]) == pytest.approx(3 * 1e-5 + 0.75 * 4e-3)
+    assert t((P,), (R,), MB4, mesh, [LINKS]) == pytest.approx(6 * 1e-5 + 1.5 * 4e-3)
+    assert t((P,), (S0,), MB4, mesh, [LINKS]) == pytest.approx(3 * 1e-5 + 0.75 * 4e-3)
+    assert t((R,), (S1,), MB4, mesh, [LINKS]) == 0.0
+    assert t((S0,), (S0,), MB4, mesh, [LINKS]) == 0.0
+    # the links of the mesh dimension are the ones used
+    assert t((S0,), (R,), MB4, mesh, [SLOW]) == pytest.approx(3 * 1e-3 + 0.75 * 4e-2)
+
+
+def test_redistribute_time_on_a_2d_mesh_moves_what_the_other_dims_leave():
+    # mesh 2 x 4: dim 0 keeps the tensor sharded in two, so the all-reduce over dim 1 moves 2 MB
+    mesh = (2, 4)
+    got = cost.redistribute_time((S0, P), (S0, R), MB4, mesh, [SLOW, LINKS])
+    assert got == pytest.approx(6 * 1e-5 + 1.5 * 2e-3)
+    # both dims change: a gather of the whole over dim 0 (n=2, the other dim Partial: whole),
+    # and an all-reduce of half of it (dim 0 is a shard in the source) over dim 1
+    got = cost.redistribute_time((S0, P), (R, R), MB4, mesh, [SLOW, LINKS])
+    gather = 1 * 1e-3 + 0.5 * MB4 / 1e8
+    reduce = 6 * 1e-5 + 1.5 * 2e6 / 1e9
+    assert got == pytest.approx(gather + reduce)
+
+
+def test_shard_factor_counts_shards_and_partials():
+    assert cost.shard_factor(None, (4,)) == 1
+    assert cost.shard_factor((R,), (4,)) == 1
+    assert cost.shard_factor((S1,), (4,)) == 4
+    assert cost.shard_factor((P,), (4,)) == 4
+    assert cost.shard_factor((S0, R), (2, 4)) == 2
+    assert cost.shard_factor((R, S0), (2, 4)) == 4
+    assert cost.shard_factor((P, S1), (2, 4)) == 8
+
+
+def test_nbytes_of_tensors_and_tuples():
+    assert cost.nbytes(torch.empty(3, 5)) == 60
+    assert cost.nbytes(torch.empty(3, 5, dtype=torch.bfloat16)) == 30
+    assert cost.nbytes((torch.empty(2), [torch.empty(4, dtype=torch.int64)])) == 8 + 32
+    assert cost.nbytes(7) == 0
+    assert cost.nbytes(None) == 0
+
+
+def test_flops_of_matmuls_are_two_m_n_k():
+    a, b, out = torch.empty(8, 32), torch.empty(32, 16), torch.empty(8, 16)
+    assert cost.flops("aten.mm.default", out, [a, b]) == 2 * 8 * 16 * 32
+    assert cost.flops("mm", out, [a, b]) == 2 * 8 * 16 * 32
+    # addmm's bias comes first and does not change k
+    assert cost.flops("aten.addmm.default", out, [torch.empty(16), a, b]) == 2 * 8 * 16 * 32
+    bout = torch.empty(4, 8, 16)
+    bmm = cost.flops("aten.bmm.default", bout, [torch.empty(4, 8, 32), torch.empty(4, 32, 16)])
+    assert bmm == 2 * 4 * 8 * 16 * 32
+
+
+def test_flops_of_other_ops_are_one_per_output_element():
+    x = torch.empty(6, 7)
+    assert cost.flops("aten.add.Tensor", x, [x, x]) == 42
+    assert cost.flops("aten.relu.default", x, [x]) == 42
+    # a matmul name with no matrix argument is counted as elementwise
+    assert cost.flops("aten.mm.default", x, [torch.empty(3)]) == 42
+    assert cost.flops("aten.split.Tensor", (x, x), [x]) == 0.0
+    assert cost.flops("aten.sym_size.int", 3, [x]) == 0.0
+
+
+def test_compute_time_is_the_slower_of_arithmetic_and_memory():
+    # compute-bound: 2e12 flops at 1e12 flop/s = 2 s; 1 MB at 1 GB/s = 1 ms
+    assert cost.compute_time(2e12, 1e6, 1e12, 1e9) == pytest.approx(2.0)
+    # memory-bound: 1e6 flops = 1 us; 3 GB at 1 GB/s = 3 s
+    assert cost.compute_time(1e6, 3e9, 1e12, 1e9) == pytest.approx(3.0)
+    # balanced
+    assert cost.compute_time(1e12, 1e9, 1e12, 1e9) == pytest.approx(1.0)

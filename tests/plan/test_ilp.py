@@ -1,0 +1,192 @@
+"""The O2 solver against brute force: the cheapest one-hot choice, pairwise (resharding) costs,
+the compressed edge variables, memory rows under a budget, infeasibility and least memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessel.plan.ilp import InfeasibleError, MemoryRow, Problem, least_memory, solve
+
+
+def _cost(problem: Problem, choice: dict) -> float:
+    total = sum(float(c[choice[v]]) for v, c in problem.linear.items())
+    return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items())
+
+
+def _choices(problem: Problem):
+    names = list(problem.sizes)
+    for ks in itertools.product(*(range(problem.sizes[v]) for v in names)):
+        yield dict(zip(names, ks))
+
+
+def _fits(problem: Problem, choice: dict) -> bool:
+    if problem.memory_budget is None:
+        return True
+    return all(row.bytes_for(choice) <= problem.memory_budget for row in problem.memory)
+
+
+def _brute_force(problem: Problem) -> float | None:
+    """The least cost over every choice that fits (None: none fits)."""
+    costs = [_cost(problem, c) for c in _choices(problem) if _fits(problem, c)]
+    return min(costs) if costs else None
+
+
+def test_solve_picks_the_cheapest_strategy_of_each_decision():
+    problem = Problem(
+        sizes={"a": 3, "b": 2},
+        linear={"a": np.array([5.0, 1.0, 3.0]), "b": np.array([2.0, 7.0])},
+        pairs={},
+    )
+    solution = solve(problem)
+    assert solution.choice == {"a": 1, "b": 0}
+    assert solution.objective == pytest.approx(3.0)
+    assert solution.num_variables == 5  # no pairs: no edge variables
+
+
+def test_a_resharding_cost_changes_the_choice():
+    # alone, a prefers 0 and b prefers 1; moving a's 0 into b's 1 costs 10, so the cheapest
+    # plan is (0, 0) at 1 + 3 = 4, not (0, 1) at 1 + 2 + 10 = 13 nor (1, 1) at 4 + 2 = 6
+    linear = {"a": np.array([1.0, 4.0]), "b": np.array([3.0, 2.0])}
+    assert solve(Problem({"a": 2, "b": 2}, linear, {})).choice == {"a": 0, "b": 1}
+    pairs = {("a", "b"): np.array([[0.0, 10.0], [10.0, 0.0]])}
+    solution = solve(Problem({"a": 2, "b": 2}, linear, pairs))
+    assert solution.choice == {"a": 0, "b": 0}
+    assert solution.objective == pytest.approx(4.0)
+
+
+def test_a_pair_cost_that_depends_on_one_side_needs_no_edge_variables():
+    # identical rows: the cost depends on b alone and folds into b's linear cost
+    pairs = {("a", "b"): np.array([[1.0, 5.0], [1.0, 5.0], [1.0, 5.0]])}
+    solution = solve(Problem({"a": 3, "b": 2}, {"a": np.array([0.0, 1.0, 2.0])}, pairs))
+    assert solution.num_variables == 5
+    assert solution.choice == {"a": 0, "b": 0}
+    assert solution.objective == pytest.approx(1.0)
+
+
+def test_identical_rows_and_columns_share_edge_variables():
+    # rows 0 and 2 are the same and columns 1 and 2 are the same: 2 x 2 edge variables
+    m = np.array([[0.0, 3.0, 3.0], [1.0, 0.0, 0.0], [0.0, 3.0, 3.0]])
+    solution = solve(Problem({"a": 3, "b": 3}, {}, {("a", "b"): m}))
+    assert solution.num_variables == 3 + 3 + 4
+    assert solution.objective == pytest.approx(0.0)
+
+
+def _problem_strategy(min_rows: int = 0):
+    """Small problems whose matrices repeat rows and columns (what compression merges)."""
+
+    @st.composite
+    def build(draw):
+        n = draw(st.integers(2, 4))
+        names = [f"v{i}" for i in range(n)]
+        sizes = {v: draw(st.integers(1, 3)) for v in names}
+        small = st.integers(0, 3).map(float)
+        linear = {
+            v: np.array(draw(st.lists(small, min_size=k, max_size=k))) for v, k in sizes.items()
+        }
+
+        def matrix(a, b, values):
+            # rows drawn from a pool of two rows, columns alike: repeats are common
+            pool = [draw(st.lists(values, min_size=sizes[b], max_size=sizes[b])) for _ in "ab"]
+            rows = [pool[draw(st.integers(0, 1))] for _ in range(sizes[a])]
+            m = np.array(rows, dtype=float)
+            if draw(st.booleans()) and sizes[b] > 1:
+                m[:, -1] = m[:, 0]  # a repeated column
+            return m
+
+        edges = [(a, b) for a, b in itertools.combinations(names, 2) if draw(st.booleans())]
+        pairs = {e: matrix(*e, st.integers(0, 5).map(float)) for e in edges}
+        memory = []
+        for _ in range(draw(st.integers(min_rows, 3))):
+            row = MemoryRow()
+            for v in names:
+                if draw(st.booleans()):
+                    row.linear[v] = np.array(
+                        draw(st.lists(st.integers(0, 8).map(float), min_size=sizes[v],
+                                      max_size=sizes[v]))
+                    )  # fmt: skip
+            for e in itertools.combinations(names, 2):
+                if draw(st.integers(0, 2)) == 0:
+                    row.pairs[e] = matrix(*e, st.integers(0, 8).map(float))
+            memory.append(row)
+        budget = float(draw(st.integers(0, 30))) if memory else None
+        return Problem(sizes, linear, pairs, memory, budget)
+
+    return build()
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(_problem_strategy())
+def test_solve_finds_the_brute_force_optimum(problem):
+    best = _brute_force(problem)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve(problem)
+        return
+    solution = solve(problem)
+    assert set(solution.choice) == set(problem.sizes)
+    assert _fits(problem, solution.choice)
+    assert _cost(problem, solution.choice) == pytest.approx(best)
+    assert solution.objective == pytest.approx(best, abs=1e-6)
+
+
+def test_memory_rows_with_pair_terms_hold_the_budget():
+    # the cheapest choice (0, 0) allocates a 6-byte buffer between a and b; the budget of 5
+    # forces the next cheapest that fits
+    sizes = {"a": 2, "b": 2}
+    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 2.0])}
+    row = MemoryRow(
+        linear={"a": np.array([1.0, 2.0])},
+        pairs={("a", "b"): np.array([[5.0, 0.0], [0.0, 0.0]])},
+    )
+    unlimited = solve(Problem(sizes, linear, {}, [row], None))
+    assert unlimited.choice == {"a": 0, "b": 0}
+    assert row.bytes_for(unlimited.choice) == 6.0
+    tight = solve(Problem(sizes, linear, {}, [row], 5.0))
+    # (0, 1): 1 + 0 bytes, cost 2; (1, 0): 2 + 0 bytes, cost 1
+    assert tight.choice == {"a": 1, "b": 0}
+    assert tight.objective == pytest.approx(1.0)
+    assert row.bytes_for(tight.choice) <= 5.0
+
+
+def test_every_row_is_held_to_the_budget():
+    sizes = {"a": 2, "b": 2}
+    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 1.0])}
+    rows = [MemoryRow({"a": np.array([4.0, 1.0])}), MemoryRow({"b": np.array([4.0, 1.0])})]
+    assert solve(Problem(sizes, linear, {}, rows, 4.0)).choice == {"a": 0, "b": 0}
+    assert solve(Problem(sizes, linear, {}, rows, 3.0)).choice == {"a": 1, "b": 1}
+
+
+def test_a_budget_no_choice_fits_is_infeasible():
+    row = MemoryRow({"a": np.array([4.0, 3.0])}, {("a", "b"): np.array([[0.0, 1.0], [1.0, 1.0]])})
+    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 1.0])}
+    problem = Problem({"a": 2, "b": 2}, linear, {}, [row], 3.5)
+    assert _brute_force(problem) is None
+    with pytest.raises(InfeasibleError):
+        solve(problem)
+    problem.memory_budget = 4.0
+    assert solve(problem).choice == {"a": 0, "b": 0}
+
+
+def test_least_memory_of_a_hand_made_problem():
+    # choices and their rows' bytes (row 1, row 2): (0,0) 9/3, (0,1) 4/8, (1,0) 7/3, (1,1) 2/8
+    rows = [
+        MemoryRow({"a": np.array([4.0, 2.0])}, {("a", "b"): np.array([[5.0, 0.0], [5.0, 0.0]])}),
+        MemoryRow({"b": np.array([1.0, 6.0])}, {("a", "b"): np.array([[2.0, 2.0], [2.0, 2.0]])}),
+    ]
+    least, choice = least_memory(Problem({"a": 2, "b": 2}, {"a": np.array([0.0, 9.0])}, {}, rows))
+    assert least == pytest.approx(7.0)  # (1, 0): max(2 + 5, 1 + 2); costs play no part
+    assert choice == {"a": 1, "b": 0}
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(_problem_strategy(min_rows=1))
+def test_least_memory_is_the_brute_force_minimum_of_the_largest_row(problem):
+    least, choice = least_memory(problem)
+    truth = min(max(r.bytes_for(c) for r in problem.memory) for c in _choices(problem))
+    assert least == pytest.approx(truth, abs=1e-6)
+    assert max(r.bytes_for(choice) for r in problem.memory) == pytest.approx(truth, abs=1e-6)

@@ -1,0 +1,255 @@
+"""The memory model against hand counts: which ops are views, the bytes a device holds of a
+placed tensor, live ranges and the moments memory can peak, a traced program's peak, and the
+planner's prediction against the lowered programs' own count."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from tests.conftest import small_llama, token_ids
+from torch import fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tessel.builder.pipeline import plan_and_lower
+from tessel.capture import capture
+from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluster_dict
+from tessel.config.parallel_option import ParallelOption
+from tessel.plan import has_rule, make_plan
+from tessel.plan.memory import (
+    footprint,
+    is_view,
+    local_bytes,
+    peak_points,
+    program_peak_bytes,
+    storages,
+)
+from tessel.plan.planner import least_memory_plan
+
+aten = torch.ops.aten
+
+
+def _call(graph: fx.Graph, target, *args, val=None, name: str | None = None) -> fx.Node:
+    node = graph.create_node("call_function", target, args, name=name)
+    node.meta["val"] = val
+    return node
+
+
+def _placeholder(graph: fx.Graph, name: str, val: torch.Tensor) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta["val"] = val
+    return node
+
+
+def test_is_view():
+    g = fx.Graph()
+    x = _placeholder(g, "x", torch.empty(4, 6))
+    assert not is_view(x)
+    assert is_view(_call(g, aten.view.default, x, [24]))
+    assert is_view(_call(g, aten.t.default, x))
+    assert is_view(_call(g, aten._unsafe_view.default, x, [24]))
+    assert is_view(_call(g, torch.ops._c10d_functional.wait_tensor.default, x))
+    parts = _call(g, aten.split.Tensor, x, 3, 1)
+    assert is_view(parts)
+    assert is_view(_call(g, operator.getitem, parts, 0))
+    assert not is_view(_call(g, aten.add.Tensor, x, x))
+    assert not is_view(_call(g, aten.clone.default, x))
+    pair = _call(g, aten.max.dim, x, 1)  # (values, indices): new tensors
+    assert not is_view(pair)
+    assert not is_view(_call(g, operator.getitem, pair, 0))
+    assert is_view(_call(g, aten.add_.Tensor, x, x))  # an in-place op hands back its argument
+
+
+def test_local_bytes():
+    x = torch.empty(5, 4)  # 80 bytes
+    assert local_bytes(x, None, (2,)) == 80
+    assert local_bytes(x, (Replicate(),), (2,)) == 80
+    assert local_bytes(x, (Partial(),), (2,)) == 80  # a partial sum is a whole-sized tensor
+    assert local_bytes(x, (Shard(1),), (2,)) == 5 * 2 * 4
+    assert local_bytes(x, (Shard(0),), (2,)) == 3 * 4 * 4  # 5 rows in 2: the larger piece, 3
+    assert local_bytes(x, (Shard(0),), (4,)) == 2 * 4 * 4  # 5 rows in 4: 2, 1, 1, 1
+    assert local_bytes(x, (Shard(0), Shard(1)), (2, 4)) == 3 * 1 * 4
+    assert local_bytes(x, (Shard(0), Shard(0)), (2, 2)) == 2 * 4 * 4  # 5 -> 3 -> 2
+    assert local_bytes(torch.empty(5, 4, dtype=torch.bfloat16), (Shard(0),), (2,)) == 3 * 4 * 2
+
+
+def _hand_graph() -> fx.Graph:
+    """A weight, an input, a matmul read through a split view, and a two-output reduction.
+
+    position  node                       bytes
+    0         w       weight             (held apart)
+    1         x       input [2, 4]       32
+    2         mm      mm(x, w) [2, 4]    32
+    3         parts   split(mm): views
+    4         p0      parts[0]: a view
+    5         mx      max.dim(x, 1)      values [2] f32 8, indices [2] i64 16
+    6         vals    mx[0]
+    7         idx     mx[1]              (never read)
+    8         r       relu(p0) [2, 1]    8
+    9         output  (r, vals)
+    """
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(4, 4))
+    x = _placeholder(g, "x", torch.empty(2, 4))
+    mm = _call(g, aten.mm.default, x, w, val=torch.empty(2, 4), name="mm")
+    parts = _call(g, aten.split.Tensor, mm, 1, 1, val=tuple(torch.empty(2, 1) for _ in range(4)))
+    p0 = _call(g, operator.getitem, parts, 0, val=torch.empty(2, 1))
+    mx_val = (torch.empty(2), torch.empty(2, dtype=torch.int64))
+    mx = _call(g, aten.max.dim, x, 1, val=mx_val, name="mx")
+    vals = _call(g, operator.getitem, mx, 0, val=torch.empty(2))
+    _call(g, operator.getitem, mx, 1, val=torch.empty(2, dtype=torch.int64))
+    r = _call(g, aten.relu.default, p0, val=torch.empty(2, 1), name="r")
+    g.output((r, vals))
+    return g
+
+
+def _ranges(live) -> list[tuple[str, int | None, int, int]]:
+    return [(s.node.name, s.index, s.born, s.dies) for s in live]
+
+
+def test_storages_have_hand_counted_live_ranges():
+    live = storages(_hand_graph(), {"w"})
+    assert _ranges(live) == [
+        ("x", None, 0, 5),  # an input lives from the start to its last reader, max.dim
+        ("mm", None, 2, 8),  # read through the split and its getitem until relu at 8
+        ("mx", 0, 5, 9),  # returned: lives to the end
+        ("mx", 1, 5, 5),  # never read: dies where it is born
+        ("r", None, 8, 9),
+    ]
+    # the weight is not an activation; the graph's other inputs are
+    assert "w" not in {s.node.name for s in live}
+    assert [(s.node.name, s.born) for s in storages(_hand_graph(), set())][0] == ("w", 0)
+
+
+def test_peak_points_are_taken_where_something_dies_after_a_birth():
+    live = storages(_hand_graph(), {"w"})
+    names = lambda moments: [  # noqa: E731
+        sorted(f"{s.node.name}{'' if s.index is None else s.index}" for s in m) for m in moments
+    ]
+    # deaths at 5, 8, 9; at 9 nothing was born since 8, so the moment at 8 covers it
+    assert names(peak_points(live)) == [
+        ["mm", "mx0", "mx1", "x"],
+        ["mm", "mx0", "r"],
+    ]
+    # a step where a node allocates buffers of its own is always taken
+    assert names(peak_points(live, {9}))[-1] == ["mx0", "r"]
+    assert names(peak_points(live, {3})) == [
+        ["mm", "x"],
+        ["mm", "mx0", "mx1", "x"],
+        ["mm", "mx0", "r"],
+    ]
+    assert peak_points([]) == []
+
+
+def test_program_peak_bytes_of_a_traced_program():
+    def f(w, x):
+        y = torch.mm(x, w)  # 32 B
+        v = y.view(8)  # keeps y alive until the sum
+        z = torch.relu(x)  # 32 B; x's last reader
+        s = v.sum()  # 4 B; y's last reader (through v)
+        return (z * s,)  # 32 B
+
+    gm = make_fx(f, tracing_mode="fake")(torch.empty(4, 4), torch.empty(2, 4))
+    weight = next(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    # at relu: x, y and z are alive (32 * 3); after it x is gone
+    assert program_peak_bytes(gm.graph, {weight}) == (64, 64 + 96)
+    # the input is another input's tensor: held once, so not counted again
+    other = [n.name for n in gm.graph.nodes if n.op == "placeholder"][1]
+    assert program_peak_bytes(gm.graph, {weight}, {other}) == (64, 64 + 68)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 64, bias=False)  # 4096 bytes
+        self.down = torch.nn.Linear(64, 16, bias=False)  # 4096 bytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    torch.manual_seed(0)
+    return capture(_MLP().eval(), (torch.randn(4, 16),), keep=has_rule)
+
+
+def _choice_for(plan, wanted: dict[str, tuple]) -> dict[fx.Node, int]:
+    """The plan's decisions with the named nodes' outputs moved to the wanted placements."""
+    choice = dict(plan.choice)
+    for n, c in plan.choices.items():
+        if n.name in wanted:
+            owner = c.owner or n
+            choice[owner] = next(
+                k
+                for k in range(len(c.strategies))
+                if c.out_spec(k) is not None and tuple(c.out_spec(k).placements) == wanted[n.name]
+            )
+    return choice
+
+
+def test_footprint_of_an_mlp_by_hand(mlp):
+    graph = mlp.program.graph_module.graph
+    plan = make_plan(mlp, local_cluster(2), ParallelOption())
+    weights = {"p_up_weight": mlp.program.state_dict["up.weight"]}
+    weights["p_down_weight"] = mlp.program.state_dict["down.weight"]
+    held = footprint(graph, plan.choices, weights, (2,))
+    R, S0, S1, P = (Replicate(),), (Shard(0),), (Shard(1),), (Partial(),)
+
+    # everything whole: at relu, mm and relu (4 x 64 floats each) are alive
+    whole = _choice_for(
+        plan,
+        {"p_up_weight": R, "p_down_weight": R, "t": R, "mm": R, "relu": R, "t_1": R, "mm_1": R},
+    )
+    assert held.weight_bytes(whole) == 8192
+    assert held.peak_bytes(whole) == 8192 + 2 * 1024
+
+    # Megatron: up split by rows (its output's columns), down by columns (a partial sum)
+    megatron = _choice_for(
+        plan,
+        {
+            "p_up_weight": S0,
+            "p_down_weight": S1,
+            "t": S1,
+            "mm": S1,
+            "relu": S1,
+            "t_1": S0,
+            "mm_1": P,
+        },
+    )
+    assert held.weight_bytes(megatron) == 4096
+    # at relu: half of mm and half of relu (512 bytes each); at the end the partial sum and
+    # the whole output the all-reduce makes (256 bytes each)
+    assert held.peak_bytes(megatron) == 4096 + 2 * 512
+
+
+def _tight(captured, world: int, slack: int = 0):
+    """A cluster whose devices hold exactly the least memory any plan needs, plus `slack`."""
+    peak, _ = least_memory_plan(captured, world)
+    data = local_cluster_dict(world)
+    data["item_def"][0]["memory"] = f"[DDR:{peak + slack}B]"
+    return cluster_from_dict(data, "tight.json")
+
+
+def test_the_planned_peak_of_an_mlp_is_the_lowered_programs_peak(mlp):
+    for cluster in (local_cluster(2), _tight(mlp, 2)):
+        plan, programs = plan_and_lower(mlp, cluster)
+        assert plan.memory["peak_bytes"] == max(p.peak_bytes for p in programs)
+        assert plan.memory["weight_bytes"] == max(p.weight_bytes for p in programs)
+    # the tight cluster forces the Megatron plan counted by hand above
+    assert plan.out_placements(next(n for n in plan.choices if n.name == "mm_1")) == (Partial(),)
+    assert plan.memory["peak_bytes"] == 4096 + 2 * 512
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "tight"])
+def test_the_planned_peak_of_a_llama_is_the_lowered_programs_peak(tight):
+    captured = capture(small_llama(), (token_ids(),), keep=has_rule)
+    cluster = _tight(captured, 2) if tight else local_cluster(2)
+    plan, programs = plan_and_lower(captured, cluster)
+    assert plan.memory["peak_bytes"] == max(p.peak_bytes for p in programs)
+    assert plan.memory["weight_bytes"] == max(p.weight_bytes for p in programs)
+    if tight:
+        assert plan.memory["peak_bytes"] <= plan.memory["device_bytes"]
+        assert not plan.replanned  # the memory model saw everything the program holds

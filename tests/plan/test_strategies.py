@@ -1,0 +1,169 @@
+"""Candidate strategies from DTensor's rules and tessel's own: matmul's column-parallel,
+row-parallel and replicated strategies, even shards of weights and inputs, the attention rule,
+and the names strategies are reported and banned by."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessel._torch import detached_mesh
+from tessel.plan.planner import mesh_for
+from tessel.plan.strategies import (
+    DTensorSpec,
+    Partial,
+    Replicate,
+    Shard,
+    Strategy,
+    as_op_strategy,
+    describe_strategy,
+    has_rule,
+    op_strategies,
+    placement_strategies,
+    strategy_key,
+    tensor_meta,
+)
+
+MESH = mesh_for(2)
+GRID = detached_mesh(torch.arange(4).reshape(2, 2))  # a 2 x 2 mesh
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _any_placement(t: torch.Tensor):
+    """An argument that may arrive in any even placement (what a producer can offer)."""
+    return as_op_strategy([s.output for s in placement_strategies(MESH, t)], MESH, tensor_meta(t))
+
+
+def _replicated(t: torch.Tensor):
+    return as_op_strategy([None], MESH, tensor_meta(t))
+
+
+def _placements(strategy: Strategy):
+    out = strategy.output
+    ins = tuple(tuple(s.placements) if s is not None else None for s in strategy.inputs)
+    return ins, tuple(out.placements)
+
+
+def test_mm_offers_column_parallel_row_parallel_and_replicated():
+    a, b, out = torch.empty(8, 32), torch.empty(32, 16), torch.empty(8, 16)
+    found = op_strategies(torch.ops.aten.mm.default, (_any_placement(a), _any_placement(b)), {},
+                          out, MESH)  # fmt: skip
+    got = {_placements(s) for s in found}
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+    # replicated: every device computes the whole product
+    assert (((R,), (R,)), (R,)) in got
+    # column-parallel: the weight's columns split, the output split the same way
+    assert (((R,), (S1,)), (S1,)) in got
+    # row-parallel: the contracted dim split on both sides, the output a partial sum
+    assert (((S1,), (S0,)), (Partial(),)) in got
+    # batch (row) split of the left side
+    assert (((S0,), (R,)), (S0,)) in got
+    # every strategy names a spec per input and one output spec with the output's metadata
+    for s in found:
+        assert len(s.inputs) == 2
+        assert s.output.tensor_meta.shape == out.shape
+    assert len(got) == len(found)  # no duplicates
+
+
+def test_placement_strategies_keep_only_even_shards():
+    got = lambda t, **kw: [  # noqa: E731
+        tuple(s.output.placements) for s in placement_strategies(MESH, t, **kw)
+    ]
+    assert got(torch.empty(4, 6)) == [(Replicate(),), (Shard(0),), (Shard(1),)]
+    assert got(torch.empty(3, 4)) == [(Replicate(),), (Shard(1),)]  # 3 rows do not split in 2
+    assert got(torch.empty(3, 5)) == [(Replicate(),)]
+    assert got(torch.empty(1, 4)) == [(Replicate(),), (Shard(1),)]
+    assert got(torch.empty(4, 6), replicate_only=True) == [(Replicate(),)]
+    # a weight or an input has no producer: no input specs; the meta is the tensor's
+    (s,) = placement_strategies(MESH, torch.empty(3, 5, dtype=torch.float16))
+    assert s.inputs == ()
+    assert s.output.tensor_meta.dtype == torch.float16
+
+
+def test_placement_strategies_on_a_2d_mesh_check_evenness_after_each_split():
+    got = [tuple(s.output.placements) for s in placement_strategies(GRID, torch.empty(2, 3))]
+    # dim 0 has 2 rows: split once it is even, split twice (2 -> 1 -> 1/2) it is not
+    assert (Shard(0), Replicate()) in got and (Replicate(), Shard(0)) in got
+    assert (Shard(0), Shard(0)) not in got
+    assert all(Shard(1) not in p for p in got)
+
+
+def test_has_rule():
+    assert has_rule(torch.ops.aten.mm.default)
+    assert has_rule(torch.ops.aten.add.Tensor)
+    assert has_rule(SDPA)  # tessel's own local rule
+    assert not has_rule(torch.ops.aten.searchsorted.Tensor)
+    assert not has_rule(torch.ops.aten.nonzero.default)
+
+
+def test_an_op_without_a_rule_has_no_strategies():
+    x = torch.empty(4, 8)
+    found = op_strategies(
+        torch.ops.aten.searchsorted.Tensor, (_replicated(x), _replicated(x)), {}, x, MESH
+    )
+    assert found is None
+
+
+def _attention(q_shape, mask_shape=None):
+    q = torch.empty(q_shape)
+    args = [_replicated(q)] * 3
+    if mask_shape is not None:
+        args.append(_replicated(torch.empty(mask_shape, dtype=torch.bool)))
+    return [describe_strategy(s) for s in op_strategies(SDPA, tuple(args), {}, q, MESH)]
+
+
+@pytest.mark.parametrize(
+    "shape,expected",
+    [
+        ((2, 4, 8, 4), ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)", "S(1), S(1), S(1) -> S(1)"]),
+        ((2, 3, 8, 4), ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)"]),  # 3 heads: batch only
+        ((3, 4, 8, 4), ["R, R, R -> R", "S(1), S(1), S(1) -> S(1)"]),  # batch 3: heads only
+        ((1, 1, 8, 4), ["R, R, R -> R"]),
+    ],
+)
+def test_attention_shards_batch_or_heads_only_where_divisible(shape, expected):
+    assert _attention(shape) == expected
+
+
+def test_attention_replicates_a_mask_broadcast_over_the_split_dim():
+    # a mask of one head follows a batch split but stays whole under a head split
+    assert _attention((2, 4, 8, 4), (2, 1, 8, 8)) == [
+        "R, R, R, R -> R",
+        "S(0), S(0), S(0), S(0) -> S(0)",
+        "S(1), S(1), S(1), R -> S(1)",
+    ]
+    assert _attention((2, 4, 8, 4), (1, 1, 8, 8))[1] == "S(0), S(0), S(0), R -> S(0)"
+
+
+def test_describe_strategy_and_strategy_key():
+    mesh = MESH
+    meta = tensor_meta(torch.empty(4, 4))
+    spec = lambda *p: DTensorSpec(mesh, p, meta)  # noqa: E731
+    mm = Strategy(spec(Partial()), (spec(Shard(1)), spec(Shard(0))))
+    assert describe_strategy(mm) == "S(1), S(0) -> P(sum)"
+    assert strategy_key(mm) == "S(1), S(0) -> P(sum)"
+    weight = Strategy(spec(Shard(0)), ())
+    assert describe_strategy(weight) == " -> S(0)"
+    split = Strategy((spec(Shard(0)), None), (spec(Shard(0)), None))
+    assert describe_strategy(split) == "S(0), - -> (S(0), -)"
+    assert split.output_at(0) is split.output[0] and split.output_at(1) is None
+    assert mm.output_at(None) is mm.output and mm.output_at(3) is mm.output
+    two_d = Strategy(
+        DTensorSpec(GRID, (Shard(0), Partial()), meta),
+        (DTensorSpec(GRID, (Replicate(), Shard(1)), meta),),
+    )
+    assert describe_strategy(two_d) == "R/S(1) -> S(0)/P(sum)"
+
+
+def test_strategy_keys_are_stable_across_plannings():
+    a, b, out = torch.empty(8, 32), torch.empty(32, 16), torch.empty(8, 16)
+
+    def keys():
+        args = (_any_placement(a), _any_placement(b))
+        return [strategy_key(s) for s in op_strategies(torch.ops.aten.mm.default, args, {}, out,
+                                                       mesh_for(2))]  # fmt: skip
+
+    first = keys()
+    assert first == keys()
+    assert "R, S(1) -> S(1)" in first
+    assert len(set(first)) == len(first)
