@@ -65,27 +65,29 @@ def test_mm_offers_column_parallel_row_parallel_and_replicated():
     assert len(got) == len(found)  # no duplicates
 
 
-def test_placement_strategies_keep_only_even_shards():
+def test_placement_strategies_shard_every_dim_with_rows_to_split():
+    """Shards follow torch.chunk, so a dim that does not divide is split unevenly; a dim of one
+    row has nothing to split."""
     got = lambda t, **kw: [  # noqa: E731
         tuple(s.output.placements) for s in placement_strategies(MESH, t, **kw)
     ]
     assert got(torch.empty(4, 6)) == [(Replicate(),), (Shard(0),), (Shard(1),)]
-    assert got(torch.empty(3, 4)) == [(Replicate(),), (Shard(1),)]  # 3 rows do not split in 2
-    assert got(torch.empty(3, 5)) == [(Replicate(),)]
+    assert got(torch.empty(3, 5)) == [(Replicate(),), (Shard(0),), (Shard(1),)]  # 2 + 1, 3 + 2
     assert got(torch.empty(1, 4)) == [(Replicate(),), (Shard(1),)]
     assert got(torch.empty(4, 6), replicate_only=True) == [(Replicate(),)]
     # a weight or an input has no producer: no input specs; the meta is the tensor's
-    (s,) = placement_strategies(MESH, torch.empty(3, 5, dtype=torch.float16))
+    (s, *_) = placement_strategies(MESH, torch.empty(3, 5, dtype=torch.float16))
     assert s.inputs == ()
     assert s.output.tensor_meta.dtype == torch.float16
 
 
-def test_placement_strategies_on_a_2d_mesh_check_evenness_after_each_split():
+def test_placement_strategies_on_a_2d_mesh_stop_where_a_shard_has_one_row():
     got = [tuple(s.output.placements) for s in placement_strategies(GRID, torch.empty(2, 3))]
-    # dim 0 has 2 rows: split once it is even, split twice (2 -> 1 -> 1/2) it is not
+    # dim 0 has 2 rows: split once, each device has one row; split again there is nothing left
     assert (Shard(0), Replicate()) in got and (Replicate(), Shard(0)) in got
     assert (Shard(0), Shard(0)) not in got
-    assert all(Shard(1) not in p for p in got)
+    assert (Shard(1), Shard(1)) in got  # 3 rows: 2 + 1, then 1 + 1
+    assert (Shard(0), Shard(1)) in got and (Shard(1), Shard(0)) in got
 
 
 def test_has_rule():
@@ -116,12 +118,13 @@ def _attention(q_shape, mask_shape=None):
     "shape,expected",
     [
         ((2, 4, 8, 4), ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)", "S(1), S(1), S(1) -> S(1)"]),
-        ((2, 3, 8, 4), ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)"]),  # 3 heads: batch only
-        ((3, 4, 8, 4), ["R, R, R -> R", "S(1), S(1), S(1) -> S(1)"]),  # batch 3: heads only
+        # 3 heads split 2 + 1, never within a head; batch 3 splits 2 + 1
+        ((2, 3, 8, 4), ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)", "S(1), S(1), S(1) -> S(1)"]),
+        ((3, 4, 8, 4), ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)", "S(1), S(1), S(1) -> S(1)"]),
         ((1, 1, 8, 4), ["R, R, R -> R"]),
     ],
 )
-def test_attention_shards_batch_or_heads_only_where_divisible(shape, expected):
+def test_attention_shards_batch_or_whole_heads(shape, expected):
     assert _attention(shape) == expected
 
 
@@ -167,3 +170,12 @@ def test_strategy_keys_are_stable_across_plannings():
     assert first == keys()
     assert "R, S(1) -> S(1)" in first
     assert len(set(first)) == len(first)
+
+
+def test_attention_shards_heads_only_where_keys_have_as_many_heads():
+    """Grouped keys and values (fewer heads than the queries) cannot follow a head split: each
+    device would hold query heads whose key head is elsewhere."""
+    q, kv = torch.empty(2, 4, 8, 4), torch.empty(2, 2, 8, 4)
+    args = (_replicated(q), _replicated(kv), _replicated(kv))
+    got = [describe_strategy(s) for s in op_strategies(SDPA, args, {}, q, MESH)]
+    assert got == ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)"]
