@@ -55,14 +55,17 @@ def weight_bytes(captured: CapturedModel) -> int:
     )
 
 
-def tight_cluster(captured: CapturedModel, devices: int, share: float = 1.15) -> dict:
+def tight_cluster(
+    captured: CapturedModel, devices: int, share: float = 1.15, slack: float = 0.05
+) -> dict:
     """A local CPU cluster whose devices hold `share`/N of the weights plus the activations of
     the plan that needs the least memory (or that plan's peak, where it keeps more than that
-    share of the weights): too little for replicated weights."""
+    share of the weights), and `slack` of that peak for what lowered programs hold beyond the
+    memory model's count: too little for replicated weights."""
     peak, weights = least_memory_plan(captured, devices)
     room = max(0, int(share * weight_bytes(captured) / devices) - weights)
     data = local_cluster_dict(devices)
-    data["item_def"][0]["memory"] = f"[DDR:{peak + room}B]"
+    data["item_def"][0]["memory"] = f"[DDR:{peak + room + int(slack * peak)}B]"
     return data
 
 

@@ -56,11 +56,12 @@ def portable_attention(gm: fx.GraphModule, recompile: bool = True) -> int:
 _ZERO_FILLED = {
     torch.ops.aten.empty_like.default: torch.ops.aten.zeros_like.default,
     torch.ops.aten.empty.memory_format: torch.ops.aten.zeros.default,
+    torch.ops.aten.new_empty.default: torch.ops.aten.new_zeros.default,
 }
 
 
 def zero_fill_allocations(gm: fx.GraphModule) -> int:
-    """Make every `empty`/`empty_like` allocation zero-filled; returns how many (no recompile)."""
+    """Make every `empty` allocation zero-filled; returns how many (no recompile)."""
     changed = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _ZERO_FILLED:

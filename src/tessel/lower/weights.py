@@ -6,6 +6,8 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from tessel.sharding import piece
+
 
 def mesh_coordinate(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major coordinate of `rank` in a mesh of `mesh_shape`."""
@@ -33,7 +35,7 @@ def local_shard(
     """The part of `tensor` that `rank` holds; Replicate and Partial keep the whole tensor."""
     out = tensor
     for dim, count, index in shard_chunks(placements, mesh_shape, rank):
-        out = out.chunk(count, dim=dim)[index]
+        out = piece(out, dim, count, index)
     return out.contiguous()
 
 

@@ -30,6 +30,7 @@ from tessel.package.manifest import (
     Submodel,
     valid_member_name,
 )
+from tessel.sharding.geometry import piece
 
 if TYPE_CHECKING:
     import torch
@@ -409,12 +410,9 @@ def submodel_weights(
                 raise PackageError(
                     where, f"tied weight {name!r} is chunked along a missing dim {dim}"
                 )
-            pieces = tensor.chunk(count, dim)
-            if index >= len(pieces):
-                raise PackageError(
-                    where, f"tied weight {name!r} names chunk {index} of {len(pieces)}"
-                )
-            tensor = pieces[index]
+            if not 0 <= index < count:
+                raise PackageError(where, f"tied weight {name!r} names chunk {index} of {count}")
+            tensor = piece(tensor, dim, count, index)
         out[name] = tensor.contiguous()
     return out
 

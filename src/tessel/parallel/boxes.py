@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from tessel.parallel.errors import StrategyError
 from tessel.parallel.strategy import ParamLayout
+from tessel.sharding import chunk_range
 
 Box = tuple[tuple[int, int], ...]
 
@@ -24,13 +25,6 @@ def coords(index: int, dev_matrix: Sequence[int]) -> tuple[int, ...]:
         out.append(index % d)
         index //= d
     return tuple(reversed(out))
-
-
-def chunk(size: int, k: int, index: int) -> tuple[int, int]:
-    """The rows ``[start, stop)`` slice ``index`` of ``k`` holds of a dim of ``size`` rows."""
-    length = -(-size // k)
-    start = min(index * length, size)
-    return start, min(start + length, size)
 
 
 def check_divisible(name: str, p: ParamLayout, shape: Sequence[int], src: str) -> None:
@@ -69,7 +63,7 @@ def device_box(p: ParamLayout, index: int, shape: Sequence[int]) -> Box:
             size = p.dev_matrix[n - 1 - a]
             idx = idx * size + c[n - 1 - a]
             k *= size
-        start, stop = chunk(shape[d], k, idx)
+        start, stop = chunk_range(shape[d], k, idx)
         length = stop - start
         if d == 0 and p.opt_shard_size:
             sub = length // p.opt_shard_size

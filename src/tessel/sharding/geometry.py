@@ -1,0 +1,29 @@
+"""Which part of a dimension a device holds.
+
+A dimension split `count` ways is cut as torch.chunk cuts it, and as DTensor's Shard does:
+every piece but the last holds ceil(size / count) rows, so where `count` does not divide the
+size the last pieces are shorter or empty. Every stage that slices a tensor (lowering the
+weights, loading a package, converting a checkpoint) cuts with these two functions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the package reader uses this module without importing torch
+    import torch
+
+
+def chunk_range(size: int, count: int, index: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` that piece ``index`` of ``count`` holds of ``size`` rows."""
+    if not 0 <= index < count:
+        raise IndexError(f"piece {index} of {count}")
+    length = -(-size // count)
+    start = min(index * length, size)
+    return start, min(start + length, size)
+
+
+def piece(tensor: torch.Tensor, dim: int, count: int, index: int) -> torch.Tensor:
+    """Piece ``index`` of ``tensor`` cut ``count`` ways along ``dim`` (a view; maybe empty)."""
+    start, stop = chunk_range(tensor.shape[dim], count, index)
+    return tensor.narrow(dim, start, stop - start)
