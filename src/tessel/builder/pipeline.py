@@ -82,9 +82,9 @@ def build(
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
-    With `graph_parallel` the planner shards every node over the cluster's devices (seed 000's
-    algorithm-based partitioning); without it the whole model is deployed to every device and
-    runs are load-balanced over the replicas. `reuse_layers=False` traces every layer of a
+    With `graph_parallel` the planner shards every node over the cluster's devices (ATC's
+    algorithm-based partitioning, `--enable_graph_parallel`); without it the whole model is
+    deployed to every device and runs are load-balanced over the replicas. `reuse_layers=False` traces every layer of a
     stack of identical layers, in capture and in lowering, instead of tracing one and copying it.
     With `verify` (the default) the built model runs on the example inputs in this process and
     must agree with the eager model, or `VerifyError` is raised and nothing is returned; it costs
