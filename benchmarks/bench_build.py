@@ -4,7 +4,8 @@ The peer, meta-pytorch/autoparallel, cannot be installed here (it is not on the 
 registries), so its figures are the ones measured on this kind of machine in
 shared/reference/peer-baselines.md §1.4 (gpt2, mesh 4, tp mode: 6.9 / 14.7 / 56.1 s end to end).
 Note the difference in work: autoparallel plans a joint forward+backward training graph, tessel
-an inference forward graph, and tessel also writes the weights of every rank to one file.
+an inference forward graph, and tessel also writes the weights of every rank to one file and
+checks the built model against eager (`verify`, the default; its column is part of the total).
 
     python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer] [--profile FILE]
 
@@ -98,13 +99,13 @@ def main() -> None:
         del model, built
     print()
     print(
-        f"{'layers':>6} {'capture':>8} {'strategies':>10} {'solve':>6} {'lower':>6} {'save':>6} {'total':>7} {'peer':>6} {'ratio':>6}"
+        f"{'layers':>6} {'capture':>8} {'strategies':>10} {'solve':>6} {'lower':>6} {'save':>6} {'verify':>6} {'total':>7} {'peer':>6} {'ratio':>6}"
     )
     for r in rows:
         p = r["phases_s"]
         print(
             f"{r['layers']:>6} {p.get('capture', 0):>8.2f} {p.get('strategies', 0):>10.2f} {p.get('solve', 0):>6.2f} "
-            f"{p.get('lower', 0):>6.2f} {p.get('save', 0):>6.2f} {r['total_s']:>7.2f} {r['peer_total_s'] or 0:>6.1f} {r['ratio'] or 0:>6.3f}"
+            f"{p.get('lower', 0):>6.2f} {p.get('save', 0):>6.2f} {p.get('verify', 0):>6.2f} {r['total_s']:>7.2f} {r['peer_total_s'] or 0:>6.1f} {r['ratio'] or 0:>6.3f}"
         )
 
 

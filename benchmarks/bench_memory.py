@@ -12,14 +12,11 @@ kernels' code) is counted; then, in the same worker (the session reuses it), its
 it loaded the model, after one run and after all. The difference is what the model costs the
 worker; the ratio is measured/predicted after all runs, over the ranks.
 
-Each device count is measured twice: with glibc's malloc as it comes, and with its mmap
-threshold fixed (MALLOC_MMAP_THRESHOLD_=131072 in the workers' environment). As it comes, the
-threshold rises to the largest block freed, so activations up to 32 MiB are carved from the heap,
-which keeps and fragments what they free from run to run; fixed, each activation is mapped when
-made and returned when freed, so a worker holds what the program holds, at the cost of fresh
-pages for every activation on every run. Beyond the program's tensors a worker also holds the
-program itself and what the first run of its kernels allocates once (a few MiB), and rank 0
-copies its outputs into shared memory for the pipe to the session.
+Workers fix glibc's mmap threshold at 128 KiB (see `runtime/worker.py`), so each activation is
+mapped when made and returned when freed and a worker holds what its program holds. Beyond the
+program's tensors a worker also holds the program itself and what the first run of its kernels
+allocates once (a few MiB), and rank 0 copies its outputs into shared memory for the pipe to the
+session.
 
     python benchmarks/bench_memory.py [--devices 1 2 4] [--share 1.05]
 """
@@ -89,7 +86,7 @@ def main() -> None:
         f"runtime peaks at {idle_process_rss() / MIB:.0f} MiB RSS"
     )
     print(
-        f"{'devices':>7} {'allocator':>10} {'idle worker':>12} {'predicted':>10} "
+        f"{'devices':>7} {'idle worker':>12} {'predicted':>10} "
         f"{'after load':>11} {'1 run':>10} {f'{RUNS} runs':>10} {'measured/predicted':>19} "
         f"{'run':>8}"
     )
@@ -109,35 +106,25 @@ def main() -> None:
             ).save(os.path.join(tmp, "small"))
             ranks = Package.open(path).manifest.plan["ranks"]
             predicted = [r["peak_bytes"] for r in sorted(ranks, key=lambda r: r["rank"])]
-            for allocator, threshold in ALLOCATORS.items():
-                idle, loaded, first, ran, run_s = measure(path, ids, warm, small_ids, threshold)
-                ratios = [m / p for m, p in zip(ran, predicted)]
-                spread = f"{min(ratios):.2f}" + (f"-{max(ratios):.2f}" if n > 1 else "")
-                print(
-                    f"{n:>7} {allocator:>10} {max(idle) / MIB:>8.0f} MiB "
-                    f"{max(predicted) / MIB:>6.1f} MiB {max(loaded) / MIB:>7.1f} MiB "
-                    f"{max(first) / MIB:>6.1f} MiB {max(ran) / MIB:>6.1f} MiB {spread:>19} "
-                    f"{1e3 * run_s:>5.0f} ms",
-                    flush=True,
-                )
-
-
-# glibc's malloc as it comes (its mmap threshold rises to the largest block freed, so freed
-# activations up to 32 MiB stay in the heap for the next run), and with the threshold fixed,
-# so every activation above 128 KiB is mapped when made and returned when freed
-ALLOCATORS = {"glibc": None, "fixed mmap": "131072"}
+            idle, loaded, first, ran, run_s = measure(path, ids, warm, small_ids)
+            ratios = [m / p for m, p in zip(ran, predicted)]
+            spread = f"{min(ratios):.2f}" + (f"-{max(ratios):.2f}" if n > 1 else "")
+            print(
+                f"{n:>7} {max(idle) / MIB:>8.0f} MiB "
+                f"{max(predicted) / MIB:>6.1f} MiB {max(loaded) / MIB:>7.1f} MiB "
+                f"{max(first) / MIB:>6.1f} MiB {max(ran) / MIB:>6.1f} MiB {spread:>19} "
+                f"{1e3 * run_s:>5.0f} ms",
+                flush=True,
+            )
 
 
 def measure(
-    path: str, ids: torch.Tensor, warm: str, warm_ids: torch.Tensor, threshold: str | None
+    path: str, ids: torch.Tensor, warm: str, warm_ids: torch.Tensor
 ) -> tuple[list[int], list[int], list[int], list[int], float]:
     """Each worker's peak RSS when idle, and above that after loading `path`, after one run and
     after `RUNS`; and the median time of a run after the first."""
     import tessel
 
-    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if threshold is not None:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold  # read by the workers' malloc at start
     tessel.initialize()
     try:
         session = tessel.Session()
@@ -158,9 +145,6 @@ def measure(
         ran = [peak_rss(p) - i for p, i in zip(pids, idle)]
     finally:
         tessel.finalize()
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        if saved is not None:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     return idle, loaded, first, ran, statistics.median(times[1:])
 
 

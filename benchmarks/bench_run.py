@@ -1,14 +1,18 @@
 """run_graph latency against torch's own tensor parallel.
 
-Llama (4 layers, width 256, 8 heads, vocab 8192, seq 128, batch 4), fp32, at 2 and 4 CPU
-processes. Side by side in one run:
+Llama (4 layers, width 256, 8 heads, vocab 8192, seq 128, batch 4), fp32, on N CPU processes.
+Side by side in one run:
   - tessel, planned for the default cluster (weights may stay replicated);
-  - tessel, planned for devices too small for replicated weights (weights sharded);
+  - tessel, planned for devices too small for replicated weights (weights sharded), with the
+    weights each rank holds against 1/N of the model's and the collectives a run issues;
   - torch tensor parallel: `parallelize_module` with ColwiseParallel/RowwiseParallel on the
-    Megatron plan, the same model, process count and threads per process.
+    Megatron plan, the same model and threads per process. Its plan needs a process count that
+    divides the heads; where N does not (3, 6), torch TP runs at the nearest counts that do, and
+    tessel is compared with each.
 Each figure is the median of 20 runs after 3 warm-up runs; torch TP takes the slowest rank.
 
     python benchmarks/bench_run.py [--devices 2 4]
+    python benchmarks/bench_run.py --devices 3 4 6 --tight-only   # shards that do not divide
 """
 
 from __future__ import annotations
@@ -141,11 +145,14 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
         finally:
             tessel.finalize()
     ranks = built.manifest["plan"]["ranks"]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(r["weight_bytes"] for r in ranks)
     return {
         "median_ms": 1e3 * statistics.median(times),
         "max_abs_diff": (logits - reference).abs().max().item(),
-        "weight_MiB_per_rank": round(ranks[0]["weight_bytes"] / 2**20, 2),
-        "collectives_per_run": len(ranks[0]["collectives"]),
+        "weight_MiB_per_rank": round(largest / 2**20, 2),
+        "weight_share_x_N": round(largest / weights * world, 3),
+        "collectives_per_run": max(len(r["collectives"]) for r in ranks),
     }
 
 
@@ -163,29 +170,49 @@ def eager(threads: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def peer_counts(world: int) -> list[int]:
+    """The process counts torch TP's Megatron plan runs at nearest `world`: it needs a count that
+    divides the heads (and so the width of every sharded projection)."""
+    if HEADS % world == 0:
+        return [world]
+    supported = [n for n in range(1, HEADS + 1) if HEADS % n == 0]
+    gap = min(abs(n - world) for n in supported)
+    return [n for n in supported if abs(n - world) == gap]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--tight-only", action="store_true", help="only the build whose weights must be sharded"
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     print(f"single process, {cores} threads: {eager(cores):.1f} ms", flush=True)
+    peers: dict[int, dict] = {}
     rows = []
     for world in args.devices:
         threads = max(1, cores // world)
-        peer = torch_tp(world, threads)
-        print(f"torch TP x{world}: {json.dumps(peer)}", flush=True)
-        for tight in (False, True):
+        for n in peer_counts(world):
+            if n not in peers:
+                peers[n] = torch_tp(n, max(1, cores // n))
+                print(f"torch TP x{n}: {json.dumps(peers[n])}", flush=True)
+        for tight in (True,) if args.tight_only else (False, True):
             ours = tessel_run(world, tight, threads)
             label = "tessel (weights sharded)" if tight else "tessel (default cluster)"
             print(f"{label} x{world}: {json.dumps(ours)}", flush=True)
-            rows.append((world, label, ours["median_ms"], peer["median_ms"], ours["max_abs_diff"]))
+            for n in peer_counts(world):
+                rows.append((world, label, ours, n, peers[n]["median_ms"]))
     print()
     print(
-        f"{'procs':>5}  {'runtime':<26} {'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}"
+        f"{'procs':>5}  {'runtime':<26} {'weights x N':>11} {'collectives':>11} "
+        f"{'tessel ms':>9} {'torch TP ms':>14} {'ratio':>6} {'max diff':>9}"
     )
-    for world, label, ours, peer, diff in rows:
+    for world, label, ours, n, peer in rows:
         print(
-            f"{world:>5}  {label:<26} {ours:>9.1f} {peer:>11.1f} {ours / peer:>6.2f} {diff:>9.1e}"
+            f"{world:>5}  {label:<26} {ours['weight_share_x_N']:>11.3f} "
+            f"{ours['collectives_per_run']:>11} {ours['median_ms']:>9.1f} "
+            f"{peer:>9.1f} (x{n}) {ours['median_ms'] / peer:>6.2f} {ours['max_abs_diff']:>9.1e}"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,3 +72,25 @@ def test_capture_takes_the_public_export_when_the_one_trace_path_fails(monkeypat
     assert failed  # the one-trace path was tried first
     assert "aten.scaled_dot_product_attention.default" in targets
     assert captured.program.module()(ids).shape == model(ids).shape
+
+
+def test_a_masked_partial_value_is_reduced_once_for_all_its_consumers():
+    """A vocabulary-sharded embedding's output is a masked partial sum whose mask is spent by its
+    first reduction; a second consumer that wants it whole must get the reduced value, not a
+    second reduction of the spent mask."""
+    from tessel.lower.trace import _lookup, _Values
+
+    graph = torch.fx.Graph()
+    emb = graph.call_function(torch.ops.aten.embedding.default, ())
+    whole = SimpleNamespace(placements=[Replicate()])  # what `_lookup` reads of a target
+    with fake_world(0, 2) as mesh:
+        weight = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)], run_check=False)
+        ids = DTensor.from_local(torch.tensor([[0, 5, 7]]), mesh, [Replicate()], run_check=False)
+        masked = torch.ops.aten.embedding.default(weight, ids)
+        assert masked.placements[0].is_partial()
+        env = _Values({}, None)
+        env[emb] = masked
+        (first,) = _lookup((emb,), env, [whole], mesh)
+        (second,) = _lookup((emb,), env, [whole], mesh)
+    assert first.placements == second.placements == (Replicate(),)
+    assert torch.equal(first.to_local(), second.to_local())

@@ -26,6 +26,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _insert_single_dim_replication_strategy as insert_single_dim_replication_strategy,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -33,6 +34,7 @@ OpOverload = torch._ops.OpOverload
 
 __all__ = [
     "DTensorSpec",
+    "MaskPartial",
     "OpOverload",
     "OpSchema",
     "OpSpec",

@@ -18,7 +18,12 @@ from tessel import __version__ as tessel_version
 from tessel._torch import tree_leaves
 from tessel.builder.verify import check_against_eager
 from tessel.capture import CapturedModel, capture
-from tessel.config.cluster import ClusterConfig, local_cluster, read_cluster_config
+from tessel.config.cluster import (
+    ClusterConfig,
+    cluster_from_dict,
+    local_cluster,
+    read_cluster_config,
+)
 from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
@@ -71,7 +76,7 @@ def build(
     model: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any = None,
     *,
-    cluster: ClusterConfig | str | Path | int | None = None,
+    cluster: ClusterConfig | str | Path | dict | int | None = None,
     policy: ParallelOption | str | Path | None = None,
     soc_version: str = "cpu",
     graph_parallel: bool = True,
@@ -216,11 +221,22 @@ def plan_and_lower(
 def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
     if cluster is None:
         return local_cluster(4, soc_version)
-    if isinstance(cluster, int):
+    if isinstance(cluster, ClusterConfig):
+        return cluster
+    if isinstance(cluster, int) and not isinstance(cluster, bool):
+        if cluster < 1:
+            raise ConfigError("build()", "cluster", f"is {cluster} devices; give at least 1")
         return local_cluster(cluster, soc_version)
     if isinstance(cluster, (str, Path)):
         return read_cluster_config(cluster, soc_version)
-    return cluster
+    if isinstance(cluster, dict):
+        return cluster_from_dict(cluster, "the cluster argument", soc_version)
+    raise ConfigError(
+        "build()",
+        "cluster",
+        f"is a {type(cluster).__name__}; give a cluster config file, its parsed JSON (a dict), "
+        "a ClusterConfig or a device count",
+    )
 
 
 def _lower_all(

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tessel._torch import (
+    MaskPartial,
     clear_dtensor_caches,
     fake_process_group,
     redistribute,
@@ -118,6 +119,7 @@ class _Values(dict):
         super().__init__()
         self.lazy = lazy
         self.stitcher = stitcher
+        self.reduced: dict[fx.Node, DTensor] = {}  # masked partial values, once reduced
 
     def __missing__(self, n: fx.Node) -> Any:
         if n in self.lazy:
@@ -237,10 +239,30 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
         if targets is None or j >= len(targets) or targets[j] is None:
             return value
         if isinstance(value, DTensor):
-            value = _moved_for_op(value, tuple(targets[j].placements))
+            value = _move(env, a, value, tuple(targets[j].placements))
         return value
 
     return tree_map(sub, args, is_leaf=lambda x: isinstance(x, fx.Node))
+
+
+def _move(env: dict, n: fx.Node, value: DTensor, want: tuple) -> DTensor:
+    """`value` (node `n`'s) moved for an op that takes it in `want`.
+
+    A masked partial value (a vocabulary-sharded embedding's output) keeps the mask it must be
+    reduced with only until its first reduction, so it is reduced once, for its first
+    consumer, and later consumers move that result.
+    """
+    reduced = getattr(env, "reduced", None)
+    if reduced is not None and n in reduced:
+        return _moved_for_op(reduced[n], want)
+    moved = _moved_for_op(value, want)
+    if reduced is not None and moved is not value and _masked(value) and not _masked(moved):
+        reduced[n] = moved
+    return moved
+
+
+def _masked(value: DTensor) -> bool:
+    return any(isinstance(p, MaskPartial) for p in value.placements)
 
 
 def _moved_for_op(value: DTensor, want: tuple) -> DTensor:
@@ -374,9 +396,14 @@ def _count_nodes(args: Any) -> int:
 def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
     """Run a node on whole tensors and hand its result on as replicated DTensors."""
 
+    whole = tuple(Replicate() for _ in range(mesh.ndim))
+
     def local(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            a = env[a]
+            value = env[a]
+            if isinstance(value, DTensor):
+                return _move(env, a, value, whole).to_local()
+            return value
         return _whole(a, mesh)
 
     leaf = lambda x: isinstance(x, fx.Node)  # noqa: E731

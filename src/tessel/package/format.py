@@ -274,8 +274,24 @@ def _check_members(path: Path, f: BinaryIO, infos: list[zipfile.ZipInfo], cd_off
         raise PackageError(path, "bytes lie between the last member and the zip directory")
 
 
+class _Members:
+    """What a loader reads of a package, whether from a file or still in memory: subclasses
+    give `path`, `manifest` and `tensors(name)`."""
+
+    def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
+        """All tensors a submodel loads (see `submodel_weights`)."""
+        return submodel_weights(self.path, submodel, self.tensors)
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    def submodel(self, rank: int) -> Submodel:
+        return self.manifest.submodel(rank)
+
+
 @dataclass
-class Package:
+class Package(_Members):
     """An opened offline model; members are verified against their checksums when read."""
 
     path: Path
@@ -377,17 +393,6 @@ class Package:
                 self.path, f"{where}member {name!r} is not valid safetensors: {exc}"
             ) from exc
 
-    def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
-        """All tensors a submodel loads (see `submodel_weights`)."""
-        return submodel_weights(self.path, submodel, self.tensors)
-
-    @property
-    def world_size(self) -> int:
-        return self.manifest.world_size
-
-    def submodel(self, rank: int) -> Submodel:
-        return self.manifest.submodel(rank)
-
 
 def submodel_weights(
     where: str | Path, submodel: Submodel, tensors: Callable[[str], dict[str, torch.Tensor]]
@@ -417,7 +422,7 @@ def submodel_weights(
     return out
 
 
-class BuiltPackage:
+class BuiltPackage(_Members):
     """A package still in memory (its manifest and members), read the way a file is read."""
 
     path = "<built model>"
@@ -437,13 +442,3 @@ class BuiltPackage:
         if isinstance(data, bytes):
             raise PackageError(self.path, f"member {name!r} is not a tensor member")
         return dict(data)
-
-    def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
-        return submodel_weights(self.path, submodel, self.tensors)
-
-    @property
-    def world_size(self) -> int:
-        return self.manifest.world_size
-
-    def submodel(self, rank: int) -> Submodel:
-        return self.manifest.submodel(rank)

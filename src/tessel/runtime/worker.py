@@ -138,10 +138,27 @@ def _release_memory(device: torch.device) -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+# glibc's default mmap threshold rises to the largest block a process frees, so after the first
+# run every activation below 32 MiB comes from the heap, which keeps and fragments what they free:
+# a worker then holds up to a third more than its program does. A fixed threshold maps each large
+# activation when made and returns it when freed, and runs no slower.
+_MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number
+
+
+def _fix_mmap_threshold() -> None:
+    """Linux with glibc: map every allocation above 128 KiB, unless the user set the threshold."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
     _die_with_parent()
+    _fix_mmap_threshold()
     torch.set_num_threads(max(1, spec.threads))
     try:
         device = _device(spec)
