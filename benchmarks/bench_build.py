@@ -5,9 +5,11 @@ registries), so its figures are the ones measured on this kind of machine in
 shared/reference/peer-baselines.md §1.4 (gpt2, mesh 4, tp mode: 6.9 / 14.7 / 56.1 s end to end).
 Note the difference in work: autoparallel plans a joint forward+backward training graph, tessel
 an inference forward graph, and tessel also writes the weights of every rank to one file and
-checks the built model against eager (`verify`, the default; its column is part of the total).
+checks the built model against eager where that costs less than the build (`verify`'s default;
+`--verify` forces the check; its column is part of the total, 0 when skipped).
 
-    python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer] [--profile FILE]
+    python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer] [--verify]
+                                     [--batch 8] [--seq 512] [--profile FILE]
 
 `--profile FILE` profiles each build and save with cProfile and writes the statistics to FILE
 (FILE.<layers>L for each count when several are given); read them with `python -m pstats FILE`.
@@ -51,6 +53,9 @@ def main() -> None:
         "--trace_every_layer", action="store_true", help="build without reusing identical layers"
     )
     parser.add_argument(
+        "--verify", action="store_true", help="check every build against eager, whatever it costs"
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="write cProfile statistics of each build and save to FILE (FILE.<layers>L if several)",
@@ -71,6 +76,7 @@ def main() -> None:
                 {"input_ids": ids, "use_cache": False},
                 cluster=args.devices,
                 reuse_layers=not args.trace_every_layer,
+                verify=True if args.verify else None,
             )
             with tempfile.TemporaryDirectory() as tmp:
                 path = built.save(os.path.join(tmp, "gpt2"))

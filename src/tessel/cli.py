@@ -143,11 +143,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--verify",
         nargs="?",
         const="1",
-        default="1",
+        default=None,
         type=_switch("--verify"),
-        help="1 (default): run the built model on the example inputs in this process and refuse "
-        "to write it unless it agrees with the eager model (costs one forward pass of the model "
-        "plus one of every device's share); 0: skip the check",
+        help="1: run the built model on the example inputs in this process and refuse to write it "
+        "unless it agrees with the eager model; it costs about three forward passes of the model "
+        "on the build machine (the eager one, every device's share, the comparison). 0: skip the "
+        "check. Default: check where the cost model puts that below what the build took, and "
+        "say in the plan (tessel inspect) when it was skipped",
     )
     b.set_defaults(func=_build)
 

@@ -151,6 +151,8 @@ def _verify_lines(verify: Any) -> list[str]:
     """The build's run of the package against the eager model on the example inputs."""
     if not isinstance(verify, dict):
         return ["checked against eager: no"]
+    if verify.get("skipped"):
+        return [f"checked against eager: no ({verify['skipped']})"]
     diff, seconds = verify.get("max_relative_diff"), verify.get("seconds")
     text = "checked against eager: "
     text += "yes" if diff is None else f"max relative difference {diff:.3g}"

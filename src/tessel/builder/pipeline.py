@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
 from tessel._torch import tree_leaves
-from tessel.builder.verify import check_against_eager
+from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import (
     ClusterConfig,
@@ -83,7 +83,7 @@ def build(
     example_kwargs: dict | None = None,
     time_limit: float = 60.0,
     reuse_layers: bool = True,
-    verify: bool = True,
+    verify: bool | None = None,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
@@ -91,9 +91,10 @@ def build(
     algorithm-based partitioning, `--enable_graph_parallel`); without it the whole model is
     deployed to every device and runs are load-balanced over the replicas. `reuse_layers=False` traces every layer of a
     stack of identical layers, in capture and in lowering, instead of tracing one and copying it.
-    With `verify` (the default) the built model runs on the example inputs in this process and
-    must agree with the eager model, or `VerifyError` is raised and nothing is returned; it costs
-    one forward pass of the model plus one of every device's share.
+    With `verify` the built model runs on the example inputs in this process and must agree with
+    the eager model, or `VerifyError` is raised and nothing is returned; it costs one forward pass
+    of the model plus one of every device's share. By default (None) the check runs where the
+    cost model puts it below what the build took, and the plan says when it was skipped.
     """
     timings: dict[str, float] = {}
     cluster = _cluster(cluster, soc_version)
@@ -128,13 +129,20 @@ def build(
     t = time.perf_counter()
     manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
     timings["pack"] = time.perf_counter() - t
-    if verify and captured.source is not None:
-        t = time.perf_counter()
-        package = BuiltPackage(Manifest.from_json(manifest, "the built model", members), members)
-        manifest["plan"]["verify"] = check_against_eager(
-            package, captured.example_inputs, captured.eager_outputs()
-        )
-        timings["verify"] = time.perf_counter() - t
+    if verify is not False and captured.source is not None:
+        skipped = None if verify else worth_checking(captured, sum(timings.values()))
+        if skipped is None:
+            t = time.perf_counter()
+            package = BuiltPackage(
+                Manifest.from_json(manifest, "the built model", members), members
+            )
+            manifest["plan"]["verify"] = check_against_eager(
+                package, captured.example_inputs, captured.eager_outputs()
+            )
+            timings["verify"] = time.perf_counter() - t
+        else:
+            log.info("not checked against the eager model: %s", skipped)
+            manifest["plan"]["verify"] = {"skipped": skipped}
     manifest["timings"] = timings
     # checked as a loader checks it, so a model that would be refused is never saved
     return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)

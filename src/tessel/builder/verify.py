@@ -3,7 +3,9 @@ model's outputs.
 
 Every rank's program is decoded from the package's members, as a worker decodes it, and run in
 this process (`tessel.runtime.inprocess`); rank 0's outputs are compared with the model's own.
-It costs one forward pass of the model plus one of every device's share, on the build machine.
+It costs one forward pass of the model plus one of every device's share, on the build machine,
+so a build checks itself by default only where the cost model puts that below what the build
+itself took (`worth_checking`); asked for, it always checks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from typing import Any
 
 import torch
 
+from tessel.capture import CapturedModel
+from tessel.config.soc import SocProfile, soc_profile
 from tessel.errors import TesselError
+from tessel.plan import cost
+from tessel.plan.candidates import node_flops
 from tessel.runtime.inprocess import run_in_process
 
 # largest difference allowed, relative to the largest magnitude of the eager output (at least 1)
@@ -27,6 +33,38 @@ TOLERANCE = {
 
 class VerifyError(TesselError, RuntimeError):
     """The built model disagrees with the eager model on the example inputs."""
+
+
+# the check runs the model eagerly, then every rank's share, then compares: about three forwards
+FORWARDS_PER_CHECK = 3
+
+
+def forward_seconds(captured: CapturedModel, soc: SocProfile) -> float:
+    """The cost model's time for one forward pass of the whole model on one device of `soc`."""
+    total = 0.0
+    for n in captured.program.graph.nodes:
+        if n.op != "call_function":
+            continue
+        moved = cost.nbytes(n.meta.get("val")) + sum(
+            cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
+        )
+        total += cost.compute_time(node_flops(n), moved, soc.peak_flops, soc.memory_bandwidth)
+    return total
+
+
+def worth_checking(captured: CapturedModel, build_seconds: float) -> str | None:
+    """None where checking should cost less than the build took; otherwise why not.
+
+    The check runs on the build machine's CPU whatever devices the model is built for, so it is
+    priced on a CPU device."""
+    estimate = FORWARDS_PER_CHECK * forward_seconds(captured, soc_profile("cpu"))
+    if estimate <= build_seconds:
+        return None
+    return (
+        f"skipped: checking would take about {estimate:.1f} s (three forward passes on the "
+        f"example inputs), more than the build's {build_seconds:.1f} s; ask for it with "
+        "verify=True (--verify=1)"
+    )
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -55,8 +93,12 @@ def check_against_eager(
             )
         if e.numel() == 0:
             continue
-        diff = (g.double() - e.double()).abs().max().item()
-        scale = max(1.0, e.double().abs().max().item())
+        if e.is_floating_point():
+            wide = torch.float64 if e.dtype == torch.float64 else torch.float32
+            diff = torch.sub(g.to(wide), e.to(wide)).abs_().max().item()
+            scale = max(1.0, e.abs().max().item())
+        else:  # integers and booleans agree exactly or not at all
+            diff, scale = (0.0 if torch.equal(g, e) else 1.0), 1.0
         allowed = tolerance(e.dtype) * scale
         if not diff <= allowed:  # also refuses NaN
             raise VerifyError(

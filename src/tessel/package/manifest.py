@@ -485,6 +485,7 @@ def _plan(f: _Field) -> dict:
         verify.obj()
         part(verify, "max_relative_diff", _Field.number)
         part(verify, "seconds", _Field.number)
+        part(verify, "skipped", _Field.str)
     for rp in f.get("replanned", optional=True).optional(_Field.list) or ():
         rp.obj()
         for key in ("node", "op", "strategy", "reason"):
