@@ -94,3 +94,16 @@ def test_a_masked_partial_value_is_reduced_once_for_all_its_consumers():
         (second,) = _lookup((emb,), env, [whole], mesh)
     assert first.placements == second.placements == (Replicate(),)
     assert torch.equal(first.to_local(), second.to_local())
+
+
+def test_a_whole_value_takes_the_layout_the_captured_graph_gave_it():
+    from tessel.lower.trace import _laid_out
+
+    captured = torch.empty(1, 4, 16, 16).transpose(1, 2)  # strides (1024, 16, 256, 1)
+    gathered = torch.arange(1024.0).reshape(1, 16, 4, 16)  # contiguous: (1024, 64, 16, 1)
+    remade = _laid_out(gathered, captured)
+    assert remade.stride() == captured.stride()
+    assert torch.equal(remade, gathered)
+    assert _laid_out(captured, captured) is captured
+    overlapping = torch.zeros(4, 1).expand(4, 3)  # not dense: left as it is
+    assert _laid_out(torch.zeros(4, 3), overlapping).stride() == (3, 1)

@@ -66,3 +66,25 @@ def test_gpt2_vocabulary_of_50257_on_4_devices(tmp_path):
     finally:
         tessel.finalize()
     assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_cohere_at_3_devices_where_a_gathered_value_is_viewed():
+    """Cohere's attention output is viewed after a transpose; gathered whole at 3 devices, the
+    value must keep the captured layout for the view to be taken as planned."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    cfg = CohereConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LogitsOnly(CohereForCausalLM(cfg)).eval()
+    _, built, _ = _build_tight(model, token_ids(1, 16), 3)
+    plan = built.manifest["plan"]
+    assert plan["verify"]["max_relative_diff"] <= 1e-4
+    assert not [r for r in plan["replanned"] if r["op"] == "aten.view.default"], plan["replanned"]

@@ -114,14 +114,20 @@ def test_redistribute_time_on_a_2d_mesh_moves_what_the_other_dims_leave():
     assert got == pytest.approx(gather + reduce)
 
 
-def test_shard_factor_counts_shards_and_partials():
-    assert cost.shard_factor(None, (4,)) == 1
-    assert cost.shard_factor((R,), (4,)) == 1
-    assert cost.shard_factor((S1,), (4,)) == 4
-    assert cost.shard_factor((P,), (4,)) == 4
-    assert cost.shard_factor((S0, R), (2, 4)) == 2
-    assert cost.shard_factor((R, S0), (2, 4)) == 4
-    assert cost.shard_factor((P, S1), (2, 4)) == 8
+def test_largest_share_counts_shards_partials_and_the_longest_uneven_shard():
+    assert cost.largest_share(None, (4,)) == 1
+    assert cost.largest_share((R,), (4,)) == 1
+    assert cost.largest_share((S1,), (4,)) == 1 / 4
+    assert cost.largest_share((P,), (4,)) == 1 / 4
+    assert cost.largest_share((S0, R), (2, 4)) == 1 / 2
+    assert cost.largest_share((R, S0), (2, 4)) == 1 / 4
+    assert cost.largest_share((P, S1), (2, 4)) == 1 / 8
+    # torch.chunk's cut: 10 rows over 4 devices is 3, 3, 3, 1; 8 heads over 6 is 2, 2, 2, 2
+    assert cost.largest_share((S0,), (4,), (10, 5)) == 3 / 10
+    assert cost.largest_share((S1,), (6,), (3, 8)) == 2 / 8
+    assert cost.largest_share((S0,), (4,), (8, 5)) == 1 / 4
+    # a dim split on two mesh axes: 10 -> 5 -> 3 rows
+    assert cost.largest_share((S0, S0), (2, 2), (10,)) == 3 / 10
 
 
 def test_nbytes_of_tensors_and_tuples():

@@ -32,6 +32,15 @@ _ATEN = {
     "convolution.default",
     "conv1d.default",
     "conv2d.default",
+    # pooling
+    "max_pool2d_with_indices.default",
+    "max_pool2d.default",
+    "max_pool1d.default",
+    "avg_pool1d.default",
+    "avg_pool2d.default",
+    "adaptive_avg_pool1d.default",
+    "adaptive_avg_pool2d.default",
+    "_adaptive_avg_pool2d.default",
     # elementwise arithmetic
     "add.Tensor",
     "add.Scalar",

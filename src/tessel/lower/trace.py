@@ -240,6 +240,11 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
             return value
         if isinstance(value, DTensor):
             value = _move(env, a, value, tuple(targets[j].placements))
+            if all(isinstance(p, Replicate) for p in value.placements):
+                local = value.to_local()
+                remade = _laid_out(local, a.meta.get("val"))
+                if remade is not local:
+                    value = DTensor.from_local(remade, mesh, value.placements, run_check=False)
         return value
 
     return tree_map(sub, args, is_leaf=lambda x: isinstance(x, fx.Node))
@@ -393,6 +398,25 @@ def _count_nodes(args: Any) -> int:
     )
 
 
+def _laid_out(t: torch.Tensor, captured: Any) -> torch.Tensor:
+    """`t` with the strides the captured graph gave its value, where they differ.
+
+    A gathered tensor comes back contiguous in its own order, which need not be the layout the
+    captured graph had (a transposed value stays transposed there), and a `view` taken of it
+    may then be impossible. Dense layouts are remade with a permute, a copy and the inverse
+    permute; anything else is left as it is.
+    """
+    if not isinstance(captured, torch.Tensor) or tuple(t.shape) != tuple(captured.shape):
+        return t
+    want = tuple(captured.stride())
+    if t.stride() == want or t.dim() == 0:
+        return t
+    order = sorted(range(t.dim()), key=lambda d: (-want[d], d))  # outermost first
+    inverse = sorted(range(t.dim()), key=order.__getitem__)
+    remade = t.permute(order).contiguous().permute(inverse)
+    return remade if remade.stride() == want else t
+
+
 def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
     """Run a node on whole tensors and hand its result on as replicated DTensors."""
 
@@ -402,7 +426,7 @@ def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
         if isinstance(a, fx.Node):
             value = env[a]
             if isinstance(value, DTensor):
-                return _move(env, a, value, whole).to_local()
+                return _laid_out(_move(env, a, value, whole).to_local(), a.meta.get("val"))
             return value
         return _whole(a, mesh)
 

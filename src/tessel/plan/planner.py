@@ -286,7 +286,7 @@ def _problem(
             [
                 count
                 * cost.compute_time(f, moved, peak, bandwidth)
-                / cost.shard_factor(_placements(s.output), mesh_shape)
+                * cost.largest_share(_placements(s.output), mesh_shape, _shape(s.output))
                 for s in c.strategies
             ]
         )
@@ -350,6 +350,14 @@ def _problem(
         )
         linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
     return Problem(sizes, linear, dict(pairs))
+
+
+def _shape(spec) -> tuple[int, ...] | None:
+    """The global shape of a strategy's (first) output, where its spec records it."""
+    if isinstance(spec, tuple):
+        spec = next((s for s in spec if s is not None), None)
+    meta = getattr(spec, "tensor_meta", None)
+    return tuple(meta.shape) if meta is not None else None
 
 
 def _placements(spec) -> tuple | None:
