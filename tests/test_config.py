@@ -144,8 +144,19 @@ def test_auto_policy_defaults_to_o2():
             {"tensor_sharding": {"gradient_sharding": True}},
             "gradient_sharding: is true, but tensor sharding belongs to training",
         ),
-        ({"pipeline_parallel_option": {}}, "'pipeline_parallel_option' is not built yet"),
-        ({"autoo": True}, "unknown key; did you mean 'auto'? allowed keys here: auto, opt_level"),
+        (
+            {"pipeline_parallel_option": {"pipeline_strategy": "1f1b"}},
+            "'pipeline_strategy' is not built yet",
+        ),
+        (
+            {"data_parallel_option": {"data_parallel_size": 3}},
+            "data_parallel_size: is 3 but the cluster config has 4 devices",
+        ),
+        ({"optimizer_offload_option": {}}, "'optimizer_offload_option' is not built yet"),
+        (
+            {"autoo": True},
+            "unknown key; did you mean 'auto'? allowed keys here: auto, data_parallel",
+        ),
         ({"auto": "yes"}, "graph_parallel_option.auto: expected a boolean, found string 'yes'"),
     ],
 )
@@ -313,7 +324,14 @@ def test_unreadable_files_are_config_errors(tmp_path):
             {"tensor_sharding": {"gradient_shard": False}},
             "tensor_sharding.gradient_shard: unknown key; did you mean 'gradient_sharding'?",
         ),
-        ({"data_parallel_option": {}}, "'data_parallel_option' is not built yet"),
+        (
+            {"data_parallel_option": {"data_parallel_size": 0}},
+            "data_parallel_option.data_parallel_size: found number 0; allowed: 1..2147483647",
+        ),
+        (
+            {"pipeline_parallel_option": {"pipe_stage_num": "2"}},
+            "pipe_stage_num: expected an integer in 1..2147483647, found string '2'",
+        ),
     ],
 )
 def test_policy_refuses_nonsense(inner, words):

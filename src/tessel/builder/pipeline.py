@@ -25,6 +25,7 @@ from tessel.config.cluster import (
     read_cluster_config,
 )
 from tessel.config.errors import ConfigError
+from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.trace import (
@@ -101,12 +102,19 @@ def build(
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
-    if policy.tensor_parallel_size not in (None, cluster.world_size):
-        raise ConfigError(
-            policy.source,
-            "graph_parallel_option.tensor_parallel_option.tensor_parallel_size",
-            f"is {policy.tensor_parallel_size} but the cluster has {cluster.world_size} devices",
-        )
+    dims = parallel_dims(cluster, policy)
+    for name, key in (
+        ("dp", "data_parallel_option.data_parallel_size"),
+        ("pp", "pipeline_parallel_option.pipe_stage_num"),
+    ):
+        if dims.size(name) > 1:
+            raise ConfigError(
+                policy.source,
+                f"graph_parallel_option.{key}",
+                f"is {dims.size(name)}: plans over a {'data-parallel' if name == 'dp' else 'pipeline'} "
+                "mesh axis are not built yet (tessel plans one tensor-parallel axis over every "
+                "device); leave it out or set it to 1",
+            )
 
     t = time.perf_counter()
     if isinstance(model, CapturedModel):

@@ -1,5 +1,9 @@
 """The partitioning policy file (`--graph_parallel_option_path`): `graph_parallel_option` with
-`auto`, `opt_level`, `tensor_parallel_option` and `tensor_sharding`, as CANN's examples write it."""
+`auto`, `opt_level`, `global_batch_size`, `tensor_parallel_option`, `data_parallel_option`,
+`pipeline_parallel_option` and `tensor_sharding`, as CANN's examples and option structs write it.
+
+The axis sizes are read here; whether they fit the cluster (CANN's rule EF1012) is checked where
+the cluster is known too (`tessel.config.mesh`)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ class ParallelOption:
     auto: bool = True
     opt_level: str = "O2"
     tensor_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    pipe_stage_num: int | None = None
+    micro_batch_num: int | None = None  # tessel's key: CANN's documents spell none
+    global_batch_size: int | None = None
     optimizer_state_sharding: bool = False
     gradient_sharding: bool = False
     model_weight_sharding: bool = False
@@ -50,14 +58,20 @@ def parallel_option_from_dict(
     g = top.child("graph_parallel_option")
     not_built = {
         k: f"'{k}' {_NOT_BUILT}"
-        for k in (
+        for k in ("optimizer_offload_option", "engine_parallel_option", "mode", "work_dir")
+    }
+    g.check_keys(
+        (
+            "auto",
+            "opt_level",
+            "global_batch_size",
+            "tensor_parallel_option",
             "data_parallel_option",
             "pipeline_parallel_option",
-            "optimizer_offload_option",
-            "engine_parallel_option",
-        )
-    }
-    g.check_keys(("auto", "opt_level", "tensor_parallel_option", "tensor_sharding"), not_built)
+            "tensor_sharding",
+        ),
+        not_built,
+    )
     auto = g.boolean("auto", True)
     opt_level = g.get("opt_level", str, "O2")
     if opt_level not in OPT_LEVELS:
@@ -70,16 +84,44 @@ def parallel_option_from_dict(
             "'O1' (the dynamic-programming solver) is not built yet; use 'O2' (ILP) or leave it out",
             "opt_level",
         )
-    tp_size = None
+    sizes: dict[str, int | None] = {}
     tpo = g.child("tensor_parallel_option", None)
+    sizes["tensor_parallel_size"] = None
     if tpo is not None:
-        tpo.check_keys(("tensor_parallel_size",))
-        tp_size = tpo.integer("tensor_parallel_size", 1, MAX_ID)
-        if world_size is not None and tp_size != world_size:
-            raise tpo.error(
-                f"is {tp_size} but the cluster config has {world_size} devices; they must be equal",
-                "tensor_parallel_size",
-            )
+        tpo.check_keys(
+            ("tensor_parallel_size", "inter_batch_flow_num"),
+            {"inter_batch_flow_num": f"'inter_batch_flow_num' {_NOT_BUILT}"},
+        )
+        sizes["tensor_parallel_size"] = tpo.integer("tensor_parallel_size", 1, MAX_ID)
+    dpo = g.child("data_parallel_option", None)
+    sizes["data_parallel_size"] = None
+    if dpo is not None:
+        dpo.check_keys(("data_parallel_size",))
+        sizes["data_parallel_size"] = dpo.integer("data_parallel_size", 1, MAX_ID)
+    ppo = g.child("pipeline_parallel_option", None)
+    sizes["pipe_stage_num"] = sizes["micro_batch_num"] = None
+    if ppo is not None:
+        ppo.check_keys(
+            ("pipe_stage_num", "micro_batch_num"),
+            {
+                k: f"'{k}' {_NOT_BUILT}"
+                for k in ("pipeline_strategy", "schedule_opt_virtual_stage_num")
+            },
+        )
+        sizes["pipe_stage_num"] = ppo.integer("pipe_stage_num", 1, MAX_ID, None)
+        sizes["micro_batch_num"] = ppo.integer("micro_batch_num", 1, MAX_ID, None)
+    sizes["global_batch_size"] = g.integer("global_batch_size", 1, MAX_ID, None)
+    dp = sizes["data_parallel_size"]
+    if sizes["global_batch_size"] is not None and dp and sizes["global_batch_size"] % dp:
+        raise g.error(
+            f"is {sizes['global_batch_size']}, which data_parallel_size {dp} does not divide; "
+            "each data-parallel replica takes an equal part of the batch",
+            "global_batch_size",
+        )
+    if world_size is not None:
+        from tessel.config.mesh import check_sizes
+
+        check_sizes(sizes, world_size, g.error)
     switches: dict[str, Any] = {}
     ts = g.child("tensor_sharding", None)
     if ts is not None:
@@ -95,4 +137,4 @@ def parallel_option_from_dict(
         switches["model_weight_prefetch_buffer_size"] = ts.integer(
             "model_weight_prefetch_buffer_size", 0, MAX_PREFETCH_MB, 0
         )
-    return ParallelOption(auto, opt_level, tp_size, source=source, **switches)
+    return ParallelOption(auto, opt_level, **sizes, source=source, **switches)

@@ -1,0 +1,91 @@
+"""The device mesh from the cluster config and the policy: axis sizes, links, CANN's EF1012."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import small_llama, token_ids
+
+import tessel
+from tessel.config import ClusterConfig, ConfigError, cluster_from_dict
+from tessel.config.cluster import local_cluster_dict
+from tessel.config.mesh import parallel_dims
+from tessel.config.parallel_option import parallel_option_from_dict
+
+
+def two_nodes(devices_per_node: int = 4) -> ClusterConfig:
+    """Two nodes of devices linked by HCCS 392Gb, the nodes by RDMA 25Gb."""
+    data = local_cluster_dict(devices_per_node)
+    first = data["cluster"][0]["cluster_nodes"][0]
+    second = {**first, "node_id": 1, "ipaddr": "127.0.0.2", "is_local": False}
+    data["cluster"][0]["cluster_nodes"].append(second)
+    data["cluster"][0]["nodes_topology"] = {
+        "type": "star",
+        "protocol": "RDMA:25Gb",
+        "topos": [{"plane_id": 0, "devices": [0, 1]}],
+    }
+    data["node_def"] = [{"node_type": "LOCAL", "item_topology": [{"links_mode": "HCCS:392Gb"}]}]
+    return cluster_from_dict(data, "two_nodes.json")
+
+
+def policy(**sizes: int):
+    inner = {}
+    if "tp" in sizes:
+        inner["tensor_parallel_option"] = {"tensor_parallel_size": sizes["tp"]}
+    if "dp" in sizes:
+        inner["data_parallel_option"] = {"data_parallel_size": sizes["dp"]}
+    if "pp" in sizes:
+        inner["pipeline_parallel_option"] = {"pipe_stage_num": sizes["pp"]}
+    return parallel_option_from_dict({"graph_parallel_option": inner}, "policy.json")
+
+
+def test_a_policy_that_sets_nothing_is_one_tensor_parallel_axis():
+    dims = parallel_dims(two_nodes(), policy())
+    assert dims.shape == (1, 1, 8) and dims.world_size == 8
+    assert dims.groups("tp") == [tuple(range(8))]
+
+
+def test_tensor_parallel_stays_in_a_node_and_data_parallel_crosses():
+    cluster = two_nodes()
+    dims = parallel_dims(cluster, policy(tp=4, dp=2))
+    assert dims.shape == (1, 2, 4)
+    assert dims.groups("tp") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert dims.groups("dp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert dims.axis("tp").bandwidth == cluster.link_bandwidth
+    assert dims.axis("dp").bandwidth == cluster.network_bandwidth
+    assert dims.coordinate(6) == {"pp": 0, "dp": 1, "tp": 2}
+
+
+def test_stages_are_the_outermost_axis():
+    dims = parallel_dims(two_nodes(), policy(tp=4, pp=2))
+    assert dims.shape == (2, 1, 4)
+    assert dims.groups("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert dims.coordinate(5) == {"pp": 1, "dp": 0, "tp": 1}
+
+
+@pytest.mark.parametrize(
+    "sizes, words",
+    [
+        ({"tp": 4, "dp": 4}, "tensor_parallel_size 4 x data_parallel_size 4 is 16 but the cluster"),
+        ({"tp": 3}, "tensor_parallel_size: is 3 but the cluster config has 8 devices"),
+        ({"dp": 2, "pp": 2}, "data_parallel_size 2 x pipe_stage_num 2 is 4"),
+        ({"pp": 3}, "pipe_stage_num: is 3, which does not divide the cluster's 8 devices"),
+    ],
+)
+def test_sizes_that_break_ef1012_are_refused(sizes, words):
+    with pytest.raises(ConfigError, match="policy.json: graph_parallel_option") as err:
+        parallel_dims(two_nodes(), policy(**sizes))
+    assert words in str(err.value)
+
+
+def test_a_mesh_the_hierarchy_cannot_hold_is_refused():
+    with pytest.raises(ConfigError, match="nodes hold 3 devices each") as err:
+        parallel_dims(two_nodes(3), policy(tp=2, dp=3))
+    assert "tensor_parallel_option.tensor_parallel_size" in str(err.value)
+
+
+def test_a_data_parallel_or_pipeline_axis_says_it_is_not_built():
+    torch.manual_seed(0)
+    for sizes, key in (({"tp": 4, "dp": 2}, "data_parallel_size"), ({"pp": 2}, "pipe_stage_num")):
+        with pytest.raises(ConfigError, match=f"{key}: is 2: plans over a .* not built yet"):
+            tessel.build(small_llama(), (token_ids(),), cluster=two_nodes(), policy=policy(**sizes))
