@@ -7,10 +7,13 @@ import torch
 from tests.conftest import small_llama, token_ids
 
 import tessel
+from tessel.capture import capture
 from tessel.config import ClusterConfig, ConfigError, cluster_from_dict
 from tessel.config.cluster import local_cluster_dict
 from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import parallel_option_from_dict
+from tessel.demo import tight_cluster, weight_bytes
+from tessel.plan import has_rule
 
 
 def two_nodes(devices_per_node: int = 4) -> ClusterConfig:
@@ -84,8 +87,65 @@ def test_a_mesh_the_hierarchy_cannot_hold_is_refused():
     assert "tensor_parallel_option.tensor_parallel_size" in str(err.value)
 
 
-def test_a_data_parallel_or_pipeline_axis_says_it_is_not_built():
+def test_a_pipeline_axis_says_it_is_not_built():
     torch.manual_seed(0)
-    for sizes, key in (({"tp": 4, "dp": 2}, "data_parallel_size"), ({"pp": 2}, "pipe_stage_num")):
-        with pytest.raises(ConfigError, match=f"{key}: is 2: plans over a .* not built yet"):
-            tessel.build(small_llama(), (token_ids(),), cluster=two_nodes(), policy=policy(**sizes))
+    with pytest.raises(ConfigError, match="pipe_stage_num: is 2: pipeline stages are not built"):
+        tessel.build(small_llama(), (token_ids(),), cluster=two_nodes(), policy=policy(pp=2))
+
+
+def test_data_parallel_needs_a_batch_it_can_split():
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="first dimensions are .'2'.; data parallelism needs"):
+        tessel.build(small_llama(), (token_ids(2),), cluster=3, policy=policy(dp=3))
+
+
+def _cluster_of(devices: int, memory: int | None = None) -> ClusterConfig:
+    data = local_cluster_dict(devices)
+    if memory is not None:
+        data["item_def"][0]["memory"] = f"[DDR:{memory}B]"
+    return cluster_from_dict(data, "cluster.json")
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["default-memory", "tight-memory"])
+def test_data_parallel_replicas_of_a_tensor_parallel_plan_equal_eager(tight, tmp_path):
+    """dp 2 x tp 2: each replica takes half the batch on its two devices, sharded as the plan
+    says; rank 0 returns the whole batch."""
+    torch.manual_seed(0)
+    model = small_llama()
+    ids = token_ids(4)
+    memory = None
+    if tight:
+        half = capture(model, (ids[:2],), keep=has_rule)
+        memory = tight_cluster(half, 2)["item_def"][0]["memory"]
+        memory = int(memory.removeprefix("[DDR:").removesuffix("B]"))
+    built = tessel.build(model, (ids,), cluster=_cluster_of(4, memory), policy=policy(tp=2, dp=2))
+    manifest = built.manifest
+    assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    assert manifest["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    groups = {tuple(g) for s in manifest["submodels"] for g in s["comm_groups"]}
+    assert {(0, 2), (1, 3)} <= groups  # the outputs gathered over the replicas
+    if tight:
+        assert {(0, 1), (2, 3)} <= groups  # each replica's tensor-parallel collectives
+        assert max(r["weight_bytes"] for r in manifest["plan"]["ranks"]) < weight_bytes(half)
+    assert manifest["inputs"][0]["shape"] == [4, 16]
+
+    path = tessel.save(built, tmp_path / "dp")
+    fresh = token_ids(4, seed=9)
+    with torch.no_grad():
+        want = model(fresh)
+    tessel.initialize()
+    try:
+        session = tessel.Session()
+        session.load_graph(0, {}, path)
+        (got,) = session.run_graph(0, [fresh])
+    finally:
+        tessel.finalize()
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_three_replicas_on_three_devices():
+    torch.manual_seed(0)
+    built = tessel.build(small_llama(), (token_ids(3),), cluster=3, policy=policy(dp=3))
+    assert built.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    assert built.manifest["mesh"]["shape"] == [3, 1]

@@ -114,3 +114,32 @@ def test_plan_reports_an_op_without_a_rule_as_a_fallback():
         }
     ]
     assert plan["fallback_ops"] == {"aten.searchsorted.Tensor": 1}
+
+
+def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypatch):
+    """A lowered program that holds more than its device (buffers the memory model does not
+    see) makes the planner keep memory free and plan again; the plan says so."""
+    from dataclasses import replace
+
+    from tessel.builder import pipeline
+    from tessel.config.cluster import local_cluster
+
+    torch.manual_seed(0)
+    captured = capture(small_llama(), (token_ids(),), keep=has_rule)
+    cluster = local_cluster(2)
+    device = cluster.devices[0].memory_bytes
+    lower_all, calls = pipeline._lower_all, []
+
+    def first_program_overflows(*args, **kwargs):
+        programs = lower_all(*args, **kwargs)
+        calls.append(len(programs))
+        if len(calls) == 1:
+            programs = [replace(p, peak_bytes=device + 1000) for p in programs]
+        return programs
+
+    monkeypatch.setattr(pipeline, "_lower_all", first_program_overflows)
+    plan, _ = pipeline.plan_and_lower(captured, cluster)
+    assert len(calls) == 2
+    (memory,) = [r for r in plan.replanned if r["node"] == "(memory)"]
+    kept = int(memory["strategy"].removeprefix("keep ").removesuffix(" bytes free"))
+    assert 1000 <= kept <= device  # past the overflow, at most all the program holds

@@ -235,6 +235,66 @@ def test_two_nodes_on_loopback(tmp_path, session):
             remote.wait()
 
 
+def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, session):
+    """dp 2 across the nodes, tp 2 within each: each node's pair shards its half of the batch
+    on devices too small for the replicated weights, and the halves are gathered to rank 0."""
+    from tessel.capture import capture
+    from tessel.demo import tight_cluster
+    from tessel.plan import has_rule
+
+    port = _free_port()
+    model = small_llama(layers=1)
+    ids = token_ids(batch=4)
+    memory = tight_cluster(capture(model, (ids[:2],), keep=has_rule), 2)["item_def"][0]["memory"]
+    node = lambda i: {  # noqa: E731
+        "node_id": i,
+        "node_type": "CPU",
+        "ipaddr": "127.0.0.1",
+        "port": port,
+        "is_local": i == 0,
+        "item_list": [{"item_id": 0}, {"item_id": 1}],
+    }
+    cluster = {
+        "cluster": [{"cluster_nodes": [node(0), node(1)]}],
+        "item_def": [{"item_type": "cpu", "memory": memory}],
+    }
+    policy = {
+        "graph_parallel_option": {
+            "tensor_parallel_option": {"tensor_parallel_size": 2},
+            "data_parallel_option": {"data_parallel_size": 2},
+        }
+    }
+    (tmp_path / "numa_config_2x2.json").write_text(json.dumps(cluster))
+    (tmp_path / "policy.json").write_text(json.dumps(policy))
+    built = tessel.build(
+        model,
+        (ids,),
+        cluster=str(tmp_path / "numa_config_2x2.json"),
+        policy=str(tmp_path / "policy.json"),
+    )
+    groups = {tuple(g) for s in built.manifest["submodels"] for g in s["comm_groups"]}
+    assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups
+    path = tessel.save(built, tmp_path / "dp2tp2")
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        session.load_graph(0, {}, path)
+        fresh = token_ids(batch=4, seed=3)
+        (out,) = session.run_graph(0, [fresh])
+        with torch.no_grad():
+            assert (out - model(fresh)).abs().max().item() <= 1e-4
+        session.remove_graph(0)
+        assert remote.wait(timeout=60) == 0, remote.stderr.read()
+    finally:
+        if remote.poll() is None:
+            remote.kill()
+            remote.wait()
+
+
 @pytest.fixture(scope="module")
 def gpt2_files(tmp_path_factory):
     """A GPT-2 built for 2 devices and for 3."""

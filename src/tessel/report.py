@@ -68,8 +68,11 @@ def format_plan(manifest: Manifest) -> str:
     """The plan as text: placements per layer (identical layers grouped), then per device."""
     data = inspect_json(manifest)
     lines = [
-        f"offline model: {data['mode']}, {data['world_size']} devices, mesh {data['mesh']['shape']}, "
-        f"soc {data['soc_version']}",
+        f"offline model: {data['mode']}, {data['world_size']} devices, mesh "
+        + " x ".join(
+            f"{name} {size}" for name, size in zip(data["mesh"]["dim_names"], data["mesh"]["shape"])
+        )
+        + f", soc {data['soc_version']}",
         "inputs: " + ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in data["inputs"]),
         f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms",
     ]

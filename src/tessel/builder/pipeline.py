@@ -15,9 +15,10 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
-from tessel._torch import tree_leaves
+from tessel._torch import tree_leaves, tree_map
 from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.capture import CapturedModel, capture
+from tessel.capture.export import split_inputs
 from tessel.config.cluster import (
     ClusterConfig,
     cluster_from_dict,
@@ -28,6 +29,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
+from tessel.lower.replicas import replicate
 from tessel.lower.trace import (
     LoweringError,
     NotAsPlanned,
@@ -45,7 +47,7 @@ from tessel.package.format import (
     Member,
     write_package,
 )
-from tessel.plan import Plan, has_rule, make_plan
+from tessel.plan import Plan, PlanError, has_rule, make_plan
 from tessel.plan.planner import layer_name
 from tessel.plan.strategies import describe_strategy, strategy_key
 
@@ -103,29 +105,36 @@ def build(
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
     dims = parallel_dims(cluster, policy)
-    for name, key in (
-        ("dp", "data_parallel_option.data_parallel_size"),
-        ("pp", "pipeline_parallel_option.pipe_stage_num"),
-    ):
-        if dims.size(name) > 1:
-            raise ConfigError(
-                policy.source,
-                f"graph_parallel_option.{key}",
-                f"is {dims.size(name)}: plans over a {'data-parallel' if name == 'dp' else 'pipeline'} "
-                "mesh axis are not built yet (tessel plans one tensor-parallel axis over every "
-                "device); leave it out or set it to 1",
-            )
+    dp = dims.size("dp")
+    if dims.size("pp") > 1:
+        raise ConfigError(
+            policy.source,
+            "graph_parallel_option.pipeline_parallel_option.pipe_stage_num",
+            f"is {dims.size('pp')}: pipeline stages are not built yet; leave it out or set it to 1",
+        )
+    if dp > 1 and (not graph_parallel or isinstance(model, CapturedModel)):
+        raise ConfigError(
+            policy.source,
+            "graph_parallel_option.data_parallel_option.data_parallel_size",
+            f"is {dp}: data parallelism needs graph_parallel and the model itself (not a "
+            "captured model), whose example batch it splits over the replicas",
+        )
 
     t = time.perf_counter()
+    whole_batch = None
     if isinstance(model, CapturedModel):
         captured = model
     else:
-        captured = capture(
-            model, example_inputs, example_kwargs, keep=has_rule, reuse_layers=reuse_layers
-        )
+        args, kwargs = split_inputs(example_inputs, example_kwargs)
+        if dp > 1:
+            whole_batch = args, kwargs
+            args, kwargs = _replica_batch(args, kwargs, dp, policy.source)
+        captured = capture(model, args, kwargs, keep=has_rule, reuse_layers=reuse_layers)
     timings["capture"] = time.perf_counter() - t
 
     plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
+    if dp > 1:
+        plan_cluster = _first_devices(cluster, dims.size("tp"))
     plan, programs = plan_and_lower(
         captured,
         plan_cluster,
@@ -134,19 +143,27 @@ def build(
         reuse_layers=reuse_layers,
         timings=timings,
     )
+    if dp > 1:
+        batch = captured.example_inputs[0].shape[0]
+        programs = replicate(programs, dp, len(captured.example_inputs), batch)
     t = time.perf_counter()
-    manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel)
+    manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel, dp)
     timings["pack"] = time.perf_counter() - t
     if verify is not False and captured.source is not None:
-        skipped = None if verify else worth_checking(captured, sum(timings.values()))
+        skipped = None if verify else worth_checking(captured, sum(timings.values()) / dp)
         if skipped is None:
             t = time.perf_counter()
             package = BuiltPackage(
                 Manifest.from_json(manifest, "the built model", members), members
             )
-            manifest["plan"]["verify"] = check_against_eager(
-                package, captured.example_inputs, captured.eager_outputs()
-            )
+            if whole_batch is None:
+                inputs, expected = captured.example_inputs, captured.eager_outputs()
+            else:
+                inputs = [x for x in tree_leaves(whole_batch) if isinstance(x, torch.Tensor)]
+                with torch.no_grad():
+                    out = captured.source(*whole_batch[0], **whole_batch[1])
+                expected = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+            manifest["plan"]["verify"] = check_against_eager(package, inputs, expected)
             timings["verify"] = time.perf_counter() - t
         else:
             log.info("not checked against the eager model: %s", skipped)
@@ -157,6 +174,37 @@ def build(
 
 
 MAX_REPLANS = 25
+
+
+def _replica_batch(args: tuple, kwargs: dict, dp: int, source: str) -> tuple[tuple, dict]:
+    """The first replica's share of the example batch: every tensor input split along its
+    first dimension, which `dp` must divide."""
+    tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    batches = {x.shape[0] if x.dim() else None for x in tensors}
+    if len(batches) != 1 or None in batches or next(iter(batches)) % dp:
+        raise ConfigError(
+            source,
+            "graph_parallel_option.data_parallel_option.data_parallel_size",
+            f"is {dp}, but the example inputs' first dimensions are {sorted(map(str, batches))}; "
+            f"data parallelism needs one batch dimension first in every input, divisible by {dp}",
+        )
+    rows = next(iter(batches)) // dp
+
+    def share(x: Any) -> Any:
+        return x[:rows] if isinstance(x, torch.Tensor) else x
+
+    return tuple(tree_map(share, list(args))), {k: tree_map(share, v) for k, v in kwargs.items()}
+
+
+def _first_devices(cluster: ClusterConfig, count: int) -> ClusterConfig:
+    """The cluster cut to its first `count` devices (one data-parallel replica's)."""
+    nodes, left = [], count
+    for node in cluster.nodes:
+        if left <= 0:
+            break
+        nodes.append(replace(node, devices=node.devices[:left]))
+        left -= len(nodes[-1].devices)
+    return replace(cluster, nodes=tuple(nodes))
 
 
 def plan_and_lower(
@@ -183,8 +231,17 @@ def plan_and_lower(
     replanned: list[dict[str, str]] = []
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     reserve = 0
+    # bytes to keep free: `fits_below` too few (a program overflowed), `too_many` leaves no plan
+    fits_below, too_many = 0, None
     for _ in range(MAX_REPLANS + 1):
-        plan = make_plan(captured, cluster, policy, time_limit, banned=banned, reserve=reserve)
+        try:
+            plan = make_plan(captured, cluster, policy, time_limit, banned=banned, reserve=reserve)
+        except PlanError:
+            if reserve <= fits_below + 1:
+                raise
+            too_many = reserve
+            reserve = (fits_below + too_many) // 2
+            continue
         for phase in ("strategies", "solve"):
             timings[phase] = timings.get(phase, 0.0) + plan.timings.get(phase, 0.0)
         t = time.perf_counter()
@@ -214,8 +271,16 @@ def plan_and_lower(
             timings["lower"] = timings.get("lower", 0.0) + time.perf_counter() - t
         worst = max(p.peak_bytes for p in programs)
         if worst > device_bytes:
-            # keep free what the programs hold beyond what the model counted
-            reserve = max(reserve + worst - device_bytes, worst - plan.memory["peak_bytes"])
+            # keep free what the programs hold beyond what the memory model counted, and plan
+            # again. The next plan's programs may hold a different excess, so the reserve goes
+            # halfway there (at least past the overflow), and back down where it leaves no plan
+            fits_below = reserve
+            excess = worst - plan.memory["peak_bytes"]
+            reserve += max(worst - device_bytes, (excess - reserve) // 2)
+            if too_many is not None:
+                reserve = min(reserve, (fits_below + too_many) // 2)
+            if reserve <= fits_below:
+                reserve = fits_below + 1
             replanned.append(
                 {
                     "node": "(memory)",
@@ -310,8 +375,12 @@ def _pack(
     cluster: ClusterConfig,
     soc_version: str,
     graph_parallel: bool,
+    dp: int = 1,
 ) -> tuple[dict, dict[str, Member]]:
+    """The manifest and members of a package: `programs` holds one program per rank of the
+    cluster; with `dp` replicas, rank `r` holds the weights of tensor-parallel rank `r % tp`."""
     ep = captured.program
+    tp = math.prod(plan.mesh_shape)
     state = {**ep.state_dict, **ep.constants}
     weights = weight_inputs(captured, plan)
     placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
@@ -330,8 +399,8 @@ def _pack(
     if replicated:  # stored once, shared by every rank
         members["weights/replicated.safetensors"] = {fqn: state[fqn] for fqn in sorted(replicated)}
     for rank, device in enumerate(cluster.devices):
-        mesh_rank = rank if graph_parallel else 0
-        rp = programs[mesh_rank]
+        mesh_rank = rank % tp if graph_parallel else 0
+        rp = programs[rank if graph_parallel else 0]
         key = id(rp)
         if key not in program_member:
             name = f"programs/program_{len(program_member)}.json"
@@ -346,8 +415,8 @@ def _pack(
             shards[f"{CONSTANT_PREFIX}{cname}"] = value
         weight_members = ["weights/replicated.safetensors"] if replicated else []
         if shards:
-            name = f"weights/rank_{rank}.safetensors"
-            members[name] = shards
+            name = f"weights/rank_{mesh_rank}.safetensors"  # replicas share one member
+            members.setdefault(name, shards)
             weight_members.append(name)
         ties = {
             fqn: {
@@ -386,22 +455,26 @@ def _pack(
         )
     out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
     outputs = [
-        {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+        {"shape": [v.shape[0] * dp, *v.shape[1:]], "dtype": str(v.dtype).removeprefix("torch.")}
         for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
     ]
+    mesh_shape, dim_names = list(plan.mesh_shape), ["tp"]
+    if dp > 1:  # weights are replicated over the replicas
+        mesh_shape, dim_names = [dp, *mesh_shape], ["dp", "tp"]
     layouts = {
         fqn: {
             "shape": list(state[fqn].shape),
             "dtype": str(state[fqn].dtype).removeprefix("torch."),
-            "mesh_shape": list(plan.mesh_shape),
-            "placements": [placement_str(p) for p in plan.out_placements(placeholders[ph])],
+            "mesh_shape": mesh_shape,
+            "placements": ["R"] * (dp > 1)
+            + [placement_str(p) for p in plan.out_placements(placeholders[ph])],
         }
         for ph, fqn in weights
     }
     members["layouts.json"] = json.dumps(layouts, indent=1).encode()
     members["strategy.json"] = json.dumps(
-        _strategy_file(plan, placeholders, weights, state)
+        _strategy_file(plan, placeholders, weights, state, dp)
     ).encode()
     manifest = {
         "format": FORMAT,
@@ -414,9 +487,9 @@ def _pack(
         "backend": cluster.soc.backend,
         "world_size": cluster.world_size,
         "cluster": cluster.raw,
-        "mesh": {"shape": list(plan.mesh_shape), "dim_names": ["tp"]},
+        "mesh": {"shape": mesh_shape, "dim_names": dim_names},
         "inputs": [
-            _input_spec(n, x) for n, x in zip(captured.input_names, captured.example_inputs)
+            _input_spec(n, x, dp) for n, x in zip(captured.input_names, captured.example_inputs)
         ],
         "outputs": outputs,
         "submodels": submodels,
@@ -450,7 +523,7 @@ def _nbytes(tensor: torch.Tensor, placements: tuple, plan: Plan, rank: int) -> i
     return math.prod(shape) * tensor.element_size()
 
 
-def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict) -> dict:
+def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict, dp: int = 1) -> dict:
     """The weights' layouts as a tessel strategy file, for `tessel ckpt` to shard checkpoints into."""
     from tessel.parallel.dtensor import layout_from_dtensor
     from tessel.parallel.strategy import Strategy, param_from_layout
@@ -458,15 +531,18 @@ def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict) -
     params = {}
     for ph, fqn in weights:
         tensor = state[fqn]
-        layout = layout_from_dtensor(
-            plan.mesh_shape, plan.out_placements(placeholders[ph]), tensor.dim(), ["tp"]
-        )
+        mesh, placements, names = plan.mesh_shape, plan.out_placements(placeholders[ph]), ["tp"]
+        if dp > 1:
+            mesh, placements, names = (dp, *mesh), (Replicate(), *placements), ["dp", "tp"]
+        layout = layout_from_dtensor(mesh, placements, tensor.dim(), names)
         params[fqn] = param_from_layout(fqn, layout, tuple(tensor.shape), tensor.dtype)
     return Strategy(params, "package").to_json()
 
 
-def _input_spec(name: str, x: torch.Tensor) -> dict:
-    spec = {"name": name, "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+def _input_spec(name: str, x: torch.Tensor, dp: int = 1) -> dict:
+    """An input as the package takes it: with `dp` replicas, `dp` times the rows of `x`."""
+    shape = [x.shape[0] * dp, *x.shape[1:]] if dp > 1 else list(x.shape)
+    spec = {"name": name, "shape": shape, "dtype": str(x.dtype).removeprefix("torch.")}
     if not x.dtype.is_floating_point and x.dtype != torch.bool and x.numel():
         spec["high"] = int(x.max()) + 1  # `tessel run` draws random inputs below this bound
     return spec

@@ -69,7 +69,7 @@ def capture(
     of the model is skipped. With `reuse_layers`, a stack of identical layers is traced once and
     stamped out (see `tessel.capture.stamp`); `False` traces every layer.
     """
-    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
     if isinstance(model, ExportedProgram):
         ep = model
         if not args and not kwargs and model.example_inputs is not None:
@@ -194,7 +194,7 @@ def load_model_spec(spec: str) -> tuple[Any, Any]:
     return result
 
 
-def _split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:
     if isinstance(example_inputs, dict):
         return (), {**example_inputs, **(example_kwargs or {})}
     if isinstance(example_inputs, torch.Tensor):

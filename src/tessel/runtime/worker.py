@@ -96,7 +96,10 @@ def _groups(manifest: Manifest, world: int, names: dict[tuple[int, ...], str]) -
         if list(ranks) == list(range(world)):
             names[ranks] = dist.group.WORLD.group_name
         else:
-            names[ranks] = dist.new_group(list(ranks)).group_name
+            # every rank makes every group (members get it); "" marks one made for others,
+            # so a later package does not make it again on this rank only
+            group = dist.new_group(list(ranks))
+            names[ranks] = group.group_name if dist.get_rank() in ranks else ""
 
 
 @dataclass
