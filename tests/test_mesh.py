@@ -107,7 +107,7 @@ def _cluster_of(devices: int, memory: int | None = None) -> ClusterConfig:
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["default-memory", "tight-memory"])
-def test_data_parallel_replicas_of_a_tensor_parallel_plan_equal_eager(tight, tmp_path):
+def test_data_parallel_replicas_of_a_tensor_parallel_plan_equal_eager(tight):
     """dp 2 x tp 2: each replica takes half the batch on its two devices, sharded as the plan
     says; rank 0 returns the whole batch."""
     torch.manual_seed(0)
@@ -128,20 +128,9 @@ def test_data_parallel_replicas_of_a_tensor_parallel_plan_equal_eager(tight, tmp
         assert {(0, 1), (2, 3)} <= groups  # each replica's tensor-parallel collectives
         assert max(r["weight_bytes"] for r in manifest["plan"]["ranks"]) < weight_bytes(half)
     assert manifest["inputs"][0]["shape"] == [4, 16]
-
-    path = tessel.save(built, tmp_path / "dp")
-    fresh = token_ids(4, seed=9)
-    with torch.no_grad():
-        want = model(fresh)
-    tessel.initialize()
-    try:
-        session = tessel.Session()
-        session.load_graph(0, {}, path)
-        (got,) = session.run_graph(0, [fresh])
-    finally:
-        tessel.finalize()
-    assert got.shape == want.shape
-    assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+    assert manifest["outputs"][0]["shape"] == [4, 16, 256]
+    # the build ran every rank in process against eager; a Session runs such a package across
+    # processes and nodes in tests/test_runtime.py
 
 
 def test_three_replicas_on_three_devices():

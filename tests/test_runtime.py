@@ -241,6 +241,7 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     from tessel.capture import capture
     from tessel.demo import tight_cluster
     from tessel.plan import has_rule
+    from tessel.report import inspect_json
 
     port = _free_port()
     model = small_llama(layers=1)
@@ -274,6 +275,10 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     )
     groups = {tuple(g) for s in built.manifest["submodels"] for g in s["comm_groups"]}
     assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups
+    rank0 = inspect_json(built.manifest)["ranks"][0]  # what tessel inspect shows
+    assert {c["axis"] for c in rank0["collectives"]} == {"dp", "tp"}
+    across = [c["bytes"] for c in rank0["collectives"] if c["axis"] == "dp"]
+    assert rank0["bytes_between_nodes"] == sum(across) > 0  # only the replicas' gather
     path = tessel.save(built, tmp_path / "dp2tp2")
     remote = subprocess.Popen(
         [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],

@@ -21,13 +21,44 @@ def _device_memory(manifest: Manifest) -> dict[str, int]:
     return {d.logical_id: d.memory_bytes for d in cluster.devices}
 
 
+def _axis_of(group: list[int], shape: list[int], names: list[str]) -> str:
+    """The mesh axes a collective group runs over: those on which its ranks' coordinates differ
+    (`dp`, `tp`, or several joined by `+`)."""
+
+    def coordinate(rank: int) -> list[int]:
+        out = []
+        for size in reversed(shape):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return out[::-1]
+
+    coords = [coordinate(r) for r in group]
+    varying = [n for i, n in enumerate(names) if len({c[i] for c in coords}) > 1]
+    return "+".join(varying) or "-"
+
+
 def _ranks(manifest: Manifest, memory: dict) -> list[dict]:
-    """The plan's ranks, each with its device's memory where the cluster config gives it."""
+    """The plan's ranks, each with its device's memory where the cluster config gives it, the
+    mesh axis of each collective, and the bytes its collectives move between nodes per run."""
     devices = _device_memory(manifest)
+    node_of = {s.rank: s.node_id for s in manifest.submodels}
+    shape, names = list(manifest.mesh.shape), list(manifest.mesh.dim_names)
     ranks = []
     for r in manifest.plan.get("ranks") or []:
+        r = dict(r)
         device_bytes = devices.get(r.get("logical_device"), memory.get("device_bytes"))
-        ranks.append({**r, "device_bytes": device_bytes} if device_bytes is not None else dict(r))
+        if device_bytes is not None:
+            r["device_bytes"] = device_bytes
+        collectives = [dict(c) for c in r.get("collectives") or []]
+        between = 0
+        for c in collectives:
+            group = c.get("group") or []
+            c["axis"] = _axis_of(group, shape, names)
+            if len({node_of.get(g) for g in group}) > 1:
+                between += c.get("bytes") or 0
+        r["collectives"] = collectives
+        r["bytes_between_nodes"] = between
+        ranks.append(r)
     return ranks
 
 
@@ -99,7 +130,7 @@ def format_plan(manifest: Manifest) -> str:
     lines.append("per device (peak: weights plus the most activation bytes alive at once)")
     for r in data["ranks"]:
         collectives = r.get("collectives") or []
-        counts = Counter(c.get("kind", "?") for c in collectives)
+        counts = Counter(f"{c.get('kind', '?')} over {c.get('axis', '?')}" for c in collectives)
         volume = sum(c.get("bytes") or 0 for c in collectives)
         colls = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
         memory = f"weights {human_bytes(r.get('weight_bytes') or 0)}"
@@ -110,6 +141,11 @@ def format_plan(manifest: Manifest) -> str:
         lines.append(
             f"  rank {r.get('rank', '?')} ({r.get('logical_device', '?')}): {memory}, "
             f"collectives {colls}, {human_bytes(volume)} per run"
+            + (
+                f" ({human_bytes(r['bytes_between_nodes'])} between nodes)"
+                if r.get("bytes_between_nodes")
+                else ""
+            )
         )
     lines.extend(_memory_lines(data["memory"]))
     lines.extend(_verify_lines(data["verify"]))
