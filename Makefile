@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/tessel demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -14,6 +14,7 @@ from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import parallel_option_from_dict
 from tessel.demo import tight_cluster, weight_bytes
 from tessel.plan import has_rule
+from tessel.report import format_plan
 
 
 def two_nodes(devices_per_node: int = 4) -> ClusterConfig:
@@ -138,3 +139,25 @@ def test_three_replicas_on_three_devices():
     built = tessel.build(small_llama(), (token_ids(3),), cluster=3, policy=policy(dp=3))
     assert built.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
     assert built.manifest["mesh"]["shape"] == [3, 1]
+
+
+def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
+    torch.manual_seed(0)
+    model = small_llama()
+    built = tessel.build(model, (token_ids(4),), cluster=two_nodes(2), policy=policy())
+    manifest = built.manifest
+    choices = manifest["plan"]["mesh_choices"]
+    assert [c["shape"] for c in choices] == [[1, 4], [2, 2], [4, 1]]
+    timed = [c for c in choices if "estimated_time_s" in c]
+    (chosen,) = [c for c in choices if c["chosen"]]
+    assert chosen["estimated_time_s"] == min(c["estimated_time_s"] for c in timed)
+    assert manifest["mesh"]["shape"] == chosen["shape"]
+    assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    assert "mesh shapes weighed" in format_plan(manifest)
+
+
+def test_auto_sets_aside_shapes_the_batch_cannot_split():
+    torch.manual_seed(0)
+    built = tessel.build(small_llama(), (token_ids(2),), cluster=two_nodes(2), policy=policy())
+    choices = {tuple(c["shape"]): c for c in built.manifest["plan"]["mesh_choices"]}
+    assert "divisible by 4" in choices[(4, 1)]["set_aside"]

@@ -85,6 +85,7 @@ def inspect_json(manifest: Manifest) -> dict:
         "fallbacks": plan.get("fallbacks") or [],
         "memory": memory,
         "replanned": plan.get("replanned") or [],
+        "mesh_choices": plan.get("mesh_choices") or [],
         "verify": plan.get("verify"),
         "ranks": _ranks(manifest, memory),
     }
@@ -148,6 +149,16 @@ def format_plan(manifest: Manifest) -> str:
             )
         )
     lines.extend(_memory_lines(data["memory"]))
+    if data["mesh_choices"]:
+        lines.append("")
+        lines.append("mesh shapes weighed (estimated time per run, outputs gathered included)")
+        for c in data["mesh_choices"]:
+            shape = " x ".join(f"{n} {s}" for n, s in zip(c.get("dim_names", ()), c["shape"]))
+            if "estimated_time_s" in c:
+                what = f"{1e3 * c['estimated_time_s']:.3f} ms"
+            else:
+                what = f"set aside: {c.get('set_aside', '?')}"
+            lines.append(f"  {shape}: {what}" + (" (chosen)" if c.get("chosen") else ""))
     lines.extend(_verify_lines(data["verify"]))
     if data["replanned"]:
         lines.append("")

@@ -15,7 +15,14 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
-from tessel._torch import tree_leaves, tree_map
+from tessel._torch import tree_leaves
+from tessel.builder.mesh_choice import (
+    choose_mesh,
+    first_devices,
+    gather_seconds,
+    replica_batch,
+    wants_choice,
+)
 from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.capture import CapturedModel, capture
 from tessel.capture.export import split_inputs
@@ -121,20 +128,33 @@ def build(
         )
 
     t = time.perf_counter()
-    whole_batch = None
+    whole_batch, weighed = None, None
     if isinstance(model, CapturedModel):
         captured = model
     else:
         args, kwargs = split_inputs(example_inputs, example_kwargs)
+        if graph_parallel and wants_choice(cluster, policy, model):
+            choice = choose_mesh(
+                model,
+                args,
+                kwargs,
+                cluster,
+                policy,
+                reuse_layers=reuse_layers,
+                time_limit=time_limit,
+            )
+            dims, captured, weighed = choice.dims, choice.captured, choice.weighed
+            dp = dims.size("dp")
+        else:
+            split = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
+            captured = capture(model, *split, keep=has_rule, reuse_layers=reuse_layers)
         if dp > 1:
             whole_batch = args, kwargs
-            args, kwargs = _replica_batch(args, kwargs, dp, policy.source)
-        captured = capture(model, args, kwargs, keep=has_rule, reuse_layers=reuse_layers)
     timings["capture"] = time.perf_counter() - t
 
     plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
     if dp > 1:
-        plan_cluster = _first_devices(cluster, dims.size("tp"))
+        plan_cluster = first_devices(cluster, dims.size("tp"))
     plan, programs = plan_and_lower(
         captured,
         plan_cluster,
@@ -148,6 +168,10 @@ def build(
         programs = replicate(programs, dp, len(captured.example_inputs), batch)
     t = time.perf_counter()
     manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel, dp)
+    if dp > 1:  # the replicas run at once; then their outputs are gathered
+        manifest["plan"]["estimated_time_s"] += gather_seconds(captured, dims, cluster)
+    if weighed is not None:
+        manifest["plan"]["mesh_choices"] = weighed
     timings["pack"] = time.perf_counter() - t
     if verify is not False and captured.source is not None:
         skipped = None if verify else worth_checking(captured, sum(timings.values()) / dp)
@@ -174,37 +198,6 @@ def build(
 
 
 MAX_REPLANS = 25
-
-
-def _replica_batch(args: tuple, kwargs: dict, dp: int, source: str) -> tuple[tuple, dict]:
-    """The first replica's share of the example batch: every tensor input split along its
-    first dimension, which `dp` must divide."""
-    tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    batches = {x.shape[0] if x.dim() else None for x in tensors}
-    if len(batches) != 1 or None in batches or next(iter(batches)) % dp:
-        raise ConfigError(
-            source,
-            "graph_parallel_option.data_parallel_option.data_parallel_size",
-            f"is {dp}, but the example inputs' first dimensions are {sorted(map(str, batches))}; "
-            f"data parallelism needs one batch dimension first in every input, divisible by {dp}",
-        )
-    rows = next(iter(batches)) // dp
-
-    def share(x: Any) -> Any:
-        return x[:rows] if isinstance(x, torch.Tensor) else x
-
-    return tuple(tree_map(share, list(args))), {k: tree_map(share, v) for k, v in kwargs.items()}
-
-
-def _first_devices(cluster: ClusterConfig, count: int) -> ClusterConfig:
-    """The cluster cut to its first `count` devices (one data-parallel replica's)."""
-    nodes, left = [], count
-    for node in cluster.nodes:
-        if left <= 0:
-            break
-        nodes.append(replace(node, devices=node.devices[:left]))
-        left -= len(nodes[-1].devices)
-    return replace(cluster, nodes=tuple(nodes))
 
 
 def plan_and_lower(

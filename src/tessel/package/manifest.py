@@ -486,6 +486,11 @@ def _plan(f: _Field) -> dict:
         part(verify, "max_relative_diff", _Field.number)
         part(verify, "seconds", _Field.number)
         part(verify, "skipped", _Field.str)
+    for choice in f.get("mesh_choices", optional=True).optional(_Field.list) or ():
+        choice.obj()
+        _shape(choice.get("shape"))
+        part(choice, "estimated_time_s", _Field.number)
+        part(choice, "set_aside", _Field.str)
     for rp in f.get("replanned", optional=True).optional(_Field.list) or ():
         rp.obj()
         for key in ("node", "op", "strategy", "reason"):

@@ -1,0 +1,109 @@
+"""Bytes crossing between nodes per run, tessel's mesh choice against the hand plan.
+
+A Llama (4 layers, width 256, 8 heads, vocab 8192, batch 8 x 128, fp32) on 2 nodes of 4
+devices (HCCS 392Gb within a node, RDMA 25Gb between nodes), for
+  (a) devices of 16 GB, which hold the replicated model, and
+  (b) devices that hold a quarter of the weights plus the activations;
+tessel with `auto` and no sizes (it weighs every dp x tp shape the nodes allow) against the hand
+plan "TP over the 4 devices of a node, DP across the nodes" (dp 2 x tp 4, given in the policy).
+Figures per run: bytes the collectives move between nodes (all ranks), the planner's estimated
+time, and the build time. Pipeline stages across the nodes, the issue's third plan for (b), are
+not built yet.
+
+    python benchmarks/bench_mesh.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 8192, 128, 8
+
+
+def cluster_dict(memory: str) -> dict:
+    node = lambda i: {  # noqa: E731
+        "node_id": i,
+        "node_type": "NODE",
+        "ipaddr": f"10.0.0.{i + 1}",
+        "port": 29500,
+        "is_local": i == 0,
+        "item_list": [{"item_id": d, "device_id": d} for d in range(4)],
+    }
+    return {
+        "cluster": [
+            {
+                "cluster_nodes": [node(0), node(1)],
+                "nodes_topology": {
+                    "type": "star",
+                    "protocol": "RDMA:25Gb",
+                    "topos": [{"plane_id": 0, "devices": [0, 1, 2, 3]}],
+                },
+            }
+        ],
+        "item_def": [{"item_type": "cpu", "memory": memory}],
+        "node_def": [{"node_type": "NODE", "item_topology": [{"links_mode": "HCCS:392Gb"}]}],
+    }
+
+
+def main() -> None:
+    from transformers import LlamaForCausalLM
+
+    import tessel
+    from tessel.capture import capture
+    from tessel.config.cluster import cluster_from_dict
+    from tessel.config.parallel_option import parallel_option_from_dict
+    from tessel.demo import llama_config, tight_cluster
+    from tessel.plan import has_rule
+    from tessel.report import inspect_json
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB)).eval()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    kwargs = {"input_ids": ids, "use_cache": False}
+    quarter = tight_cluster(capture(model, kwargs, keep=has_rule), 4, share=1.0)
+    memories = {"(a) 16 GB": "[DDR:16GB]", "(b) a quarter": quarter["item_def"][0]["memory"]}
+    hand = {
+        "graph_parallel_option": {
+            "tensor_parallel_option": {"tensor_parallel_size": 4},
+            "data_parallel_option": {"data_parallel_size": 2},
+        }
+    }
+    plans = {"tessel auto": {"graph_parallel_option": {"auto": True}}, "hand dp 2 x tp 4": hand}
+    rows = []
+    for memory_label, memory in memories.items():
+        cluster = cluster_from_dict(cluster_dict(memory), "2x4.json")
+        for plan_label, policy in plans.items():
+            t = time.perf_counter()
+            built = tessel.build(
+                model,
+                kwargs,
+                cluster=cluster,
+                policy=parallel_option_from_dict(policy, plan_label),
+                verify=False,
+            )
+            seconds = time.perf_counter() - t
+            data = inspect_json(built.manifest)
+            between = sum(r["bytes_between_nodes"] for r in data["ranks"])
+            mesh = " x ".join(
+                f"{n} {s}" for n, s in zip(data["mesh"]["dim_names"], data["mesh"]["shape"])
+            )
+            rows.append(
+                (memory_label, plan_label, mesh, between, data["estimated_time_s"], seconds)
+            )
+            print(rows[-1], flush=True)
+    print()
+    print(
+        f"{'memory':<14} {'plan':<18} {'mesh':<14} {'MiB between nodes':>18} "
+        f"{'est. ms':>8} {'build s':>8}"
+    )
+    for memory_label, plan_label, mesh, between, estimate, seconds in rows:
+        print(
+            f"{memory_label:<14} {plan_label:<18} {mesh:<14} {between / 2**20:>18.2f} "
+            f"{1e3 * estimate:>8.2f} {seconds:>8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

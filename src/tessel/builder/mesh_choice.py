@@ -1,0 +1,131 @@
+"""Choosing the mesh's shape where the policy leaves it to tessel (`auto`, no sizes given).
+
+On a cluster of several nodes, the shapes weighed are `dp x tp` for every data-parallel size
+that divides the device count, that the nodes can hold (a group within one node or across whole
+nodes) and that divides the example batch. Each is planned (one replica's share of the batch on
+`tp` devices, under the devices' memory) and priced by the planner's estimated time plus the
+gather of the outputs over the replicas, on the link that axis crosses; the fastest that fits
+is chosen. Every shape weighed, and why one was set aside, goes into the plan for `inspect`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tessel._torch import tree_leaves, tree_map
+from tessel.capture import CapturedModel, capture
+from tessel.config.cluster import ClusterConfig
+from tessel.config.errors import ConfigError
+from tessel.config.mesh import ParallelDims, parallel_dims
+from tessel.config.parallel_option import ParallelOption
+from tessel.plan import PlanError, cost, has_rule, make_plan
+
+
+@dataclass
+class MeshChoice:
+    """The shape chosen, its capture (one replica's share of the batch), and what was weighed."""
+
+    dims: ParallelDims
+    captured: CapturedModel
+    weighed: list[dict[str, Any]]
+
+
+def wants_choice(cluster: ClusterConfig, policy: ParallelOption, model: Any) -> bool:
+    """Whether tessel chooses the shape: `auto`, no size in the policy, several nodes."""
+    sizes = (policy.tensor_parallel_size, policy.data_parallel_size, policy.pipe_stage_num)
+    return (
+        policy.auto
+        and all(s is None for s in sizes)
+        and len(cluster.nodes) > 1
+        and not isinstance(model, CapturedModel)
+    )
+
+
+def choose_mesh(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    *,
+    reuse_layers: bool,
+    time_limit: float,
+) -> MeshChoice:
+    """Weigh every `dp x tp` shape of `cluster` and return the fastest that fits."""
+    world = cluster.world_size
+    weighed: list[dict[str, Any]] = []
+    best: tuple[float, ParallelDims, CapturedModel] | None = None
+    for dp in (d for d in range(1, world + 1) if world % d == 0):
+        tp = world // dp
+        entry: dict[str, Any] = {"shape": [dp, tp], "dim_names": ["dp", "tp"]}
+        weighed.append(entry)
+        sized = replace(policy, tensor_parallel_size=tp, data_parallel_size=dp)
+        try:
+            dims = parallel_dims(cluster, sized)
+            a, k = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
+        except ConfigError as exc:
+            entry["set_aside"] = exc.detail
+            continue
+        captured = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
+        try:
+            plan = make_plan(captured, first_devices(cluster, tp), policy, time_limit)
+        except PlanError:
+            entry["set_aside"] = "does not fit the devices' memory"
+            continue
+        entry["estimated_time_s"] = plan.estimated_time + gather_seconds(captured, dims, cluster)
+        if best is None or entry["estimated_time_s"] < best[0]:
+            best = (entry["estimated_time_s"], dims, captured)
+    if best is None:
+        reasons = "; ".join(f"{e['shape']}: {e.get('set_aside')}" for e in weighed)
+        raise PlanError(f"no mesh shape of this cluster fits the model ({reasons})")
+    chosen = [best[1].size("dp"), best[1].size("tp")]
+    for entry in weighed:
+        entry["chosen"] = entry["shape"] == chosen
+    return MeshChoice(best[1], best[2], weighed)
+
+
+def gather_seconds(captured: CapturedModel, dims: ParallelDims, cluster: ClusterConfig) -> float:
+    """The time to gather every replica's outputs (captured for one replica) over the dp axis."""
+    dp = dims.size("dp")
+    out = captured.program.graph_module.graph.output_node()
+    output_bytes = sum(
+        v.numel() * v.element_size() * dp
+        for a in tree_leaves(out.args[0])
+        if isinstance(a, torch.fx.Node) and isinstance((v := a.meta.get("val")), torch.Tensor)
+    )
+    link = cost.Links(dims.axis("dp").bandwidth, cluster.soc.link_latency)
+    return cost.all_gather_time(output_bytes, dp, link)
+
+
+def replica_batch(args: tuple, kwargs: dict, dp: int, source: str) -> tuple[tuple, dict]:
+    """The first replica's share of the example batch: every tensor input split along its
+    first dimension, which `dp` must divide."""
+    tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    batches = {x.shape[0] if x.dim() else None for x in tensors}
+    if len(batches) != 1 or None in batches or next(iter(batches)) % dp:
+        raise ConfigError(
+            source,
+            "graph_parallel_option.data_parallel_option.data_parallel_size",
+            f"is {dp}, but the example inputs' first dimensions are {sorted(map(str, batches))}; "
+            f"data parallelism needs one batch dimension first in every input, divisible by {dp}",
+        )
+    rows = next(iter(batches)) // dp
+
+    def share(x: Any) -> Any:
+        return x[:rows] if isinstance(x, torch.Tensor) else x
+
+    return tuple(tree_map(share, list(args))), {k: tree_map(share, v) for k, v in kwargs.items()}
+
+
+def first_devices(cluster: ClusterConfig, count: int) -> ClusterConfig:
+    """The cluster cut to its first `count` devices (one data-parallel replica's)."""
+    nodes, left = [], count
+    for node in cluster.nodes:
+        if left <= 0:
+            break
+        nodes.append(replace(node, devices=node.devices[:left]))
+        left -= len(nodes[-1].devices)
+    return replace(cluster, nodes=tuple(nodes))
