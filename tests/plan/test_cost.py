@@ -166,3 +166,15 @@ def test_compute_time_is_the_slower_of_arithmetic_and_memory():
     assert cost.compute_time(1e6, 3e9, 1e12, 1e9) == pytest.approx(3.0)
     # balanced
     assert cost.compute_time(1e12, 1e9, 1e12, 1e9) == pytest.approx(1.0)
+
+
+def test_gathers_of_uneven_shards_move_padded_shards():
+    t = cost.redistribute_time
+    even = t((S0,), (R,), 1200, (4,), [LINKS], shape=(12, 25))
+    assert t((S0,), (R,), 1000, (4,), [LINKS], shape=(10, 25)) == pytest.approx(even)
+    assert t((P,), (S1,), 1000, (4,), [LINKS], shape=(10, 25)) == pytest.approx(
+        cost.reduce_scatter_time(1000 * 28 / 25, 4, LINKS)
+    )
+    # an all-reduce moves the whole tensor whatever its shape; without a shape, no padding
+    assert t((P,), (R,), 1000, (4,), [LINKS], shape=(10, 25)) == t((P,), (R,), 1000, (4,), [LINKS])
+    assert t((S0,), (R,), 1000, (4,), [LINKS]) == cost.all_gather_time(1000, 4, LINKS)

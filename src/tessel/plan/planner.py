@@ -299,16 +299,18 @@ def _problem(
         for j, a in enumerate(c.args):
             if a not in choices or choices[a].kind in ("const", "drop"):
                 continue
+            val = a.meta.get("val")
             key = (
                 _owner(choices, a),
                 choices[a].out_index,
                 c.owner or n,
                 j,
-                cost.nbytes(a.meta.get("val")),
+                cost.nbytes(val),
+                tuple(val.shape) if isinstance(val, torch.Tensor) else None,
             )
             edges[key] += 1
     pairs: dict[tuple, np.ndarray] = defaultdict(lambda: 0)
-    for (vp, out_index, vc, j, b), count in edges.items():
+    for (vp, out_index, vc, j, b, shape), count in edges.items():
         cp, cc = choices[vp], choices[vc]
         src = [_placements(s.output_at(out_index)) for s in cp.strategies]
         dst = [_placements(s.inputs[j]) if j < len(s.inputs) else None for s in cc.strategies]
@@ -318,7 +320,7 @@ def _problem(
                     [
                         0.0
                         if (sp is None or dp is None)
-                        else cost.redistribute_time(sp, dp, b, mesh_shape, links)
+                        else cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
                         for dp in dst
                     ]
                     for sp in src
@@ -339,12 +341,14 @@ def _problem(
             continue
         c = choices[a]
         v = c.owner or a
-        b = cost.nbytes(a.meta.get("val"))
+        val = a.meta.get("val")
+        b = cost.nbytes(val)
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
         extra = np.array(
             [
                 0.0
                 if (p := _placements(s.output_at(c.out_index))) is None
-                else cost.redistribute_time(p, rep, b, mesh_shape, links)
+                else cost.redistribute_time(p, rep, b, mesh_shape, links, shape)
                 for s in choices[v].strategies
             ]
         )
