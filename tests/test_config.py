@@ -329,6 +329,10 @@ def test_unreadable_files_are_config_errors(tmp_path):
             "data_parallel_option.data_parallel_size: found number 0; allowed: 1..2147483647",
         ),
         (
+            {"pipeline_parallel_option": {"micro_batch_num": 4}},
+            "micro_batch_num: is 4, but micro-batches feed pipeline stages",
+        ),
+        (
             {"pipeline_parallel_option": {"pipe_stage_num": "2"}},
             "pipe_stage_num: expected an integer in 1..2147483647, found string '2'",
         ),

@@ -110,6 +110,12 @@ def parallel_option_from_dict(
         )
         sizes["pipe_stage_num"] = ppo.integer("pipe_stage_num", 1, MAX_ID, None)
         sizes["micro_batch_num"] = ppo.integer("micro_batch_num", 1, MAX_ID, None)
+        if (sizes["micro_batch_num"] or 1) > 1 and (sizes["pipe_stage_num"] or 1) == 1:
+            raise ppo.error(
+                f"is {sizes['micro_batch_num']}, but micro-batches feed pipeline stages and "
+                "pipe_stage_num is not above 1; leave it out or set it to 1",
+                "micro_batch_num",
+            )
     sizes["global_batch_size"] = g.integer("global_batch_size", 1, MAX_ID, None)
     dp = sizes["data_parallel_size"]
     if sizes["global_batch_size"] is not None and dp and sizes["global_batch_size"] % dp:
