@@ -195,6 +195,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_with_node_1_served(session, path, model, ids) -> None:
+    """Run `path` with node 1's workers started by `tessel serve` in another process, check
+    the output against eager, and check that the server ends cleanly with the graph."""
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        session.load_graph(0, {}, path)
+        (out,) = session.run_graph(0, [ids])
+        with torch.no_grad():
+            assert (out - model(ids)).abs().max().item() <= 1e-4
+        session.remove_graph(0)
+        assert remote.wait(timeout=60) == 0, remote.stderr.read()
+    finally:
+        if remote.poll() is None:
+            remote.kill()
+            remote.wait()
+
+
 def test_two_nodes_on_loopback(tmp_path, session):
     port = _free_port()
     node = lambda i: {
@@ -216,23 +238,7 @@ def test_two_nodes_on_loopback(tmp_path, session):
         tessel.build(model, (ids,), cluster=str(tmp_path / "numa_config_2node.json")),
         tmp_path / "two",
     )
-    remote = subprocess.Popen(
-        [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        session.load_graph(0, {}, path)
-        (out,) = session.run_graph(0, [ids])
-        with torch.no_grad():
-            assert (out - model(ids)).abs().max().item() <= 1e-4
-        session.remove_graph(0)
-        assert remote.wait(timeout=60) == 0, remote.stderr.read()
-    finally:
-        if remote.poll() is None:
-            remote.kill()
-            remote.wait()
+    _run_with_node_1_served(session, path, model, ids)
 
 
 def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, session):
@@ -280,24 +286,7 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     across = [c["bytes"] for c in rank0["collectives"] if c["axis"] == "dp"]
     assert rank0["bytes_between_nodes"] == sum(across) > 0  # only the replicas' gather
     path = tessel.save(built, tmp_path / "dp2tp2")
-    remote = subprocess.Popen(
-        [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        session.load_graph(0, {}, path)
-        fresh = token_ids(batch=4, seed=3)
-        (out,) = session.run_graph(0, [fresh])
-        with torch.no_grad():
-            assert (out - model(fresh)).abs().max().item() <= 1e-4
-        session.remove_graph(0)
-        assert remote.wait(timeout=60) == 0, remote.stderr.read()
-    finally:
-        if remote.poll() is None:
-            remote.kill()
-            remote.wait()
+    _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
 
 
 @pytest.fixture(scope="module")
