@@ -88,12 +88,6 @@ def test_a_mesh_the_hierarchy_cannot_hold_is_refused():
     assert "tensor_parallel_option.tensor_parallel_size" in str(err.value)
 
 
-def test_a_pipeline_axis_says_it_is_not_built():
-    torch.manual_seed(0)
-    with pytest.raises(ConfigError, match="pipe_stage_num: is 2: pipeline stages are not built"):
-        tessel.build(small_llama(), (token_ids(),), cluster=two_nodes(), policy=policy(pp=2))
-
-
 def test_data_parallel_needs_a_batch_it_can_split():
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="first dimensions are .'2'.; data parallelism needs"):

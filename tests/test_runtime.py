@@ -289,6 +289,57 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
 
 
+def test_two_nodes_of_two_devices_with_pipeline_stages_across_the_nodes(tmp_path, session):
+    """pp 2 across the nodes, tp 2 within each: node 0 holds layers 0-1 and node 1 layers 2-3,
+    sharded over each node's pair; two micro-batches flow through, activations sent between
+    the nodes, and rank 0 returns the whole batch."""
+    from tessel.capture import capture
+    from tessel.demo import tight_cluster
+    from tessel.plan import has_rule
+    from tessel.report import inspect_json
+
+    port = _free_port()
+    model = small_llama(layers=4)
+    ids = token_ids(batch=4)
+    # a quarter above what the whole model needs over the four devices: each pair must shard
+    least = tight_cluster(capture(model, (ids[:2],), keep=has_rule), 4)["item_def"][0]["memory"]
+    memory = f"[DDR:{int(1.25 * int(least.removeprefix('[DDR:')[:-2]))}B]"
+    node = lambda i: {  # noqa: E731
+        "node_id": i,
+        "node_type": "CPU",
+        "ipaddr": "127.0.0.1",
+        "port": port,
+        "is_local": i == 0,
+        "item_list": [{"item_id": 0}, {"item_id": 1}],
+    }
+    cluster = {
+        "cluster": [{"cluster_nodes": [node(0), node(1)]}],
+        "item_def": [{"item_type": "cpu", "memory": memory}],
+    }
+    policy = {
+        "graph_parallel_option": {
+            "tensor_parallel_option": {"tensor_parallel_size": 2},
+            "pipeline_parallel_option": {"pipe_stage_num": 2, "micro_batch_num": 2},
+        }
+    }
+    (tmp_path / "numa_config_2x2.json").write_text(json.dumps(cluster))
+    (tmp_path / "policy.json").write_text(json.dumps(policy))
+    built = tessel.build(
+        model,
+        (ids,),
+        cluster=str(tmp_path / "numa_config_2x2.json"),
+        policy=str(tmp_path / "policy.json"),
+    )
+    data = inspect_json(built.manifest)
+    assert [s["ranks"] for s in data["stages"]] == [[0, 1], [2, 3]]
+    for r in data["ranks"]:  # each pair shards its layers; only the stages' sends cross nodes
+        assert any(c["axis"] == "tp" for c in r["collectives"])
+        across = [c for c in r["collectives"] if c["axis"] == "pp"]
+        assert across and r["bytes_between_nodes"] == sum(c["bytes"] for c in across)
+    path = tessel.save(built, tmp_path / "pp2tp2")
+    _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
+
+
 @pytest.fixture(scope="module")
 def gpt2_files(tmp_path_factory):
     """A GPT-2 built for 2 devices and for 3."""

@@ -86,6 +86,8 @@ def inspect_json(manifest: Manifest) -> dict:
         "memory": memory,
         "replanned": plan.get("replanned") or [],
         "mesh_choices": plan.get("mesh_choices") or [],
+        "stages": plan.get("stages") or [],
+        "micro_batches": plan.get("micro_batches") or 1,
         "verify": plan.get("verify"),
         "ranks": _ranks(manifest, memory),
     }
@@ -127,6 +129,19 @@ def format_plan(manifest: Manifest) -> str:
         lines.append(f"  {title}")
         for name, placement in key:
             lines.append(f"    {name:<40} {placement}")
+    if data["stages"]:
+        lines.append("")
+        lines.append(
+            f"pipeline stages ({data['micro_batches']} micro-batches per run, activations sent "
+            "rank to rank between stages)"
+        )
+        for st in data["stages"]:
+            ranks = st.get("ranks") or []
+            lines.append(
+                f"  stage {st.get('stage')}: {st.get('layers')} on ranks "
+                f"{', '.join(map(str, ranks))}, weights {human_bytes(st.get('weight_bytes') or 0)}"
+                f" per device, {1e3 * (st.get('estimated_time_s') or 0):.2f} ms per micro-batch"
+            )
     lines.append("")
     lines.append("per device (peak: weights plus the most activation bytes alive at once)")
     for r in data["ranks"]:

@@ -100,19 +100,31 @@ def gather_seconds(captured: CapturedModel, dims: ParallelDims, cluster: Cluster
     return cost.all_gather_time(output_bytes, dp, link)
 
 
-def replica_batch(args: tuple, kwargs: dict, dp: int, source: str) -> tuple[tuple, dict]:
-    """The first replica's share of the example batch: every tensor input split along its
-    first dimension, which `dp` must divide."""
+def replica_batch(
+    args: tuple, kwargs: dict, dp: int, source: str, micro_batches: int = 1
+) -> tuple[tuple, dict]:
+    """One micro-batch of the first replica's share of the example batch: every tensor input
+    split along its first dimension, which `dp * micro_batches` must divide."""
     tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     batches = {x.shape[0] if x.dim() else None for x in tensors}
-    if len(batches) != 1 or None in batches or next(iter(batches)) % dp:
+    parts = dp * micro_batches
+    if len(batches) != 1 or None in batches or next(iter(batches)) % parts:
+        found = sorted(map(str, batches))
+        if micro_batches > 1:
+            raise ConfigError(
+                source,
+                "graph_parallel_option.pipeline_parallel_option.micro_batch_num",
+                f"is {micro_batches}, but the example inputs' first dimensions are {found}; "
+                f"micro-batches need one batch dimension first in every input, divisible by "
+                f"{parts} (micro_batch_num x data_parallel_size)",
+            )
         raise ConfigError(
             source,
             "graph_parallel_option.data_parallel_option.data_parallel_size",
-            f"is {dp}, but the example inputs' first dimensions are {sorted(map(str, batches))}; "
+            f"is {dp}, but the example inputs' first dimensions are {found}; "
             f"data parallelism needs one batch dimension first in every input, divisible by {dp}",
         )
-    rows = next(iter(batches)) // dp
+    rows = next(iter(batches)) // parts
 
     def share(x: Any) -> Any:
         return x[:rows] if isinstance(x, torch.Tensor) else x

@@ -23,6 +23,7 @@ from tessel.builder.mesh_choice import (
     replica_batch,
     wants_choice,
 )
+from tessel.builder.stages import build_stages, default_micro_batches, more_memory
 from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.capture import CapturedModel, capture
 from tessel.capture.export import split_inputs
@@ -37,6 +38,7 @@ from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.replicas import replicate
+from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import (
     LoweringError,
     NotAsPlanned,
@@ -112,20 +114,18 @@ def build(
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
     dims = parallel_dims(cluster, policy)
-    dp = dims.size("dp")
-    if dims.size("pp") > 1:
-        raise ConfigError(
-            policy.source,
-            "graph_parallel_option.pipeline_parallel_option.pipe_stage_num",
-            f"is {dims.size('pp')}: pipeline stages are not built yet; leave it out or set it to 1",
-        )
-    if dp > 1 and (not graph_parallel or isinstance(model, CapturedModel)):
-        raise ConfigError(
-            policy.source,
-            "graph_parallel_option.data_parallel_option.data_parallel_size",
-            f"is {dp}: data parallelism needs graph_parallel and the model itself (not a "
-            "captured model), whose example batch it splits over the replicas",
-        )
+    dp, pp = dims.size("dp"), dims.size("pp")
+    for axis, size in (("dp", dp), ("pp", pp)):
+        if size > 1 and (not graph_parallel or isinstance(model, CapturedModel)):
+            key = {"dp": DP_KEY, "pp": PP_KEY}[axis]
+            raise ConfigError(
+                policy.source,
+                f"graph_parallel_option.{key}",
+                f"is {size}: {'data parallelism' if axis == 'dp' else 'pipeline stages'} need "
+                "graph_parallel and the model itself (not a captured model), whose example batch "
+                "it splits",
+            )
+    micro_batches = 1
 
     t = time.perf_counter()
     whole_batch, weighed = None, None
@@ -146,15 +146,26 @@ def build(
             dims, captured, weighed = choice.dims, choice.captured, choice.weighed
             dp = dims.size("dp")
         else:
-            split = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
+            if pp > 1:
+                micro_batches = policy.micro_batch_num or default_micro_batches(
+                    pp, _rows(args, kwargs) // dp
+                )
+            parts = dp * micro_batches
+            split = (
+                replica_batch(args, kwargs, dp, policy.source, micro_batches)
+                if parts > 1
+                else (args, kwargs)
+            )
             captured = capture(model, *split, keep=has_rule, reuse_layers=reuse_layers)
-        if dp > 1:
+        if dp * micro_batches > 1:
             whole_batch = args, kwargs
     timings["capture"] = time.perf_counter() - t
 
     plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
-    if dp > 1:
+    if dp * pp > 1:
         plan_cluster = first_devices(cluster, dims.size("tp"))
+    if pp > 1:  # each stage holds about 1/pp of the weights
+        plan_cluster = more_memory(plan_cluster, pp)
     plan, programs = plan_and_lower(
         captured,
         plan_cluster,
@@ -163,18 +174,54 @@ def build(
         reuse_layers=reuse_layers,
         timings=timings,
     )
-    if dp > 1:
+    staged, stages = None, None
+    if pp > 1:
+        staged, stages = build_stages(
+            captured, plan, programs, cluster, dims, micro_batches, policy.source
+        )
+        programs = [sp.program for sp in staged]
+    elif dp > 1:
         batch = captured.example_inputs[0].shape[0]
         programs = replicate(programs, dp, len(captured.example_inputs), batch)
     t = time.perf_counter()
-    manifest, members = _pack(captured, plan, programs, cluster, soc_version, graph_parallel, dp)
+    manifest, members = _pack(
+        captured,
+        plan,
+        programs,
+        cluster,
+        soc_version,
+        graph_parallel,
+        dp,
+        staged=staged,
+        pp=pp,
+        micro_batches=micro_batches,
+    )
+    if stages is not None:
+        manifest["plan"]["stages"] = [
+            {**entry, "ranks": [r for r, sp in enumerate(staged) if sp.stage == entry["stage"]]}
+            for entry in stages.to_json()
+        ]
+        # what the stages' programs hold, not the whole model the planner weighed on pp x memory
+        manifest["plan"]["memory"] = {
+            "weight_bytes": max(rp.weight_bytes for rp in programs),
+            "peak_bytes": max(rp.peak_bytes for rp in programs),
+            "device_bytes": min(d.memory_bytes for d in cluster.devices),
+        }
+        manifest["plan"]["micro_batches"] = micro_batches
+        manifest["plan"]["estimated_time_s"] = stages.pipelined_seconds(
+            plan.estimated_time, micro_batches
+        )
     if dp > 1:  # the replicas run at once; then their outputs are gathered
         manifest["plan"]["estimated_time_s"] += gather_seconds(captured, dims, cluster)
     if weighed is not None:
         manifest["plan"]["mesh_choices"] = weighed
     timings["pack"] = time.perf_counter() - t
     if verify is not False and captured.source is not None:
-        skipped = None if verify else worth_checking(captured, sum(timings.values()) / dp)
+        skipped = (
+            None
+            if verify
+            else worth_checking(captured, sum(timings.values()) / (dp * micro_batches))
+        )
         if skipped is None:
             t = time.perf_counter()
             package = BuiltPackage(
@@ -198,6 +245,16 @@ def build(
 
 
 MAX_REPLANS = 25
+DP_KEY = "data_parallel_option.data_parallel_size"
+PP_KEY = "pipeline_parallel_option.pipe_stage_num"
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    """The example batch's rows: the first dimension of its first tensor input."""
+    first = next(
+        (x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim()), None
+    )
+    return first.shape[0] if first is not None else 1
 
 
 def plan_and_lower(
@@ -369,9 +426,13 @@ def _pack(
     soc_version: str,
     graph_parallel: bool,
     dp: int = 1,
+    staged: list[StagedProgram] | None = None,
+    pp: int = 1,
+    micro_batches: int = 1,
 ) -> tuple[dict, dict[str, Member]]:
     """The manifest and members of a package: `programs` holds one program per rank of the
-    cluster; with `dp` replicas, rank `r` holds the weights of tensor-parallel rank `r % tp`."""
+    cluster; with `dp` replicas, rank `r` holds the weights of tensor-parallel rank `r % tp`.
+    With pipeline stages, `staged` holds each rank's program, stage and the weights it takes."""
     ep = captured.program
     tp = math.prod(plan.mesh_shape)
     state = {**ep.state_dict, **ep.constants}
@@ -387,28 +448,36 @@ def _pack(
         for _, fqn in weights
         if not graph_parallel or all(isinstance(p, Replicate) for p in placements[fqn])
     }
-    tied = _tied_weights(weights, state, whole, placements)
-    replicated = whole - tied.keys()
-    if replicated:  # stored once, shared by every rank
-        members["weights/replicated.safetensors"] = {fqn: state[fqn] for fqn in sorted(replicated)}
     for rank, device in enumerate(cluster.devices):
         mesh_rank = rank % tp if graph_parallel else 0
-        rp = programs[rank if graph_parallel else 0]
+        if staged is not None:
+            rp, takes = staged[rank].program, set(staged[rank].weights)
+            where = f"stage_{staged[rank].stage}_"
+        else:
+            rp, takes, where = programs[rank if graph_parallel else 0], None, ""
+        order = [fqn for _, fqn in weights if takes is None or fqn in takes]
+        mine = [(ph, fqn) for ph, fqn in weights if fqn in order]
+        tied = _tied_weights(mine, state, whole, placements)
+        replicated = sorted(set(order) & whole - tied.keys())
         key = id(rp)
         if key not in program_member:
             name = f"programs/program_{len(program_member)}.json"
             members[name] = json.dumps(rp.program).encode()
             program_member[key] = name
+        weight_members = []
+        if replicated:  # stored once per stage, shared by its ranks
+            name = f"weights/{where}replicated.safetensors"
+            members.setdefault(name, {fqn: state[fqn] for fqn in replicated})
+            weight_members.append(name)
         shards = {
             fqn: local_shard(state[fqn], placements[fqn], plan.mesh_shape, mesh_rank)
-            for _, fqn in weights
+            for fqn in order
             if fqn not in whole and fqn not in tied
         }
         for cname, value in rp.constants.items():
             shards[f"{CONSTANT_PREFIX}{cname}"] = value
-        weight_members = ["weights/replicated.safetensors"] if replicated else []
         if shards:
-            name = f"weights/rank_{mesh_rank}.safetensors"  # replicas share one member
+            name = f"weights/{where}rank_{mesh_rank}.safetensors"  # replicas share one member
             members.setdefault(name, shards)
             weight_members.append(name)
         ties = {
@@ -429,7 +498,7 @@ def _pack(
                 "device_id": device.device_id,
                 "program": program_member[key],
                 "weights": weight_members,
-                "weight_order": [fqn for _, fqn in weights],
+                "weight_order": order,
                 "tied": ties,
                 "comm_groups": groups_in(rp.program) if graph_parallel else [],
             }
@@ -448,7 +517,10 @@ def _pack(
         )
     out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
     outputs = [
-        {"shape": [v.shape[0] * dp, *v.shape[1:]], "dtype": str(v.dtype).removeprefix("torch.")}
+        {
+            "shape": [v.shape[0] * dp * micro_batches, *v.shape[1:]],
+            "dtype": str(v.dtype).removeprefix("torch."),
+        }
         for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
     ]
@@ -466,6 +538,8 @@ def _pack(
         for ph, fqn in weights
     }
     members["layouts.json"] = json.dumps(layouts, indent=1).encode()
+    if pp > 1:  # each weight is held by the ranks of the stages that read it
+        mesh_shape, dim_names = [pp, *mesh_shape], ["pp", *dim_names]
     members["strategy.json"] = json.dumps(
         _strategy_file(plan, placeholders, weights, state, dp)
     ).encode()
@@ -482,7 +556,8 @@ def _pack(
         "cluster": cluster.raw,
         "mesh": {"shape": mesh_shape, "dim_names": dim_names},
         "inputs": [
-            _input_spec(n, x, dp) for n, x in zip(captured.input_names, captured.example_inputs)
+            _input_spec(n, x, dp * micro_batches)
+            for n, x in zip(captured.input_names, captured.example_inputs)
         ],
         "outputs": outputs,
         "submodels": submodels,

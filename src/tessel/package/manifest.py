@@ -491,6 +491,15 @@ def _plan(f: _Field) -> dict:
         _shape(choice.get("shape"))
         part(choice, "estimated_time_s", _Field.number)
         part(choice, "set_aside", _Field.str)
+    part(f, "micro_batches", _Field.int)
+    for stage in f.get("stages", optional=True).optional(_Field.list) or ():
+        stage.obj()
+        part(stage, "stage", _Field.int)
+        part(stage, "layers", _Field.str)
+        part(stage, "estimated_time_s", _Field.number)
+        part(stage, "weight_bytes", _Field.int)
+        for r in stage.get("ranks", optional=True).optional(_Field.list) or ():
+            r.int()
     for rp in f.get("replanned", optional=True).optional(_Field.list) or ():
         rp.obj()
         for key in ("node", "op", "strategy", "reason"):

@@ -156,7 +156,7 @@ class _Rank(fx.Interpreter):
 
     def _broadcast(self, x: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
         values, _ = self._meet(group_name, x)
-        return values[self.group_of[group_name].index(src)].clone()
+        return values[src].clone()  # `src` counts within the group, as torch's does
 
 
 def run_in_process(

@@ -1,0 +1,120 @@
+"""Pipeline stages: cut the layers over the stages, then every rank's program out of one
+stage-replica's tensor-parallel programs, each checked to fit its device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from tessel.capture import CapturedModel
+from tessel.config.cluster import ClusterConfig
+from tessel.config.errors import ConfigError
+from tessel.config.mesh import ParallelDims
+from tessel.lower.program import decode, groups_in
+from tessel.lower.stages import Split, StagedProgram, stage_programs
+from tessel.lower.trace import RankProgram, weight_inputs
+from tessel.lower.weights import local_shard_shape
+from tessel.plan import Plan, PlanError
+from tessel.plan.memory import program_peak_bytes
+from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
+
+PP_KEY = "graph_parallel_option.pipeline_parallel_option.pipe_stage_num"
+
+
+def default_micro_batches(pp: int, rows: int) -> int:
+    """With no count given: the most micro-batches up to the stage count that split `rows`."""
+    return max(m for m in range(1, pp + 1) if rows % m == 0)
+
+
+def more_memory(cluster: ClusterConfig, times: int) -> ClusterConfig:
+    """`cluster` with `times` the memory per device: one stage's devices planned for the whole
+    model hold about `1/times` of its weights once it is cut into `times` stages."""
+    nodes = tuple(
+        replace(
+            node,
+            devices=tuple(replace(d, memory_bytes=d.memory_bytes * times) for d in node.devices),
+        )
+        for node in cluster.nodes
+    )
+    return replace(cluster, nodes=nodes)
+
+
+def build_stages(
+    captured: CapturedModel,
+    plan: Plan,
+    programs: list[RankProgram],
+    cluster: ClusterConfig,
+    dims: ParallelDims,
+    micro_batches: int,
+    source: str,
+) -> tuple[list[StagedProgram], StageAssignment]:
+    """Every rank's program on the `pp x dp x tp` mesh, in rank order, and the layers per stage.
+
+    Raises `ConfigError` (naming the policy `source`) where the layers cannot be cut into the
+    stages, and `PlanError` where a stage's program holds more than its device's memory.
+    """
+    ep = captured.program
+    state = {**ep.state_dict, **ep.constants}
+    weights = weight_inputs(captured, plan)
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    share = {}
+    for ph, fqn in weights:
+        t = state[fqn]
+        local = local_shard_shape(
+            t.shape, plan.out_placements(placeholders[ph]), plan.mesh_shape, 0
+        )
+        share[fqn] = math.prod(local) / max(1, t.numel())
+    device_bytes = min(d.memory_bytes for d in cluster.devices)
+    try:
+        assignment = assign_stages(
+            ep.graph_module.graph,
+            {fqn: state[fqn] for _, fqn in weights},
+            {fqn: placeholders[ph] for ph, fqn in weights},
+            share,
+            dims.size("pp"),
+            cluster,
+            device_bytes,
+        )
+    except StageAssignError as exc:
+        raise ConfigError(source, PP_KEY, str(exc)) from None
+    assignment.calibrate(plan.estimated_time)
+    split = Split(
+        dims.size("pp"),
+        dims.size("dp"),
+        dims.size("tp"),
+        micro_batches,
+        captured.example_inputs[0].shape[0] if captured.example_inputs else 1,
+    )
+    staged = stage_programs(
+        programs,
+        [fqn for _, fqn in weights],
+        assignment.weight_stage,
+        len(captured.example_inputs),
+        split,
+    )
+    for rank, sp in enumerate(staged):
+        held, peak = _memory(sp)
+        sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
+        if peak > cluster.devices[rank].memory_bytes:
+            raise PlanError(
+                f"pipeline stage {sp.stage} (layers {assignment.layers[sp.stage][0]}-"
+                f"{assignment.layers[sp.stage][-1]}) holds {peak} bytes at its peak on rank "
+                f"{rank}, more than the device's {cluster.devices[rank].memory_bytes}; use more "
+                "stages, more micro-batches or more tensor parallelism"
+            )
+    return staged, assignment
+
+
+def _memory(sp: StagedProgram) -> tuple[int, int]:
+    """(weight bytes, peak bytes) of a staged program, from its recorded local shapes."""
+    rp = sp.program
+    groups = {tuple(g): "" for g in groups_in(rp.program)}
+    gm = decode(rp.program, rp.constants, torch.device("meta"), groups)
+    for n in gm.graph.nodes:
+        if n.name in rp.shapes:
+            shape, dtype = rp.shapes[n.name]
+            n.meta["val"] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return program_peak_bytes(gm.graph, set(inputs[: len(sp.weights)]))

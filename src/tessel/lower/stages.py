@@ -1,0 +1,358 @@
+"""Pipeline stages of tensor-parallel programs, with micro-batches and data-parallel replicas.
+
+On a `pp x dp x tp` mesh the model is planned and lowered once for the `tp` devices of one
+stage-replica, on one micro-batch of one replica's rows. The programs of every rank are made
+from those `tp` programs here, so the runtime needs nothing new:
+
+- every node goes to one stage: a node that reads a weight runs on the stage holding that weight
+  (or later, when it also reads a later stage's value); any other node runs as late as its
+  consumers allow, so the values crossing a boundary are the few a layer hands the next;
+- a value read on a later stage is sent from rank `(s, d, t)` to rank `(s', d, t)` with a
+  broadcast over that pair of ranks: both hold the same tensor-parallel shard of it, so no
+  collective is needed to re-lay it out;
+- the program of a stage runs its nodes once per micro-batch, each micro-batch reading its rows of
+  the inputs, so stage `s` works on micro-batch `k` while stage `s + 1` works on `k - 1`;
+- the outputs travel to the first stage, are put back together in micro-batch order and, with
+  replicas, all-gathered over the data-parallel group, so rank 0 returns the whole batch.
+
+Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tessel.errors import TesselError
+from tessel.lower.trace import RankProgram
+
+_SLICE = "aten.slice.Tensor"
+_ZEROS = "aten.zeros.default"
+_CAT = "aten.cat.default"
+_BROADCAST = "_c10d_functional.broadcast.default"
+_GATHER = "_c10d_functional.all_gather_into_tensor.default"
+_WAIT = "_c10d_functional.wait_tensor.default"
+
+
+class StageError(TesselError, ValueError):
+    """A model whose programs cannot be cut into pipeline stages or micro-batches."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the mesh cuts the work: stage, replica and tensor-parallel sizes, and micro-batches
+    of `rows` rows each (the rows the programs were lowered for)."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batches: int
+    rows: int
+
+    def rank(self, s: int, d: int, t: int) -> int:
+        return (s * self.dp + d) * self.tp + t
+
+
+@dataclass
+class StagedProgram:
+    """One rank's program and the weights it takes, in its input order."""
+
+    program: RankProgram
+    weights: list[str]
+    stage: int
+
+
+def stage_programs(
+    programs: list[RankProgram],
+    weights: list[str],
+    weight_stage: dict[str, int],
+    user_inputs: int,
+    split: Split,
+) -> list[StagedProgram]:
+    """Every rank's program, in rank order, from the `tp` programs of one stage-replica.
+
+    `weights` names the programs' weight inputs in order; `weight_stage` gives each the first
+    stage that holds it (a weight also read on a later stage is held there too).
+    """
+    out: list[StagedProgram | None] = [None] * (split.pp * split.dp * split.tp)
+    for t, rp in enumerate(programs):
+        cut = _Cut(rp, weights, weight_stage, user_inputs, split)
+        for s in range(split.pp):
+            for d in range(split.dp):
+                out[split.rank(s, d, t)] = cut.program(s, d, t)
+    return out  # type: ignore[return-value]
+
+
+def _refs(value: Any) -> list[str]:
+    """The node names a node's arguments read, in order."""
+    if isinstance(value, dict):
+        if "$node" in value:
+            return [value["$node"]]
+        return [name for v in value.values() for name in _refs(v)]
+    if isinstance(value, list):
+        return [name for v in value for name in _refs(v)]
+    return []
+
+
+def _sub(value: Any, names: dict[str, str], ranks: Any = None) -> Any:
+    """`value` with node names renamed and, given `ranks`, collective groups moved."""
+    if isinstance(value, list):
+        return [_sub(v, names, ranks) for v in value]
+    if isinstance(value, dict):
+        if "$node" in value:
+            return {"$node": names.get(value["$node"], value["$node"])}
+        if "$group" in value and ranks is not None:
+            return {"$group": sorted(ranks(r) for r in value["$group"])}
+        return {k: _sub(v, names, ranks) for k, v in value.items()}
+    return value
+
+
+def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:
+    return {"op": "call", "name": name, "target": target, "args": args, "kwargs": kwargs or {}}
+
+
+class _Cut:
+    """One tensor-parallel rank's program, each node assigned its stage."""
+
+    def __init__(
+        self,
+        rp: RankProgram,
+        weights: list[str],
+        weight_stage: dict[str, int],
+        user_inputs: int,
+        split: Split,
+    ) -> None:
+        self.rp, self.split = rp, split
+        nodes = rp.program["nodes"]
+        inputs = [n for n in nodes if n["op"] == "input"]
+        if len(inputs) != len(weights) + user_inputs:
+            raise StageError(
+                f"the program takes {len(inputs)} inputs; {len(weights)} weights and "
+                f"{user_inputs} model inputs were expected"
+            )
+        self.weight_nodes = inputs[: len(weights)]
+        self.user_nodes = inputs[len(weights) :]
+        self.fqn = {n["name"]: fqn for n, fqn in zip(self.weight_nodes, weights)}
+        self.constants = [n for n in nodes if n["op"] == "constant"]
+        self.calls = [n for n in nodes if n["op"] == "call"]
+        self.order = {n["name"]: i for i, n in enumerate(self.calls)}
+        self.output = nodes[-1]
+        self.stage = self._assign(weight_stage)
+
+    def _assign(self, weight_stage: dict[str, int]) -> dict[str, int]:
+        """Each call node's stage: a node that reads a weight, or a value made from weights
+        alone (a transposed weight, a gathered shard), runs where the weight is held, or later
+        if it also reads a later stage's value; a node joining several values runs as early as
+        they allow; any other node (a view, a cast) as late as its readers allow."""
+        pp = self.split.pp
+        earliest: dict[str, int] = {}
+        pinned: set[str] = set()
+        of_weights: set[str] = set()  # nodes computed from weights (and constants) alone
+        constants = {c["name"] for c in self.constants}
+        readers: dict[str, list[str]] = {n["name"]: [] for n in self.calls}
+        for n in self.calls:
+            name, stage, args = n["name"], 0, _refs([n["args"], n["kwargs"]])
+            for a in args:
+                if a in self.fqn:
+                    stage = max(stage, weight_stage[self.fqn[a]])
+                    pinned.add(name)
+                elif a in earliest:
+                    stage = max(stage, earliest[a])
+                    readers[a].append(name)
+                    if a in of_weights:
+                        pinned.add(name)
+            if args and all(a in self.fqn or a in of_weights or a in constants for a in args):
+                if any(a in self.fqn or a in of_weights for a in args):
+                    of_weights.add(name)
+            earliest[name] = min(stage, pp - 1)
+        returned = set(_refs(self.output["args"]))
+        pieces: dict[str, list[str]] = {}  # a tuple-valued node -> the getitems reading it
+        for n in self.calls:
+            if n["target"] == "getitem":
+                pieces.setdefault(n["args"][0]["$node"], []).append(n["name"])
+        stage: dict[str, int] = {}
+        for n in reversed(self.calls):
+            name = n["name"]
+            later = [stage[r] for r in readers[name] if r not in pieces.get(name, ())]
+            if name in pieces:  # a tuple stays with its pieces: as late as the first of them
+                later = [stage[g] for g in pieces[name]]
+            joins = len({a for a in _refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
+            if name in pinned or not later or name in returned or joins:
+                # a node joining two values runs early: one value crosses, not both
+                stage[name] = earliest[name]
+            else:
+                stage[name] = max(earliest[name], min(later))
+            for g in pieces.get(name, ()):  # a piece is taken where its tuple is made
+                stage[g] = stage[name]
+        for n in self.calls:
+            for a in _refs([n["args"], n["kwargs"]]):
+                if a in stage and stage[a] > stage[n["name"]]:
+                    raise StageError(f"{n['name']} runs on a stage before {a}, which it reads")
+                if a in stage and stage[a] != stage[n["name"]] and a not in self.rp.shapes:
+                    raise StageError(
+                        f"{n['name']} on stage {stage[n['name']]} reads {a}, which is not a "
+                        f"tensor, from stage {stage[a]}: pipeline stages can pass only tensors"
+                    )
+        return stage
+
+    def program(self, s: int, d: int, t: int) -> StagedProgram:
+        split = self.split
+        shapes = dict(self.rp.shapes)
+        mine = [n for n in self.calls if self.stage[n["name"]] == s]
+        reads = [a for n in mine for a in _refs([n["args"], n["kwargs"]])]
+        weights = [n for n in self.weight_nodes if n["name"] in reads]
+        constants = [n for n in self.constants if n["name"] in reads]
+        received = sorted(
+            {a for a in reads if a in self.stage and self.stage[a] < s},
+            key=lambda a: (self.stage[a], self.order[a]),
+        )
+        sends: dict[str, list[int]] = {}
+        for n in self.calls:
+            for a in _refs([n["args"], n["kwargs"]]):
+                if a in self.stage and self.stage[a] == s and self.stage[n["name"]] > s:
+                    targets = sends.setdefault(a, [])
+                    if self.stage[n["name"]] not in targets:
+                        targets.append(self.stage[n["name"]])
+
+        def tp_rank(r: int) -> int:
+            return split.rank(s, d, r)
+
+        def pair(other: int) -> tuple[dict, int, int]:
+            """The group of this rank and stage `other`'s rank, and each one's index in it."""
+            ranks = sorted({split.rank(s, d, t), split.rank(other, d, t)})
+            me = ranks.index(split.rank(s, d, t))
+            return {"$group": ranks}, me, ranks.index(split.rank(other, d, t))
+
+        def recv(value: str, new: str, source: int) -> list[dict]:
+            shape, dtype = shapes[value]
+            group, _, src = pair(source)
+            shapes[f"{new}_buf"] = shapes[f"{new}_recv"] = shapes[new] = (shape, dtype)
+            return [
+                _call(
+                    f"{new}_buf",
+                    _ZEROS,
+                    [shape],
+                    {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
+                ),
+                _call(f"{new}_recv", _BROADCAST, [{"$node": f"{new}_buf"}, src, group]),
+                _call(new, _WAIT, [{"$node": f"{new}_recv"}]),
+            ]
+
+        def send(value: str, target: int, waits: list[dict]) -> dict:
+            group, me, _ = pair(target)
+            name = f"{value}_to{target}"
+            shapes[name] = shapes[value]
+            waits.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
+            return _call(name, _BROADCAST, [{"$node": value}, me, group])
+
+        body: list[dict] = []
+        rows_of = self._rows(d, body, shapes)
+        for k in range(split.micro_batches):
+            names = {u["name"]: rows_of[u["name"]][k] for u in self.user_nodes}
+            for a in received:
+                names[a] = f"{a}__mb{k}"
+                body += recv(a, names[a], self.stage[a])
+            waits: list[dict] = []
+            for n in mine:
+                new = f"{n['name']}__mb{k}"
+                names[n["name"]] = new
+                if n["name"] in shapes:
+                    shapes[new] = shapes[n["name"]]
+                body.append(
+                    {
+                        **n,
+                        "name": new,
+                        "args": _sub(n["args"], names, tp_rank),
+                        "kwargs": _sub(n["kwargs"], names, tp_rank),
+                    }
+                )
+                for target in sends.get(n["name"], ()):
+                    body.append(send(new, target, waits))
+            body += waits
+        body += self._outputs(s, d, t, shapes, pair, recv, send)
+        output = {**self.output, "args": body.pop()["args"]}
+        program = {
+            **self.rp.program,
+            "nodes": [*weights, *self.user_nodes, *constants, *body, output],
+        }
+        used = {c["name"] for c in constants}
+        rp = replace(
+            self.rp,
+            program=program,
+            shapes=shapes,
+            constants={k: v for k, v in self.rp.constants.items() if k in used},
+        )
+        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s)
+
+    def _rows(self, d: int, body: list[dict], shapes: dict) -> dict[str, list[str]]:
+        """Each model input's node per micro-batch: its rows of replica `d`'s share."""
+        split = self.split
+        parts = split.micro_batches * split.dp
+        rows_of: dict[str, list[str]] = {}
+        for u in self.user_nodes:
+            name = u["name"]
+            if parts == 1:
+                rows_of[name] = [name]
+                continue
+            shape, dtype = shapes[name]
+            if not shape or shape[0] != split.rows:
+                raise StageError(
+                    f"model input {name!r} of shape {shape} has no batch dimension of "
+                    f"{split.rows} rows first; micro-batches and replicas split every input "
+                    "along its first dimension"
+                )
+            rows_of[name] = []
+            for k in range(split.micro_batches):
+                start = (d * split.micro_batches + k) * split.rows
+                new = f"{name}__rows{k}"
+                shapes[new] = (shape, dtype)
+                body.append(_call(new, _SLICE, [{"$node": name}, 0, start, start + split.rows, 1]))
+                rows_of[name].append(new)
+        return rows_of
+
+    def _outputs(self, s, d, t, shapes, pair, recv, send) -> list[dict]:
+        """Nodes that bring the outputs to the first stage; on it, the last is the output."""
+        split = self.split
+        m = split.micro_batches
+        returned = list(dict.fromkeys(a for a in _refs(self.output["args"]) if a in self.stage))
+        if s > 0:
+            waits: list[dict] = []
+            nodes = [
+                send(f"{a}__mb{k}", 0, waits)
+                for k in range(m)
+                for a in returned
+                if self.stage[a] == s
+            ]
+            return [*nodes, *waits, {"args": []}]
+        nodes: list[dict] = []
+        parts: dict[str, list[str]] = {}
+        for k in range(m):
+            for a in returned:
+                name = f"{a}__mb{k}"
+                if self.stage[a] != 0:
+                    nodes += recv(a, f"{name}_out", self.stage[a])
+                    name = f"{name}_out"
+                parts.setdefault(a, []).append(name)
+        whole: dict[str, str] = {}
+        for a in returned:
+            shape, dtype = shapes[a]
+            if (m > 1 or split.dp > 1) and (not shape or shape[0] != split.rows):
+                raise StageError(
+                    f"model output {a!r} of shape {shape} has no batch dimension of "
+                    f"{split.rows} rows first; micro-batches and replicas put every output "
+                    "together along its first dimension"
+                )
+            name = parts[a][0]
+            if m > 1:
+                name = f"{a}__batches"
+                shapes[name] = ([m * shape[0], *shape[1:]], dtype)
+                nodes.append(_call(name, _CAT, [[{"$node": p} for p in parts[a]], 0]))
+            if split.dp > 1:
+                group = {"$group": [split.rank(0, r, t) for r in range(split.dp)]}
+                gather, done = f"{a}__gather", f"{a}__replicas"
+                shapes[gather] = shapes[done] = ([split.dp * m * shape[0], *shape[1:]], dtype)
+                nodes.append(_call(gather, _GATHER, [{"$node": name}, split.dp, group]))
+                nodes.append(_call(done, _WAIT, [{"$node": gather}]))
+                name = done
+            whole[a] = name
+        return [*nodes, {"args": _sub(self.output["args"], whole)}]

@@ -1,0 +1,205 @@
+"""Assign consecutive layers to pipeline stages, balanced by estimated time under memory.
+
+The model's longest stack of indexed layers (`model.layers.0`, `model.layers.1`, ...) is cut
+into `pp` runs of consecutive layers. What comes before the stack (embeddings) joins the first
+stage and what comes after (final norm, head) the last. A dynamic programme over the layer chain
+and the stage boundaries (the inter-operator pass of Alpa, on a chain) picks the cut whose
+slowest stage is fastest, among the cuts where every stage's weights fit its devices.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from tessel.config.cluster import ClusterConfig
+from tessel.errors import TesselError
+from tessel.plan import cost
+from tessel.plan.candidates import node_flops
+from tessel.plan.layers import layer_of
+
+_LAYER = re.compile(r"^(.*)\.(\d+)\.")
+
+
+class StageAssignError(TesselError, ValueError):
+    """The model cannot be cut into the asked number of pipeline stages."""
+
+
+@dataclass
+class StageAssignment:
+    """Per stage, its layer indices (of `family`), estimated seconds and weight bytes per device;
+    and each weight's stage."""
+
+    family: str
+    layers: list[list[int]]
+    seconds: list[float]
+    weight_bytes: list[int]
+    weight_stage: dict[str, int]
+
+    def pipelined_seconds(self, whole: float, micro_batches: int) -> float:
+        """A run's estimate from `whole`, one micro-batch's time through every stage: the first
+        micro-batch passes every stage, each later one adds the slowest stage's time."""
+        total = sum(self.seconds) or 1.0
+        return whole * (1 + (micro_batches - 1) * max(self.seconds) / total)
+
+    def calibrate(self, whole: float) -> None:
+        """Scale the stages' seconds to sum to `whole`, the plan's estimate for one micro-batch
+        (which prices the sharded work and its collectives; the cut only needs their ratio)."""
+        total = sum(self.seconds)
+        if total > 0:
+            self.seconds = [s * whole / total for s in self.seconds]
+
+    def to_json(self) -> list[dict]:
+        return [
+            {
+                "stage": s,
+                "layers": f"{self.family.removesuffix('.*')}.{ls[0]}-{ls[-1]}",
+                "estimated_time_s": self.seconds[s],
+                "weight_bytes": self.weight_bytes[s],
+            }
+            for s, ls in enumerate(self.layers)
+        ]
+
+
+def assign_stages(
+    graph: fx.Graph,
+    weights: dict[str, torch.Tensor],
+    weight_nodes: dict[str, fx.Node],
+    placements_share: dict[str, float],
+    pp: int,
+    cluster: ClusterConfig,
+    device_bytes: int,
+) -> StageAssignment:
+    """Cut the layer chain of `graph` into `pp` stages.
+
+    `weights` maps each weight's name to its tensor, `weight_nodes` to its placeholder and
+    `placements_share` to the part of it one device holds under the plan; `device_bytes` is what
+    one device may hold.
+    """
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    layer_nodes: dict[str, dict[int, list[fx.Node]]] = {}
+    for n in nodes:
+        key = layer_of(n)
+        if key is not None:
+            layer_nodes.setdefault(key[0], {}).setdefault(key[1], []).append(n)
+    if not layer_nodes:
+        raise StageAssignError(
+            f"is {pp}, but the model has no stack of indexed layers "
+            "(such as model.layers.0, model.layers.1, ...) to cut into stages"
+        )
+    family, by_index = max(layer_nodes.items(), key=lambda kv: len(kv[1]))
+    indices = sorted(by_index)
+    if pp > len(indices):
+        raise StageAssignError(
+            f"is {pp}, more than the model's {len(indices)} layers "
+            f"({family}); use at most {len(indices)} stages"
+        )
+    soc = cluster.soc
+    in_layer = {n for ns in by_index.values() for n in ns}
+    order = {n: i for i, n in enumerate(nodes)}
+    first_layer = min(order[n] for n in in_layer)
+
+    def seconds(ns: list[fx.Node]) -> float:
+        total = 0.0
+        for n in ns:
+            moved = cost.nbytes(n.meta.get("val")) + sum(
+                cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
+            )
+            total += cost.compute_time(node_flops(n), moved, soc.peak_flops, soc.memory_bandwidth)
+        return total
+
+    prefix = family.removesuffix(".*")
+    weight_layer: dict[str, int | str] = {}
+    for fqn in weights:
+        m = _LAYER.match(fqn)
+        if m and m.group(1) == prefix and int(m.group(2)) in by_index:
+            weight_layer[fqn] = int(m.group(2))
+    held = {
+        fqn: int(t.numel() * t.element_size() * placements_share.get(fqn, 1.0))
+        for fqn, t in weights.items()
+    }
+    # a weight outside the layers goes with its first reader: before the layers or after them
+    for fqn in weights:
+        if fqn in weight_layer:
+            continue
+        node = weight_nodes.get(fqn)
+        readers = [order[u] for u in node.users if u in order] if node is not None else []
+        weight_layer[fqn] = "before" if not readers or min(readers) < first_layer else "after"
+
+    outside = [n for n in nodes if n not in in_layer]
+    before = seconds([n for n in outside if order[n] < first_layer])
+    after = seconds([n for n in outside if order[n] > first_layer])
+    layer_s = [seconds(by_index[i]) for i in indices]
+    layer_b = [sum(b for f, b in held.items() if weight_layer[f] == i) for i in indices]
+    before_b = sum(b for f, b in held.items() if weight_layer[f] == "before")
+    after_b = sum(b for f, b in held.items() if weight_layer[f] == "after")
+
+    cuts = _cut(layer_s, layer_b, pp, (before, before_b), (after, after_b), device_bytes)
+    if cuts is None:
+        need = (sum(layer_b) + before_b + after_b) / pp
+        raise StageAssignError(
+            f"is {pp}, but the model's layers cannot be cut into {pp} stages whose weights each fit one "
+            f"device's {device_bytes} bytes (about {int(need)} bytes per stage at best); use "
+            "more stages or more tensor parallelism"
+        )
+    stages = [[indices[i] for i in range(a, b)] for a, b in cuts]
+    stage_of_layer = {i: s for s, ls in enumerate(stages) for i in ls}
+    weight_stage = {
+        fqn: 0 if where == "before" else pp - 1 if where == "after" else stage_of_layer[where]
+        for fqn, where in weight_layer.items()
+    }
+    secs = [sum(layer_s[i] for i in range(a, b)) for a, b in cuts]
+    byts = [sum(layer_b[i] for i in range(a, b)) for a, b in cuts]
+    secs[0] += before
+    byts[0] += before_b
+    secs[-1] += after
+    byts[-1] += after_b
+    return StageAssignment(family, stages, secs, byts, weight_stage)
+
+
+def _cut(
+    seconds: list[float],
+    held: list[int],
+    pp: int,
+    before: tuple[float, int],
+    after: tuple[float, int],
+    limit: int,
+) -> list[tuple[int, int]] | None:
+    """Contiguous runs [a, b) of the layers, one per stage, with the least slowest stage."""
+    n = len(seconds)
+    inf = float("inf")
+    pre_s, pre_b = [0.0], [0]
+    for s, b in zip(seconds, held):
+        pre_s.append(pre_s[-1] + s)
+        pre_b.append(pre_b[-1] + b)
+
+    def stage(a: int, b: int, k: int) -> float:
+        t, m = pre_s[b] - pre_s[a], pre_b[b] - pre_b[a]
+        if k == 0:
+            t, m = t + before[0], m + before[1]
+        if k == pp - 1:
+            t, m = t + after[0], m + after[1]
+        return t if m <= limit else inf
+
+    # best[k][j]: the least slowest stage placing layers [0, j) on stages 0..k
+    best = [[inf] * (n + 1) for _ in range(pp)]
+    back = [[0] * (n + 1) for _ in range(pp)]
+    for j in range(1, n + 1):
+        best[0][j] = stage(0, j, 0)
+    for k in range(1, pp):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                t = max(best[k - 1][i], stage(i, j, k))
+                if t < best[k][j]:
+                    best[k][j], back[k][j] = t, i
+    if best[pp - 1][n] == inf:
+        return None
+    cuts, j = [], n
+    for k in range(pp - 1, -1, -1):
+        i = back[k][j] if k else 0
+        cuts.append((i, j))
+        j = i
+    return cuts[::-1]

@@ -1,0 +1,190 @@
+"""Pipeline stages: layers cut over the stages, activations sent between them, micro-batches."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tests.conftest import small_gpt2, small_llama, token_ids
+
+import tessel
+from tessel.capture import capture
+from tessel.config import ConfigError, cluster_from_dict
+from tessel.config.cluster import local_cluster_dict
+from tessel.config.parallel_option import parallel_option_from_dict
+from tessel.demo import tight_cluster
+from tessel.package.format import BuiltPackage
+from tessel.plan import has_rule
+from tessel.plan.stages import _cut
+from tessel.report import format_plan, inspect_json
+from tessel.runtime.inprocess import run_in_process
+
+
+def policy(pp: int, tp: int = 1, dp: int = 1, micro: int | None = None):
+    inner: dict = {
+        "tensor_parallel_option": {"tensor_parallel_size": tp},
+        "pipeline_parallel_option": {"pipe_stage_num": pp},
+    }
+    if micro is not None:
+        inner["pipeline_parallel_option"]["micro_batch_num"] = micro
+    if dp > 1:
+        inner["data_parallel_option"] = {"data_parallel_size": dp}
+    return parallel_option_from_dict({"graph_parallel_option": inner}, "policy.json")
+
+
+def cluster(devices: int, memory: str | None = None):
+    data = local_cluster_dict(devices)
+    if memory is not None:
+        data["item_def"][0]["memory"] = memory
+    return cluster_from_dict(data, "cluster.json")
+
+
+def _layers_of(names: list[str]) -> set[int]:
+    return {int(n.split(".")[3]) for n in names if ".layers." in n or ".h." in n}
+
+
+# (family, pp, tp, dp, micro-batches, tight memory): even and odd stage counts, stages with
+# tensor parallelism on devices too small for a stage's replicated weights, replicas of a pipeline
+CASES = [
+    ("llama", 2, 2, 1, 2, True),
+    ("gpt2", 3, 1, 1, 1, False),
+    ("gpt2", 2, 2, 1, 4, True),
+    ("llama", 2, 1, 2, 2, False),
+]
+
+
+@pytest.mark.parametrize(("family", "pp", "tp", "dp", "micro", "tight"), CASES)
+def test_pipeline_stages_equal_eager(family, pp, tp, dp, micro, tight):
+    torch.manual_seed(0)
+    model = (small_llama if family == "llama" else small_gpt2)(layers=4)
+    ids = token_ids(batch=4)
+    memory = None
+    if tight:  # a quarter more than the whole model needs over all the devices
+        rows = ids[: 4 // (dp * micro)]
+        least = tight_cluster(capture(model, (rows,), keep=has_rule), pp * tp)["item_def"][0]
+        memory = f"[DDR:{int(1.25 * int(least['memory'].removeprefix('[DDR:')[:-2]))}B]"
+    built = tessel.build(
+        model,
+        (ids,),
+        cluster=cluster(pp * tp * dp, memory),
+        policy=policy(pp, tp, dp, micro),
+        verify=True,
+    )
+    manifest = built.manifest
+    assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    names = ["pp", "dp", "tp"] if dp > 1 else ["pp", "tp"]
+    assert manifest["mesh"]["dim_names"] == names
+    stages = manifest["plan"]["stages"]
+    assert [s["stage"] for s in stages] == list(range(pp))
+    assert manifest["plan"]["micro_batches"] == micro
+    # each stage's ranks take only the weights of their own layers (and the stage's ends)
+    held = [_layers_of(sub["weight_order"]) for sub in manifest["submodels"]]
+    for s, stage in enumerate(stages):
+        for r in stage["ranks"]:
+            assert held[r] and all(r // (dp * tp) == s for r in stage["ranks"])
+        others = set().union(*(held[r] for r in range(len(held)) if r not in stage["ranks"]))
+        assert not held[stage["ranks"][0]] & others
+    if tight:  # a stage's devices share its layers' weights
+        device = manifest["plan"]["memory"]["device_bytes"]
+        ranks = inspect_json(manifest)["ranks"]
+        assert max(r["peak_bytes"] for r in ranks) <= device
+        assert all(any(c["axis"] == "tp" for c in r["collectives"]) for r in ranks)
+    # other inputs than the example, through every rank in process
+    x = token_ids(batch=4, seed=7)
+    package = BuiltPackage(built.manifest, built.members)
+    (out,) = run_in_process(package, [x])
+    with torch.no_grad():
+        assert (out - model(x)).abs().max().item() <= 1e-4
+
+
+def test_stages_show_in_inspect():
+    torch.manual_seed(0)
+    built = tessel.build(
+        small_llama(layers=4), (token_ids(batch=4),), cluster=4, policy=policy(2, tp=2, micro=2)
+    )
+    data = inspect_json(built.manifest)
+    assert [s["ranks"] for s in data["stages"]] == [[0, 1], [2, 3]]
+    sends = [c for c in data["ranks"][0]["collectives"] if c["axis"] == "pp"]
+    assert sends and all(c["kind"] == "broadcast" and len(c["group"]) == 2 for c in sends)
+    text = format_plan(built.manifest)
+    assert "stage 0: lm.model.layers.0-1 on ranks 0, 1" in text
+    assert "stage 1: lm.model.layers.2-3 on ranks 2, 3" in text
+
+
+def test_more_stages_than_layers_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="pipe_stage_num: is 3, more than the model's 2 layers"):
+        tessel.build(small_llama(layers=2), (token_ids(batch=3),), cluster=3, policy=policy(3))
+
+
+def test_micro_batches_must_divide_the_batch():
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="micro_batch_num: is 3, but the example inputs'"):
+        tessel.build(
+            small_llama(layers=2), (token_ids(batch=4),), cluster=2, policy=policy(2, micro=3)
+        )
+
+
+def test_micro_batches_without_stages_are_refused(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(
+        json.dumps({"graph_parallel_option": {"pipeline_parallel_option": {"micro_batch_num": 2}}})
+    )
+    with pytest.raises(ConfigError, match="micro_batch_num"):
+        tessel.build(small_llama(layers=2), (token_ids(),), cluster=2, policy=str(path))
+
+
+def _best_by_brute_force(seconds, held, pp, before, after, limit):
+    n = len(seconds)
+    best = None
+    for bounds in itertools.combinations(range(1, n), pp - 1):
+        edges = [0, *bounds, n]
+        worst = 0.0
+        for k in range(pp):
+            a, b = edges[k], edges[k + 1]
+            t, m = sum(seconds[a:b]), sum(held[a:b])
+            if k == 0:
+                t, m = t + before[0], m + before[1]
+            if k == pp - 1:
+                t, m = t + after[0], m + after[1]
+            worst = max(worst, t if m <= limit else float("inf"))
+        if best is None or worst < best:
+            best = worst
+    return best
+
+
+@given(
+    layers=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=7),
+    pp=st.integers(1, 4),
+    limit=st.integers(5, 40),
+)
+def test_the_stage_cut_is_the_best_contiguous_cut(layers, pp, limit):
+    """The dynamic programme finds a cut whose slowest stage is no slower than any other cut's,
+    among those whose stages fit the memory limit, or says none fits."""
+    if pp > len(layers):
+        return
+    seconds = [float(s) for s, _ in layers]
+    held = [b for _, b in layers]
+    before, after = (2.0, 3), (1.0, 2)
+    cuts = _cut(seconds, held, pp, before, after, limit)
+    best = _best_by_brute_force(seconds, held, pp, before, after, limit)
+    if best == float("inf"):
+        assert cuts is None
+        return
+    assert cuts is not None and len(cuts) == pp
+    assert cuts[0][0] == 0 and cuts[-1][1] == len(layers)
+    assert all(a < b for a, b in cuts) and all(x[1] == y[0] for x, y in zip(cuts, cuts[1:]))
+    worst = 0.0
+    for k, (a, b) in enumerate(cuts):
+        t, m = sum(seconds[a:b]), sum(held[a:b])
+        if k == 0:
+            t, m = t + before[0], m + before[1]
+        if k == pp - 1:
+            t, m = t + after[0], m + after[1]
+        assert m <= limit
+        worst = max(worst, t)
+    assert worst == pytest.approx(best)
