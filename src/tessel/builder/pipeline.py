@@ -23,7 +23,12 @@ from tessel.builder.mesh_choice import (
     replica_batch,
     wants_choice,
 )
-from tessel.builder.stages import build_stages, default_micro_batches, more_memory
+from tessel.builder.stages import (
+    build_stages,
+    default_micro_batches,
+    more_memory,
+    send_seconds,
+)
 from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.capture import CapturedModel, capture
 from tessel.capture.export import split_inputs
@@ -209,7 +214,7 @@ def build(
         }
         manifest["plan"]["micro_batches"] = micro_batches
         manifest["plan"]["estimated_time_s"] = stages.pipelined_seconds(
-            plan.estimated_time, micro_batches
+            micro_batches, send_seconds(staged, dims, cluster, micro_batches)
         )
     if dp > 1:  # the replicas run at once; then their outputs are gathered
         manifest["plan"]["estimated_time_s"] += gather_seconds(captured, dims, cluster)

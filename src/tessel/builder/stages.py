@@ -16,7 +16,7 @@ from tessel.lower.program import decode, groups_in
 from tessel.lower.stages import Split, StagedProgram, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.lower.weights import local_shard_shape
-from tessel.plan import Plan, PlanError
+from tessel.plan import Plan, PlanError, cost
 from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
 
@@ -105,6 +105,20 @@ def build_stages(
                 "stages, more micro-batches or more tensor parallelism"
             )
     return staged, assignment
+
+
+def send_seconds(
+    staged: list[StagedProgram], dims: ParallelDims, cluster: ClusterConfig, micro_batches: int
+) -> list[float]:
+    """Per stage, the seconds one micro-batch's activations take to reach the later stages
+    over the pipeline axis's link (every rank of a stage sends its own shard at once)."""
+    link = cost.Links(dims.axis("pp").bandwidth, cluster.soc.link_latency)
+    out = [0.0] * dims.size("pp")
+    for sp in staged:
+        if sp.sent_bytes:
+            per_batch = sp.sent_bytes / micro_batches
+            out[sp.stage] = max(out[sp.stage], per_batch / link.bandwidth + link.latency)
+    return out
 
 
 def _memory(sp: StagedProgram) -> tuple[int, int]:

@@ -20,8 +20,11 @@ Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from tessel.errors import TesselError
 from tessel.lower.trace import RankProgram
@@ -60,6 +63,7 @@ class StagedProgram:
     program: RankProgram
     weights: list[str]
     stage: int
+    sent_bytes: int = 0  # activation bytes this rank sends to later stages per run
 
 
 def stage_programs(
@@ -105,6 +109,10 @@ def _sub(value: Any, names: dict[str, str], ranks: Any = None) -> Any:
             return {"$group": sorted(ranks(r) for r in value["$group"])}
         return {k: _sub(v, names, ranks) for k, v in value.items()}
     return value
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:
@@ -238,10 +246,14 @@ class _Cut:
                 _call(new, _WAIT, [{"$node": f"{new}_recv"}]),
             ]
 
+        sent = [0]
+
         def send(value: str, target: int, waits: list[dict]) -> dict:
             group, me, _ = pair(target)
             name = f"{value}_to{target}"
             shapes[name] = shapes[value]
+            if target > s:
+                sent[0] += _nbytes(*shapes[value])
             waits.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
             return _call(name, _BROADCAST, [{"$node": value}, me, group])
 
@@ -282,7 +294,7 @@ class _Cut:
             shapes=shapes,
             constants={k: v for k, v in self.rp.constants.items() if k in used},
         )
-        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s)
+        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, sent[0])
 
     def _rows(self, d: int, body: list[dict], shapes: dict) -> dict[str, list[str]]:
         """Each model input's node per micro-batch: its rows of replica `d`'s share."""

@@ -39,11 +39,11 @@ class StageAssignment:
     weight_bytes: list[int]
     weight_stage: dict[str, int]
 
-    def pipelined_seconds(self, whole: float, micro_batches: int) -> float:
-        """A run's estimate from `whole`, one micro-batch's time through every stage: the first
-        micro-batch passes every stage, each later one adds the slowest stage's time."""
-        total = sum(self.seconds) or 1.0
-        return whole * (1 + (micro_batches - 1) * max(self.seconds) / total)
+    def pipelined_seconds(self, micro_batches: int, send_seconds: list[float]) -> float:
+        """A run's estimate: the first micro-batch passes every stage (each then sending its
+        activations on), each later one adds the slowest stage's time."""
+        per_stage = [t + send for t, send in zip(self.seconds, send_seconds)]
+        return sum(per_stage) + (micro_batches - 1) * max(per_stage)
 
     def calibrate(self, whole: float) -> None:
         """Scale the stages' seconds to sum to `whole`, the plan's estimate for one micro-batch
