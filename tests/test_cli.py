@@ -229,13 +229,16 @@ def gpt2_package(tmp_path_factory):
     return tessel.save(tessel.build(small_gpt2(layers=2), (token_ids(),), cluster=2), path)
 
 
-def test_inspect_reads_the_manifest_without_importing_torch(gpt2_package):
+def test_inspect_reads_the_manifest_without_importing_torch(gpt2_package, tmp_path):
+    page = tmp_path / "plan.html"
     code = (
         "import json, sys\n"
         "from tessel.cli import main\n"
         f"assert main(['inspect', '--json', {str(gpt2_package)!r}]) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         f"assert main(['inspect', {str(gpt2_package)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        f"assert main(['inspect', {str(gpt2_package)!r}, '--html', {str(page)!r}]) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     run = subprocess.run(

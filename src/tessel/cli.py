@@ -59,7 +59,11 @@ def _inspect(args: argparse.Namespace) -> int:
     package = Package.open(args.model)
     if args.verify:
         package.verify()
-    if args.json:
+    if args.html:
+        from tessel.plan_page import write_page
+
+        print(f"wrote {write_page(package.manifest, args.html)}")
+    elif args.json:
         print(json.dumps(inspect_json(package.manifest), indent=1))
     else:
         print(format_plan(package.manifest))
@@ -158,6 +162,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("model", help="a .tessel offline model")
     i.add_argument("--json", action="store_true", help="print the plan as JSON")
+    i.add_argument(
+        "--html",
+        metavar="PAGE",
+        help="write the plan as one self-contained HTML page: the mesh, placements per layer, "
+        "a rank x rank heat map of bytes moved, memory per device, pipeline stages",
+    )
     i.add_argument("--verify", action="store_true", help="also check every member's checksum")
     i.set_defaults(func=_inspect)
 

@@ -58,6 +58,7 @@ def _ranks(manifest: Manifest, memory: dict) -> list[dict]:
                 between += c.get("bytes") or 0
         r["collectives"] = collectives
         r["bytes_between_nodes"] = between
+        r["node_id"] = node_of.get(r.get("rank"))
         ranks.append(r)
     return ranks
 
