@@ -12,8 +12,9 @@ from those `tp` programs here, so the runtime needs nothing new:
   collective is needed to re-lay it out;
 - the program of a stage runs its nodes once per micro-batch, each micro-batch reading its rows of
   the inputs, so stage `s` works on micro-batch `k` while stage `s + 1` works on `k - 1`;
-- the outputs travel to the first stage, are put back together in micro-batch order and, with
-  replicas, all-gathered over the data-parallel group, so rank 0 returns the whole batch.
+- the outputs, whole on every rank of the stage computing them, travel from its first rank to
+  the first stage's, are put back together in micro-batch order and, with replicas,
+  all-gathered over the replicas' first ranks, so rank 0 returns the whole batch.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 """
@@ -327,6 +328,8 @@ class _Cut:
         split = self.split
         m = split.micro_batches
         returned = list(dict.fromkeys(a for a in _refs(self.output["args"]) if a in self.stage))
+        if t > 0:  # every rank holds the outputs whole; rank 0's are the run's
+            return [{"args": []}]
         if s > 0:
             waits: list[dict] = []
             nodes = [
