@@ -79,11 +79,6 @@ def parallel_option_from_dict(
             f"found {describe(opt_level)}; allowed: 'O2' (ILP, the default) or 'O1' (DP)",
             "opt_level",
         )
-    if opt_level == "O1":
-        raise g.error(
-            "'O1' (the dynamic-programming solver) is not built yet; use 'O2' (ILP) or leave it out",
-            "opt_level",
-        )
     sizes: dict[str, int | None] = {}
     tpo = g.child("tensor_parallel_option", None)
     sizes["tensor_parallel_size"] = None

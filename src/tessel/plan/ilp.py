@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -190,7 +191,16 @@ class _Model:
 
 
 def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
-    """The cheapest choice whose every memory row fits `memory_budget`.
+    """The cheapest choice whose every memory row fits `memory_budget` (see `solve_with`)."""
+    return solve_with(problem, _solve_priced, time_limit)
+
+
+PricedSolver = Callable[[Problem, dict[MemoryRow, float], float], Solution]
+
+
+def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0) -> Solution:
+    """The cheapest choice whose every memory row fits `memory_budget`; `priced` solves the
+    problem without memory rows, each priced row's bytes charged at its price.
 
     First without the memory rows: where that answer fits, it is the best. Otherwise memory is
     priced into the objective (a Lagrangian relaxation): each row an answer broke costs its
@@ -202,7 +212,7 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     """
     start = time.perf_counter()
     budget = problem.memory_budget
-    best = _solve_priced(problem, {}, time_limit)
+    best = priced(problem, {}, time_limit)
     if budget is None or _fits(problem, best.choice):
         return best
     prices: dict[int, float] = {}
@@ -213,7 +223,7 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     for step in range(_PRICE_STEPS):
         if time.perf_counter() - start > time_limit / 2:
             break
-        candidate = _solve_priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
+        candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
         broken = {id(r) for r in _broken(problem, candidate.choice)}
         log.debug(
             "prices %d: cost %.4g, %d rows broken, %.2f s",
@@ -238,8 +248,9 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
         for k in set(prices) - broken:
             prices[k] *= down
     if fitting is not None:
-        log.info("ILP: memory priced on %d rows; %d programs", len(prices), step + 1)
+        log.info("memory priced on %d rows; %d problems solved", len(prices), step + 1)
         return fitting
+    # no prices made an answer fit: the memory rows go into the integer program itself
     return _solve_constrained(problem, time_limit - (time.perf_counter() - start))
 
 

@@ -19,15 +19,18 @@ from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.parallel_option import ParallelOption
 from tessel.errors import TesselError
-from tessel.plan import cost
+from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
-from tessel.plan.ilp import InfeasibleError, Problem, least_memory, solve
+from tessel.plan.ilp import InfeasibleError, Problem, least_memory
 from tessel.plan.layers import layer_of, template_map
 from tessel.plan.memory import Footprint, footprint
 from tessel.plan.strategies import Replicate, Strategy
 from tessel.units import human_bytes
 
 log = logging.getLogger(__name__)
+
+
+SOLVERS = {"O2": ilp.solve, "O1": dp.solve}  # opt_level -> solver
 
 
 class PlanError(TesselError, RuntimeError):
@@ -104,7 +107,7 @@ def make_plan(
     problem.memory = held.rows
     problem.memory_budget = float(device_bytes - held.fixed - reserve)
     try:
-        solution = solve(problem, time_limit)
+        solution = SOLVERS[option.opt_level](problem, time_limit)
     except InfeasibleError:
         raise _does_not_fit(
             problem, held, choices, cluster, device_bytes, time_limit, reserve
