@@ -116,9 +116,10 @@ def test_unparseable_file_names_line_and_column(tmp_path):
 
 
 def test_published_semi_auto_policy_is_read_as_written():
-    # CANN's semi-auto example lacks a comma after "O1"; it is read as written
-    option = read_parallel_option(DATA / "parallel_option_semi_auto.json", world_size=2)
-    assert option.opt_level == "O1" and not option.auto
+    # CANN's semi-auto example lacks a comma after "O1"; it is read as written, O1 accepted,
+    # and its tensor_sharding (training) refused by name
+    with pytest.raises(ConfigError, match=r"tensor_sharding.optimizer_state_sharding: is true"):
+        read_parallel_option(DATA / "parallel_option_semi_auto.json", world_size=2)
 
 
 def test_auto_policy_defaults_to_o2():
