@@ -4,11 +4,11 @@ A Llama (4 layers, width 256, 8 heads, vocab 8192, batch 8 x 128, fp32) on 2 nod
 devices (HCCS 392Gb within a node, RDMA 25Gb between nodes), for
   (a) devices of 16 GB, which hold the replicated model, and
   (b) devices that hold a quarter of the weights plus the activations;
-tessel with `auto` and no sizes (it weighs every dp x tp shape the nodes allow) against the hand
-plan "TP over the 4 devices of a node, DP across the nodes" (dp 2 x tp 4, given in the policy).
-Figures per run: bytes the collectives move between nodes (all ranks), the planner's estimated
-time, and the build time. Pipeline stages across the nodes, the issue's third plan for (b), are
-not built yet.
+tessel with `auto` and no sizes (it weighs every pp x dp x tp shape the nodes allow) against the
+hand plans "TP over the 4 devices of a node, DP across the nodes" (dp 2 x tp 4) and "TP over the
+4 devices of a node, 2 pipeline stages across the nodes" (pp 2 x tp 4, 4 micro-batches), given
+in the policy. Figures per run: bytes the collectives and the stages' sends move between nodes
+(all ranks), the planner's estimated time, and the build time.
 
     python benchmarks/bench_mesh.py
 """
@@ -70,7 +70,17 @@ def main() -> None:
             "data_parallel_option": {"data_parallel_size": 2},
         }
     }
-    plans = {"tessel auto": {"graph_parallel_option": {"auto": True}}, "hand dp 2 x tp 4": hand}
+    stages = {
+        "graph_parallel_option": {
+            "tensor_parallel_option": {"tensor_parallel_size": 4},
+            "pipeline_parallel_option": {"pipe_stage_num": 2, "micro_batch_num": 4},
+        }
+    }
+    plans = {
+        "tessel auto": {"graph_parallel_option": {"auto": True}},
+        "hand dp 2 x tp 4": hand,
+        "hand pp 2 x tp 4": stages,
+    }
     rows = []
     for memory_label, memory in memories.items():
         cluster = cluster_from_dict(cluster_dict(memory), "2x4.json")

@@ -280,11 +280,11 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
         policy=str(tmp_path / "policy.json"),
     )
     groups = {tuple(g) for s in built.manifest["submodels"] for g in s["comm_groups"]}
-    assert {(0, 1), (2, 3), (0, 2), (1, 3)} <= groups
+    assert {(0, 1), (2, 3), (0, 2)} <= groups and (1, 3) not in groups
     rank0 = inspect_json(built.manifest)["ranks"][0]  # what tessel inspect shows
     assert {c["axis"] for c in rank0["collectives"]} == {"dp", "tp"}
     across = [c["bytes"] for c in rank0["collectives"] if c["axis"] == "dp"]
-    assert rank0["bytes_between_nodes"] == sum(across) > 0  # only the replicas' gather
+    assert rank0["bytes_between_nodes"] == sum(across) > 0  # only replica 1's rows
     path = tessel.save(built, tmp_path / "dp2tp2")
     _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
 

@@ -76,8 +76,7 @@ def test_pipeline_stages_equal_eager(family, pp, tp, dp, micro, tight):
     )
     manifest = built.manifest
     assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    names = ["pp", "dp", "tp"] if dp > 1 else ["pp", "tp"]
-    assert manifest["mesh"]["dim_names"] == names
+    assert manifest["mesh"] == {"shape": [pp, dp, tp], "dim_names": ["pp", "dp", "tp"]}
     stages = manifest["plan"]["stages"]
     assert [s["stage"] for s in stages] == list(range(pp))
     assert manifest["plan"]["micro_batches"] == micro

@@ -1,11 +1,13 @@
 """Choosing the mesh's shape where the policy leaves it to tessel (`auto`, no sizes given).
 
-On a cluster of several nodes, the shapes weighed are `dp x tp` for every data-parallel size
-that divides the device count, that the nodes can hold (a group within one node or across whole
-nodes) and that divides the example batch. Each is planned (one replica's share of the batch on
-`tp` devices, under the devices' memory) and priced by the planner's estimated time plus the
-gather of the outputs over the replicas, on the link that axis crosses; the fastest that fits
-is chosen. Every shape weighed, and why one was set aside, goes into the plan for `inspect`.
+On a cluster of several nodes, the shapes weighed are `pp x dp x tp` for every stage count and
+data-parallel size that divide the device count, that the nodes can hold (a group within one
+node or across whole nodes) and that the example batch can be split for. Each is planned (one
+micro-batch of one replica's share of the batch on `tp` devices, under the devices' memory, a
+stage holding its part of the weights) and priced by the planner's estimated time (pipelined
+over the stages, their sends on the link between them) plus the gather of the outputs over the
+replicas, on the link that axis crosses; the fastest that fits is chosen. Every shape weighed,
+and why one was set aside, goes into the plan for `inspect`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from tessel._torch import tree_leaves, tree_map
+from tessel.builder.stages import default_micro_batches, more_memory, pipeline_estimate
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
@@ -31,6 +34,7 @@ class MeshChoice:
     dims: ParallelDims
     captured: CapturedModel
     weighed: list[dict[str, Any]]
+    micro_batches: int = 1
 
 
 def wants_choice(cluster: ClusterConfig, policy: ParallelOption, model: Any) -> bool:
@@ -54,50 +58,94 @@ def choose_mesh(
     reuse_layers: bool,
     time_limit: float,
 ) -> MeshChoice:
-    """Weigh every `dp x tp` shape of `cluster` and return the fastest that fits."""
+    """Weigh every `pp x dp x tp` shape of `cluster` and return the fastest that fits."""
     world = cluster.world_size
+    rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
-    best: tuple[float, ParallelDims, CapturedModel] | None = None
-    for dp in (d for d in range(1, world + 1) if world % d == 0):
-        tp = world // dp
+    best: tuple[float, ParallelDims, CapturedModel, int] | None = None
+    shapes = [
+        (pp, dp, world // (pp * dp))
+        for pp in range(1, world + 1)
+        if world % pp == 0
+        for dp in range(1, world // pp + 1)
+        if (world // pp) % dp == 0
+    ]
+    for pp, dp, tp in shapes:
         entry: dict[str, Any] = {"shape": [dp, tp], "dim_names": ["dp", "tp"]}
+        if pp > 1:
+            entry = {"shape": [pp, dp, tp], "dim_names": ["pp", "dp", "tp"]}
         weighed.append(entry)
-        sized = replace(policy, tensor_parallel_size=tp, data_parallel_size=dp)
+        sized = replace(policy, tensor_parallel_size=tp, data_parallel_size=dp, pipe_stage_num=pp)
+        micro = default_micro_batches(pp, rows // dp) if pp > 1 and rows % dp == 0 else 1
         try:
             dims = parallel_dims(cluster, sized)
-            a, k = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
+            parts = dp * micro
+            a, k = (
+                replica_batch(args, kwargs, dp, policy.source, micro)
+                if parts > 1
+                else (
+                    args,
+                    kwargs,
+                )
+            )
         except ConfigError as exc:
             entry["set_aside"] = exc.detail
             continue
         captured = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
+        devices = first_devices(cluster, tp)
         try:
-            plan = make_plan(captured, first_devices(cluster, tp), policy, time_limit)
+            plan = make_plan(
+                captured, more_memory(devices, pp) if pp > 1 else devices, policy, time_limit
+            )
+            seconds = plan.estimated_time
+            if pp > 1:
+                entry["micro_batches"] = micro
+                seconds = pipeline_estimate(captured, plan, cluster, dims, micro)
         except PlanError:
             entry["set_aside"] = "does not fit the devices' memory"
             continue
-        entry["estimated_time_s"] = plan.estimated_time + gather_seconds(captured, dims, cluster)
+        except ConfigError as exc:  # more stages than layers
+            entry["set_aside"] = exc.detail
+            continue
+        entry["estimated_time_s"] = seconds + gather_seconds(captured, dims, cluster, micro)
         if best is None or entry["estimated_time_s"] < best[0]:
-            best = (entry["estimated_time_s"], dims, captured)
+            best = (entry["estimated_time_s"], dims, captured, micro)
     if best is None:
         reasons = "; ".join(f"{e['shape']}: {e.get('set_aside')}" for e in weighed)
         raise PlanError(f"no mesh shape of this cluster fits the model ({reasons})")
-    chosen = [best[1].size("dp"), best[1].size("tp")]
+    dims = best[1]
+    chosen = [dims.size("dp"), dims.size("tp")]
+    if dims.size("pp") > 1:
+        chosen = [dims.size("pp"), *chosen]
     for entry in weighed:
         entry["chosen"] = entry["shape"] == chosen
-    return MeshChoice(best[1], best[2], weighed)
+    return MeshChoice(dims, best[2], weighed, best[3])
 
 
-def gather_seconds(captured: CapturedModel, dims: ParallelDims, cluster: ClusterConfig) -> float:
-    """The time to gather every replica's outputs (captured for one replica) over the dp axis."""
+def batch_rows(args: tuple, kwargs: dict) -> int:
+    """The example batch's rows: the first dimension of its first tensor input."""
+    first = next(
+        (x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim()), None
+    )
+    return first.shape[0] if first is not None else 1
+
+
+def gather_seconds(
+    captured: CapturedModel, dims: ParallelDims, cluster: ClusterConfig, micro_batches: int = 1
+) -> float:
+    """The time rank 0 takes to receive every other replica's outputs (captured for one
+    micro-batch of one replica) over the dp axis's link, one replica after another."""
     dp = dims.size("dp")
+    if dp == 1:
+        return 0.0
     out = captured.program.graph_module.graph.output_node()
-    output_bytes = sum(
-        v.numel() * v.element_size() * dp
+    replica_bytes = sum(
+        v.numel() * v.element_size() * micro_batches
         for a in tree_leaves(out.args[0])
         if isinstance(a, torch.fx.Node) and isinstance((v := a.meta.get("val")), torch.Tensor)
     )
     link = cost.Links(dims.axis("dp").bandwidth, cluster.soc.link_latency)
-    return cost.all_gather_time(output_bytes, dp, link)
+    return (dp - 1) * (replica_bytes / link.bandwidth + link.latency)
 
 
 def replica_batch(

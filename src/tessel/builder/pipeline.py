@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate
 from tessel import __version__ as tessel_version
 from tessel._torch import tree_leaves
 from tessel.builder.mesh_choice import (
+    batch_rows,
     choose_mesh,
     first_devices,
     gather_seconds,
@@ -42,7 +43,6 @@ from tessel.config.errors import ConfigError
 from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
-from tessel.lower.replicas import replicate
 from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import (
     LoweringError,
@@ -149,11 +149,11 @@ def build(
                 time_limit=time_limit,
             )
             dims, captured, weighed = choice.dims, choice.captured, choice.weighed
-            dp = dims.size("dp")
+            dp, pp, micro_batches = dims.size("dp"), dims.size("pp"), choice.micro_batches
         else:
             if pp > 1:
                 micro_batches = policy.micro_batch_num or default_micro_batches(
-                    pp, _rows(args, kwargs) // dp
+                    pp, batch_rows(args, kwargs) // dp
                 )
             parts = dp * micro_batches
             split = (
@@ -180,14 +180,11 @@ def build(
         timings=timings,
     )
     staged, stages = None, None
-    if pp > 1:
+    if pp * dp > 1:
         staged, stages = build_stages(
             captured, plan, programs, cluster, dims, micro_batches, policy.source
         )
         programs = [sp.program for sp in staged]
-    elif dp > 1:
-        batch = captured.example_inputs[0].shape[0]
-        programs = replicate(programs, dp, len(captured.example_inputs), batch)
     t = time.perf_counter()
     manifest, members = _pack(
         captured,
@@ -217,7 +214,9 @@ def build(
             micro_batches, send_seconds(staged, dims, cluster, micro_batches)
         )
     if dp > 1:  # the replicas run at once; then their outputs are gathered
-        manifest["plan"]["estimated_time_s"] += gather_seconds(captured, dims, cluster)
+        manifest["plan"]["estimated_time_s"] += gather_seconds(
+            captured, dims, cluster, micro_batches
+        )
     if weighed is not None:
         manifest["plan"]["mesh_choices"] = weighed
     timings["pack"] = time.perf_counter() - t
@@ -252,14 +251,6 @@ def build(
 MAX_REPLANS = 25
 DP_KEY = "data_parallel_option.data_parallel_size"
 PP_KEY = "pipeline_parallel_option.pipe_stage_num"
-
-
-def _rows(args: tuple, kwargs: dict) -> int:
-    """The example batch's rows: the first dimension of its first tensor input."""
-    first = next(
-        (x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim()), None
-    )
-    return first.shape[0] if first is not None else 1
 
 
 def plan_and_lower(
@@ -457,7 +448,7 @@ def _pack(
         mesh_rank = rank % tp if graph_parallel else 0
         if staged is not None:
             rp, takes = staged[rank].program, set(staged[rank].weights)
-            where = f"stage_{staged[rank].stage}_"
+            where = f"stage_{staged[rank].stage}_" if pp > 1 else ""
         else:
             rp, takes, where = programs[rank if graph_parallel else 0], None, ""
         order = [fqn for _, fqn in weights if takes is None or fqn in takes]
@@ -544,7 +535,7 @@ def _pack(
     }
     members["layouts.json"] = json.dumps(layouts, indent=1).encode()
     if pp > 1:  # each weight is held by the ranks of the stages that read it
-        mesh_shape, dim_names = [pp, *mesh_shape], ["pp", *dim_names]
+        mesh_shape, dim_names = [pp, dp, *plan.mesh_shape], ["pp", "dp", "tp"]
     members["strategy.json"] = json.dumps(
         _strategy_file(plan, placeholders, weights, state, dp)
     ).encode()

@@ -1,5 +1,6 @@
-"""Pipeline stages: cut the layers over the stages, then every rank's program out of one
-stage-replica's tensor-parallel programs, each checked to fit its device."""
+"""Every rank's program on a `pp x dp x tp` mesh: the layers cut over the stages, then each
+rank's program made from one stage-replica's tensor-parallel programs (`lower.stages`), each
+checked to fit its device."""
 
 from __future__ import annotations
 
@@ -49,37 +50,19 @@ def build_stages(
     dims: ParallelDims,
     micro_batches: int,
     source: str,
-) -> tuple[list[StagedProgram], StageAssignment]:
-    """Every rank's program on the `pp x dp x tp` mesh, in rank order, and the layers per stage.
+) -> tuple[list[StagedProgram], StageAssignment | None]:
+    """Every rank's program on the `pp x dp x tp` mesh, in rank order, and the layers per stage
+    (None with one stage).
 
     Raises `ConfigError` (naming the policy `source`) where the layers cannot be cut into the
     stages, and `PlanError` where a stage's program holds more than its device's memory.
     """
-    ep = captured.program
-    state = {**ep.state_dict, **ep.constants}
     weights = weight_inputs(captured, plan)
-    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
-    share = {}
-    for ph, fqn in weights:
-        t = state[fqn]
-        local = local_shard_shape(
-            t.shape, plan.out_placements(placeholders[ph]), plan.mesh_shape, 0
-        )
-        share[fqn] = math.prod(local) / max(1, t.numel())
-    device_bytes = min(d.memory_bytes for d in cluster.devices)
-    try:
-        assignment = assign_stages(
-            ep.graph_module.graph,
-            {fqn: state[fqn] for _, fqn in weights},
-            {fqn: placeholders[ph] for ph, fqn in weights},
-            share,
-            dims.size("pp"),
-            cluster,
-            device_bytes,
-        )
-    except StageAssignError as exc:
-        raise ConfigError(source, PP_KEY, str(exc)) from None
-    assignment.calibrate(plan.estimated_time)
+    assignment = None
+    weight_stage = {fqn: 0 for _, fqn in weights}
+    if dims.size("pp") > 1:
+        assignment = _assignment(captured, plan, cluster, dims, source)
+        weight_stage = assignment.weight_stage
     split = Split(
         dims.size("pp"),
         dims.size("dp"),
@@ -90,7 +73,7 @@ def build_stages(
     staged = stage_programs(
         programs,
         [fqn for _, fqn in weights],
-        assignment.weight_stage,
+        weight_stage,
         len(captured.example_inputs),
         split,
     )
@@ -98,13 +81,62 @@ def build_stages(
         held, peak = _memory(sp)
         sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
         if peak > cluster.devices[rank].memory_bytes:
+            where = f"rank {rank}"
+            if assignment is not None:
+                layers = assignment.layers[sp.stage]
+                where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
             raise PlanError(
-                f"pipeline stage {sp.stage} (layers {assignment.layers[sp.stage][0]}-"
-                f"{assignment.layers[sp.stage][-1]}) holds {peak} bytes at its peak on rank "
-                f"{rank}, more than the device's {cluster.devices[rank].memory_bytes}; use more "
-                "stages, more micro-batches or more tensor parallelism"
+                f"{where} holds {peak} bytes at its peak, more than the device's "
+                f"{cluster.devices[rank].memory_bytes}; use more stages, more micro-batches or "
+                "more tensor parallelism"
             )
     return staged, assignment
+
+
+def pipeline_estimate(
+    captured: CapturedModel,
+    plan: Plan,
+    cluster: ClusterConfig,
+    dims: ParallelDims,
+    micro_batches: int,
+    source: str = "policy",
+) -> float:
+    """A run's estimated seconds on the stages, before any program is lowered: each boundary
+    sends the whole value its last layer leaves (its shard may be less)."""
+    assignment = _assignment(captured, plan, cluster, dims, source)
+    link = cost.Links(dims.axis("pp").bandwidth, cluster.soc.link_latency)
+    sends = [b / link.bandwidth + link.latency if b else 0.0 for b in assignment.boundary_bytes]
+    return assignment.pipelined_seconds(micro_batches, sends)
+
+
+def _assignment(
+    captured: CapturedModel, plan: Plan, cluster: ClusterConfig, dims: ParallelDims, source: str
+) -> StageAssignment:
+    """The layers of each stage, their seconds scaled to the plan's estimate."""
+    ep = captured.program
+    state = {**ep.state_dict, **ep.constants}
+    weights = weight_inputs(captured, plan)
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    share = {}
+    for ph, fqn in weights:
+        t = state[fqn]
+        placements = plan.out_placements(placeholders[ph])
+        local = local_shard_shape(t.shape, placements, plan.mesh_shape, 0)
+        share[fqn] = math.prod(local) / max(1, t.numel())
+    try:
+        assignment = assign_stages(
+            ep.graph_module.graph,
+            {fqn: state[fqn] for _, fqn in weights},
+            {fqn: placeholders[ph] for ph, fqn in weights},
+            share,
+            dims.size("pp"),
+            cluster,
+            min(d.memory_bytes for d in cluster.devices),
+        )
+    except StageAssignError as exc:
+        raise ConfigError(source, PP_KEY, str(exc)) from None
+    assignment.calibrate(plan.estimated_time)
+    return assignment
 
 
 def send_seconds(

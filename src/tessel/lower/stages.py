@@ -13,8 +13,8 @@ from those `tp` programs here, so the runtime needs nothing new:
 - the program of a stage runs its nodes once per micro-batch, each micro-batch reading its rows of
   the inputs, so stage `s` works on micro-batch `k` while stage `s + 1` works on `k - 1`;
 - the outputs, whole on every rank of the stage computing them, travel from its first rank to
-  the first stage's, are put back together in micro-batch order and, with replicas,
-  all-gathered over the replicas' first ranks, so rank 0 returns the whole batch.
+  the first stage's, are put back together in micro-batch order and, with replicas, sent on
+  from each replica's first rank to rank 0, so rank 0 returns the whole batch.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 """
@@ -34,7 +34,6 @@ _SLICE = "aten.slice.Tensor"
 _ZEROS = "aten.zeros.default"
 _CAT = "aten.cat.default"
 _BROADCAST = "_c10d_functional.broadcast.default"
-_GATHER = "_c10d_functional.all_gather_into_tensor.default"
 _WAIT = "_c10d_functional.wait_tensor.default"
 
 
@@ -226,45 +225,14 @@ class _Cut:
         def tp_rank(r: int) -> int:
             return split.rank(s, d, r)
 
-        def pair(other: int) -> tuple[dict, int, int]:
-            """The group of this rank and stage `other`'s rank, and each one's index in it."""
-            ranks = sorted({split.rank(s, d, t), split.rank(other, d, t)})
-            me = ranks.index(split.rank(s, d, t))
-            return {"$group": ranks}, me, ranks.index(split.rank(other, d, t))
-
-        def recv(value: str, new: str, source: int) -> list[dict]:
-            shape, dtype = shapes[value]
-            group, _, src = pair(source)
-            shapes[f"{new}_buf"] = shapes[f"{new}_recv"] = shapes[new] = (shape, dtype)
-            return [
-                _call(
-                    f"{new}_buf",
-                    _ZEROS,
-                    [shape],
-                    {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
-                ),
-                _call(f"{new}_recv", _BROADCAST, [{"$node": f"{new}_buf"}, src, group]),
-                _call(new, _WAIT, [{"$node": f"{new}_recv"}]),
-            ]
-
-        sent = [0]
-
-        def send(value: str, target: int, waits: list[dict]) -> dict:
-            group, me, _ = pair(target)
-            name = f"{value}_to{target}"
-            shapes[name] = shapes[value]
-            if target > s:
-                sent[0] += _nbytes(*shapes[value])
-            waits.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
-            return _call(name, _BROADCAST, [{"$node": value}, me, group])
-
+        transfers = _Transfers(split.rank(s, d, t), shapes)
         body: list[dict] = []
         rows_of = self._rows(d, body, shapes)
         for k in range(split.micro_batches):
             names = {u["name"]: rows_of[u["name"]][k] for u in self.user_nodes}
             for a in received:
                 names[a] = f"{a}__mb{k}"
-                body += recv(a, names[a], self.stage[a])
+                body += transfers.recv(a, names[a], split.rank(self.stage[a], d, t))
             waits: list[dict] = []
             for n in mine:
                 new = f"{n['name']}__mb{k}"
@@ -280,9 +248,9 @@ class _Cut:
                     }
                 )
                 for target in sends.get(n["name"], ()):
-                    body.append(send(new, target, waits))
+                    body.append(transfers.send(new, split.rank(target, d, t), waits))
             body += waits
-        body += self._outputs(s, d, t, shapes, pair, recv, send)
+        body += self._outputs(s, d, t, shapes, transfers)
         output = {**self.output, "args": body.pop()["args"]}
         program = {
             **self.rp.program,
@@ -295,7 +263,7 @@ class _Cut:
             shapes=shapes,
             constants={k: v for k, v in self.rp.constants.items() if k in used},
         )
-        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, sent[0])
+        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, transfers.sent)
 
     def _rows(self, d: int, body: list[dict], shapes: dict) -> dict[str, list[str]]:
         """Each model input's node per micro-batch: its rows of replica `d`'s share."""
@@ -323,17 +291,22 @@ class _Cut:
                 rows_of[name].append(new)
         return rows_of
 
-    def _outputs(self, s, d, t, shapes, pair, recv, send) -> list[dict]:
-        """Nodes that bring the outputs to the first stage; on it, the last is the output."""
+    def _outputs(self, s: int, d: int, t: int, shapes: dict, transfers: _Transfers) -> list[dict]:
+        """Nodes that bring the outputs to rank 0; the last is the output node's arguments.
+
+        Every rank of a stage holds the outputs whole, so only tensor-parallel rank 0 of each
+        stage-replica sends or receives them: a later stage sends its outputs to the first
+        stage, which puts the micro-batches together; another replica's first rank sends its
+        rows on to rank 0, which puts the replicas together."""
         split = self.split
         m = split.micro_batches
         returned = list(dict.fromkeys(a for a in _refs(self.output["args"]) if a in self.stage))
-        if t > 0:  # every rank holds the outputs whole; rank 0's are the run's
+        if t > 0:
             return [{"args": []}]
+        waits: list[dict] = []
         if s > 0:
-            waits: list[dict] = []
             nodes = [
-                send(f"{a}__mb{k}", 0, waits)
+                transfers.send(f"{a}__mb{k}", split.rank(0, d, 0), waits, forward=False)
                 for k in range(m)
                 for a in returned
                 if self.stage[a] == s
@@ -345,7 +318,8 @@ class _Cut:
             for a in returned:
                 name = f"{a}__mb{k}"
                 if self.stage[a] != 0:
-                    nodes += recv(a, f"{name}_out", self.stage[a])
+                    source = split.rank(self.stage[a], d, 0)
+                    nodes += transfers.recv(a, f"{name}_out", source)
                     name = f"{name}_out"
                 parts.setdefault(a, []).append(name)
         whole: dict[str, str] = {}
@@ -362,12 +336,56 @@ class _Cut:
                 name = f"{a}__batches"
                 shapes[name] = ([m * shape[0], *shape[1:]], dtype)
                 nodes.append(_call(name, _CAT, [[{"$node": p} for p in parts[a]], 0]))
-            if split.dp > 1:
-                group = {"$group": [split.rank(0, r, t) for r in range(split.dp)]}
-                gather, done = f"{a}__gather", f"{a}__replicas"
-                shapes[gather] = shapes[done] = ([split.dp * m * shape[0], *shape[1:]], dtype)
-                nodes.append(_call(gather, _GATHER, [{"$node": name}, split.dp, group]))
-                nodes.append(_call(done, _WAIT, [{"$node": gather}]))
-                name = done
+            if d > 0:
+                nodes.append(transfers.send(name, split.rank(0, 0, 0), waits, forward=False))
+            elif split.dp > 1:
+                pieces = [name]
+                for r in range(1, split.dp):
+                    piece = f"{a}__replica{r}"
+                    nodes += transfers.recv(name, piece, split.rank(0, r, 0))
+                    pieces.append(piece)
+                name = f"{a}__replicas"
+                shapes[name] = ([split.dp * m * shape[0], *shape[1:]], dtype)
+                nodes.append(_call(name, _CAT, [[{"$node": p} for p in pieces], 0]))
             whole[a] = name
+        if d > 0:
+            return [*nodes, *waits, {"args": []}]
         return [*nodes, {"args": _sub(self.output["args"], whole)}]
+
+
+class _Transfers:
+    """Point-to-point sends between this rank and another, as broadcasts over the pair."""
+
+    def __init__(self, me: int, shapes: dict) -> None:
+        self.me, self.shapes = me, shapes
+        self.sent = 0  # bytes sent on to later stages per run
+
+    def _pair(self, peer: int) -> tuple[dict, int, int]:
+        ranks = sorted({self.me, peer})
+        return {"$group": ranks}, ranks.index(self.me), ranks.index(peer)
+
+    def recv(self, value: str, new: str, source: int) -> list[dict]:
+        """Nodes receiving `value` (shaped as this rank's own) from `source` as `new`."""
+        shape, dtype = self.shapes[value]
+        group, _, src = self._pair(source)
+        self.shapes[f"{new}_buf"] = self.shapes[f"{new}_recv"] = self.shapes[new] = (shape, dtype)
+        return [
+            _call(
+                f"{new}_buf",
+                _ZEROS,
+                [shape],
+                {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
+            ),
+            _call(f"{new}_recv", _BROADCAST, [{"$node": f"{new}_buf"}, src, group]),
+            _call(new, _WAIT, [{"$node": f"{new}_recv"}]),
+        ]
+
+    def send(self, value: str, target: int, waits: list[dict], forward: bool = True) -> dict:
+        """The node sending `value` to `target`; its wait goes into `waits`."""
+        group, me, _ = self._pair(target)
+        name = f"{value}_to{target}"
+        self.shapes[name] = self.shapes[value]
+        if forward:
+            self.sent += _nbytes(*self.shapes[value])
+        waits.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
+        return _call(name, _BROADCAST, [{"$node": value}, me, group])

@@ -38,6 +38,7 @@ class StageAssignment:
     seconds: list[float]
     weight_bytes: list[int]
     weight_stage: dict[str, int]
+    boundary_bytes: list[int]  # per stage, the bytes of the value its last layer leaves (0: last)
 
     def pipelined_seconds(self, micro_batches: int, send_seconds: list[float]) -> float:
         """A run's estimate: the first micro-batch passes every stage (each then sending its
@@ -157,7 +158,8 @@ def assign_stages(
     byts[0] += before_b
     secs[-1] += after
     byts[-1] += after_b
-    return StageAssignment(family, stages, secs, byts, weight_stage)
+    boundary = [cost.nbytes(by_index[ls[-1]][-1].meta.get("val")) for ls in stages[:-1]] + [0]
+    return StageAssignment(family, stages, secs, byts, weight_stage, boundary)
 
 
 def _cut(
