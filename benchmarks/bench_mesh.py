@@ -105,12 +105,12 @@ def main() -> None:
             print(rows[-1], flush=True)
     print()
     print(
-        f"{'memory':<14} {'plan':<18} {'mesh':<14} {'MiB between nodes':>18} "
+        f"{'memory':<14} {'plan':<18} {'mesh':<20} {'MiB between nodes':>18} "
         f"{'est. ms':>8} {'build s':>8}"
     )
     for memory_label, plan_label, mesh, between, estimate, seconds in rows:
         print(
-            f"{memory_label:<14} {plan_label:<18} {mesh:<14} {between / 2**20:>18.2f} "
+            f"{memory_label:<14} {plan_label:<18} {mesh:<20} {between / 2**20:>18.2f} "
             f"{1e3 * estimate:>8.2f} {seconds:>8.1f}"
         )
 

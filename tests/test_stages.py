@@ -188,3 +188,23 @@ def test_the_stage_cut_is_the_best_contiguous_cut(layers, pp, limit):
         assert m <= limit
         worst = max(worst, t)
     assert worst == pytest.approx(best)
+
+
+def test_a_pipeline_priced_before_lowering_pays_for_its_bubble():
+    """What auto weighs a pipeline shape by: one micro-batch's work through every stage, then
+    the slowest stage per further micro-batch, and the sends between them."""
+    from tessel.builder.mesh_choice import first_devices, replica_batch
+    from tessel.builder.stages import more_memory, pipeline_estimate
+    from tessel.config.mesh import parallel_dims
+    from tessel.plan import make_plan
+
+    torch.manual_seed(0)
+    model = small_llama(layers=4)
+    args, kwargs = replica_batch((token_ids(batch=4),), {}, 1, "policy.json", 2)
+    captured = capture(model, args, kwargs, keep=has_rule)
+    whole = cluster(4)
+    dims = parallel_dims(whole, policy(2, tp=2))
+    plan = make_plan(captured, more_memory(first_devices(whole, 2), 2), policy(2, tp=2))
+    one = pipeline_estimate(captured, plan, whole, dims, 1)
+    two = pipeline_estimate(captured, plan, whole, dims, 2)
+    assert plan.estimated_time < one < two < 2 * one

@@ -7,7 +7,9 @@ micro-batch of one replica's share of the batch on `tp` devices, under the devic
 stage holding its part of the weights) and priced by the planner's estimated time (pipelined
 over the stages, their sends on the link between them) plus the gather of the outputs over the
 replicas, on the link that axis crosses; the fastest that fits is chosen. Every shape weighed,
-and why one was set aside, goes into the plan for `inspect`.
+and why one was set aside, goes into the plan for `inspect`. Shapes with pipeline stages are
+weighed only where no shape without them fits: a stage-replica does the same work as a replica
+holding every layer, plus the time its micro-batches wait while the stages fill and drain.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def choose_mesh(
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
     best: tuple[float, ParallelDims, CapturedModel, int] | None = None
+    captures: dict[int, CapturedModel] = {}  # by the parts the example batch is split into
     shapes = [
         (pp, dp, world // (pp * dp))
         for pp in range(1, world + 1)
@@ -75,6 +78,13 @@ def choose_mesh(
         if pp > 1:
             entry = {"shape": [pp, dp, tp], "dim_names": ["pp", "dp", "tp"]}
         weighed.append(entry)
+        if pp > 1 and best is not None:
+            # (1, pp * dp, tp) does the same work without the stages' fill and drain
+            entry["set_aside"] = (
+                "not weighed: a shape without pipeline stages fits, and stages only add the "
+                "time micro-batches wait to fill and drain them"
+            )
+            continue
         sized = replace(policy, tensor_parallel_size=tp, data_parallel_size=dp, pipe_stage_num=pp)
         micro = default_micro_batches(pp, rows // dp) if pp > 1 and rows % dp == 0 else 1
         try:
@@ -91,7 +101,9 @@ def choose_mesh(
         except ConfigError as exc:
             entry["set_aside"] = exc.detail
             continue
-        captured = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
+        if parts not in captures:  # shapes that split the batch alike share one capture
+            captures[parts] = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
+        captured = captures[parts]
         devices = first_devices(cluster, tp)
         try:
             plan = make_plan(

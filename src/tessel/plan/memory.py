@@ -254,6 +254,7 @@ def _resharding_buffers(
         lives[n] = max(end, position[n])
     whole = tuple(Replicate() for _ in mesh_shape)
     out: list[_Buffer] = []
+    matrices: dict[tuple, np.ndarray] = {}
     for t, n in enumerate(nodes):
         if n.op == "output":
             edges = [(a, None, whole) for a in n.all_input_nodes]
@@ -280,7 +281,12 @@ def _resharding_buffers(
                 _placements(s.inputs[j]) if j < len(s.inputs) else None
                 for s in choices[vc].strategies
             ]
-            m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
+            # identical layers repeat the same shapes and strategies: each matrix made once
+            key = (tuple(val.shape), val.element_size(), tuple(src), tuple(dst))
+            m = matrices.get(key)
+            if m is None:
+                m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
+                matrices[key] = m
             if np.any(m):
                 out.append(_Buffer((vp, vc), m, t, end))
     return out
