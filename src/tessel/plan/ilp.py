@@ -316,12 +316,16 @@ def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dic
     """
     model = _Model(problem)
     peak = model.width  # the bound's column
-    for row in problem.memory:
-        model.add_row([*model.memory_entries(row), (peak, -1.0)], -np.inf, 0.0)
+    rows = [model.memory_entries(row) for row in problem.memory]
+    # in units of the largest entry, so HiGHS sees coefficients near 1, not billions of bytes
+    scale = max((abs(v) for entries in rows for _, v in entries), default=1.0) or 1.0
+    for entries in rows:
+        model.add_row([*((col, v / scale) for col, v in entries), (peak, -1.0)], -np.inf, 0.0)
     c = np.zeros(peak + 1)
     c[peak] = 1.0
     upper = np.concatenate([np.ones(peak), [np.inf]])
     result = model.run(c, model.n, upper, time_limit)
     if result.x is None:
         raise InfeasibleError(result.message)
-    return float(result.x[peak]), model.choice(result.x)
+    choice = model.choice(result.x)
+    return max((r.bytes_for(choice) for r in problem.memory), default=0.0), choice
