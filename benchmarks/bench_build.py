@@ -1,4 +1,6 @@
-"""Build time by phase for GPT-2 (width 768) on a 1-D mesh of 4, beside autoparallel's.
+"""Build time by phase for GPT-2 (width 768) on a 1-D mesh of 4, beside autoparallel's; with
+`--nodes 2`, on a cluster of 2 nodes x 4 devices (HCCS within a node, RDMA between), where
+tessel chooses the mesh's shape itself (`auto`, no sizes: it weighs every pp x dp x tp shape).
 
 The peer, meta-pytorch/autoparallel, cannot be installed here (it is not on the package
 registries), so its figures are the ones measured on this kind of machine in
@@ -10,6 +12,7 @@ checks the built model against eager where that costs less than the build (`veri
 
     python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer] [--verify]
                                      [--batch 8] [--seq 512] [--profile FILE]
+    python benchmarks/bench_build.py --nodes 2 --layers 32   # autoparallel: 110 s on a 2x4 mesh
 
 `--profile FILE` profiles each build and save with cProfile and writes the statistics to FILE
 (FILE.<layers>L for each count when several are given); read them with `python -m pstats FILE`.
@@ -28,6 +31,7 @@ import time
 import torch
 
 PEER_TOTAL_S = {2: 6.9, 8: 14.7, 32: 56.1}  # autoparallel, gpt2, mesh (4,), tp mode
+PEER_2X4_S = {32: 110.0}  # autoparallel, gpt2 32 layers, mesh (2, 4)
 
 
 def gpt2(layers: int):
@@ -46,7 +50,8 @@ def profile_path(base: str, layers: int, counts: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
-    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=4, help="devices per node")
+    parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument(
@@ -64,6 +69,15 @@ def main() -> None:
 
     import tessel
 
+    cluster = args.devices
+    peers = PEER_TOTAL_S
+    if args.nodes > 1:
+        from bench_mesh import cluster_dict
+
+        from tessel.config.cluster import cluster_from_dict
+
+        cluster = cluster_from_dict(cluster_dict("[DDR:16GB]", args.nodes, args.devices), "nodes")
+        peers = PEER_2X4_S if (args.nodes, args.devices) == (2, 4) else {}
     rows = []
     for layers in args.layers:
         model = gpt2(layers)
@@ -74,7 +88,7 @@ def main() -> None:
             built = tessel.build(
                 model,
                 {"input_ids": ids, "use_cache": False},
-                cluster=args.devices,
+                cluster=cluster,
                 reuse_layers=not args.trace_every_layer,
                 verify=True if args.verify else None,
             )
@@ -94,8 +108,9 @@ def main() -> None:
                 "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                 "phases_s": phases,
                 "total_s": round(total, 2),
-                "peer_total_s": PEER_TOTAL_S.get(layers),
-                "ratio": round(total / PEER_TOTAL_S[layers], 3) if layers in PEER_TOTAL_S else None,
+                "mesh": built.manifest["mesh"],
+                "peer_total_s": peers.get(layers),
+                "ratio": round(total / peers[layers], 3) if layers in peers else None,
                 "decisions": solver["decisions"],
                 "ilp_variables": solver["variables"],
                 "package_MiB": round(size / 2**20, 1),

@@ -22,23 +22,24 @@ import torch
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 8192, 128, 8
 
 
-def cluster_dict(memory: str) -> dict:
+def cluster_dict(memory: str, nodes: int = 2, devices: int = 4) -> dict:
+    """`nodes` nodes of `devices` devices, HCCS 392Gb within a node and RDMA 25Gb between."""
     node = lambda i: {  # noqa: E731
         "node_id": i,
         "node_type": "NODE",
         "ipaddr": f"10.0.0.{i + 1}",
         "port": 29500,
         "is_local": i == 0,
-        "item_list": [{"item_id": d, "device_id": d} for d in range(4)],
+        "item_list": [{"item_id": d, "device_id": d} for d in range(devices)],
     }
     return {
         "cluster": [
             {
-                "cluster_nodes": [node(0), node(1)],
+                "cluster_nodes": [node(i) for i in range(nodes)],
                 "nodes_topology": {
                     "type": "star",
                     "protocol": "RDMA:25Gb",
-                    "topos": [{"plane_id": 0, "devices": [0, 1, 2, 3]}],
+                    "topos": [{"plane_id": 0, "devices": list(range(devices))}],
                 },
             }
         ],

@@ -8,22 +8,21 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 BENCHMARKS = [
-    "bench_build.py",
-    "bench_run.py",
-    "bench_memory.py",
-    "bench_ckpt.py",
-    "bench_dataflow.py",
+    ["bench_build.py"],
+    ["bench_build.py", "--nodes", "2", "--layers", "32"],
+    ["bench_run.py"],
+    ["bench_run.py", "--mesh", "2x2"],
+    ["bench_mesh.py"],
+    ["bench_solvers.py"],
+    ["bench_memory.py"],
+    ["bench_ckpt.py"],
+    ["bench_dataflow.py"],
 ]
 
 if __name__ == "__main__":
     failed = []
-    for name in BENCHMARKS:
-        print(f"== {name}", flush=True)
-        if subprocess.run(
-            [
-                sys.executable,
-                str(HERE / name),
-            ]
-        ).returncode:
+    for name, *options in BENCHMARKS:
+        print(f"== {name} {' '.join(options)}", flush=True)
+        if subprocess.run([sys.executable, str(HERE / name), *options]).returncode:
             failed.append(name)
     sys.exit(1 if failed else 0)

@@ -25,6 +25,7 @@ from tessel.builder.mesh_choice import (
     wants_choice,
 )
 from tessel.builder.stages import (
+    StageMemoryError,
     build_stages,
     default_micro_batches,
     more_memory,
@@ -169,22 +170,44 @@ def build(
     plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
     if dp * pp > 1:
         plan_cluster = first_devices(cluster, dims.size("tp"))
-    if pp > 1:  # each stage holds about 1/pp of the weights
-        plan_cluster = more_memory(plan_cluster, pp)
-    plan, programs = plan_and_lower(
-        captured,
-        plan_cluster,
-        policy,
-        time_limit=time_limit,
-        reuse_layers=reuse_layers,
-        timings=timings,
-    )
     staged, stages = None, None
-    if pp * dp > 1:
-        staged, stages = build_stages(
-            captured, plan, programs, cluster, dims, micro_batches, policy.source
-        )
+    # a stage holds about 1/pp of the weights: the model is planned on its devices with pp
+    # times their memory, then less where a stage overflows its devices (bisecting between
+    # the most memory that overflows and the least that leaves no plan)
+    scale, overflows, no_plan = float(pp), None, 1.0
+    while True:
+        try:
+            plan, programs = plan_and_lower(
+                captured,
+                more_memory(plan_cluster, scale) if pp > 1 else plan_cluster,
+                policy,
+                time_limit=time_limit,
+                reuse_layers=reuse_layers,
+                timings=timings,
+            )
+        except PlanError:
+            if overflows is None or overflows - scale < 0.02:
+                raise
+            no_plan, scale = scale, (scale + overflows) / 2
+            continue
+        if pp * dp == 1:
+            break
+        t = time.perf_counter()
+        try:
+            staged, stages = build_stages(
+                captured, plan, programs, cluster, dims, micro_batches, policy.source
+            )
+        except StageMemoryError as exc:
+            if pp == 1 or scale - no_plan < 0.02:
+                raise
+            overflows = scale
+            scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
+            log.info("a stage overflows its devices: planning with %.2fx their memory", scale)
+            continue
+        finally:
+            timings["stages"] = timings.get("stages", 0.0) + time.perf_counter() - t
         programs = [sp.program for sp in staged]
+        break
     t = time.perf_counter()
     manifest, members = _pack(
         captured,

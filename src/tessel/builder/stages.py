@@ -13,7 +13,7 @@ from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import ParallelDims
-from tessel.lower.program import decode, groups_in
+from tessel.lower.program import decode_graph, groups_in
 from tessel.lower.stages import Split, StagedProgram, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.lower.weights import local_shard_shape
@@ -24,18 +24,28 @@ from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
 PP_KEY = "graph_parallel_option.pipeline_parallel_option.pipe_stage_num"
 
 
+class StageMemoryError(PlanError):
+    """A stage's program (or the best cut's weights) needs more than its device holds."""
+
+    def __init__(self, message: str, needed: int, limit: int) -> None:
+        super().__init__(message)
+        self.needed, self.limit = needed, limit
+
+
 def default_micro_batches(pp: int, rows: int) -> int:
     """With no count given: the most micro-batches up to the stage count that split `rows`."""
     return max(m for m in range(1, pp + 1) if rows % m == 0)
 
 
-def more_memory(cluster: ClusterConfig, times: int) -> ClusterConfig:
+def more_memory(cluster: ClusterConfig, times: float) -> ClusterConfig:
     """`cluster` with `times` the memory per device: one stage's devices planned for the whole
     model hold about `1/times` of its weights once it is cut into `times` stages."""
     nodes = tuple(
         replace(
             node,
-            devices=tuple(replace(d, memory_bytes=d.memory_bytes * times) for d in node.devices),
+            devices=tuple(
+                replace(d, memory_bytes=int(d.memory_bytes * times)) for d in node.devices
+            ),
         )
         for node in cluster.nodes
     )
@@ -55,7 +65,8 @@ def build_stages(
     (None with one stage).
 
     Raises `ConfigError` (naming the policy `source`) where the layers cannot be cut into the
-    stages, and `PlanError` where a stage's program holds more than its device's memory.
+    stages, and `StageMemoryError` where a stage's weights or program need more than its
+    device's memory.
     """
     weights = weight_inputs(captured, plan)
     assignment = None
@@ -77,18 +88,26 @@ def build_stages(
         len(captured.example_inputs),
         split,
     )
+    measured: dict[tuple, tuple[int, int]] = {}
     for rank, sp in enumerate(staged):
-        held, peak = _memory(sp)
+        # replicas after the first run the same program over other ranks
+        coordinate = dims.coordinate(rank)
+        key = (sp.stage, coordinate["tp"], coordinate["dp"] == 0)
+        if key not in measured:
+            measured[key] = _memory(sp)
+        held, peak = measured[key]
         sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
         if peak > cluster.devices[rank].memory_bytes:
             where = f"rank {rank}"
             if assignment is not None:
                 layers = assignment.layers[sp.stage]
                 where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
-            raise PlanError(
+            raise StageMemoryError(
                 f"{where} holds {peak} bytes at its peak, more than the device's "
                 f"{cluster.devices[rank].memory_bytes}; use more stages, more micro-batches or "
-                "more tensor parallelism"
+                "more tensor parallelism",
+                peak,
+                cluster.devices[rank].memory_bytes,
             )
     return staged, assignment
 
@@ -117,6 +136,7 @@ def _assignment(
     state = {**ep.state_dict, **ep.constants}
     weights = weight_inputs(captured, plan)
     placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    device_bytes = min(d.memory_bytes for d in cluster.devices)
     share = {}
     for ph, fqn in weights:
         t = state[fqn]
@@ -131,9 +151,11 @@ def _assignment(
             share,
             dims.size("pp"),
             cluster,
-            min(d.memory_bytes for d in cluster.devices),
+            device_bytes,
         )
     except StageAssignError as exc:
+        if exc.needed is not None:
+            raise StageMemoryError(str(exc), exc.needed, device_bytes) from None
         raise ConfigError(source, PP_KEY, str(exc)) from None
     assignment.calibrate(plan.estimated_time)
     return assignment
@@ -157,10 +179,12 @@ def _memory(sp: StagedProgram) -> tuple[int, int]:
     """(weight bytes, peak bytes) of a staged program, from its recorded local shapes."""
     rp = sp.program
     groups = {tuple(g): "" for g in groups_in(rp.program)}
-    gm = decode(rp.program, rp.constants, torch.device("meta"), groups)
-    for n in gm.graph.nodes:
-        if n.name in rp.shapes:
-            shape, dtype = rp.shapes[n.name]
+    _, graph = decode_graph(rp.program, rp.constants, torch.device("meta"), groups)
+    inputs = []
+    for spec, n in zip(rp.program["nodes"], graph.nodes):  # one graph node per program node
+        if spec.get("name") in rp.shapes:
+            shape, dtype = rp.shapes[spec["name"]]
             n.meta["val"] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return program_peak_bytes(gm.graph, set(inputs[: len(sp.weights)]))
+        if n.op == "placeholder":
+            inputs.append(n.name)
+    return program_peak_bytes(graph, set(inputs[: len(sp.weights)]))

@@ -301,6 +301,18 @@ def decode(
     The program is checked first (see `check`), so nothing off the operator list is looked up and
     no input is written into.
     """
+    root, graph = decode_graph(program, constants, device, group_name)
+    return fx.GraphModule(root, graph)
+
+
+def decode_graph(
+    program: dict,
+    constants: dict[str, torch.Tensor],
+    device: torch.device,
+    group_name: dict[tuple[int, ...], str] | None = None,
+) -> tuple[torch.nn.Module, fx.Graph]:
+    """The checked program as a graph (one node per program node, in order) and the module
+    holding its constants: what `decode` compiles, for reading without running."""
     check(program)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
@@ -359,7 +371,7 @@ def decode(
             graph.output(dec(node["args"]))
         else:
             raise ProgramError(f"unknown node kind {kind!r} in program")
-    return fx.GraphModule(root, graph)
+    return root, graph
 
 
 def _attr(module: Any, name: str, kind: type) -> Any:

@@ -25,7 +25,12 @@ _LAYER = re.compile(r"^(.*)\.(\d+)\.")
 
 
 class StageAssignError(TesselError, ValueError):
-    """The model cannot be cut into the asked number of pipeline stages."""
+    """The model cannot be cut into the asked number of pipeline stages; `needed` is set where
+    only memory is short (the bytes per device the best cut would need)."""
+
+    def __init__(self, message: str, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass
@@ -140,11 +145,12 @@ def assign_stages(
 
     cuts = _cut(layer_s, layer_b, pp, (before, before_b), (after, after_b), device_bytes)
     if cuts is None:
-        need = (sum(layer_b) + before_b + after_b) / pp
+        need = int((sum(layer_b) + before_b + after_b) / pp)
         raise StageAssignError(
-            f"is {pp}, but the model's layers cannot be cut into {pp} stages whose weights each fit one "
-            f"device's {device_bytes} bytes (about {int(need)} bytes per stage at best); use "
-            "more stages or more tensor parallelism"
+            f"is {pp}, but the model's layers cannot be cut into {pp} stages whose weights "
+            f"each fit one device's {device_bytes} bytes (about {need} bytes per stage at "
+            "best); use more stages or more tensor parallelism",
+            needed=need,
         )
     stages = [[indices[i] for i in range(a, b)] for a, b in cuts]
     stage_of_layer = {i: s for s, ls in enumerate(stages) for i in ls}
