@@ -174,7 +174,7 @@ def build(
     # a stage holds about 1/pp of the weights: the model is planned on its devices with pp
     # times their memory, then less where a stage overflows its devices (bisecting between
     # the most memory that overflows and the least that leaves no plan)
-    scale, overflows, no_plan = float(pp), None, 1.0
+    scale, overflows, no_plan, reserve = float(pp), None, 1.0, 0
     while True:
         try:
             plan, programs = plan_and_lower(
@@ -184,6 +184,7 @@ def build(
                 time_limit=time_limit,
                 reuse_layers=reuse_layers,
                 timings=timings,
+                reserve=reserve,
             )
         except PlanError:
             if overflows is None or overflows - scale < 0.02:
@@ -198,7 +199,12 @@ def build(
                 captured, plan, programs, cluster, dims, micro_batches, policy.source
             )
         except StageMemoryError as exc:
-            if pp == 1 or scale - no_plan < 0.02:
+            if pp == 1:  # rank 0 also holds the other replicas' outputs: keep that free
+                if reserve:
+                    raise
+                reserve = exc.needed - exc.limit
+                continue
+            if scale - no_plan < 0.02:
                 raise
             overflows = scale
             scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
@@ -284,6 +290,7 @@ def plan_and_lower(
     time_limit: float = 60.0,
     reuse_layers: bool = True,
     timings: dict[str, float] | None = None,
+    reserve: int = 0,
 ) -> tuple[Plan, list[RankProgram]]:
     """Plan for `cluster`, then lower every rank exactly as planned.
 
@@ -291,7 +298,8 @@ def plan_and_lower(
     the node's candidates and the model is planned again, so the program always is the plan;
     each such re-plan is recorded in the plan for `tessel inspect`. Where a lowered program
     would hold more than its device's memory (buffers the memory model does not see), the
-    model is planned again with that much kept free.
+    model is planned again with that much kept free; `reserve` bytes are kept free from the
+    start (what the caller adds to the programs afterwards).
     """
     policy = policy or ParallelOption()
     timings = {} if timings is None else timings
@@ -299,7 +307,6 @@ def plan_and_lower(
     banned: dict[str, set] = {}
     replanned: list[dict[str, str]] = []
     device_bytes = min(d.memory_bytes for d in cluster.devices)
-    reserve = 0
     # bytes to keep free: `fits_below` too few (a program overflowed), `too_many` leaves no plan
     fits_below, too_many = 0, None
     for _ in range(MAX_REPLANS + 1):
