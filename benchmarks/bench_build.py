@@ -73,7 +73,6 @@ def main() -> None:
     peers = PEER_TOTAL_S
     if args.nodes > 1:
         from bench_mesh import cluster_dict
-
         from tessel.config.cluster import cluster_from_dict
 
         cluster = cluster_from_dict(cluster_dict("[DDR:16GB]", args.nodes, args.devices), "nodes")

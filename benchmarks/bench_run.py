@@ -11,8 +11,14 @@ Side by side in one run:
     tessel is compared with each.
 Each figure is the median of 20 runs after 3 warm-up runs; torch TP takes the slowest rank.
 
+With `--mesh 2x2`, four processes on a dp 2 x tp 2 mesh: torch runs the Megatron plan on the
+`tp` axis of a 2-D DeviceMesh, each replica on its half of the batch (the outputs stay on the
+replicas); tessel builds with the same sizes in the policy on devices too small for a replica's
+replicated weights, and its Session returns the whole batch to the caller.
+
     python benchmarks/bench_run.py [--devices 2 4]
     python benchmarks/bench_run.py --devices 3 4 6 --tight-only   # shards that do not divide
+    python benchmarks/bench_run.py --mesh 2x2
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
+def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict, dp: int = 1) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -65,9 +71,11 @@ def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     model = llama()
-    ids = inputs()
+    rows = BATCH // dp
+    replica = mesh.get_local_rank("dp")
+    ids = inputs()[replica * rows : (replica + 1) * rows]
     with torch.no_grad():
         reference = model(input_ids=ids, use_cache=False).logits
     plan = {}
@@ -84,7 +92,7 @@ def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
                 p + "mlp.down_proj": RowwiseParallel(),
             }
         )
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh["tp"], plan)
     times = []
     with torch.no_grad():
         for i in range(WARMUP + REPEAT):
@@ -103,16 +111,16 @@ def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def torch_tp(world: int, threads: int) -> dict:
+def torch_tp(world: int, threads: int, dp: int = 1) -> dict:
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_tp_rank, args=(world, _free_port(), threads, out), nprocs=world, join=True)
+    mp.spawn(_tp_rank, args=(world, _free_port(), threads, out, dp), nprocs=world, join=True)
     result = dict(out)
     manager.shutdown()
     return result
 
 
-def tessel_run(world: int, tight: bool, threads: int) -> dict:
+def tessel_run(world: int, tight: bool, threads: int, dp: int = 1) -> dict:
     import tessel
     from tessel.capture import capture
     from tessel.config.cluster import cluster_from_dict
@@ -124,12 +132,31 @@ def tessel_run(world: int, tight: bool, threads: int) -> dict:
     kwargs = {"input_ids": ids, "use_cache": False}
     with torch.no_grad():
         reference = model(**kwargs).logits
-    captured = capture(model, kwargs, keep=has_rule)
-    if tight:
-        cluster = cluster_from_dict(tight_cluster(captured, world), "tight")
+    policy = None
+    if dp > 1:  # planned on one replica's half of the batch, over its tp devices
+        from tessel.config.cluster import local_cluster_dict
+        from tessel.config.parallel_option import parallel_option_from_dict
+
+        half = {"input_ids": ids[: BATCH // dp], "use_cache": False}
+        least = tight_cluster(capture(model, half, keep=has_rule), world // dp)["item_def"][0]
+        data = local_cluster_dict(world)  # a quarter above a replica's least: tp must shard
+        data["item_def"][0]["memory"] = (
+            f"[DDR:{int(1.25 * int(least['memory'].removeprefix('[DDR:')[:-2]))}B]"
+        )
+        cluster = cluster_from_dict(data, "tight")
+        sizes = {
+            "tensor_parallel_option": {"tensor_parallel_size": world // dp},
+            "data_parallel_option": {"data_parallel_size": dp},
+        }
+        policy = parallel_option_from_dict({"graph_parallel_option": sizes}, "policy")
+        built = tessel.build(model, kwargs, cluster=cluster, policy=policy)
     else:
-        cluster = world
-    built = tessel.build(captured, cluster=cluster)
+        captured = capture(model, kwargs, keep=has_rule)
+        if tight:
+            cluster = cluster_from_dict(tight_cluster(captured, world), "tight")
+        else:
+            cluster = world
+        built = tessel.build(captured, cluster=cluster)
     with tempfile.TemporaryDirectory() as tmp:
         path = built.save(os.path.join(tmp, "llama"))
         tessel.initialize()
@@ -186,8 +213,23 @@ def main() -> None:
     parser.add_argument(
         "--tight-only", action="store_true", help="only the build whose weights must be sharded"
     )
+    parser.add_argument("--mesh", help="dp x tp, such as 2x2: tessel and torch on a 2-D mesh")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    if args.mesh:
+        dp, tp = (int(x) for x in args.mesh.split("x"))
+        world, threads = dp * tp, max(1, cores // (dp * tp))
+        peer = torch_tp(world, threads, dp)
+        print(f"torch TP on mesh dp {dp} x tp {tp}: {json.dumps(peer)}", flush=True)
+        ours = tessel_run(world, True, threads, dp)
+        print(f"tessel on mesh dp {dp} x tp {tp}: {json.dumps(ours)}", flush=True)
+        print()
+        print(f"{'mesh':<10} {'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}")
+        print(
+            f"{args.mesh:<10} {ours['median_ms']:>9.1f} {peer['median_ms']:>11.1f} "
+            f"{ours['median_ms'] / peer['median_ms']:>6.2f} {ours['max_abs_diff']:>9.1e}"
+        )
+        return
     print(f"single process, {cores} threads: {eager(cores):.1f} ms", flush=True)
     peers: dict[int, dict] = {}
     rows = []

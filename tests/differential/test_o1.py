@@ -7,20 +7,27 @@ import pytest
 
 import tessel
 from tessel.capture import capture
-from tessel.config.cluster import cluster_from_dict
+from tessel.config.cluster import cluster_from_dict, local_cluster
 from tessel.config.parallel_option import ParallelOption, parallel_option_from_dict
 from tessel.demo import tight_cluster
 from tessel.plan import has_rule, make_plan
 
 from .zoo import FAMILIES
 
+# memory priced into both solves for these; the others plan with memory to spare (sizing
+# devices tightly costs a solve of its own, up to 20 s for some families)
+TIGHT = ("gpt2", "llama", "mixtral", "bert")
+
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_o1_is_within_five_percent_of_o2(family):
     spec = FAMILIES[family]
     captured = capture(spec.make(), spec.inputs(2), keep=has_rule)
-    # three devices too small for replicated weights: shards that do not divide, memory priced
-    cluster = cluster_from_dict(tight_cluster(captured, 3), "tight.json")
+    # three devices: shards that do not divide
+    cluster = 3
+    if family in TIGHT:  # too small for replicated weights: memory priced
+        cluster = cluster_from_dict(tight_cluster(captured, 3), "tight.json")
+    cluster = local_cluster(3) if cluster == 3 else cluster
     o2 = make_plan(captured, cluster, ParallelOption(opt_level="O2"))
     o1 = make_plan(captured, cluster, ParallelOption(opt_level="O1"))
     assert o1.solver["opt_level"] == "O1"

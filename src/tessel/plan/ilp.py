@@ -317,8 +317,10 @@ def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dic
     model = _Model(problem)
     peak = model.width  # the bound's column
     rows = [model.memory_entries(row) for row in problem.memory]
-    # in units of the largest entry, so HiGHS sees coefficients near 1, not billions of bytes
-    scale = max((abs(v) for entries in rows for _, v in entries), default=1.0) or 1.0
+    # HiGHS loses feasibility with coefficients of a billion bytes; below 1e8 it does
+    # best unscaled (scaling small problems slows it several times)
+    largest = max((abs(v) for entries in rows for _, v in entries), default=1.0)
+    scale = max(1.0, largest / 1e8)
     for entries in rows:
         model.add_row([*((col, v / scale) for col, v in entries), (peak, -1.0)], -np.inf, 0.0)
     c = np.zeros(peak + 1)
@@ -327,5 +329,4 @@ def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dic
     result = model.run(c, model.n, upper, time_limit)
     if result.x is None:
         raise InfeasibleError(result.message)
-    choice = model.choice(result.x)
-    return max((r.bytes_for(choice) for r in problem.memory), default=0.0), choice
+    return float(result.x[peak]) * scale, model.choice(result.x)

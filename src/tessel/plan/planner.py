@@ -388,7 +388,10 @@ def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
     mesh = mesh_for(world)
     _, weight_tensors, _, choices = _candidates(captured, mesh)
     held = footprint(graph, choices, weight_tensors, (world,))
-    sizes = {v: len(choices[v].strategies) for v in {c.owner or n for n, c in choices.items()}}
+    # in graph order: a set of nodes iterates by address, and HiGHS's path (and its answer
+    # within the gap) follows the column order
+    owners = dict.fromkeys(c.owner or n for n, c in choices.items())
+    sizes = {v: len(choices[v].strategies) for v in owners}
     least, choice = least_memory(Problem(sizes, {}, {}, held.rows))
     return held.fixed + int(math.ceil(least)), held.weight_bytes(choice)
 
