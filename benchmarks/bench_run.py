@@ -139,11 +139,11 @@ def tessel_run(world: int, tight: bool, threads: int, dp: int = 1) -> dict:
 
         half = {"input_ids": ids[: BATCH // dp], "use_cache": False}
         least = tight_cluster(capture(model, half, keep=has_rule), world // dp)["item_def"][0]
-        data = local_cluster_dict(world)  # a quarter above a replica's least: tp must shard
-        data["item_def"][0]["memory"] = (
-            f"[DDR:{int(1.25 * int(least['memory'].removeprefix('[DDR:')[:-2]))}B]"
-        )
-        cluster = cluster_from_dict(data, "tight")
+        data = local_cluster_dict(world)
+        if tight:  # twice a replica's least (rank 0 also holds the whole batch's outputs)
+            least_bytes = int(least["memory"].removeprefix("[DDR:")[:-2])
+            data["item_def"][0]["memory"] = f"[DDR:{2 * least_bytes}B]"
+        cluster = cluster_from_dict(data, "tight" if tight else "default")
         sizes = {
             "tensor_parallel_option": {"tensor_parallel_size": world // dp},
             "data_parallel_option": {"data_parallel_size": dp},
@@ -221,14 +221,22 @@ def main() -> None:
         world, threads = dp * tp, max(1, cores // (dp * tp))
         peer = torch_tp(world, threads, dp)
         print(f"torch TP on mesh dp {dp} x tp {tp}: {json.dumps(peer)}", flush=True)
-        ours = tessel_run(world, True, threads, dp)
-        print(f"tessel on mesh dp {dp} x tp {tp}: {json.dumps(ours)}", flush=True)
+        found = {}
+        for tight in (False, True):
+            found[tight] = tessel_run(world, tight, threads, dp)
+            print(f"tessel on mesh dp {dp} x tp {tp}, tight={tight}: {json.dumps(found[tight])}")
         print()
-        print(f"{'mesh':<10} {'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}")
         print(
-            f"{args.mesh:<10} {ours['median_ms']:>9.1f} {peer['median_ms']:>11.1f} "
-            f"{ours['median_ms'] / peer['median_ms']:>6.2f} {ours['max_abs_diff']:>9.1e}"
+            f"{'mesh':<6} {'tessel devices':<22} {'weights x N':>11} {'tessel ms':>9} "
+            f"{'torch TP ms':>11} {'ratio':>6} {'max diff':>9}"
         )
+        for tight, ours in found.items():
+            label = "2x a replica's least" if tight else "16 GB"
+            print(
+                f"{args.mesh:<6} {label:<22} {ours['weight_share_x_N']:>11.3f} "
+                f"{ours['median_ms']:>9.1f} {peer['median_ms']:>11.1f} "
+                f"{ours['median_ms'] / peer['median_ms']:>6.2f} {ours['max_abs_diff']:>9.1e}"
+            )
         return
     print(f"single process, {cores} threads: {eager(cores):.1f} ms", flush=True)
     peers: dict[int, dict] = {}

@@ -519,7 +519,7 @@ def test_corrupt_weights_header_names_the_member(built, tmp_path):
 def test_tied_weights_are_stored_once_and_load_as_each_rank_needs(tmp_path):
     from torch.distributed.tensor import Replicate, Shard
 
-    from tessel.lower.weights import local_shard
+    from tessel.sharding.placements import local_shard
 
     model = small_gpt2(layers=1)  # lm_head.weight is wte.weight
     path = tessel.save(tessel.build(model, (token_ids(),), cluster=2), tmp_path / "gpt2")

@@ -52,7 +52,6 @@ from tessel.lower.trace import (
     lower_rank,
     weight_inputs,
 )
-from tessel.lower.weights import local_shard, local_shard_shape, placement_str, shard_chunks
 from tessel.package.format import (
     CONSTANT_PREFIX,
     FORMAT,
@@ -65,6 +64,7 @@ from tessel.package.format import (
 from tessel.plan import Plan, PlanError, has_rule, make_plan
 from tessel.plan.planner import layer_name
 from tessel.plan.strategies import describe_strategy, strategy_key
+from tessel.sharding.placements import local_shard, local_shard_shape, placement_str, shard_chunks
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def build(
     # a stage holds about 1/pp of the weights: the model is planned on its devices with pp
     # times their memory, then less where a stage overflows its devices (bisecting between
     # the most memory that overflows and the least that leaves no plan)
-    scale, overflows, no_plan, reserve = float(pp), None, 1.0, 0
+    scale, overflows, no_plan, reserve, tries = float(pp), None, 1.0, 0, 0
     while True:
         try:
             plan, programs = plan_and_lower(
@@ -200,9 +200,10 @@ def build(
             )
         except StageMemoryError as exc:
             if pp == 1:  # rank 0 also holds the other replicas' outputs: keep that free
-                if reserve:
+                tries += 1
+                if tries > 3:
                     raise
-                reserve = exc.needed - exc.limit
+                reserve += exc.needed - exc.limit
                 continue
             if scale - no_plan < 0.02:
                 raise

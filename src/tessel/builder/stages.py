@@ -16,10 +16,10 @@ from tessel.config.mesh import ParallelDims
 from tessel.lower.program import decode_graph, groups_in
 from tessel.lower.stages import Split, StagedProgram, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
-from tessel.lower.weights import local_shard_shape
 from tessel.plan import Plan, PlanError, cost
 from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
+from tessel.sharding.placements import local_shard_shape
 
 PP_KEY = "graph_parallel_option.pipeline_parallel_option.pipe_stage_num"
 

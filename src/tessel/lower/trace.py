@@ -38,11 +38,11 @@ from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.errors import TesselError
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
-from tessel.lower.weights import local_shard
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
 from tessel.plan.memory import program_peak_bytes
 from tessel.plan.strategies import LOCAL_RULES
+from tessel.sharding.placements import local_shard
 
 log = logging.getLogger(__name__)
 

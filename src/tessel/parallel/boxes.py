@@ -13,18 +13,14 @@ from collections.abc import Sequence
 
 from tessel.parallel.errors import StrategyError
 from tessel.parallel.strategy import ParamLayout
-from tessel.sharding import chunk_range
+from tessel.sharding import chunk_range, mesh_coordinate
 
 Box = tuple[tuple[int, int], ...]
 
 
 def coords(index: int, dev_matrix: Sequence[int]) -> tuple[int, ...]:
     """Row-major coordinate of flat device index ``index`` (last axis fastest)."""
-    out = []
-    for d in reversed(dev_matrix):
-        out.append(index % d)
-        index //= d
-    return tuple(reversed(out))
+    return mesh_coordinate(index, dev_matrix)
 
 
 def check_divisible(name: str, p: ParamLayout, shape: Sequence[int], src: str) -> None:

@@ -8,6 +8,7 @@ weights, loading a package, converting a checkpoint) cuts with these two functio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the package reader uses this module without importing torch
@@ -21,6 +22,15 @@ def chunk_range(size: int, count: int, index: int) -> tuple[int, int]:
     length = -(-size // count)
     start = min(index * length, size)
     return start, min(start + length, size)
+
+
+def mesh_coordinate(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinate of `rank` in a mesh of `mesh_shape` (the last axis fastest)."""
+    coord = []
+    for n in reversed(mesh_shape):
+        coord.append(rank % n)
+        rank //= n
+    return tuple(reversed(coord))
 
 
 def piece(tensor: torch.Tensor, dim: int, count: int, index: int) -> torch.Tensor:
