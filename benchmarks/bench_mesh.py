@@ -56,6 +56,7 @@ def main() -> None:
     from tessel.config.cluster import cluster_from_dict
     from tessel.config.parallel_option import parallel_option_from_dict
     from tessel.demo import llama_config, tight_cluster
+    from tessel.errors import TesselError
     from tessel.plan import has_rule
     from tessel.report import inspect_json
 
@@ -87,13 +88,18 @@ def main() -> None:
         cluster = cluster_from_dict(cluster_dict(memory), "2x4.json")
         for plan_label, policy in plans.items():
             t = time.perf_counter()
-            built = tessel.build(
-                model,
-                kwargs,
-                cluster=cluster,
-                policy=parallel_option_from_dict(policy, plan_label),
-                verify=False,
-            )
+            try:
+                built = tessel.build(
+                    model,
+                    kwargs,
+                    cluster=cluster,
+                    policy=parallel_option_from_dict(policy, plan_label),
+                    verify=False,
+                )
+            except TesselError as exc:  # a hand plan the devices cannot hold
+                print(f"{memory_label}, {plan_label}: {exc}", flush=True)
+                rows.append((memory_label, plan_label, "does not fit", None, None, None))
+                continue
             seconds = time.perf_counter() - t
             data = inspect_json(built.manifest)
             between = sum(r["bytes_between_nodes"] for r in data["ranks"])
@@ -110,6 +116,9 @@ def main() -> None:
         f"{'est. ms':>8} {'build s':>8}"
     )
     for memory_label, plan_label, mesh, between, estimate, seconds in rows:
+        if between is None:
+            print(f"{memory_label:<14} {plan_label:<18} {mesh:<20}")
+            continue
         print(
             f"{memory_label:<14} {plan_label:<18} {mesh:<20} {between / 2**20:>18.2f} "
             f"{1e3 * estimate:>8.2f} {seconds:>8.1f}"

@@ -107,7 +107,11 @@ def choose_mesh(
         devices = first_devices(cluster, tp)
         try:
             plan = make_plan(
-                captured, more_memory(devices, pp) if pp > 1 else devices, policy, time_limit
+                captured,
+                more_memory(devices, pp) if pp > 1 else devices,
+                policy,
+                time_limit,
+                reserve=gathered_bytes(captured, dp, micro),
             )
             seconds = plan.estimated_time
             if pp > 1:
@@ -142,6 +146,24 @@ def batch_rows(args: tuple, kwargs: dict) -> int:
     return first.shape[0] if first is not None else 1
 
 
+def output_bytes(captured: CapturedModel) -> int:
+    """Bytes of the outputs of the captured model (one micro-batch of one replica)."""
+    out = captured.program.graph_module.graph.output_node()
+    return sum(
+        v.numel() * v.element_size()
+        for a in tree_leaves(out.args[0])
+        if isinstance(a, torch.fx.Node) and isinstance((v := a.meta.get("val")), torch.Tensor)
+    )
+
+
+def gathered_bytes(captured: CapturedModel, dp: int, micro_batches: int = 1) -> int:
+    """What rank 0 holds beyond its own program to put a run's outputs together: the other
+    replicas' rows as they arrive, and the whole batch they are joined into."""
+    if dp * micro_batches == 1:
+        return 0
+    return 2 * dp * micro_batches * output_bytes(captured)
+
+
 def gather_seconds(
     captured: CapturedModel, dims: ParallelDims, cluster: ClusterConfig, micro_batches: int = 1
 ) -> float:
@@ -150,12 +172,7 @@ def gather_seconds(
     dp = dims.size("dp")
     if dp == 1:
         return 0.0
-    out = captured.program.graph_module.graph.output_node()
-    replica_bytes = sum(
-        v.numel() * v.element_size() * micro_batches
-        for a in tree_leaves(out.args[0])
-        if isinstance(a, torch.fx.Node) and isinstance((v := a.meta.get("val")), torch.Tensor)
-    )
+    replica_bytes = output_bytes(captured) * micro_batches
     link = cost.Links(dims.axis("dp").bandwidth, cluster.soc.link_latency)
     return (dp - 1) * (replica_bytes / link.bandwidth + link.latency)
 

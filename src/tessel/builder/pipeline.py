@@ -21,6 +21,7 @@ from tessel.builder.mesh_choice import (
     choose_mesh,
     first_devices,
     gather_seconds,
+    gathered_bytes,
     replica_batch,
     wants_choice,
 )
@@ -174,7 +175,8 @@ def build(
     # a stage holds about 1/pp of the weights: the model is planned on its devices with pp
     # times their memory, then less where a stage overflows its devices (bisecting between
     # the most memory that overflows and the least that leaves no plan)
-    scale, overflows, no_plan, reserve, tries = float(pp), None, 1.0, 0, 0
+    scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
+    reserve = gathered_bytes(captured, dp, micro_batches)  # rank 0 puts the outputs together
     while True:
         try:
             plan, programs = plan_and_lower(
