@@ -241,21 +241,17 @@ def test_two_nodes_on_loopback(tmp_path, session):
     _run_with_node_1_served(session, path, model, ids)
 
 
-def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, session):
-    """dp 2 across the nodes, tp 2 within each: each node's pair shards its half of the batch
-    on devices too small for the replicated weights, and the halves are gathered to rank 0."""
+def _build_on_two_nodes_of_two(tmp_path, model, ids, least_over: int, sizes: dict):
+    """`model` built from the policy `sizes` for 2 loopback nodes of 2 devices each, whose
+    memory is a quarter above what the plan needing least memory holds over `least_over`
+    devices on half the batch."""
     from tessel.capture import capture
     from tessel.demo import tight_cluster
     from tessel.plan import has_rule
-    from tessel.report import inspect_json
 
     port = _free_port()
-    model = small_llama(layers=1)
-    ids = token_ids(batch=4)
-    least = tight_cluster(capture(model, (ids[:2],), keep=has_rule), 2)["item_def"][0]["memory"]
-    # a quarter above one replica's least: each pair shards, and rank 0 has room for the rows
-    # the other replica sends it
-    memory = f"[DDR:{int(1.25 * int(least.removeprefix('[DDR:')[:-2]))}B]"
+    least = tight_cluster(capture(model, (ids[:2],), keep=has_rule), least_over)
+    least_bytes = int(least["item_def"][0]["memory"].removeprefix("[DDR:")[:-2])
     node = lambda i: {  # noqa: E731
         "node_id": i,
         "node_type": "CPU",
@@ -266,22 +262,30 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     }
     cluster = {
         "cluster": [{"cluster_nodes": [node(0), node(1)]}],
-        "item_def": [{"item_type": "cpu", "memory": memory}],
-    }
-    policy = {
-        "graph_parallel_option": {
-            "tensor_parallel_option": {"tensor_parallel_size": 2},
-            "data_parallel_option": {"data_parallel_size": 2},
-        }
+        "item_def": [{"item_type": "cpu", "memory": f"[DDR:{int(1.25 * least_bytes)}B]"}],
     }
     (tmp_path / "numa_config_2x2.json").write_text(json.dumps(cluster))
-    (tmp_path / "policy.json").write_text(json.dumps(policy))
-    built = tessel.build(
+    (tmp_path / "policy.json").write_text(json.dumps({"graph_parallel_option": sizes}))
+    return tessel.build(
         model,
         (ids,),
         cluster=str(tmp_path / "numa_config_2x2.json"),
         policy=str(tmp_path / "policy.json"),
     )
+
+
+def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, session):
+    """dp 2 across the nodes, tp 2 within each: each node's pair shards its half of the batch
+    on devices too small for the replicated weights (with room on rank 0 for the rows the
+    other replica sends it), and the halves are gathered to rank 0."""
+    from tessel.report import inspect_json
+
+    model = small_llama(layers=1)
+    sizes = {
+        "tensor_parallel_option": {"tensor_parallel_size": 2},
+        "data_parallel_option": {"data_parallel_size": 2},
+    }
+    built = _build_on_two_nodes_of_two(tmp_path, model, token_ids(batch=4), 2, sizes)
     groups = {tuple(g) for s in built.manifest["submodels"] for g in s["comm_groups"]}
     assert {(0, 1), (2, 3), (0, 2)} <= groups and (1, 3) not in groups
     rank0 = inspect_json(built.manifest)["ranks"][0]  # what tessel inspect shows
@@ -294,45 +298,17 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
 
 def test_two_nodes_of_two_devices_with_pipeline_stages_across_the_nodes(tmp_path, session):
     """pp 2 across the nodes, tp 2 within each: node 0 holds layers 0-1 and node 1 layers 2-3,
-    sharded over each node's pair; two micro-batches flow through, activations sent between
-    the nodes, and rank 0 returns the whole batch."""
-    from tessel.capture import capture
-    from tessel.demo import tight_cluster
-    from tessel.plan import has_rule
+    sharded over each node's pair (the whole model barely fits the four devices); two
+    micro-batches flow through, activations sent between the nodes, and rank 0 returns the
+    whole batch."""
     from tessel.report import inspect_json
 
-    port = _free_port()
     model = small_llama(layers=4)
-    ids = token_ids(batch=4)
-    # a quarter above what the whole model needs over the four devices: each pair must shard
-    least = tight_cluster(capture(model, (ids[:2],), keep=has_rule), 4)["item_def"][0]["memory"]
-    memory = f"[DDR:{int(1.25 * int(least.removeprefix('[DDR:')[:-2]))}B]"
-    node = lambda i: {  # noqa: E731
-        "node_id": i,
-        "node_type": "CPU",
-        "ipaddr": "127.0.0.1",
-        "port": port,
-        "is_local": i == 0,
-        "item_list": [{"item_id": 0}, {"item_id": 1}],
+    sizes = {
+        "tensor_parallel_option": {"tensor_parallel_size": 2},
+        "pipeline_parallel_option": {"pipe_stage_num": 2, "micro_batch_num": 2},
     }
-    cluster = {
-        "cluster": [{"cluster_nodes": [node(0), node(1)]}],
-        "item_def": [{"item_type": "cpu", "memory": memory}],
-    }
-    policy = {
-        "graph_parallel_option": {
-            "tensor_parallel_option": {"tensor_parallel_size": 2},
-            "pipeline_parallel_option": {"pipe_stage_num": 2, "micro_batch_num": 2},
-        }
-    }
-    (tmp_path / "numa_config_2x2.json").write_text(json.dumps(cluster))
-    (tmp_path / "policy.json").write_text(json.dumps(policy))
-    built = tessel.build(
-        model,
-        (ids,),
-        cluster=str(tmp_path / "numa_config_2x2.json"),
-        policy=str(tmp_path / "policy.json"),
-    )
+    built = _build_on_two_nodes_of_two(tmp_path, model, token_ids(batch=4), 4, sizes)
     data = inspect_json(built.manifest)
     assert [s["ranks"] for s in data["stages"]] == [[0, 1], [2, 3]]
     for r in data["ranks"]:  # each pair shards its layers; only the stages' sends cross nodes

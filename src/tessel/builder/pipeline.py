@@ -42,7 +42,7 @@ from tessel.config.cluster import (
     read_cluster_config,
 )
 from tessel.config.errors import ConfigError
-from tessel.config.mesh import parallel_dims
+from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.stages import StagedProgram
@@ -124,7 +124,7 @@ def build(
     dp, pp = dims.size("dp"), dims.size("pp")
     for axis, size in (("dp", dp), ("pp", pp)):
         if size > 1 and (not graph_parallel or isinstance(model, CapturedModel)):
-            key = {"dp": DP_KEY, "pp": PP_KEY}[axis]
+            key = POLICY_KEYS[axis]
             raise ConfigError(
                 policy.source,
                 f"graph_parallel_option.{key}",
@@ -281,8 +281,6 @@ def build(
 
 
 MAX_REPLANS = 25
-DP_KEY = "data_parallel_option.data_parallel_size"
-PP_KEY = "pipeline_parallel_option.pipe_stage_num"
 
 
 def plan_and_lower(

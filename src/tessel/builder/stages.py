@@ -12,7 +12,7 @@ import torch
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
-from tessel.config.mesh import ParallelDims
+from tessel.config.mesh import POLICY_KEYS, ParallelDims
 from tessel.lower.program import decode_graph, groups_in
 from tessel.lower.stages import Split, StagedProgram, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
@@ -21,7 +21,7 @@ from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
 from tessel.sharding.placements import local_shard_shape
 
-PP_KEY = "graph_parallel_option.pipeline_parallel_option.pipe_stage_num"
+PP_KEY = f"graph_parallel_option.{POLICY_KEYS['pp']}"
 
 
 class StageMemoryError(PlanError):

@@ -19,7 +19,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption
 
 AXES = ("pp", "dp", "tp")  # outermost first
-_KEYS = {
+POLICY_KEYS = {  # each axis size's key under graph_parallel_option
     "pp": "pipeline_parallel_option.pipe_stage_num",
     "dp": "data_parallel_option.data_parallel_size",
     "tp": "tensor_parallel_option.tensor_parallel_size",
@@ -159,7 +159,7 @@ def _check_hierarchy(cluster: ClusterConfig, shape: tuple[int, ...], source: str
         if size > 1 and inner % k and k % inner:
             raise ConfigError(
                 source,
-                f"graph_parallel_option.{_KEYS[name]}",
+                f"graph_parallel_option.{POLICY_KEYS[name]}",
                 f"gives groups of {inner} consecutive devices, but the cluster's nodes hold {k} "
                 "devices each, so some groups would span two nodes and others not; choose sizes "
                 f"whose groups divide {k} or are whole multiples of it",
