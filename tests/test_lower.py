@@ -35,7 +35,7 @@ def test_a_rank_trace_does_not_see_the_rank_traced_before_it():
     decision must not carry one rank's mesh coordinate into another rank's program."""
 
     def chunk_taken(rank: int) -> list[int]:
-        with fake_world(rank, 2) as mesh:
+        with fake_world(rank, (2,)) as mesh:
 
             def f(y: torch.Tensor) -> torch.Tensor:
                 b = DTensor.from_local(y, mesh, [Replicate()], run_check=False)
@@ -83,7 +83,7 @@ def test_a_masked_partial_value_is_reduced_once_for_all_its_consumers():
     graph = torch.fx.Graph()
     emb = graph.call_function(torch.ops.aten.embedding.default, ())
     whole = SimpleNamespace(placements=[Replicate()])  # what `_lookup` reads of a target
-    with fake_world(0, 2) as mesh:
+    with fake_world(0, (2,)) as mesh:
         weight = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)], run_check=False)
         ids = DTensor.from_local(torch.tensor([[0, 5, 7]]), mesh, [Replicate()], run_check=False)
         masked = torch.ops.aten.embedding.default(weight, ids)

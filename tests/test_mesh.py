@@ -49,6 +49,21 @@ def test_a_policy_that_sets_nothing_is_one_tensor_parallel_axis():
     assert dims.groups("tp") == [tuple(range(8))]
 
 
+def test_tensor_parallel_over_nodes_of_devices_is_meshed_nodes_by_devices():
+    from tessel.builder.mesh_choice import first_devices
+    from tessel.config.mesh import MeshAxis, tensor_axes
+
+    cluster = two_nodes()
+    assert tensor_axes(cluster) == (
+        MeshAxis("tp_node", 2, cluster.network_bandwidth),
+        MeshAxis("tp", 4, cluster.link_bandwidth),
+    )
+    # within one node, or over nodes of one device each: one axis on the slowest link
+    assert tensor_axes(first_devices(cluster, 4)) == (MeshAxis("tp", 4, cluster.link_bandwidth),)
+    single = two_nodes(1)
+    assert tensor_axes(single) == (MeshAxis("tp", 2, single.network_bandwidth),)
+
+
 def test_tensor_parallel_stays_in_a_node_and_data_parallel_crosses():
     cluster = two_nodes()
     dims = parallel_dims(cluster, policy(tp=4, dp=2))
@@ -142,15 +157,19 @@ def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
     built = tessel.build(model, (token_ids(4),), cluster=two_nodes(2), policy=policy())
     manifest = built.manifest
     choices = manifest["plan"]["mesh_choices"]
-    shapes = [[1, 4], [2, 2], [4, 1], [2, 1, 2], [2, 2, 1], [4, 1, 1]]  # pp x dp x tp
+    # pp x dp x tp, where tp over both nodes is meshed as tp_node x tp
+    shapes = [[1, 2, 2], [2, 2], [4, 1], [2, 1, 2], [2, 2, 1], [4, 1, 1]]
     assert [c["shape"] for c in choices] == shapes
+    assert choices[0]["dim_names"] == ["dp", "tp_node", "tp"]
     timed = [c for c in choices if "estimated_time_s" in c]
     assert [c["shape"] for c in timed] == shapes[:3]
     # stages are weighed only where nothing without them fits
     assert all("without pipeline stages fits" in c["set_aside"] for c in choices[3:])
     (chosen,) = [c for c in choices if c["chosen"]]
     assert chosen["estimated_time_s"] == min(c["estimated_time_s"] for c in timed)
-    assert manifest["mesh"]["shape"] == chosen["shape"]
+    # the manifest's mesh leaves out a data-parallel axis of one replica
+    kept = [(n, s) for n, s in zip(chosen["dim_names"], chosen["shape"]) if (n, s) != ("dp", 1)]
+    assert list(zip(manifest["mesh"]["dim_names"], manifest["mesh"]["shape"])) == kept
     assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
     assert "mesh shapes weighed" in format_plan(manifest)
 

@@ -296,6 +296,26 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
 
 
+def test_two_nodes_of_two_devices_as_one_tensor_parallel_mesh_of_two_axes(tmp_path, session):
+    """tp 4 over both nodes is planned on a 2 x 2 mesh (tp_node x tp) of devices too small for
+    the replicated weights: the weights are cut per axis, collectives run over the node's pair
+    and over the nodes, and the output equals eager's."""
+    from tessel.report import inspect_json
+
+    model = small_llama(layers=1)
+    sizes = {"tensor_parallel_option": {"tensor_parallel_size": 4}}
+    built = _build_on_two_nodes_of_two(tmp_path, model, token_ids(batch=4), 4, sizes)
+    data = inspect_json(built.manifest)
+    assert [(a["name"], a["link"]) for a in data["mesh"]["axes"]] == [
+        ("tp_node", "between nodes"),
+        ("tp", "within a node"),
+    ]
+    axes = {c["axis"] for r in data["ranks"] for c in r["collectives"]}
+    assert {"tp", "tp_node"} <= axes
+    path = tessel.save(built, tmp_path / "tp2x2")
+    _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
+
+
 def test_two_nodes_of_two_devices_with_pipeline_stages_across_the_nodes(tmp_path, session):
     """pp 2 across the nodes, tp 2 within each: node 0 holds layers 0-1 and node 1 layers 2-3,
     sharded over each node's pair (the whole model barely fits the four devices); two

@@ -44,6 +44,7 @@ __all__ = [
     "TupleStrategy",
     "clear_dtensor_caches",
     "detached_mesh",
+    "rules_without_costs",
     "expand_to_full_mesh_op_strategy",
     "export_post_dispatch",
     "fake_process_group",
@@ -85,6 +86,40 @@ def clear_dtensor_caches() -> None:
     torch._C._clear_DTensor_sharding_propagator_cache()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
+
+
+@contextlib.contextmanager
+def rules_without_costs() -> Iterator[None]:
+    """DTensor's sharding rules with their redistribution costs left at zero.
+
+    Each rule prices every strategy it returns against every placement its inputs may arrive
+    in (`generate_redistribute_costs`); the planner prices resharding with its own cost model
+    and never reads those figures, and on a mesh of two axes they are nine tenths of the time
+    the rules take. The rules' modules import that function by name, so each binding is swapped
+    for the time of the block.
+    """
+    import sys
+
+    from torch.distributed.tensor._ops import utils
+
+    original = utils.generate_redistribute_costs
+
+    def zeros(src_strategy: Any, dst_spec: Any) -> list[float]:
+        return [0.0] * len(src_strategy.strategies)
+
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torch.distributed.tensor")
+        and getattr(m, "generate_redistribute_costs", None) is original
+    ]
+    for m in modules:
+        m.generate_redistribute_costs = zeros
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.generate_redistribute_costs = original
 
 
 def _create_fake_group(common_opts: Any, backend_opts: Any) -> Any:

@@ -10,15 +10,44 @@ from tessel.package.manifest import Manifest
 from tessel.units import human_bytes
 
 
-def _device_memory(manifest: Manifest) -> dict[str, int]:
-    """Each logical device's memory, from the model's cluster config (empty if it cannot say)."""
+def _cluster(manifest: Manifest) -> Any:
+    """The model's cluster config, parsed (None if it cannot be)."""
     from tessel.config.cluster import cluster_from_dict
 
     try:
-        cluster = cluster_from_dict(manifest.cluster, "the model's cluster", manifest.soc_version)
+        return cluster_from_dict(manifest.cluster, "the model's cluster", manifest.soc_version)
     except TesselError:
-        return {}
-    return {d.logical_id: d.memory_bytes for d in cluster.devices}
+        return None
+
+
+def _device_memory(manifest: Manifest) -> dict[str, int]:
+    """Each logical device's memory, from the model's cluster config (empty if it cannot say)."""
+    cluster = _cluster(manifest)
+    return {} if cluster is None else {d.logical_id: d.memory_bytes for d in cluster.devices}
+
+
+def _axes(manifest: Manifest) -> list[dict]:
+    """Each mesh axis with its size and the link its groups cross: within a node, or between
+    nodes (with the bandwidth the cluster config gives that link, where it parses)."""
+    from tessel.config.mesh import axis_groups
+
+    shape = tuple(manifest.mesh.shape)
+    node_of = {s.rank: s.node_id for s in manifest.submodels}
+    cluster = _cluster(manifest)
+    axes = []
+    for i, (name, size) in enumerate(zip(manifest.mesh.dim_names, shape)):
+        crosses = any(len({node_of.get(r) for r in g}) > 1 for g in axis_groups(shape, i))
+        axis: dict[str, Any] = {
+            "name": name,
+            "size": size,
+            "link": "between nodes" if crosses else "within a node",
+        }
+        if cluster is not None:
+            axis["bandwidth_bytes_per_s"] = (
+                cluster.network_bandwidth if crosses else cluster.link_bandwidth
+            )
+        axes.append(axis)
+    return axes
 
 
 def _axis_of(group: list[int], shape: list[int], names: list[str]) -> str:
@@ -75,7 +104,7 @@ def inspect_json(manifest: Manifest) -> dict:
     return {
         "mode": manifest.mode,
         "world_size": manifest.world_size,
-        "mesh": manifest.mesh.to_json(),
+        "mesh": {**manifest.mesh.to_json(), "axes": _axes(manifest)},
         "soc_version": manifest.soc_version,
         "inputs": [i.to_json() for i in manifest.inputs],
         "outputs": [o.to_json() for o in manifest.outputs or ()],
@@ -94,6 +123,11 @@ def inspect_json(manifest: Manifest) -> dict:
     }
 
 
+def _rate(bytes_per_s: float) -> str:
+    """A link's bandwidth as a cluster config writes it (`392Gb` per second)."""
+    return f"{bytes_per_s * 8 / 1e9:g}Gb/s"
+
+
 def _within(layer: str, name: str) -> str:
     """A weight's name relative to its layer (`attn.c_proj.weight`), or in full outside one."""
     return name.removeprefix(layer + ".") if layer and name.startswith(layer + ".") else name
@@ -104,10 +138,14 @@ def format_plan(manifest: Manifest) -> str:
     data = inspect_json(manifest)
     lines = [
         f"offline model: {data['mode']}, {data['world_size']} devices, mesh "
-        + " x ".join(
-            f"{name} {size}" for name, size in zip(data["mesh"]["dim_names"], data["mesh"]["shape"])
-        )
+        + " x ".join(f"{a['name']} {a['size']}" for a in data["mesh"]["axes"])
         + f", soc {data['soc_version']}",
+        "mesh axes: "
+        + "; ".join(
+            f"{a['name']} {a['link']}"
+            + (f" ({_rate(a['bandwidth_bytes_per_s'])})" if "bandwidth_bytes_per_s" in a else "")
+            for a in data["mesh"]["axes"]
+        ),
         "inputs: " + ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in data["inputs"]),
         f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms",
     ]

@@ -24,7 +24,7 @@ from tessel.builder.stages import default_micro_batches, more_memory, pipeline_e
 from tessel.capture import CapturedModel, capture
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
-from tessel.config.mesh import ParallelDims, parallel_dims
+from tessel.config.mesh import ParallelDims, parallel_dims, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import PlanError, cost, has_rule, make_plan
 
@@ -64,7 +64,7 @@ def choose_mesh(
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
-    best: tuple[float, ParallelDims, CapturedModel, int] | None = None
+    best: tuple[float, ParallelDims, CapturedModel, int, dict] | None = None
     captures: dict[int, CapturedModel] = {}  # by the parts the example batch is split into
     shapes = [
         (pp, dp, world // (pp * dp))
@@ -74,9 +74,13 @@ def choose_mesh(
         if (world // pp) % dp == 0
     ]
     for pp, dp, tp in shapes:
-        entry: dict[str, Any] = {"shape": [dp, tp], "dim_names": ["dp", "tp"]}
-        if pp > 1:
-            entry = {"shape": [pp, dp, tp], "dim_names": ["pp", "dp", "tp"]}
+        devices = first_devices(cluster, tp)
+        outer = [("pp", pp), ("dp", dp)] if pp > 1 else [("dp", dp)]
+        axes = [*outer, *((a.name, a.size) for a in tensor_axes(devices))]
+        entry: dict[str, Any] = {
+            "shape": [size for _, size in axes],
+            "dim_names": [name for name, _ in axes],
+        }
         weighed.append(entry)
         if pp > 1 and best is not None:
             # (1, pp * dp, tp) does the same work without the stages' fill and drain
@@ -104,7 +108,6 @@ def choose_mesh(
         if parts not in captures:  # shapes that split the batch alike share one capture
             captures[parts] = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
         captured = captures[parts]
-        devices = first_devices(cluster, tp)
         try:
             plan = make_plan(
                 captured,
@@ -125,17 +128,13 @@ def choose_mesh(
             continue
         entry["estimated_time_s"] = seconds + gather_seconds(captured, dims, cluster, micro)
         if best is None or entry["estimated_time_s"] < best[0]:
-            best = (entry["estimated_time_s"], dims, captured, micro)
+            best = (entry["estimated_time_s"], dims, captured, micro, entry)
     if best is None:
         reasons = "; ".join(f"{e['shape']}: {e.get('set_aside')}" for e in weighed)
         raise PlanError(f"no mesh shape of this cluster fits the model ({reasons})")
-    dims = best[1]
-    chosen = [dims.size("dp"), dims.size("tp")]
-    if dims.size("pp") > 1:
-        chosen = [dims.size("pp"), *chosen]
     for entry in weighed:
-        entry["chosen"] = entry["shape"] == chosen
-    return MeshChoice(dims, best[2], weighed, best[3])
+        entry["chosen"] = entry is best[4]
+    return MeshChoice(best[1], best[2], weighed, best[3])
 
 
 def batch_rows(args: tuple, kwargs: dict) -> int:

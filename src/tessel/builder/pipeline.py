@@ -44,7 +44,7 @@ from tessel.config.cluster import (
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
-from tessel.lower.program import collectives, groups_in
+from tessel.lower.program import collectives, groups_in, move_groups
 from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import (
     LoweringError,
@@ -65,6 +65,7 @@ from tessel.package.format import (
 from tessel.plan import Plan, PlanError, has_rule, make_plan
 from tessel.plan.planner import layer_name
 from tessel.plan.strategies import describe_strategy, strategy_key
+from tessel.sharding.geometry import mesh_coordinate, mesh_rank
 from tessel.sharding.placements import local_shard, local_shard_shape, placement_str, shard_chunks
 
 log = logging.getLogger(__name__)
@@ -402,10 +403,12 @@ def _lower_all(
 ) -> list[RankProgram]:
     """One program per rank; ranks whose programs cannot differ share one trace.
 
-    A rank's program depends on its mesh coordinate only through the size of its chunks (uneven
-    splits leave the last ranks short) and through offsets that grow with the coordinate (where a
-    vocabulary shard starts). So when every rank holds weight chunks of one shape and the first
-    and last ranks trace to the same program, all ranks run that program; otherwise each rank is
+    A rank's program depends on its mesh coordinate through the size of its chunks (uneven
+    splits leave the last ranks short), through offsets that grow with the coordinate (where a
+    vocabulary shard starts), and through the groups of its collectives, which on a mesh of
+    several axes are the ranks beside it on each axis. So when every rank holds weight chunks of
+    one shape and the last rank's trace is the first's with its groups moved along the mesh,
+    every rank runs the first's program with its groups moved to it; otherwise each rank is
     traced on its own.
     """
 
@@ -416,10 +419,26 @@ def _lower_all(
     if world == 1:
         return [first]
     last = lower(world - 1)
-    if _even_weight_shards(captured, plan, world) and _same_program(first, last):
-        return [first] * world
+    if _even_weight_shards(captured, plan, world) and _same_program(
+        _moved(first, plan.mesh_shape, world - 1), last
+    ):
+        return [first, *(_moved(first, plan.mesh_shape, r) for r in range(1, world - 1)), last]
     log.info("rank programs differ; tracing each of the %d ranks", world)
     return [first, *(lower(r) for r in range(1, world - 1)), last]
+
+
+def _moved(program: RankProgram, mesh_shape: tuple[int, ...], rank: int) -> RankProgram:
+    """Rank 0's `program` as `rank` runs it: each group shifted on the mesh by `rank`'s
+    coordinate (rank 0's group along some axes becomes `rank`'s group along the same axes)."""
+    if rank == 0 or len(mesh_shape) == 1:  # on one axis every group is the whole mesh
+        return program
+    shift = mesh_coordinate(rank, mesh_shape)
+
+    def rank_map(q: int) -> int:
+        moved = [(c + s) % n for c, s, n in zip(mesh_coordinate(q, mesh_shape), shift, mesh_shape)]
+        return mesh_rank(moved, mesh_shape)
+
+    return replace(program, program=move_groups(program.program, rank_map))
 
 
 def _even_weight_shards(captured: CapturedModel, plan: Plan, world: int) -> bool:
@@ -551,9 +570,9 @@ def _pack(
         for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
     ]
-    mesh_shape, dim_names = list(plan.mesh_shape), ["tp"]
+    mesh_shape, dim_names = list(plan.mesh_shape), list(plan.mesh_names)
     if dp > 1:  # weights are replicated over the replicas
-        mesh_shape, dim_names = [dp, *mesh_shape], ["dp", "tp"]
+        mesh_shape, dim_names = [dp, *mesh_shape], ["dp", *dim_names]
     layouts = {
         fqn: {
             "shape": list(state[fqn].shape),
@@ -566,7 +585,7 @@ def _pack(
     }
     members["layouts.json"] = json.dumps(layouts, indent=1).encode()
     if pp > 1:  # each weight is held by the ranks of the stages that read it
-        mesh_shape, dim_names = [pp, dp, *plan.mesh_shape], ["pp", "dp", "tp"]
+        mesh_shape, dim_names = [pp, dp, *plan.mesh_shape], ["pp", "dp", *plan.mesh_names]
     members["strategy.json"] = json.dumps(
         _strategy_file(plan, placeholders, weights, state, dp)
     ).encode()
@@ -626,9 +645,10 @@ def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict, d
     params = {}
     for ph, fqn in weights:
         tensor = state[fqn]
-        mesh, placements, names = plan.mesh_shape, plan.out_placements(placeholders[ph]), ["tp"]
+        mesh, placements = plan.mesh_shape, plan.out_placements(placeholders[ph])
+        names = list(plan.mesh_names)
         if dp > 1:
-            mesh, placements, names = (dp, *mesh), (Replicate(), *placements), ["dp", "tp"]
+            mesh, placements, names = (dp, *mesh), (Replicate(), *placements), ["dp", *names]
         layout = layout_from_dtensor(mesh, placements, tensor.dim(), names)
         params[fqn] = param_from_layout(fqn, layout, tuple(tensor.shape), tensor.dtype)
     return Strategy(params, "package").to_json()

@@ -28,7 +28,7 @@ POLICY_KEYS = {  # each axis size's key under graph_parallel_option
 
 @dataclass(frozen=True)
 class MeshAxis:
-    name: str  # pp, dp or tp
+    name: str  # pp, dp, tp, or tp_node (a tensor-parallel group's nodes, see tensor_axes)
     size: int
     bandwidth: float  # bytes/s: the slowest link a group on this axis crosses
 
@@ -66,10 +66,11 @@ class ParallelDims:
     def groups(self, name: str) -> list[tuple[int, ...]]:
         """The rank groups along axis `name`: ranks that differ only in that coordinate."""
         self.axis(name)
-        return _groups(self.shape, AXES.index(name))
+        return axis_groups(self.shape, AXES.index(name))
 
 
-def _groups(shape: tuple[int, ...], dim: int) -> list[tuple[int, ...]]:
+def axis_groups(shape: tuple[int, ...], dim: int) -> list[tuple[int, ...]]:
+    """The rank groups along mesh dim `dim` of a mesh of `shape` (ranks row-major)."""
     inner = math.prod(shape[dim + 1 :])
     size = shape[dim]
     out = []
@@ -78,6 +79,24 @@ def _groups(shape: tuple[int, ...], dim: int) -> list[tuple[int, ...]]:
             base = outer * size * inner + i
             out.append(tuple(base + k * inner for k in range(size)))
     return out
+
+
+def tensor_axes(cluster: ClusterConfig) -> tuple[MeshAxis, ...]:
+    """The devices of `cluster`, all of one tensor-parallel group, as the planner meshes them.
+
+    Within one node (or over nodes of one device each) that is one `tp` axis. Over nodes of
+    several devices each it is two: `tp_node` across the nodes, on the network's link, and `tp`
+    over each node's devices, on the node's link. The planner then chooses a placement per axis,
+    so a collective that only needs the node's devices never crosses the network.
+    """
+    per_node = {len(n.devices) for n in cluster.nodes}
+    if len(cluster.nodes) > 1 and len(per_node) == 1 and (k := next(iter(per_node))) > 1:
+        return (
+            MeshAxis("tp_node", len(cluster.nodes), cluster.network_bandwidth),
+            MeshAxis("tp", k, cluster.link_bandwidth),
+        )
+    every = tuple(range(cluster.world_size))
+    return (MeshAxis("tp", cluster.world_size, cluster.bandwidth(every)),)
 
 
 def check_sizes(sizes: dict[str, Any], world_size: int, fail: Callable[..., ConfigError]) -> None:
@@ -139,7 +158,7 @@ def parallel_dims(cluster: ClusterConfig, policy: ParallelOption) -> ParallelDim
     shape = (pp, dp, tp)
     _check_hierarchy(cluster, shape, policy.source)
     axes = tuple(
-        MeshAxis(name, size, min(cluster.bandwidth(g) for g in _groups(shape, i)))
+        MeshAxis(name, size, min(cluster.bandwidth(g) for g in axis_groups(shape, i)))
         for i, (name, size) in enumerate(zip(AXES, shape))
     )
     return ParallelDims(axes)

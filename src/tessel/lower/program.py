@@ -13,6 +13,7 @@ from __future__ import annotations
 import keyword
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -232,6 +233,22 @@ def encode(gm: fx.GraphModule) -> dict:
     program = {"format": FORMAT, "nodes": nodes}
     check(program)  # what a loader would refuse is refused here, when the model is built
     return program, constants
+
+
+def move_groups(program: dict, rank_map: Callable[[int], int]) -> dict:
+    """`program` with every collective group's ranks mapped by `rank_map` (each group's ranks
+    kept in ascending order, as process groups list them)."""
+
+    def move(a: Any) -> Any:
+        if isinstance(a, dict):
+            if "$group" in a:
+                return {"$group": sorted(rank_map(r) for r in a["$group"])}
+            return {k: move(v) for k, v in a.items()}
+        if isinstance(a, list):
+            return [move(v) for v in a]
+        return a
+
+    return {**program, "nodes": move(program["nodes"])}
 
 
 def groups_in(program: dict) -> list[list[int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,8 +53,10 @@ class LoweringError(TesselError, RuntimeError):
 
 
 @contextlib.contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[DeviceMesh]:
-    """A fake process group of `world_size` seen from `rank`, and a 1-D mesh over it.
+def fake_world(
+    rank: int, mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None
+) -> Iterator[DeviceMesh]:
+    """A fake process group over a mesh of `mesh_shape` seen from `rank`, and the mesh.
 
     DTensor's caches are cleared on the way in and out: what it decided while tracing one rank
     must not reach the next rank's program (see `clear_dtensor_caches`).
@@ -65,8 +68,8 @@ def fake_world(rank: int, world_size: int) -> Iterator[DeviceMesh]:
         )
     clear_dtensor_caches()
     try:
-        with fake_process_group(rank, world_size):
-            yield init_device_mesh("cpu", (world_size,))
+        with fake_process_group(rank, math.prod(mesh_shape)):
+            yield init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
     finally:
         clear_dtensor_caches()
 
@@ -146,9 +149,8 @@ def _trace(
         and hasattr(s.arg, "value")
     }
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    world = plan.mesh_shape[0]
     checked = _Checked()
-    with fake_world(rank, world) as mesh:
+    with fake_world(rank, plan.mesh_shape, plan.mesh_names) as mesh:
 
         def run(*flat: torch.Tensor) -> list[torch.Tensor]:
             it = iter(flat)
@@ -164,7 +166,7 @@ def _trace(
                 stitcher.start(env, raw)
             for name in captured.input_names:
                 env[placeholders[name]] = DTensor.from_local(
-                    next(it), mesh, [Replicate()], run_check=False
+                    next(it), mesh, [Replicate()] * mesh.ndim, run_check=False
                 )
             for name, value in constants.items():
                 if name in placeholders:

@@ -10,7 +10,7 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from tessel._torch import OpStrategy, TupleStrategy, tree_flatten
+from tessel._torch import OpStrategy, TupleStrategy, rules_without_costs, tree_flatten
 from tessel.plan import cost
 from tessel.plan.strategies import (
     DTensorSpec,
@@ -65,6 +65,17 @@ def enumerate_candidates(
 
     `banned` names, per node, strategies that lowering found it cannot run (`strategy_key`).
     """
+    with rules_without_costs():  # the planner prices resharding itself
+        return _enumerate(graph, mesh, param_names, templates, banned)
+
+
+def _enumerate(
+    graph: fx.Graph,
+    mesh: DeviceMesh,
+    param_names: set[str],
+    templates: dict[fx.Node, fx.Node],
+    banned: dict[str, set[str]] | None,
+) -> dict[fx.Node, NodeChoices]:
     choices: dict[fx.Node, NodeChoices] = {}
     for n in graph.nodes:
         if n.op == "output":

@@ -190,6 +190,12 @@ class _Model:
         }
 
 
+def variable_count(problem: Problem) -> int:
+    """The columns of the program for `problem` before memory is priced: one per strategy and
+    one per distinct (source, target) pair of every edge."""
+    return _Model(problem, []).width
+
+
 def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     """The cheapest choice whose every memory row fits `memory_budget` (see `solve_with`)."""
     return solve_with(problem, _solve_priced, time_limit)

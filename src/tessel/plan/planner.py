@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tessel._torch import detached_mesh
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
+from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.errors import TesselError
 from tessel.plan import cost, dp, ilp
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 
 
 SOLVERS = {"O2": ilp.solve, "O1": dp.solve}  # opt_level -> solver
+METHODS = {"O2": "integer program (HiGHS)", "O1": "dynamic programming"}
+# Past this many columns each integer program takes HiGHS seconds, and pricing memory needs
+# tens of them: O2 solves such problems (on meshes of two axes, where a pointwise op has dozens
+# of strategies) by dynamic programming, exact while its tables stay whole.
+ILP_MAX_VARIABLES = 20_000
 
 
 class PlanError(TesselError, RuntimeError):
@@ -42,6 +48,7 @@ class Plan:
     """A chosen strategy for every node of the captured graph on a device mesh."""
 
     mesh_shape: tuple[int, ...]
+    mesh_names: tuple[str, ...]  # the axes of the mesh, outermost first (see tensor_axes)
     choices: dict[fx.Node, NodeChoices]
     choice: dict[fx.Node, int]  # decision owner -> strategy index
     param_targets: dict[str, str]  # placeholder name -> parameter FQN
@@ -75,9 +82,10 @@ class Plan:
         return list(seen.values())
 
 
-def mesh_for(world_size: int) -> DeviceMesh:
-    """A 1-D mesh for planning; needs no process group."""
-    return detached_mesh(torch.arange(world_size))
+def mesh_for(shape: int | tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
+    """A mesh of `shape` (ranks row-major) for planning; it needs no process group."""
+    shape = (shape,) if isinstance(shape, int) else shape
+    return detached_mesh(torch.arange(math.prod(shape)).reshape(shape), names)
 
 
 def make_plan(
@@ -88,7 +96,8 @@ def make_plan(
     banned: dict[str, set[str]] | None = None,
     reserve: int = 0,
 ) -> Plan:
-    """Solve for the placement of every node on a 1-D mesh over all devices.
+    """Solve for the placement of every node on the mesh of the cluster's devices (one
+    tensor-parallel group, meshed by `tensor_axes`: one axis, or nodes x devices).
 
     `banned` drops strategies, per node name, that lowering cannot run (see `strategy_key`);
     `reserve` keeps that many bytes of each device free of what the memory model counts.
@@ -96,18 +105,22 @@ def make_plan(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     graph = captured.program.graph_module.graph
-    mesh = mesh_for(cluster.world_size)
+    axes = tensor_axes(cluster)
+    mesh = mesh_for(tuple(a.size for a in axes), tuple(a.name for a in axes))
     param_targets, weight_tensors, families, choices = _candidates(captured, mesh, banned)
     timings["strategies"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    problem = _problem(graph, choices, cluster, mesh)
+    problem = _problem(graph, choices, cluster, mesh, axes)
     held = footprint(graph, choices, weight_tensors, tuple(mesh.shape))
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     problem.memory = held.rows
     problem.memory_budget = float(device_bytes - held.fixed - reserve)
+    method = option.opt_level
+    if method == "O2" and ilp.variable_count(problem) > ILP_MAX_VARIABLES:
+        method = "O1"
     try:
-        solution = SOLVERS[option.opt_level](problem, time_limit)
+        solution = SOLVERS[method](problem, time_limit)
     except InfeasibleError:
         raise _does_not_fit(
             problem, held, choices, cluster, device_bytes, time_limit, reserve
@@ -116,6 +129,7 @@ def make_plan(
     layers = {f: len(ix) for f, ix in families.items()}
     return Plan(
         mesh_shape=tuple(mesh.shape),
+        mesh_names=tuple(a.name for a in axes),
         choices=choices,
         choice=solution.choice,
         param_targets=param_targets,
@@ -123,6 +137,7 @@ def make_plan(
         timings=timings,
         solver={
             "opt_level": option.opt_level,
+            "method": METHODS[method],
             "variables": solution.num_variables,
             "constraints": solution.num_constraints,
             "status": solution.status,
@@ -254,7 +269,11 @@ def _owner(choices: dict[fx.Node, NodeChoices], n: fx.Node) -> fx.Node:
 
 
 def _problem(
-    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], cluster: ClusterConfig, mesh: DeviceMesh
+    graph: fx.Graph,
+    choices: dict[fx.Node, NodeChoices],
+    cluster: ClusterConfig,
+    mesh: DeviceMesh,
+    axes: tuple[MeshAxis, ...],
 ) -> Problem:
     soc = cluster.soc
     peak, bandwidth = soc.peak_flops, soc.memory_bandwidth
@@ -264,7 +283,7 @@ def _problem(
         share = min(1.0, (os.cpu_count() or 1) / per_node)
         peak, bandwidth = peak * share, bandwidth * share
     mesh_shape = tuple(mesh.shape)
-    links = [cost.Links.of(cluster)] * mesh.ndim
+    links = [cost.Links(a.bandwidth, soc.link_latency) for a in axes]
     sizes: dict[fx.Node, int] = {}
     linear: dict[fx.Node, np.ndarray] = {}
     for n, c in choices.items():

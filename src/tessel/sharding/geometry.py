@@ -33,6 +33,14 @@ def mesh_coordinate(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
+def mesh_rank(coordinate: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """The rank at `coordinate` of a mesh of `mesh_shape` (row-major, as `mesh_coordinate`)."""
+    rank = 0
+    for c, n in zip(coordinate, mesh_shape):
+        rank = rank * n + c
+    return rank
+
+
 def piece(tensor: torch.Tensor, dim: int, count: int, index: int) -> torch.Tensor:
     """Piece ``index`` of ``tensor`` cut ``count`` ways along ``dim`` (a view; maybe empty)."""
     start, stop = chunk_range(tensor.shape[dim], count, index)
