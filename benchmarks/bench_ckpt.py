@@ -155,7 +155,7 @@ def _task_dcp_save(src: str, out: str, a: str, rank: str, world: str, init: str)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from tessel.parallel.strategy import load_strategy
+    from tessel.checkpoint.strategy import load_strategy
 
     r, n = int(rank), int(world)
     torch.set_num_threads(1)
@@ -184,7 +184,7 @@ def _task_dcp_reshard(src: str, out: str, tp: str, b: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tessel.parallel.strategy import load_strategy
+    from tessel.checkpoint.strategy import load_strategy
 
     n = int(tp)
     st = load_strategy(b)
@@ -350,7 +350,7 @@ def run_parallel(name: str, argsets: list[list[str]]) -> dict:
 
 
 def tensor_bytes(d: Path) -> int:
-    from tessel.parallel.st_io import read_header
+    from tessel.checkpoint.st_io import read_header
 
     total = 0
     for f in d.rglob("*.safetensors"):

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 import tessel.atomic as atomic
 from tessel.atomic import replace_atomically
+from tessel.checkpoint.errors import StrategyError
+from tessel.checkpoint.strategy import ParamLayout, Strategy, load_strategy, write_strategy
 from tessel.config.errors import ConfigError
-from tessel.parallel.errors import StrategyError
-from tessel.parallel.strategy import ParamLayout, Strategy, load_strategy, write_strategy
 from tessel.runtime.cli_run import write_outputs
 
 

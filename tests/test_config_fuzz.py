@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tessel.checkpoint.strategy import FORMAT_NAME, load_strategy
 from tessel.config import ConfigError, load_json, read_cluster_config, read_parallel_option
 from tessel.config.fields import is_hostname, is_ip
 from tessel.dataflow import DeployError, read_deploy_info
 from tessel.parallel import StrategyError
-from tessel.parallel.strategy import FORMAT_NAME, load_strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"

@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from tessel.config.errors import ConfigError
-from tessel.errors import TesselError
-from tessel.package.manifest import PackageError
-from tessel.parallel.errors import (
+from tessel.checkpoint.errors import (
     CheckpointError,
     LayoutError,
     LayoutTypeError,
     NotExpressibleError,
     StrategyError,
 )
+from tessel.config.errors import ConfigError
+from tessel.errors import TesselError
+from tessel.package.manifest import PackageError
 
 
 def _heavy(module: str, name: str):

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tessel.checkpoint.strategy import ParamLayout, Strategy, write_strategy
 from tessel.parallel import shard_checkpoint
-from tessel.parallel.strategy import ParamLayout, Strategy, write_strategy
 
 
 def _piece(t: torch.Tensor, k: int, dim: int, i: int) -> torch.Tensor:

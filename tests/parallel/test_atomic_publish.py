@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import load_file
 
 import tessel
+from tessel.checkpoint.publish import PAUSE_ENV, PAUSE_MARKER_ENV, StagedTree
+from tessel.checkpoint.strategy import load_strategy
 from tessel.parallel import (
     Layout,
     convert_checkpoint_by_rank,
@@ -35,8 +37,6 @@ from tessel.parallel import (
     shard_checkpoint,
     unified_safetensors,
 )
-from tessel.parallel.publish import PAUSE_ENV, PAUSE_MARKER_ENV, StagedTree
-from tessel.parallel.strategy import load_strategy
 
 from .helpers import files_bytes, make_full, ref_rank_slices, write_full
 
@@ -49,8 +49,9 @@ SRC_DIR = str(Path(tessel.__file__).resolve().parents[1])  # the tessel this tes
 LAUNCHER = """
 import json, os, sys, traceback
 from tessel.cli import main
-from tessel.parallel import convert_checkpoint_by_rank, publish
-import tessel.builder.options, tessel.parallel.ckpt_cli, tqdm  # what main() imports
+from tessel.checkpoint import publish
+from tessel.parallel import convert_checkpoint_by_rank
+import tessel.builder.options, tessel.checkpoint.ckpt_cli, tqdm  # what main() imports
 
 def run(spec):
     fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tessel.checkpoint.strategy import load_strategy
 from tessel.parallel import (
     CheckpointError,
     Layout,
@@ -29,7 +30,6 @@ from tessel.parallel import (
     shard_checkpoint,
     unified_safetensors,
 )
-from tessel.parallel.strategy import load_strategy
 
 from .helpers import files_bytes, make_full, ref_rank_slices, write_full
 
@@ -369,7 +369,7 @@ def test_existing_destination_keeps_what_the_output_does_not_replace(tmp_path, s
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_failed_swap_leaves_existing_destination_as_it_was(tmp_path, src, monkeypatch, exchange):
-    from tessel.parallel import publish
+    from tessel.checkpoint import publish
 
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "tp2.json")
@@ -471,7 +471,7 @@ def test_interrupt_cleans_up_and_leaves_no_processes(tmp_path, src):
 
 
 def test_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, src, monkeypatch):
-    from tessel.parallel import convert
+    from tessel.checkpoint import convert
 
     a_dir, a = src
     b = _tp((1, 4), tmp_path / "tp4b.json")
@@ -500,7 +500,7 @@ def test_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, src, monkeypa
 )  # fmt: skip
 def test_error_in_a_writer_process_reaches_the_caller(tmp_path, src, monkeypatch, error, kind,
                                                       words):  # fmt: skip
-    from tessel.parallel import convert
+    from tessel.checkpoint import convert
 
     a_dir, a = src
     b = _tp((1, 4), tmp_path / "tp4b.json")

@@ -12,6 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from tessel.checkpoint.boxes import check_tiling
+from tessel.checkpoint.errors import StrategyError
+from tessel.checkpoint.strategy import ParamLayout, Strategy, check_param, write_strategy
 from tessel.parallel import (
     CheckpointError,
     convert_checkpoint_by_rank,
@@ -19,9 +22,6 @@ from tessel.parallel import (
     rank_list_for_convert,
     unified_safetensors,
 )
-from tessel.parallel.boxes import check_tiling
-from tessel.parallel.errors import StrategyError
-from tessel.parallel.strategy import ParamLayout, Strategy, check_param, write_strategy
 
 from .helpers import files_bytes, make_full, ref_rank_slices, write_sharded
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tessel.checkpoint.dcp import read_dcp_metadata
+from tessel.checkpoint.strategy import load_strategy
 from tessel.cli import main as tessel_main
 from tessel.parallel import (
     CheckpointError,
@@ -22,8 +24,6 @@ from tessel.parallel import (
     shard_checkpoint,
     unified_safetensors,
 )
-from tessel.parallel.dcp import read_dcp_metadata
-from tessel.parallel.strategy import load_strategy
 
 from .dcp_writer import PLACEMENTS, full_tensors
 from .helpers import ref_rank_slices
@@ -85,15 +85,15 @@ def test_convert_dcp_to_strategy(dcp_dir, tmp_path):
 
 def test_layout_of_dtensor_placements_reads_same_slices(dcp_dir, tmp_path):
     """The Layout derived from each DTensor's placements slices the data exactly as DCP stored."""
-    from tessel.parallel.sources import DCPSource
-    from tessel.parallel.strategy import param_from_layout
+    from tessel.checkpoint.sources import DCPSource
+    from tessel.checkpoint.strategy import param_from_layout
 
     src = DCPSource(dcp_dir)
     for k, make in PLACEMENTS.items():
         shape, _ = src.info(k)
         lay = layout_from_dtensor((2, 2), make(), len(shape), ("dp", "tp"))
         p = param_from_layout(k, lay, shape, None)
-        from tessel.parallel.boxes import distinct_boxes
+        from tessel.checkpoint.boxes import distinct_boxes
 
         assert {c.box for c in src.chunks(k)} == set(distinct_boxes(p, shape)), k
 
@@ -135,7 +135,7 @@ def test_malicious_chunk_pickle_is_refused(dcp_dir, tmp_path):
     d = tmp_path / "copy"
     shutil.copytree(dcp_dir, d)
     # replace every chunk archive's data.pkl with a pickle that calls os.system
-    from tessel.parallel.sources import DCPSource
+    from tessel.checkpoint.sources import DCPSource
 
     src = DCPSource(d)
     ch = src.chunks("r")[0]

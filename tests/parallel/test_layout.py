@@ -13,6 +13,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tessel.checkpoint.boxes import device_box
+from tessel.checkpoint.strategy import param_from_layout
 from tessel.config.errors import ConfigError
 from tessel.parallel import (
     Layout,
@@ -22,8 +24,6 @@ from tessel.parallel import (
     layout_to_dtensor,
     layout_to_placements,
 )
-from tessel.parallel.boxes import device_box
-from tessel.parallel.strategy import param_from_layout
 
 
 def test_docstring_example_tensor_map():
@@ -189,7 +189,7 @@ def test_placements_round_trip_every_ordering(dev):
 
 def test_wrong_placements_are_refused_naming_the_layout(monkeypatch):
     """If the placements ever disagree with the Layout's slices, the answer is an error."""
-    import tessel.parallel.dtensor as dt
+    import tessel.checkpoint.dtensor as dt
 
     monkeypatch.setattr(dt, "_split_factor", lambda dev, mesh_dims, i: 1)  # plain Shard only
     lay = Layout((2, 3, 2), ALIASES)("None", ("z", "x", "y"))
@@ -215,8 +215,8 @@ def test_placements_match_torch_distribute_tensor():
         from torch.distributed.tensor import distribute_tensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         from tessel.parallel import Layout, layout_to_placements
-        from tessel.parallel.boxes import device_box
-        from tessel.parallel.strategy import param_from_layout
+        from tessel.checkpoint.boxes import device_box
+        from tessel.checkpoint.strategy import param_from_layout
         shape = (24, 24)
         full = torch.arange(24 * 24).view(shape)
         bad, checked = [], 0

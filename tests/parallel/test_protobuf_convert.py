@@ -8,6 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tessel.checkpoint.mindspore_proto import messages
+from tessel.checkpoint.strategy import ParamLayout, Strategy, load_strategy
 from tessel.parallel import (
     Layout,
     convert_checkpoint_by_rank,
@@ -16,8 +18,6 @@ from tessel.parallel import (
     save_strategy_file,
     unified_safetensors,
 )
-from tessel.parallel.mindspore_proto import messages
-from tessel.parallel.strategy import ParamLayout, Strategy, load_strategy
 
 from .helpers import load_rank, make_full, ref_rank_slices
 

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from tessel.checkpoint.mindspore_proto import messages, strategy_to_protobuf, write_group_info
+from tessel.checkpoint.strategy import load_strategy
 from tessel.parallel import (
     Layout,
     StrategyError,
@@ -16,8 +18,6 @@ from tessel.parallel import (
     restore_group_info_list,
     save_strategy_file,
 )
-from tessel.parallel.mindspore_proto import messages, strategy_to_protobuf, write_group_info
-from tessel.parallel.strategy import load_strategy
 
 
 def _proto_file(tmp_path):
@@ -198,8 +198,8 @@ def test_missing_strategy_file(tmp_path):
 
 
 def test_save_strategy_rejects_bad_opt_and_keeps_uneven_splits_out_of_mindspore(tmp_path):
-    from tessel.parallel.boxes import device_box
-    from tessel.parallel.mindspore_proto import strategy_to_protobuf
+    from tessel.checkpoint.boxes import device_box
+    from tessel.checkpoint.mindspore_proto import strategy_to_protobuf
 
     lay = Layout((4,), ("tp",))
     save_strategy_file(tmp_path / "s.json", {"w": (lay("tp"), (6,), "float32")})

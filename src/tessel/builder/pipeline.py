@@ -639,8 +639,8 @@ def _nbytes(tensor: torch.Tensor, placements: tuple, plan: Plan, rank: int) -> i
 
 def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict, dp: int = 1) -> dict:
     """The weights' layouts as a tessel strategy file, for `tessel ckpt` to shard checkpoints into."""
-    from tessel.parallel.dtensor import layout_from_dtensor
-    from tessel.parallel.strategy import Strategy, param_from_layout
+    from tessel.checkpoint.dtensor import layout_from_dtensor
+    from tessel.checkpoint.strategy import Strategy, param_from_layout
 
     params = {}
     for ph, fqn in weights:

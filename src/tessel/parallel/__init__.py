@@ -1,7 +1,9 @@
-"""mindspore.parallel-style API for PyTorch: Layout, strategy files, checkpoint conversion.
+"""mindspore.parallel-style API for PyTorch: the public namespace over tessel.checkpoint.
 
-Names are imported on first use, so the command line can register `tessel ckpt` (and read a
-package's manifest) without importing torch.
+Layout, strategy files and checkpoint conversion are implemented in tessel.checkpoint; api.py
+holds the mindspore.parallel-compatible functions. The planner that parallelises a model is
+tessel.plan (reached through tessel.build). Names are imported on first use, so the command
+line can register `tessel ckpt` (and read a package's manifest) without importing torch.
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ _EXPORTS = {
     "restore_group_info_list": "tessel.parallel.api",
     "shard_checkpoint": "tessel.parallel.api",
     "unified_safetensors": "tessel.parallel.api",
-    "layout_from_dtensor": "tessel.parallel.dtensor",
-    "layout_to_dtensor": "tessel.parallel.dtensor",
-    "layout_to_placements": "tessel.parallel.dtensor",
-    "CheckpointError": "tessel.parallel.errors",
-    "LayoutError": "tessel.parallel.errors",
-    "LayoutTypeError": "tessel.parallel.errors",
-    "NotExpressibleError": "tessel.parallel.errors",
-    "StrategyError": "tessel.parallel.errors",
-    "Layout": "tessel.parallel.layout",
-    "ParamLayout": "tessel.parallel.strategy",
-    "Strategy": "tessel.parallel.strategy",
-    "load_strategy": "tessel.parallel.strategy",
-    "save_strategy_file": "tessel.parallel.strategy",
+    "layout_from_dtensor": "tessel.checkpoint.dtensor",
+    "layout_to_dtensor": "tessel.checkpoint.dtensor",
+    "layout_to_placements": "tessel.checkpoint.dtensor",
+    "CheckpointError": "tessel.checkpoint.errors",
+    "LayoutError": "tessel.checkpoint.errors",
+    "LayoutTypeError": "tessel.checkpoint.errors",
+    "NotExpressibleError": "tessel.checkpoint.errors",
+    "StrategyError": "tessel.checkpoint.errors",
+    "Layout": "tessel.checkpoint.layout",
+    "ParamLayout": "tessel.checkpoint.strategy",
+    "Strategy": "tessel.checkpoint.strategy",
+    "load_strategy": "tessel.checkpoint.strategy",
+    "save_strategy_file": "tessel.checkpoint.strategy",
 }
 
 __all__ = [

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from tessel.parallel.boxes import Box, device_box
-from tessel.parallel.convert import execute, execute_file, shape_bytes
-from tessel.parallel.errors import CheckpointError, StrategyError
-from tessel.parallel.plan import FileJob, needed_holders, plan_file
-from tessel.parallel.sources import (
+from tessel.checkpoint.boxes import Box, device_box
+from tessel.checkpoint.convert import execute, execute_file, shape_bytes
+from tessel.checkpoint.errors import CheckpointError, StrategyError
+from tessel.checkpoint.plan import FileJob, needed_holders, plan_file
+from tessel.checkpoint.sources import (
     DCPSource,
     FullSource,
     RankSource,
@@ -25,8 +25,8 @@ from tessel.parallel.sources import (
     find_rank_files,
     is_dcp_dir,
 )
-from tessel.parallel.st_io import read_header
-from tessel.parallel.strategy import (
+from tessel.checkpoint.st_io import read_header
+from tessel.checkpoint.strategy import (
     ParamLayout,
     Strategy,
     load_strategy,
@@ -103,7 +103,7 @@ def _resolve_dst(dst: Strategy, source: Source) -> Strategy:
             )
         from dataclasses import replace
 
-        from tessel.parallel.boxes import check_tiling
+        from tessel.checkpoint.boxes import check_tiling
 
         q = replace(p, shape=tuple(shape), dtype=dtype)
         check_tiling(name, q, dst.source)
@@ -232,7 +232,7 @@ def rank_list_for_convert(
             entries.append((n, tuple((0, s) for s in resolved[n])))
         else:
             q = replace(dst.params[n], shape=resolved[n])
-            from tessel.parallel.boxes import check_tiling
+            from tessel.checkpoint.boxes import check_tiling
 
             check_tiling(n, q, dst.source)
             entries.append((n, device_box(q, dst.holders(n)[rank_id], q.shape)))
@@ -517,7 +517,7 @@ def merge_pipeline_strategys(
 
 def restore_group_info_list(group_info_file_name: str | os.PathLike) -> list[int]:
     """The ranks whose checkpoints equal this rank's, from a MindSpore group-info file."""
-    from tessel.parallel.mindspore_proto import read_group_info
+    from tessel.checkpoint.mindspore_proto import read_group_info
 
     p = Path(group_info_file_name)
     if not p.is_file():
@@ -569,8 +569,8 @@ def load_segmented_checkpoints(
 
 
 def _read_entries(source: Source, entries: list[tuple[str, Box]]) -> dict[str, torch.Tensor]:
-    from tessel.parallel.convert import _Fds
-    from tessel.parallel.st_io import fill
+    from tessel.checkpoint.convert import _Fds
+    from tessel.checkpoint.st_io import fill
 
     out = {}
     fds = _Fds()
@@ -670,8 +670,8 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _dtensor_box(name: str, t: Any, shape: Sequence[int]) -> tuple[Box, tuple]:
-    from tessel.parallel.dtensor import layout_from_dtensor
-    from tessel.parallel.strategy import param_from_layout
+    from tessel.checkpoint.dtensor import layout_from_dtensor
+    from tessel.checkpoint.strategy import param_from_layout
 
     mesh = t.device_mesh
     lay = layout_from_dtensor(mesh, t.placements, t.ndim)

@@ -69,7 +69,7 @@ def _gib(n: int) -> str:
 def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
     from tqdm import tqdm
 
-    from tessel.parallel.convert import execute, nbytes_of
+    from tessel.checkpoint.convert import execute, nbytes_of
 
     total = nbytes_of(jobs)
     bar = tqdm(
@@ -113,9 +113,9 @@ def _unify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
+    from tessel.checkpoint.sources import DCPSource, FullSource, is_dcp_dir
+    from tessel.checkpoint.strategy import load_strategy
     from tessel.parallel.api import _rank_jobs, _resolve_dst
-    from tessel.parallel.sources import DCPSource, FullSource, is_dcp_dir
-    from tessel.parallel.strategy import load_strategy
 
     source = DCPSource(args.hf_dir) if is_dcp_dir(args.hf_dir) else FullSource(args.hf_dir)
     dst = _resolve_dst(load_strategy(args.strategy), source)
@@ -135,10 +135,10 @@ def _ranks(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from tessel.checkpoint.convert import shape_bytes
+    from tessel.checkpoint.sources import RankSource
+    from tessel.checkpoint.strategy import load_strategy
     from tessel.parallel.api import _open_source
-    from tessel.parallel.convert import shape_bytes
-    from tessel.parallel.sources import RankSource
-    from tessel.parallel.strategy import load_strategy
 
     path = Path(args.path)
     rows = []

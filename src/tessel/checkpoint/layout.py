@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tessel.parallel.errors import LayoutError, LayoutTypeError
+from tessel.checkpoint.errors import LayoutError, LayoutTypeError
 
 INTERLEAVED = "interleaved_parallel"
 NONE_ALIAS = "None"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tessel.parallel.errors import StrategyError
-from tessel.parallel.strategy import ParamLayout
+from tessel.checkpoint.errors import StrategyError
+from tessel.checkpoint.strategy import ParamLayout
 from tessel.sharding import chunk_range, mesh_coordinate
 
 Box = tuple[tuple[int, int], ...]

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from tessel._torch import dcp_storage_info_class, serialization_get_layout
-from tessel.parallel.errors import CheckpointError
-from tessel.parallel.st_io import TensorLoc
-from tessel.parallel.strategy import dtype_name
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.st_io import TensorLoc
+from tessel.checkpoint.strategy import dtype_name
 
 _DTYPE_NAMES = {str(d).removeprefix("torch.") for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,

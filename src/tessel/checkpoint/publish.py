@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from tessel.parallel.errors import CheckpointError
+from tessel.checkpoint.errors import CheckpointError
 
 try:
     import fcntl

@@ -5,7 +5,7 @@ tensor's bytes at its offset. A tensor whose pieces are long contiguous runs is 
 by the kernel (``copy_file_range``); otherwise one buffer the size of that output slice is filled
 from the source regions and written. So peak memory is about the largest output slice.
 
-Outputs are published with ``tessel.parallel.publish``: a tree is built whole beside the
+Outputs are published with ``tessel.checkpoint.publish``: a tree is built whole beside the
 destination and swapped in at once, a single file is written under a temporary name and renamed,
 so an error, Ctrl-C or kill at any moment leaves the old output or the complete new one. Sources
 are only ever opened read-only.
@@ -26,12 +26,10 @@ from typing import NoReturn
 
 import torch
 
-from tessel.errors import TesselError
-from tessel.package.safetensors_io import build_header
-from tessel.parallel.errors import CheckpointError
-from tessel.parallel.plan import FileJob, OutParam
-from tessel.parallel.publish import StagedTree, pause_point, staged_file, sync_file
-from tessel.parallel.st_io import (
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.plan import FileJob, OutParam
+from tessel.checkpoint.publish import StagedTree, pause_point, staged_file, sync_file
+from tessel.checkpoint.st_io import (
     DIRECT_RUN_BYTES,
     copy_range,
     direct_runs,
@@ -40,6 +38,8 @@ from tessel.parallel.st_io import (
     scratch,
     write_all,
 )
+from tessel.errors import TesselError
+from tessel.package.safetensors_io import build_header
 
 MAX_DIRECT_RUNS = 4096
 

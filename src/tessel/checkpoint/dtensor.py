@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tessel.parallel.errors import NotExpressibleError
-from tessel.parallel.layout import INTERLEAVED, Layout, layout_from_tensor_map
+from tessel.checkpoint.errors import NotExpressibleError
+from tessel.checkpoint.layout import INTERLEAVED, Layout, layout_from_tensor_map
 
 
 def _split_factor(dev: Sequence[int], mesh_dims: Sequence[int], i: int) -> int:

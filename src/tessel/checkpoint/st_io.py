@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.strategy import dtype_name
 from tessel.package.safetensors_io import (
     SafetensorsFormatError,
     header_length,
     parse_header,
 )
-from tessel.parallel.errors import CheckpointError
-from tessel.parallel.strategy import dtype_name
 
 Box = tuple[tuple[int, int], ...]
 DIRECT_RUN_BYTES = 1 << 20  # runs this long are copied file to file by the kernel

@@ -1,4 +1,5 @@
-"""Error types of tessel.parallel: all are ConfigError, so the CLI prints them cleanly."""
+"""Error types of tessel.checkpoint, exported by tessel.parallel: all are ConfigError, so the
+CLI prints them cleanly."""
 
 from __future__ import annotations
 

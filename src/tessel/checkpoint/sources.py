@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tessel.parallel.boxes import Box, check_tiling, device_box, distinct_boxes, slice_shape
-from tessel.parallel.errors import CheckpointError
-from tessel.parallel.st_io import TensorLoc, read_header
-from tessel.parallel.strategy import ParamLayout, Strategy
+from tessel.checkpoint.boxes import Box, check_tiling, device_box, distinct_boxes, slice_shape
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.st_io import TensorLoc, read_header
+from tessel.checkpoint.strategy import ParamLayout, Strategy
 
 Holder = int | str
 
@@ -250,7 +250,7 @@ class DCPSource(Source):
     kind = "dcp"
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        from tessel.parallel.dcp import read_dcp_metadata
+        from tessel.checkpoint.dcp import read_dcp_metadata
 
         self.directory = str(directory)
         self.label = self.directory
@@ -265,7 +265,7 @@ class DCPSource(Source):
         for fqn, md in meta.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 continue  # non-tensor entries (BytesIO objects) are not parameters
-            from tessel.parallel.strategy import dtype_name
+            from tessel.checkpoint.strategy import dtype_name
 
             shape = tuple(int(s) for s in md.size)
             self._meta[fqn] = (shape, dtype_name(md.properties.dtype), md.chunks)
@@ -303,7 +303,7 @@ class DCPSource(Source):
     def loc(self, name: str, chunk: Chunk, holder: Holder) -> TensorLoc:
         key = (name, chunk.box)
         if key not in self._locs:
-            from tessel.parallel.dcp import locate_chunk
+            from tessel.checkpoint.dcp import locate_chunk
 
             off = tuple(a for a, _ in chunk.box)
             info = self._storage.get((name, off)) or self._storage.get((name, None))

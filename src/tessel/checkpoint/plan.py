@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tessel.parallel.boxes import Box, intersect, relative, slice_shape, volume
-from tessel.parallel.errors import CheckpointError
-from tessel.parallel.sources import Holder, Source
-from tessel.parallel.st_io import Piece, itemsize
+from tessel.checkpoint.boxes import Box, intersect, relative, slice_shape, volume
+from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.sources import Holder, Source
+from tessel.checkpoint.st_io import Piece, itemsize
 
 
 @dataclass

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from tessel.atomic import replace_atomically
+from tessel.checkpoint.errors import LayoutError, StrategyError
+from tessel.checkpoint.layout import Layout
 from tessel.config.fields import (
     MAX_ID,
     Fields,
@@ -40,8 +42,6 @@ from tessel.config.fields import (
     suggest,
 )
 from tessel.package.safetensors_io import ST_DTYPES, TORCH_TO_ST
-from tessel.parallel.errors import LayoutError, StrategyError
-from tessel.parallel.layout import Layout
 
 FORMAT_NAME = "tessel-strategy"
 
@@ -95,7 +95,7 @@ class ParamLayout:
         return {a for axes in self.tensor_map for a in axes}
 
     def to_layout(self) -> Layout:
-        from tessel.parallel.layout import layout_from_tensor_map
+        from tessel.checkpoint.layout import layout_from_tensor_map
 
         return layout_from_tensor_map(
             self.dev_matrix, self.tensor_map, self.alias_name, self.rank_list
@@ -524,7 +524,7 @@ def load_strategy(path: str | os.PathLike | Strategy | None) -> Strategy | None:
             ) from None
         st = _strategy_from_json(data, src)
     else:
-        from tessel.parallel.mindspore_proto import strategy_from_protobuf
+        from tessel.checkpoint.mindspore_proto import strategy_from_protobuf
 
         st = strategy_from_protobuf(raw, src)
     if not st.params:
@@ -626,7 +626,7 @@ def save_strategy_file(
     st = Strategy(out, src, {"world_size": world_size} if world_size else {})
     if out:
         st.stage_device_num  # noqa: B018 - validates consistency
-    from tessel.parallel.boxes import check_tiling
+    from tessel.checkpoint.boxes import check_tiling
 
     for name, p in out.items():
         if p.shape is not None:
