@@ -13,7 +13,8 @@ it loaded the model, after one run and after all. The difference is what the mod
 worker; the ratio is measured/predicted after all runs, over the ranks.
 
 Workers fix glibc's mmap threshold at 128 KiB (see `runtime/worker.py`), so each activation is
-mapped when made and returned when freed and a worker holds what its program holds. Beyond the
+mapped when made and returned when freed and a worker holds what its program holds (the session
+option `tessel.reuse_freed_memory` turns this off, for speed). Beyond the
 program's tensors a worker also holds the program itself and what the first run of its kernels
 allocates once (a few MiB), and rank 0 copies its outputs into shared memory for the pipe to the
 session.

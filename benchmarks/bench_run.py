@@ -14,7 +14,10 @@ Each figure is the median of 20 runs after 3 warm-up runs; torch TP takes the sl
 With `--mesh 2x2`, four processes on a dp 2 x tp 2 mesh: torch runs the Megatron plan on the
 `tp` axis of a 2-D DeviceMesh, each replica on its half of the batch (the outputs stay on the
 replicas); tessel builds with the same sizes in the policy on devices too small for a replica's
-replicated weights, and its Session returns the whole batch to the caller.
+replicated weights, and its Session returns the whole batch to the caller. tessel runs twice per
+build: with its workers' default of returning each large activation's memory when freed (so a
+worker holds what its program holds), and with `tessel.reuse_freed_memory` (glibc's own policy,
+which torch's processes run with).
 
     python benchmarks/bench_run.py [--devices 2 4]
     python benchmarks/bench_run.py --devices 3 4 6 --tight-only   # shards that do not divide
@@ -120,7 +123,9 @@ def torch_tp(world: int, threads: int, dp: int = 1) -> dict:
     return result
 
 
-def tessel_run(world: int, tight: bool, threads: int, dp: int = 1) -> dict:
+def tessel_run(
+    world: int, tight: bool, threads: int, dp: int = 1, reuse_memory: bool = False
+) -> dict:
     import tessel
     from tessel.capture import capture
     from tessel.config.cluster import cluster_from_dict
@@ -162,7 +167,11 @@ def tessel_run(world: int, tight: bool, threads: int, dp: int = 1) -> dict:
         tessel.initialize()
         try:
             session = tessel.Session()
-            session.load_graph(0, {"tessel.threads_per_worker": threads}, path)
+            options = {
+                "tessel.threads_per_worker": threads,
+                "tessel.reuse_freed_memory": reuse_memory,
+            }
+            session.load_graph(0, options, path)
             times = []
             for i in range(WARMUP + REPEAT):
                 t = time.perf_counter()
@@ -223,19 +232,24 @@ def main() -> None:
         print(f"torch TP on mesh dp {dp} x tp {tp}: {json.dumps(peer)}", flush=True)
         found = {}
         for tight in (False, True):
-            found[tight] = tessel_run(world, tight, threads, dp)
-            print(f"tessel on mesh dp {dp} x tp {tp}, tight={tight}: {json.dumps(found[tight])}")
+            for reuse in (False, True):
+                found[tight, reuse] = ours = tessel_run(world, tight, threads, dp, reuse)
+                print(
+                    f"tessel on mesh dp {dp} x tp {tp}, tight={tight}, "
+                    f"reuse_freed_memory={reuse}: {json.dumps(ours)}"
+                )
         print()
         print(
-            f"{'mesh':<6} {'tessel devices':<22} {'weights x N':>11} {'tessel ms':>9} "
-            f"{'torch TP ms':>11} {'ratio':>6} {'max diff':>9}"
+            f"{'mesh':<6} {'tessel devices':<22} {'freed memory':<13} {'weights x N':>11} "
+            f"{'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}"
         )
-        for tight, ours in found.items():
+        for (tight, reuse), ours in found.items():
             label = "2x a replica's least" if tight else "16 GB"
             print(
-                f"{args.mesh:<6} {label:<22} {ours['weight_share_x_N']:>11.3f} "
-                f"{ours['median_ms']:>9.1f} {peer['median_ms']:>11.1f} "
-                f"{ours['median_ms'] / peer['median_ms']:>6.2f} {ours['max_abs_diff']:>9.1e}"
+                f"{args.mesh:<6} {label:<22} {'reused' if reuse else 'returned':<13} "
+                f"{ours['weight_share_x_N']:>11.3f} {ours['median_ms']:>9.1f} "
+                f"{peer['median_ms']:>11.1f} {ours['median_ms'] / peer['median_ms']:>6.2f} "
+                f"{ours['max_abs_diff']:>9.1e}"
             )
         return
     print(f"single process, {cores} threads: {eager(cores):.1f} ms", flush=True)

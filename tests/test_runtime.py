@@ -411,6 +411,20 @@ def test_reuse_can_be_turned_off(model_file, session):
         session.load_graph(2, {"tessel.reuse_workers": "maybe"}, path)
 
 
+def test_workers_that_reuse_freed_memory_equal_eager_and_are_pooled_apart(model_file, session):
+    model, ids, path = model_file
+    session.load_graph(0, {"tessel.reuse_freed_memory": True}, path)
+    for _ in range(2):  # the second run takes memory the first one freed
+        _assert_matches(session, 0, model, ids)
+    reusing = _pids(session, 0)
+    session.remove_graph(0)
+    session.load_graph(1, {}, path)  # the default returns freed memory: other workers
+    assert not set(_pids(session, 1)) & set(reusing)
+    _assert_matches(session, 1, model, ids)
+    with pytest.raises(tessel.ConfigError, match="tessel.reuse_freed_memory: expected true or"):
+        session.load_graph(2, {"tessel.reuse_freed_memory": "sometimes"}, path)
+
+
 def test_after_a_worker_error_the_next_load_starts_fresh_workers(
     model_file, gpt2_files, session, tmp_path
 ):

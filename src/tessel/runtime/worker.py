@@ -37,6 +37,7 @@ class WorkerSpec:
     threads: int
     timeout_s: float  # the session's run deadline
     distributed: bool
+    reuse_freed_memory: bool = False  # keep glibc's own heap policy (see `_fix_mmap_threshold`)
 
     @property
     def collective_timeout_s(self) -> float:
@@ -144,7 +145,9 @@ def _release_memory(device: torch.device) -> None:
 # glibc's default mmap threshold rises to the largest block a process frees, so after the first
 # run every activation below 32 MiB comes from the heap, which keeps and fragments what they free:
 # a worker then holds up to a third more than its program does. A fixed threshold maps each large
-# activation when made and returns it when freed, and runs no slower.
+# activation when made and returns it when freed, so a worker holds what its program holds; the
+# price is a page fault per page of every large activation on every run (about a tenth of a
+# small model's run on CPU). `tessel.reuse_freed_memory` keeps glibc's policy instead.
 _MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number
 
@@ -161,7 +164,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
     _die_with_parent()
-    _fix_mmap_threshold()
+    if not spec.reuse_freed_memory:
+        _fix_mmap_threshold()
     torch.set_num_threads(max(1, spec.threads))
     try:
         device = _device(spec)
