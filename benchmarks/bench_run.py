@@ -9,19 +9,22 @@ Side by side in one run:
     Megatron plan, the same model and threads per process. Its plan needs a process count that
     divides the heads; where N does not (3, 6), torch TP runs at the nearest counts that do, and
     tessel is compared with each.
-Each figure is the median of 20 runs after 3 warm-up runs; torch TP takes the slowest rank.
+Each figure is the median of 20 runs after 3 warm-up runs; torch TP takes the slowest rank. With
+`--mesh`, every setting runs `--rounds` times, torch first in each round; the table shows the
+medians over the rounds and the range of the per-round ratios.
 
 With `--mesh 2x2`, four processes on a dp 2 x tp 2 mesh: torch runs the Megatron plan on the
-`tp` axis of a 2-D DeviceMesh, each replica on its half of the batch (the outputs stay on the
-replicas); tessel builds with the same sizes in the policy on devices too small for a replica's
-replicated weights, and its Session returns the whole batch to the caller. tessel runs twice per
-build: with its workers' default of returning each large activation's memory when freed (so a
-worker holds what its program holds), and with `tessel.reuse_freed_memory` (glibc's own policy,
-which torch's processes run with).
+`tp` axis of a 2-D DeviceMesh, each replica on its half of the batch, once with the outputs left
+on the replicas and once with each replica's logits gathered to rank 0 and joined (the whole
+batch in one place, as a Session returns it). tessel builds with the same sizes in the policy,
+for 16 GB devices and for devices of twice a replica's least memory (its weights sharded), and
+runs each build twice: with its workers' default of returning each large activation's memory
+when freed (a worker holds what its program holds), and with `tessel.reuse_freed_memory`
+(glibc's own policy, which torch's processes run with).
 
     python benchmarks/bench_run.py [--devices 2 4]
     python benchmarks/bench_run.py --devices 3 4 6 --tight-only   # shards that do not divide
-    python benchmarks/bench_run.py --mesh 2x2
+    python benchmarks/bench_run.py --mesh 2x2 [--rounds 3]
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict, dp: int = 1) -> None:
+def _tp_rank(
+    rank: int, world: int, port: int, threads: int, out: dict, dp: int = 1, gather: bool = False
+) -> None:
+    """One torch TP process; with `gather`, each replica's logits then go to rank 0, which
+    puts the whole batch together (what a tessel Session returns)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -102,6 +109,11 @@ def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict, dp: int 
             dist.barrier()
             t = time.perf_counter()
             logits = model(input_ids=ids, use_cache=False).logits
+            if gather and dp > 1 and mesh.get_local_rank("tp") == 0:
+                group = mesh.get_group("dp")
+                parts = [torch.empty_like(logits) for _ in range(dp)] if rank == 0 else None
+                dist.gather(logits, parts, group=group, group_dst=0)
+                whole = torch.cat(parts) if rank == 0 else None
             dist.barrier()
             if i >= WARMUP:
                 times.append(time.perf_counter() - t)
@@ -110,14 +122,18 @@ def _tp_rank(rank: int, world: int, port: int, threads: int, out: dict, dp: int 
     if rank == 0:
         out["median_ms"] = 1e3 * statistics.median(worst.tolist())
         out["max_abs_diff"] = (logits - reference).abs().max().item()
+        if gather and dp > 1:
+            out["whole_batch_rows"] = whole.shape[0]
     dist.barrier()
     dist.destroy_process_group()
 
 
-def torch_tp(world: int, threads: int, dp: int = 1) -> dict:
+def torch_tp(world: int, threads: int, dp: int = 1, gather: bool = False) -> dict:
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_tp_rank, args=(world, _free_port(), threads, out, dp), nprocs=world, join=True)
+    mp.spawn(
+        _tp_rank, args=(world, _free_port(), threads, out, dp, gather), nprocs=world, join=True
+    )
     result = dict(out)
     manager.shutdown()
     return result
@@ -223,33 +239,56 @@ def main() -> None:
         "--tight-only", action="store_true", help="only the build whose weights must be sharded"
     )
     parser.add_argument("--mesh", help="dp x tp, such as 2x2: tessel and torch on a 2-D mesh")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="with --mesh: rounds of every setting, medians shown"
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     if args.mesh:
         dp, tp = (int(x) for x in args.mesh.split("x"))
         world, threads = dp * tp, max(1, cores // (dp * tp))
-        peer = torch_tp(world, threads, dp)
-        print(f"torch TP on mesh dp {dp} x tp {tp}: {json.dumps(peer)}", flush=True)
-        found = {}
-        for tight in (False, True):
-            for reuse in (False, True):
-                found[tight, reuse] = ours = tessel_run(world, tight, threads, dp, reuse)
-                print(
-                    f"tessel on mesh dp {dp} x tp {tp}, tight={tight}, "
-                    f"reuse_freed_memory={reuse}: {json.dumps(ours)}"
-                )
-        print()
+        # four processes share this machine's cores, so one session's figure moves with where
+        # the scheduler puts them: every round runs both peers and each tessel setting afresh
+        peers: dict[bool, list[float]] = {False: [], True: []}
+        found: dict[tuple[bool, bool], list[dict]] = {}
+        for round_ in range(args.rounds):
+            for gather in (False, True):
+                peer = torch_tp(world, threads, dp, gather)
+                peers[gather].append(peer["median_ms"])
+                print(f"round {round_}: torch TP, gather={gather}: {json.dumps(peer)}")
+            for tight in (False, True):
+                for reuse in (False, True):
+                    ours = tessel_run(world, tight, threads, dp, reuse)
+                    ours["ratios"] = [ours["median_ms"] / peers[g][-1] for g in (False, True)]
+                    found.setdefault((tight, reuse), []).append(ours)
+                    print(
+                        f"round {round_}: tessel, tight={tight}, reuse_freed_memory={reuse}: "
+                        f"{json.dumps(ours)}",
+                        flush=True,
+                    )
+        left, whole = (statistics.median(peers[g]) for g in (False, True))
+        print(
+            f"\ntorch TP, outputs left on the replicas: {left:.1f} ms; "
+            f"with the replicas' logits gathered to rank 0: {whole:.1f} ms "
+            f"(medians of {args.rounds} rounds)\n"
+        )
         print(
             f"{'mesh':<6} {'tessel devices':<22} {'freed memory':<13} {'weights x N':>11} "
-            f"{'tessel ms':>9} {'torch TP ms':>11} {'ratio':>6} {'max diff':>9}"
+            f"{'tessel ms':>9} {'ratio (range) to TP':>21} {'to TP + gather':>16} {'max diff':>9}"
         )
-        for (tight, reuse), ours in found.items():
+        for (tight, reuse), runs in found.items():
             label = "2x a replica's least" if tight else "16 GB"
+            cells = []
+            for g in (0, 1):
+                ratios = [r["ratios"][g] for r in runs]
+                cells.append(
+                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+                )
             print(
                 f"{args.mesh:<6} {label:<22} {'reused' if reuse else 'returned':<13} "
-                f"{ours['weight_share_x_N']:>11.3f} {ours['median_ms']:>9.1f} "
-                f"{peer['median_ms']:>11.1f} {ours['median_ms'] / peer['median_ms']:>6.2f} "
-                f"{ours['max_abs_diff']:>9.1e}"
+                f"{runs[0]['weight_share_x_N']:>11.3f} "
+                f"{statistics.median(r['median_ms'] for r in runs):>9.1f} "
+                f"{cells[0]:>21} {cells[1]:>16} {max(r['max_abs_diff'] for r in runs):>9.1e}"
             )
         return
     print(f"single process, {cores} threads: {eager(cores):.1f} ms", flush=True)
