@@ -93,7 +93,7 @@ def _build_args(d: Path, **extra: str) -> list[str]:
         ({"--graph_parallel_option_path": None}, "--graph_parallel_option_path: is mandatory"),
         ({"--enable_graph_parallel": "2"}, "--enable_graph_parallel: expected 0 or 1, found '2'"),
         ({"--log": "loud"}, "--log: found 'loud'; allowed: debug|info|warning|error|null"),
-        ({"--shard_model_dir": "parts"}, "pre-sliced models"),
+        ({"--shard_model_dir": "parts"}, "--shard_model_dir: needs --model_relation_config"),
         ({"--model": "nothing.onnx"}, "--model: expected a .pt2 file or file.py:function"),
     ],
 )

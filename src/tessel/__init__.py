@@ -14,6 +14,7 @@ _EXPORTS = {
     "build": "tessel.builder",
     "save": "tessel.builder",
     "BuiltModel": "tessel.builder",
+    "build_from_slices": "tessel.builder.slices",
     "build_initialize": "tessel.builder.seed_api",
     "build_model": "tessel.builder.seed_api",
     "save_model": "tessel.builder.seed_api",

@@ -250,3 +250,57 @@ def redistribute(value: Any, placements: tuple) -> Any:
     return DTensor.from_local(
         local, spec.mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
     )
+
+
+class PickledPayloadError(ValueError):
+    """A .pt2 archive holds something only pickle could read (the message names it)."""
+
+
+def load_exported_program(path: str) -> torch.export.ExportedProgram:
+    """The one ExportedProgram of a `torch.export.save` archive, read without unpickling.
+
+    `torch.export.load` unpickles weights, constants and example inputs that the archive stores
+    as pickles (a pickle can run code). Here every payload must be a raw tensor: anything else
+    is refused with `PickledPayloadError` before a byte of it is read, and the example inputs
+    are not read at all.
+    """
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
+    from torch.export.pt2_archive import _package as package
+    from torch.export.pt2_archive.constants import (
+        CONSTANTS_CONFIG_FILENAME_FORMAT,
+        MODELS_FILENAME_FORMAT,
+        TENSOR_CONSTANT_FILENAME_PREFIX,
+        WEIGHTS_CONFIG_FILENAME_FORMAT,
+    )
+
+    with package.PT2ArchiveReader(path) as reader:
+        names = reader.get_file_names()
+        prefix, suffix = MODELS_FILENAME_FORMAT.split("{}")
+        models = [n[len(prefix) : -len(suffix)] for n in names if n.startswith(prefix)]
+        if len(models) != 1:
+            raise PickledPayloadError(f"expected one exported program, found {len(models)}")
+        (model,) = models
+        configs = {}
+        for what, fmt in (
+            ("weight", WEIGHTS_CONFIG_FILENAME_FORMAT),
+            ("constant", CONSTANTS_CONFIG_FILENAME_FORMAT),
+        ):
+            name = fmt.format(model)
+            if name not in names:
+                raise PickledPayloadError(
+                    f"no {name} (an archive of an older torch, whose {what}s are pickled)"
+                )
+            configs[what] = package._load_payload_config(reader, name)
+        for what, config in configs.items():
+            for fqn, meta in config.config.items():
+                tensor = what == "weight" or meta.path_name.startswith(
+                    TENSOR_CONSTANT_FILENAME_PREFIX
+                )
+                if meta.use_pickle or not tensor:
+                    raise PickledPayloadError(f"{what} {fqn!r} is stored as a pickle")
+        state_dict = package._load_state_dict(reader, model)
+        constants = package._load_constants(reader, model)
+        serialized = _bytes_to_dataclass(
+            package.schema.ExportedProgram, reader.read_bytes(MODELS_FILENAME_FORMAT.format(model))
+        )
+    return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, b"")

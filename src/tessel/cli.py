@@ -17,7 +17,6 @@ def _build(args: argparse.Namespace) -> int:
     from tessel.builder.options import check_build_options
     from tessel.capture import load_model_spec
     from tessel.config.cluster import local_cluster, read_cluster_config
-    from tessel.report import format_plan
 
     opts = check_build_options(
         distributed_cluster_build=args.distributed_cluster_build,
@@ -33,6 +32,23 @@ def _build(args: argparse.Namespace) -> int:
         cluster = read_cluster_config(opts.cluster_config, opts.soc_version)
     else:
         cluster = local_cluster(4 if opts.distributed_cluster_build else 1, opts.soc_version)
+    if opts.shard_model_dir:
+        from tessel.builder.slices import build_from_slices
+
+        if args.model:
+            raise ConfigError(
+                "command line", "--model", "is not used with --shard_model_dir (the slices are)"
+            )
+        built = build_from_slices(
+            opts.shard_model_dir, opts.model_relation_config, cluster, opts.soc_version
+        )
+        return _saved(built, args.output)
+    if not args.model:
+        raise ConfigError(
+            "command line",
+            "--model",
+            "is required: a .pt2 file or file.py:function (or --shard_model_dir for slices)",
+        )
     model, example_inputs = load_model_spec(args.model)
     built = build(
         model,
@@ -44,7 +60,13 @@ def _build(args: argparse.Namespace) -> int:
         reuse_layers=not args.trace_every_layer,
         verify=args.verify,
     )
-    path = built.save(args.output)
+    return _saved(built, args.output)
+
+
+def _saved(built, output: str) -> int:
+    from tessel.report import format_plan
+
+    path = built.save(output)
     if logging.getLogger().isEnabledFor(logging.INFO):
         print(format_plan(built.manifest))
     print(f"wrote {path}")
@@ -112,7 +134,6 @@ def make_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build one offline model for a cluster (ATC-style flags)")
     b.add_argument(
         "--model",
-        required=True,
         help=".pt2 file from torch.export.save, or file.py:function returning (module, example_inputs)",
     )
     b.add_argument(
@@ -135,8 +156,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--graph_parallel_option_path",
         help="partitioning policy JSON (mandatory with --enable_graph_parallel=1)",
     )
-    b.add_argument("--shard_model_dir", help="pre-sliced models (not built yet)")
-    b.add_argument("--model_relation_config", help="relations of pre-sliced models (not built yet)")
+    b.add_argument(
+        "--shard_model_dir",
+        help="directory of pre-sliced models, one .pt2 per rank with its collectives (instead of "
+        "--model; needs --distributed_cluster_build=1 and --cluster_config)",
+    )
+    b.add_argument(
+        "--model_relation_config",
+        help="model_relation_config.json: each slice's device and rank, and the communication "
+        "groups its collectives name (with --shard_model_dir)",
+    )
     b.add_argument("--log", dest="sub_log", default=None, help="debug|info|warning|error|null")
     b.add_argument(
         "--trace_every_layer",

@@ -119,6 +119,7 @@ def inspect_json(manifest: Manifest) -> dict:
         "stages": plan.get("stages") or [],
         "micro_batches": plan.get("micro_batches") or 1,
         "verify": plan.get("verify"),
+        "source": plan.get("source", "planned"),
         "ranks": _ranks(manifest, memory),
     }
 
@@ -147,16 +148,23 @@ def format_plan(manifest: Manifest) -> str:
             for a in data["mesh"]["axes"]
         ),
         "inputs: " + ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in data["inputs"]),
-        f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms",
     ]
+    if data["source"] == "slices":
+        lines.append(
+            f"built from pre-sliced models ({manifest.plan.get('relation_config')}): "
+            + ", ".join(f"rank {r.get('rank')} {r.get('slice')}" for r in data["ranks"])
+        )
+    else:
+        lines.append(f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms")
     solver = data.get("solver") or {}
     if solver:
         lines.append(
             f"solver {solver.get('opt_level')}: {solver.get('decisions')} decisions, "
             f"{solver.get('variables')} variables, repeated layers {solver.get('repeated_layers')}"
         )
-    lines.append("")
-    lines.append("placements per layer (weight: placement on the mesh)")
+    if data["layers"]:
+        lines.append("")
+        lines.append("placements per layer (weight: placement on the mesh)")
     groups: dict[tuple, list[str]] = defaultdict(list)
     for layer, params in data["layers"].items():
         key = tuple(sorted((_within(layer, name), "/".join(p)) for name, p in params.items()))

@@ -17,6 +17,8 @@ class BuildOptions:
     cluster_config: str | None
     graph_parallel_option_path: str | None
     soc_version: str = "cpu"
+    shard_model_dir: str | None = None
+    model_relation_config: str | None = None
 
 
 def _switch(value: object, name: str, source: str) -> bool:
@@ -47,6 +49,7 @@ def check_build_options(
         "graph_parallel_option_path": "--graph_parallel_option_path",
         "framework": "--framework",
         "shard_model_dir": "--shard_model_dir",
+        "model_relation_config": "--model_relation_config",
         **(names or {}),
     }
     if str(framework).lower() not in FRAMEWORKS:
@@ -56,12 +59,10 @@ def check_build_options(
     dcb = _switch(distributed_cluster_build, names["distributed_cluster_build"], source)
     egp = _switch(enable_graph_parallel, names["enable_graph_parallel"], source)
     if shard_model_dir or model_relation_config:
-        raise ConfigError(
-            source,
-            names["shard_model_dir"],
-            "building from pre-sliced models (--shard_model_dir with --model_relation_config) is not "
-            "built yet in tessel; give the complete model and --enable_graph_parallel=1 instead",
-        )
+        _check_slice_options(
+            source, names, dcb, egp, cluster_config, graph_parallel_option_path,
+            shard_model_dir, model_relation_config,
+        )  # fmt: skip
     if egp and not dcb:
         raise ConfigError(
             source,
@@ -84,4 +85,45 @@ def check_build_options(
             names["graph_parallel_option_path"],
             f"is only used with {names['distributed_cluster_build']}=1 and {names['enable_graph_parallel']}=1",
         )
-    return BuildOptions(dcb, egp, cluster_config, graph_parallel_option_path, soc_version)
+    return BuildOptions(
+        dcb,
+        egp,
+        cluster_config,
+        graph_parallel_option_path,
+        soc_version,
+        shard_model_dir,
+        model_relation_config,
+    )
+
+
+def _check_slice_options(
+    source: str,
+    names: dict[str, str],
+    dcb: bool,
+    egp: bool,
+    cluster_config: str | None,
+    graph_parallel_option_path: str | None,
+    shard_model_dir: str | None,
+    model_relation_config: str | None,
+) -> None:
+    """Pre-sliced models: the slice directory and its relation config together, for a
+    distributed build on a given cluster, never partitioned again."""
+    slices, relation = names["shard_model_dir"], names["model_relation_config"]
+    if not shard_model_dir:
+        raise ConfigError(source, relation, f"is used only with {slices} (the slices it relates)")
+    if not model_relation_config:
+        raise ConfigError(
+            source, slices, f"needs {relation} (which slice runs on which device as which rank)"
+        )
+    if not dcb:
+        raise ConfigError(source, slices, f"needs {names['distributed_cluster_build']}=1")
+    if egp or graph_parallel_option_path:
+        raise ConfigError(
+            source,
+            names["enable_graph_parallel"] if egp else names["graph_parallel_option_path"],
+            f"partitions a complete model; the slices of {slices} are partitioned already",
+        )
+    if not cluster_config:
+        raise ConfigError(
+            source, names["cluster_config"], f"is required with {slices} (the slices' devices)"
+        )

@@ -12,6 +12,7 @@ from tessel.builder.options import check_build_options
 from tessel.builder.pipeline import BuiltModel, build
 from tessel.builder.pipeline import save as _save
 from tessel.config.cluster import local_cluster, read_cluster_config
+from tessel.config.errors import ConfigError
 
 CLUSTER_CONFIG = "ge.cluster_config"
 DISTRIBUTED_CLUSTER_BUILD = "ge.distributed_cluster_build"
@@ -25,7 +26,6 @@ _NAMES = {
     "enable_graph_parallel": ENABLE_GRAPH_PARALLEL,
     "cluster_config": CLUSTER_CONFIG,
     "graph_parallel_option_path": GRAPH_PARALLEL_OPTION_PATH,
-    "shard_model_dir": MODEL_RELATION_CONFIG,
 }
 _global: dict[str, str] = {}
 
@@ -41,12 +41,19 @@ def build_model(
 ) -> BuiltModel:
     """aclgrphBuildModel: DISTRIBUTED_CLUSTER_BUILD, ENABLE_GRAPH_PARALLEL, GRAPH_PARALLEL_OPTION_PATH."""
     merged = {**_global, **(options or {})}
+    if MODEL_RELATION_CONFIG in merged:
+        raise ConfigError(
+            "build options",
+            MODEL_RELATION_CONFIG,
+            "pre-sliced models are built from their directory: `tessel build --shard_model_dir "
+            "DIR --model_relation_config FILE` or `tessel.build_from_slices(DIR, FILE, cluster)`; "
+            "build_model takes one complete model",
+        )
     checked = check_build_options(
         distributed_cluster_build=merged.get(DISTRIBUTED_CLUSTER_BUILD, "0"),
         enable_graph_parallel=merged.get(ENABLE_GRAPH_PARALLEL, "0"),
         cluster_config=merged.get(CLUSTER_CONFIG),
         graph_parallel_option_path=merged.get(GRAPH_PARALLEL_OPTION_PATH),
-        model_relation_config=merged.get(MODEL_RELATION_CONFIG),
         soc_version=merged.get(SOC_VERSION, "cpu"),
         source="build options",
         names=_NAMES,

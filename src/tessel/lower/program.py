@@ -182,12 +182,16 @@ def _group_ranks(name: str) -> list[int]:
     return group_ranks(name)
 
 
-def encode(gm: fx.GraphModule) -> dict:
-    """The JSON form of a traced local program (collective groups recorded as rank lists)."""
+def encode(
+    gm: fx.GraphModule, group_ranks: Callable[[str], list[int]] = _group_ranks
+) -> tuple[dict, dict]:
+    """The JSON form of a traced local program and its constants; each collective's group is
+    recorded as its rank list, `group_ranks(group_name)` (by default, from the process groups
+    of the world it was traced in)."""
     nodes = []
     constants = {}
 
-    def enc(a: Any, collective: bool) -> Any:
+    def enc(a: Any, collective: bool = False) -> Any:
         if isinstance(a, fx.Node):
             return {"$node": a.name}
         if isinstance(a, (list, tuple)):
@@ -202,8 +206,8 @@ def encode(gm: fx.GraphModule) -> dict:
             return {"$memory_format": str(a).removeprefix("torch.")}
         if isinstance(a, float) and not math.isfinite(a):
             return {"$float": repr(a)}
-        if collective and isinstance(a, str) and a.isdigit():
-            return {"$group": _group_ranks(a)}
+        if collective and isinstance(a, str):
+            return {"$group": list(group_ranks(a))}
         if a is None or isinstance(a, (bool, int, float, str)):
             return a
         raise ProgramError(f"cannot serialise argument {a!r} of type {type(a).__name__}")
@@ -216,14 +220,14 @@ def encode(gm: fx.GraphModule) -> dict:
             nodes.append({"op": "constant", "name": n.name})
         elif n.op == "call_function":
             target = _op_name(n.target)
-            collective = target.startswith(_COLLECTIVES)
+            groups = _group_arguments(n.target) if target.startswith(_COLLECTIVES) else set()
             nodes.append(
                 {
                     "op": "call",
                     "name": n.name,
                     "target": target,
-                    "args": enc(list(n.args), collective),
-                    "kwargs": {k: enc(v, collective) for k, v in n.kwargs.items()},
+                    "args": [enc(a, i in groups) for i, a in enumerate(n.args)],
+                    "kwargs": {k: enc(v, k in groups) for k, v in n.kwargs.items()},
                 }
             )
         elif n.op == "output":
@@ -233,6 +237,18 @@ def encode(gm: fx.GraphModule) -> dict:
     program = {"format": FORMAT, "nodes": nodes}
     check(program)  # what a loader would refuse is refused here, when the model is built
     return program, constants
+
+
+def _group_arguments(op: Any) -> set[int | str]:
+    """Where a collective takes its group: the position and the name of `group_name`."""
+    if not isinstance(op, OpOverload):
+        return set()
+    return {
+        key
+        for i, arg in enumerate(op._schema.arguments)
+        if arg.name == "group_name"
+        for key in (i, arg.name)
+    }
 
 
 def move_groups(program: dict, rank_map: Callable[[int], int]) -> dict:

@@ -1,0 +1,1 @@
+"""Pre-sliced models: the relation config and the slices it deploys, read and checked."""
