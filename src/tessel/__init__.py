@@ -15,6 +15,7 @@ _EXPORTS = {
     "save": "tessel.builder",
     "BuiltModel": "tessel.builder",
     "build_from_slices": "tessel.builder.slices",
+    "export_slice": "tessel.slices.export",
     "build_initialize": "tessel.builder.seed_api",
     "build_model": "tessel.builder.seed_api",
     "save_model": "tessel.builder.seed_api",

@@ -36,7 +36,7 @@ class ProgramError(TesselError, ValueError):
     """A program that calls what tessel does not allow, or is not well formed."""
 
 
-def _op_name(target: Any) -> str:
+def op_name(target: Any) -> str:
     if target is operator.getitem:
         return "getitem"
     if isinstance(target, OpOverload):
@@ -219,7 +219,7 @@ def encode(
             constants[n.name] = getattr(gm, n.target)
             nodes.append({"op": "constant", "name": n.name})
         elif n.op == "call_function":
-            target = _op_name(n.target)
+            target = op_name(n.target)
             groups = _group_arguments(n.target) if target.startswith(_COLLECTIVES) else set()
             nodes.append(
                 {

@@ -12,15 +12,17 @@ mismatch fails the build instead of hanging the run; all slices take the same in
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tessel._torch import PickledPayloadError, load_exported_program, tree_leaves
+from tessel._torch import OpOverload, PickledPayloadError, load_exported_program, tree_leaves
 from tessel.config.errors import ConfigError
-from tessel.lower.program import ProgramError, encode, node_shapes
+from tessel.lower.operators import ALLOWED
+from tessel.lower.program import ProgramError, encode, node_shapes, op_name
 from tessel.slices.relation import ModelRelation, SliceEntry
 
 log = logging.getLogger(__name__)
@@ -110,10 +112,11 @@ def _read_one(
         raise ConfigError(
             path, None, f"writes into {mutated}; a slice may not change its weights or inputs"
         )
-    try:
-        ep = ep.run_decompositions()
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(path, None, f"cannot be decomposed to core ATen ({exc})") from None
+    if not _all_listed(ep.graph_module):  # a slice traced to ATen already is taken as it is
+        try:
+            ep = ep.run_decompositions()
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(path, None, f"cannot be decomposed to core ATen ({exc})") from None
     signature = ep.graph_signature
     gm = ep.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -149,6 +152,15 @@ def _read_one(
         _collectives(gm, group_of),
         node_shapes(gm),
     )
+
+
+def _all_listed(gm: torch.fx.GraphModule) -> bool:
+    """Whether every operator the graph calls is on tessel's list."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            if not isinstance(n.target, OpOverload) or op_name(n.target) not in ALLOWED:
+                return False
+    return True
 
 
 def _info(name: str, value: Any, path: Path) -> TensorInfo:
