@@ -136,3 +136,28 @@ def test_write_outputs_is_atomic_and_its_failure_is_a_config_error(tmp_path, mon
         write_outputs(str(path), [torch.zeros(2)])
     assert path.read_bytes() == before
     assert _listing(path.parent) == ["y.safetensors"]
+
+
+def test_a_published_file_has_an_ordinary_mode_not_the_temporarys(tmp_path):
+    from tessel.package.format import write_package
+    from tessel.package.manifest import Manifest
+
+    mask = os.umask(0o027)
+    try:
+        target = tmp_path / "new.txt"
+        with replace_atomically(target) as tmp:
+            tmp.write_text("x")
+        assert target.stat().st_mode & 0o777 == 0o640  # 0666 less the umask
+        target.chmod(0o604)
+        with replace_atomically(target) as tmp:
+            tmp.write_text("y")
+        assert target.stat().st_mode & 0o777 == 0o604  # the replaced file's mode is kept
+        # packages are published the same way
+        import tessel
+
+        built = tessel.build(torch.nn.Linear(2, 2), (torch.ones(1, 2),), cluster=1)
+        assert isinstance(built.manifest, Manifest)
+        path = write_package(tmp_path / "m", built.manifest, built.members)
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(mask)

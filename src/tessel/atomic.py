@@ -36,21 +36,32 @@ def _sync(path: str | os.PathLike, directory: bool = False) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def replace_atomically(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path` to write the new file to.
+def file_mode(target: str | os.PathLike) -> int:
+    """The mode a file published at `target` gets: the mode of the file it replaces, else an
+    ordinary new file's (0666 less the umask), never the owner-only mode of a temporary."""
+    with contextlib.suppress(OSError):
+        return os.stat(target).st_mode & 0o7777
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
-    When the block ends without error the temporary is synced and renamed over `path`, and the
-    directory synced; when it raises (or the sync or rename fails) the temporary is removed and
-    `path` is left as it was.
+
+@contextlib.contextmanager
+def replace_atomically(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary path beside `path` (ending in `suffix`) to write the new file to.
+
+    When the block ends without error the temporary is synced and renamed over `path` with the
+    mode `file_mode` gives, and the directory synced; when it raises (or the sync or rename
+    fails) the temporary is removed and `path` is left as it was.
     """
     target = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(fd)
     tmp = Path(name)
     try:
         yield tmp
         _sync(tmp)
+        os.chmod(tmp, file_mode(target))
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):

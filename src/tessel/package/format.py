@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Union
 
+from tessel.atomic import file_mode
 from tessel.package.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -170,6 +171,7 @@ def write_package(
                     json.dumps(manifest.with_files(files).to_json(), indent=1, sort_keys=True),
                 )
             write_back.finish()
+        os.chmod(tmp, file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tessel._torch import group_ranks, tree_leaves, tree_map
+from tessel.atomic import replace_atomically
 from tessel.config.errors import ConfigError
 
 RELATION_FILE = "model_relation_config.json"
@@ -88,14 +88,15 @@ def export_slice(
     program = _SliceModule(traced, names, [w.detach() for w in locals_])
     exported = torch.export.export(program, tuple(flat_inputs))
     path = folder / f"{prefix}{rank}.pt2"
-    _publish(path, lambda tmp: torch.export.save(exported, tmp))
+    with replace_atomically(path, suffix=".tmp.pt2") as tmp:  # torch.export.save wants .pt2
+        torch.export.save(exported, tmp)
 
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, groups)
     if rank == 0:
         relation = _relation(prefix, world, everyone, cluster_config)
-        text = json.dumps(relation, indent=2)
-        _publish(folder / RELATION_FILE, lambda tmp: Path(tmp).write_text(text))
+        with replace_atomically(folder / RELATION_FILE) as tmp:
+            tmp.write_text(json.dumps(relation, indent=2))
     dist.barrier()
     return path
 
@@ -174,18 +175,3 @@ def _relation(
         ],
         "rank_table": [{"rank_id": r, "model_instance_id": r} for r in range(world)],
     }
-
-
-def _publish(path: Path, write) -> None:
-    """Write through `write(temporary path)` beside `path`, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
-    mask = os.umask(0)
-    os.umask(mask)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~mask)  # as an ordinary new file, not mkstemp's owner-only mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
