@@ -64,30 +64,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_rank(
-    rank: int, world: int, port: int, threads: int, out: dict, dp: int = 1, gather: bool = False
-) -> None:
-    """One torch TP process; with `gather`, each replica's logits then go to rank 0, which
-    puts the whole batch together (what a tessel Session returns)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+def megatron_plan() -> dict:
+    """torch TP's plan for the Llama: attention and MLP projections column- then row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
-    model = llama()
-    rows = BATCH // dp
-    replica = mesh.get_local_rank("dp")
-    ids = inputs()[replica * rows : (replica + 1) * rows]
-    with torch.no_grad():
-        reference = model(input_ids=ids, use_cache=False).logits
     plan = {}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
@@ -102,7 +82,30 @@ def _tp_rank(
                 p + "mlp.down_proj": RowwiseParallel(),
             }
         )
-    parallelize_module(model, mesh["tp"], plan)
+    return plan
+
+
+def _tp_rank(
+    rank: int, world: int, port: int, threads: int, out: dict, dp: int = 1, gather: bool = False
+) -> None:
+    """One torch TP process; with `gather`, each replica's logits then go to rank 0, which
+    puts the whole batch together (what a tessel Session returns)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    model = llama()
+    rows = BATCH // dp
+    replica = mesh.get_local_rank("dp")
+    ids = inputs()[replica * rows : (replica + 1) * rows]
+    with torch.no_grad():
+        reference = model(input_ids=ids, use_cache=False).logits
+    parallelize_module(model, mesh["tp"], megatron_plan())
     times = []
     with torch.no_grad():
         for i in range(WARMUP + REPEAT):

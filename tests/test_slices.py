@@ -443,7 +443,13 @@ def test_a_model_parallelised_by_torch_exports_builds_and_runs_equal_to_eager(
         tessel.finalize()
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # each rank holds its shard only: rank 1's first sharded projection is a slice
-    held = built.members[built.manifest.submodels[1].weights[0]]
+    # weights every rank holds whole (embeddings, norms) are stored once, shared by the ranks
+    shared = built.members["weights/replicated.safetensors"]
+    embedding = "lm.model.embed_tokens.weight" if family == "llama" else "lm.transformer.wte.weight"
+    assert embedding in shared
+    assert all(s.weights[0] == "weights/replicated.safetensors" for s in built.manifest.submodels)
+    held = built.members[built.manifest.submodels[1].weights[-1]]
+    assert embedding not in held
     full = dict(model.named_parameters())
     name = (
         "lm.model.layers.0.mlp.up_proj.weight"

@@ -22,6 +22,7 @@ from tessel.package.format import FORMAT, FORMAT_VERSION, Manifest, Member
 from tessel.slices.read import Slice, read_slices
 from tessel.slices.relation import ModelRelation, read_model_relation
 
+_SHARED = "weights/replicated.safetensors"
 _NOT_CHECKED = "built from pre-sliced models: there is no single-device model to check against"
 
 
@@ -77,14 +78,19 @@ def _pack(
 ) -> tuple[dict, dict[str, Member]]:
     members: dict[str, Member] = {}
     by_device = {cluster_ranks[s.entry.rank]: s for s in slices}
+    shared = _held_alike(slices)
+    if shared:
+        members[_SHARED] = _own_storage({n: slices[0].weights[n] for n in sorted(shared)})
     submodels, ranks = [], []
     for device in cluster.devices:
         s = by_device[device.rank]
         program = f"programs/rank_{device.rank}.json"
         members[program] = json.dumps(s.program).encode()
-        weights = [f"weights/rank_{device.rank}.safetensors"] if s.weights else []
-        if s.weights:
-            members[weights[0]] = _own_storage(s.weights)
+        own = {n: t for n, t in s.weights.items() if n not in shared}
+        weights = [_SHARED] if shared else []
+        if own:
+            weights.append(f"weights/rank_{device.rank}.safetensors")
+            members[weights[-1]] = _own_storage(own)
         submodels.append(
             {
                 "rank": device.rank,
@@ -138,6 +144,23 @@ def _pack(
         },
     }
     return manifest, members
+
+
+def _held_alike(slices: list[Slice]) -> set[str]:
+    """Weights every slice holds under one name with equal values (an unsharded embedding, a
+    norm's scale): stored once, read by every rank."""
+    first, rest = slices[0].weights, slices[1:]
+    return {
+        name
+        for name, t in first.items()
+        if all(
+            name in s.weights
+            and s.weights[name].dtype == t.dtype
+            and s.weights[name].shape == t.shape
+            and torch.equal(s.weights[name], t)
+            for s in rest
+        )
+    }
 
 
 def _own_storage(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
