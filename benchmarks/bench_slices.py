@@ -20,10 +20,10 @@ import statistics
 import tempfile
 import time
 
-import bench_run
 import torch
 import torch.multiprocessing as mp
 
+import bench_run
 from bench_run import LAYERS, REPEAT, WARMUP, inputs, llama, megatron_plan
 
 
