@@ -14,6 +14,7 @@ _EXPORTS = {
     "build": "tessel.builder",
     "save": "tessel.builder",
     "BuiltModel": "tessel.builder",
+    "empty_weights": "tessel.builder.weights",
     "build_from_slices": "tessel.builder.slices",
     "export_slice": "tessel.slices.export",
     "build_initialize": "tessel.builder.seed_api",

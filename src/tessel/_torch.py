@@ -304,3 +304,17 @@ def load_exported_program(path: str) -> torch.export.ExportedProgram:
             package.schema.ExportedProgram, reader.read_bytes(MODELS_FILENAME_FORMAT.format(model))
         )
     return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, b"")
+
+
+def fake_tensor_mode() -> Any:
+    """A FakeTensorMode in which real tensors may meet fake ones (a model's fake weights)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: Any) -> bool:
+    """Whether `t` is a fake tensor (shape and dtype, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

@@ -59,6 +59,7 @@ def _build(args: argparse.Namespace) -> int:
         graph_parallel=opts.enable_graph_parallel,
         reuse_layers=not args.trace_every_layer,
         verify=args.verify,
+        weights=args.weights,
     )
     return _saved(built, args.output)
 
@@ -165,6 +166,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--model_relation_config",
         help="model_relation_config.json: each slice's device and rank, and the communication "
         "groups its collectives name (with --shard_model_dir)",
+    )
+    b.add_argument(
+        "--weights",
+        help="checkpoint directory (save_pretrained's safetensors, with or without "
+        "model.safetensors.index.json) to stream each rank's weights from: the model may hold "
+        "its parameters on the meta device (tessel.empty_weights())",
     )
     b.add_argument("--log", dest="sub_log", default=None, help="debug|info|warning|error|null")
     b.add_argument(

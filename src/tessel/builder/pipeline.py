@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from tessel import __version__ as tessel_version
-from tessel._torch import tree_leaves
+from tessel._torch import is_fake, tree_leaves
 from tessel.builder.mesh_choice import (
     batch_rows,
     choose_mesh,
@@ -33,6 +33,7 @@ from tessel.builder.stages import (
     send_seconds,
 )
 from tessel.builder.verify import check_against_eager, worth_checking
+from tessel.builder.weights import streamed_weights
 from tessel.capture import CapturedModel, capture
 from tessel.capture.export import split_inputs
 from tessel.config.cluster import (
@@ -104,6 +105,7 @@ def build(
     time_limit: float = 60.0,
     reuse_layers: bool = True,
     verify: bool | None = None,
+    weights: str | Path | None = None,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
@@ -115,8 +117,26 @@ def build(
     the eager model, or `VerifyError` is raised and nothing is returned; it costs one forward pass
     of the model plus one of every device's share. By default (None) the check runs where the
     cost model puts it below what the build took, and the plan says when it was skipped.
+
+    With `weights` (a checkpoint directory as `save_pretrained` writes it, or a safetensors
+    file), `model` may hold its parameters on the meta device (`tessel.empty_weights()`): it is
+    captured and planned from shapes alone, and each rank's slices are read from the checkpoint
+    as the package is written, so the build never holds the model. There is then no eager model
+    to check against (`verify` must not be true).
     """
     timings: dict[str, float] = {}
+    stored = None
+    if weights is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(
+                "weights", None, "streams into an nn.Module (its parameters on the meta device)"
+            )
+        if verify:
+            raise ConfigError(
+                "verify", None, "needs the model's weights in memory; they are streamed here"
+            )
+        stored = streamed_weights(model, weights)
+        verify = False
     cluster = _cluster(cluster, soc_version)
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
@@ -230,7 +250,12 @@ def build(
         staged=staged,
         pp=pp,
         micro_batches=micro_batches,
+        stored=stored,
     )
+    if stored is not None:
+        manifest["plan"]["verify"] = {
+            "skipped": f"weights streamed from {weights}: the build never held the model"
+        }
     if stages is not None:
         manifest["plan"]["stages"] = [
             {**entry, "ranks": [r for r, sp in enumerate(staged) if sp.stage == entry["stage"]]}
@@ -253,7 +278,7 @@ def build(
     if weighed is not None:
         manifest["plan"]["mesh_choices"] = weighed
     timings["pack"] = time.perf_counter() - t
-    if verify is not False and captured.source is not None:
+    if verify is not False and captured.source is not None:  # streamed weights: verify False
         skipped = (
             None
             if verify
@@ -475,13 +500,17 @@ def _pack(
     staged: list[StagedProgram] | None = None,
     pp: int = 1,
     micro_batches: int = 1,
+    stored: dict | None = None,
 ) -> tuple[dict, dict[str, Member]]:
     """The manifest and members of a package: `programs` holds one program per rank of the
     cluster; with `dp` replicas, rank `r` holds the weights of tensor-parallel rank `r % tp`.
-    With pipeline stages, `staged` holds each rank's program, stage and the weights it takes."""
+    With pipeline stages, `staged` holds each rank's program, stage and the weights it takes.
+    `stored` gives the weights' values where the captured model holds fake tensors."""
     ep = captured.program
     tp = math.prod(plan.mesh_shape)
     state = {**ep.state_dict, **ep.constants}
+    if stored is not None:
+        state.update({fqn: stored[fqn] for fqn in state if fqn in stored})
     weights = weight_inputs(captured, plan)
     placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
     members: dict[str, Member] = {}
@@ -521,6 +550,13 @@ def _pack(
             if fqn not in whole and fqn not in tied
         }
         for cname, value in rp.constants.items():
+            if stored is not None and is_fake(value):
+                raise ConfigError(
+                    "weights",
+                    None,
+                    f"rank {rank}'s program holds a constant {cname!r} computed from the "
+                    "weights at build time, which streamed weights cannot give",
+                )
             shards[f"{CONSTANT_PREFIX}{cname}"] = value
         if shards:
             name = f"weights/{where}rank_{mesh_rank}.safetensors"  # replicas share one member
