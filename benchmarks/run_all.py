@@ -13,6 +13,7 @@ BENCHMARKS = [
     ["bench_run.py"],
     ["bench_run.py", "--mesh", "2x2"],
     ["bench_slices.py"],
+    ["bench_weights.py"],
     ["bench_mesh.py"],
     ["bench_solvers.py"],
     ["bench_memory.py"],
