@@ -7,9 +7,9 @@ import json
 import logging
 import sys
 
-from tessel.checkpoint import ckpt_cli
 from tessel.config.errors import ConfigError
 from tessel.errors import TesselError
+from tessel.parallel import ckpt_cli
 
 
 def _build(args: argparse.Namespace) -> int:
