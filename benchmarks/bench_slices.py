@@ -15,6 +15,7 @@ machine's cores); the table shows medians over the rounds and the range of the r
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -57,6 +58,8 @@ def _rank(rank: int, world: int, port: int, threads: int, folder: str, out: dict
     if rank == 0:
         out["torch_ms"] = 1e3 * statistics.median(worst.tolist())
         out["export_s"] = time.perf_counter() - t
+    model = None  # its DTensors hold the process group: release it before destroying the group
+    gc.collect()
     dist.destroy_process_group()
 
 

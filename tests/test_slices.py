@@ -5,6 +5,7 @@ config and the slices, each with its own message."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import zipfile
@@ -404,6 +405,11 @@ def _export_rank(rank: int, world: int, port: int, family: str, folder: str) -> 
         _megatron_plan(model, init_device_mesh("cpu", (world,)))
         tessel.export_slice(model, (token_ids(),), folder, prefix="tp_rank")
     finally:
+        # the model's DTensors hold the mesh and its process group: let them go while the
+        # interpreter is whole, so the group's threads are joined by destroy_process_group and
+        # not torn down at exit (gloo aborts the process there)
+        model = None
+        gc.collect()
         dist.destroy_process_group()
 
 
