@@ -10,10 +10,13 @@ export RAY_USAGE_STATS_ENABLED=0
 
 .PHONY: install demo test lint format bench clean
 
+# onnx2torch (the onnx extra) goes in without its torchvision requirement: PyPI's torchvision
+# is built for CUDA torch and breaks `import transformers` beside the CPU torch pinned here
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt --no-deps "onnx2torch>=1.5"
 	touch $(STAMP)
 
 install: $(STAMP)

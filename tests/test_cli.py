@@ -84,7 +84,11 @@ def _build_args(d: Path, **extra: str) -> list[str]:
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"--framework": "onnx"}, "--framework: found 'onnx'; accepted: pytorch"),
+        (
+            {"--framework": "3"},
+            "--framework: found '3' (TensorFlow, which tessel does not take); accepted: pytorch, "
+            "5 or onnx (ONNX)",
+        ),
         (
             {"--distributed_cluster_build": "0"},
             "--enable_graph_parallel: =1 needs --distributed_cluster_build=1",
@@ -94,7 +98,11 @@ def _build_args(d: Path, **extra: str) -> list[str]:
         ({"--enable_graph_parallel": "2"}, "--enable_graph_parallel: expected 0 or 1, found '2'"),
         ({"--log": "loud"}, "--log: found 'loud'; allowed: debug|info|warning|error|null"),
         ({"--shard_model_dir": "parts"}, "--shard_model_dir: needs --model_relation_config"),
-        ({"--model": "nothing.onnx"}, "--model: expected a .pt2 file or file.py:function"),
+        (
+            {"--model": "nothing.onnx"},
+            "--model: nothing.onnx is an ONNX file: build it with --framework=5",
+        ),
+        ({"--model": "nothing.txt"}, "--model: expected a .pt2 file or file.py:function"),
     ],
 )
 def test_flag_rules(files, capsys, change, words):

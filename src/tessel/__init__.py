@@ -17,6 +17,7 @@ _EXPORTS = {
     "empty_weights": "tessel.builder.weights",
     "build_from_slices": "tessel.builder.slices",
     "export_slice": "tessel.slices.export",
+    "load_onnx": "tessel.capture.onnx",
     "build_initialize": "tessel.builder.seed_api",
     "build_model": "tessel.builder.seed_api",
     "save_model": "tessel.builder.seed_api",

@@ -35,6 +35,12 @@ def _build(args: argparse.Namespace) -> int:
     if opts.shard_model_dir:
         from tessel.builder.slices import build_from_slices
 
+        if opts.framework != "pytorch" or args.input_shape:
+            raise ConfigError(
+                "command line",
+                "--framework" if opts.framework != "pytorch" else "--input_shape",
+                "is not used with --shard_model_dir (the slices are .pt2 files, --framework=pytorch)",
+            )
         if args.model:
             raise ConfigError(
                 "command line", "--model", "is not used with --shard_model_dir (the slices are)"
@@ -47,9 +53,16 @@ def _build(args: argparse.Namespace) -> int:
         raise ConfigError(
             "command line",
             "--model",
-            "is required: a .pt2 file or file.py:function (or --shard_model_dir for slices)",
+            "is required: a .pt2 file or file.py:function, an .onnx file with --framework=5 "
+            "(or --shard_model_dir for slices)",
         )
-    model, example_inputs = load_model_spec(args.model)
+    if opts.framework == "onnx" and args.weights:
+        raise ConfigError(
+            "command line",
+            "--weights",
+            "streams a PyTorch model's weights from a checkpoint; an ONNX file holds its own",
+        )
+    model, example_inputs = load_model_spec(args.model, opts.framework, args.input_shape)
     built = build(
         model,
         example_inputs,
@@ -135,10 +148,20 @@ def make_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build one offline model for a cluster (ATC-style flags)")
     b.add_argument(
         "--model",
-        help=".pt2 file from torch.export.save, or file.py:function returning (module, example_inputs)",
+        help=".pt2 file from torch.export.save, or file.py:function returning (module, "
+        "example_inputs); with --framework=5 an .onnx file",
     )
     b.add_argument(
-        "--framework", default="pytorch", help="the model's framework (accepted: pytorch)"
+        "--framework",
+        default="pytorch",
+        help="the model's framework: pytorch (default), or 5 or onnx for an ONNX file (ATC's "
+        "code 5; needs the onnx extra). ATC's 0 Caffe, 1 MindSpore and 3 TensorFlow are refused",
+    )
+    b.add_argument(
+        "--input_shape",
+        help='ONNX models: the input shapes, "name:1,3,224,224;name2:1,16" (ATC\'s syntax), '
+        "fixing their dynamic dimensions; every dimension a positive integer. Required where a "
+        "dimension is dynamic",
     )
     b.add_argument(
         "--soc_version", default="cpu", help="device kind: cpu, A100, H100, H200, Ascend910B, ..."

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessel.capture.export import FRAMEWORKS
+from tessel.capture.export import framework_name
 from tessel.config.errors import ConfigError
 from tessel.log_levels import LOG_LEVELS, log_level  # noqa: F401 - still importable from here
 
@@ -19,6 +19,7 @@ class BuildOptions:
     soc_version: str = "cpu"
     shard_model_dir: str | None = None
     model_relation_config: str | None = None
+    framework: str = "pytorch"  # or "onnx" (ATC's 5)
 
 
 def _switch(value: object, name: str, source: str) -> bool:
@@ -52,10 +53,7 @@ def check_build_options(
         "model_relation_config": "--model_relation_config",
         **(names or {}),
     }
-    if str(framework).lower() not in FRAMEWORKS:
-        raise ConfigError(
-            source, names["framework"], f"found {framework!r}; accepted: {', '.join(FRAMEWORKS)}"
-        )
+    framework = framework_name(framework, source, names["framework"])
     dcb = _switch(distributed_cluster_build, names["distributed_cluster_build"], source)
     egp = _switch(enable_graph_parallel, names["enable_graph_parallel"], source)
     if shard_model_dir or model_relation_config:
@@ -93,6 +91,7 @@ def check_build_options(
         soc_version,
         shard_model_dir,
         model_relation_config,
+        framework,
     )
 
 

@@ -21,7 +21,8 @@ from tessel.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-FRAMEWORKS = ("pytorch",)
+FRAMEWORKS = ("pytorch", "5", "onnx")  # ATC's --framework: 5 is its code for ONNX
+_ATC_FRAMEWORKS = {"0": "Caffe", "1": "MindSpore", "3": "TensorFlow"}
 # Attention stays one op: the planner shards it by batch or by head (tessel's own rule, since
 # DTensor has none for the CPU kernel), and its decomposition breaks some models' strides.
 _SDPA_OPS = (
@@ -168,8 +169,35 @@ def _caused_by(exc: BaseException, kind: type) -> bool:
     return False
 
 
-def load_model_spec(spec: str) -> tuple[Any, Any]:
-    """`--model`: a `.pt2` file, or `file.py:function` returning `(module, example_inputs)`."""
+def framework_name(value: object, source: str = "command line", key: str = "--framework") -> str:
+    """ATC's `--framework`: `pytorch`, or `5` / `onnx` (ATC's code for ONNX); returns `pytorch`
+    or `onnx`. ATC's other codes (0 Caffe, 1 MindSpore, 3 TensorFlow) are refused by name."""
+    text = str(value).strip().strip('"').lower()
+    if text in FRAMEWORKS:
+        return "pytorch" if text == "pytorch" else "onnx"
+    known = _ATC_FRAMEWORKS.get(text)
+    found = f"{value!r} ({known}, which tessel does not take)" if known else repr(value)
+    raise ConfigError(source, key, f"found {found}; accepted: pytorch, 5 or onnx (ONNX)")
+
+
+def load_model_spec(
+    spec: str, framework: str = "pytorch", input_shape: str | None = None
+) -> tuple[Any, Any]:
+    """`--model`: a `.pt2` file, or `file.py:function` returning `(module, example_inputs)`;
+    with `framework="onnx"` an ONNX file, its dynamic dimensions fixed by `input_shape`."""
+    if framework == "onnx":
+        from tessel.capture.onnx import load_onnx
+
+        return load_onnx(spec, input_shape)
+    if input_shape:
+        raise ConfigError(
+            "--input_shape",
+            None,
+            "fixes an ONNX model's input shapes (--framework=5); a PyTorch model's example "
+            "inputs give its shapes",
+        )
+    if spec.endswith(".onnx"):
+        raise ConfigError("--model", None, f"{spec} is an ONNX file: build it with --framework=5")
     if spec.endswith(".pt2"):
         path = Path(spec)
         if not path.is_file():
