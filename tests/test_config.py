@@ -117,9 +117,10 @@ def test_unparseable_file_names_line_and_column(tmp_path):
 
 def test_published_semi_auto_policy_is_read_as_written():
     # CANN's semi-auto example lacks a comma after "O1"; it is read as written, O1 accepted,
-    # and its tensor_sharding (training) refused by name
-    with pytest.raises(ConfigError, match=r"tensor_sharding.optimizer_state_sharding: is true"):
-        read_parallel_option(DATA / "parallel_option_semi_auto.json", world_size=2)
+    # its tensor_sharding (training) read for a training build
+    option = read_parallel_option(DATA / "parallel_option_semi_auto.json", world_size=2)
+    assert option.opt_level == "O1" and option.optimizer_state_sharding
+    assert "tensor_sharding.optimizer_state_sharding" in option.training_keys
 
 
 def test_auto_policy_defaults_to_o2():
@@ -136,12 +137,8 @@ def test_auto_policy_defaults_to_o2():
             "is 8 but the cluster config has 4 devices",
         ),
         (
-            {"tensor_sharding": {"model_weight_sharding": True}},
-            "tensor_sharding.model_weight_sharding: is true",
-        ),
-        (
-            {"tensor_sharding": {"gradient_sharding": True}},
-            "gradient_sharding: is true, but tensor sharding belongs to training",
+            {"tensor_sharding": {"model_weight_sharding": "yes"}},
+            "tensor_sharding.model_weight_sharding: expected a boolean",
         ),
         (
             {"pipeline_parallel_option": {"pipeline_strategy": "1f1b"}},
@@ -151,7 +148,14 @@ def test_auto_policy_defaults_to_o2():
             {"data_parallel_option": {"data_parallel_size": 3}},
             "data_parallel_size: is 3 but the cluster config has 4 devices",
         ),
-        ({"optimizer_offload_option": {}}, "'optimizer_offload_option' is not built yet"),
+        (
+            {"optimizer_offload_option": {"offload": "NVME"}},
+            "offload: found string 'NVME'; tessel offloads optimizer states to 'cpu' only",
+        ),
+        (
+            {"optimizer_offload_option": {"offload": "cpu", "offload_path": "/nvme"}},
+            "'offload_path' (NVMe offload) is not built yet",
+        ),
         (
             {"autoo": True},
             "unknown key; did you mean 'auto'? allowed keys here: auto, data_parallel",

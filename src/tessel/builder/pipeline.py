@@ -32,6 +32,7 @@ from tessel.builder.stages import (
     more_memory,
     send_seconds,
 )
+from tessel.builder.training import build_training
 from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.builder.weights import streamed_weights
 from tessel.capture import CapturedModel, capture
@@ -106,6 +107,7 @@ def build(
     reuse_layers: bool = True,
     verify: bool | None = None,
     weights: str | Path | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
@@ -123,6 +125,11 @@ def build(
     captured and planned from shapes alone, and each rank's slices are read from the checkpoint
     as the package is written, so the build never holds the model. There is then no eager model
     to check against (`verify` must not be true).
+
+    With `optimizer` (torch.optim SGD, Adam or AdamW over the model's parameters), the package
+    holds a training step instead: the model's forward must return a scalar loss, and each
+    `Session.run_graph` runs forward, backward and the optimizer's update, returning the loss
+    (see `tessel.builder.training`).
     """
     timings: dict[str, float] = {}
     stored = None
@@ -141,6 +148,31 @@ def build(
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
+    if optimizer is not None:
+        if weights is not None or verify or not graph_parallel:
+            given = "weights" if weights is not None else "verify" if verify else "graph_parallel"
+            raise ConfigError("build()", given, "is not taken with optimizer= (a training step)")
+        manifest, members, timings = build_training(
+            model,
+            example_inputs,
+            example_kwargs,
+            optimizer,
+            cluster,
+            policy,
+            soc_version,
+            time_limit,
+        )
+        manifest["timings"] = timings
+        return BuiltModel(
+            Manifest.from_json(manifest, "the built model", members), members, timings
+        )
+    if policy.training_keys:
+        raise ConfigError(
+            policy.source,
+            f"graph_parallel_option.{policy.training_keys[0]}",
+            "is a training setting: build a training step (tessel.build(..., optimizer=opt), or "
+            "a --model function returning (module, example_inputs, optimizer)), or remove it",
+        )
     dims = parallel_dims(cluster, policy)
     dp, pp = dims.size("dp"), dims.size("pp")
     for axis, size in (("dp", dp), ("pp", pp)):
@@ -600,7 +632,7 @@ def _pack(
     out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
     outputs = [
         {
-            "shape": [v.shape[0] * dp * micro_batches, *v.shape[1:]],
+            "shape": [v.shape[0] * dp * micro_batches, *v.shape[1:]] if v.dim() else [],
             "dtype": str(v.dtype).removeprefix("torch."),
         }
         for a in tree_leaves(out_node.args[0])

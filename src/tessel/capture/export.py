@@ -17,6 +17,13 @@ from tessel._torch import export_post_dispatch, tree_leaves
 from tessel.capture.custom_ops import custom_op_decompositions
 from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
+from tessel.capture.training import (
+    GradientOutputs,
+    TrainingStep,
+    check_trainable,
+    drop_empty_cat_inputs,
+    mark_gradients,
+)
 from tessel.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,54 @@ def capture(
         with torch.no_grad():
             ep = _export_stamped(model, args, kwargs) if reuse_layers else None
             ep = ep or _export_aten(model, args, kwargs)
+    ep = _core_aten(ep, keep)
+    names, values = _user_inputs(ep)
+    if args or kwargs:
+        given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if len(given) == len(values):
+            values = [g.detach().clone() for g in given]
+    source = model.module() if isinstance(model, ExportedProgram) else model
+    return CapturedModel(ep, values, names, source, args, kwargs)
+
+
+def capture_training(
+    model: torch.nn.Module,
+    example_inputs: tuple | list | dict | None = None,
+    example_kwargs: dict | None = None,
+    keep: Callable[[Any], bool] | None = None,
+    state_factor: float = 0.0,
+) -> CapturedModel:
+    """Export one training step of `model` (its loss, then the gradient of every trainable
+    weight; see `tessel.capture.training`) and decompose it as `capture` does.
+
+    The model keeps its mode (dropout with p > 0 in training mode is refused: programs draw no
+    random numbers). Every layer is traced: the backward runs the layers in reverse, which the
+    stamping of identical layers does not follow. `state_factor` is the optimizer's state per
+    weight, for the memory model.
+    """
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            "model", None, f"a training step needs an nn.Module, found {type(model).__name__}"
+        )
+    check_trainable(model)
+    step = TrainingStep(model)
+    with torch.enable_grad():
+        ep = _export_aten(step, args, kwargs)
+    ep = _core_aten(ep, keep)
+    drop_empty_cat_inputs(ep.graph_module.graph)
+    ep.graph_module.recompile()
+    mark_gradients(ep.graph_module.graph, GradientOutputs(step.names, state_factor))
+    names, values = _user_inputs(ep)
+    given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if len(given) == len(values):
+        values = [g.detach().clone() for g in given]
+    return CapturedModel(ep, values, names, None, args, kwargs)
+
+
+def _core_aten(ep: ExportedProgram, keep: Callable[[Any], bool] | None) -> ExportedProgram:
+    """`ep` in core ATen, ops `keep` holds for left whole, attention device-neutral, every
+    allocation zero-filled."""
     table = torch.export.default_decompositions()
     for name in _SDPA_OPS:
         op = _resolve(name)
@@ -103,13 +158,7 @@ def capture(
     portable_attention(ep.graph_module, recompile=False)
     zero_fill_allocations(ep.graph_module)
     ep.graph_module.recompile()
-    names, values = _user_inputs(ep)
-    if args or kwargs:
-        given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if len(given) == len(values):
-            values = [g.detach().clone() for g in given]
-    source = model.module() if isinstance(model, ExportedProgram) else model
-    return CapturedModel(ep, values, names, source, args, kwargs)
+    return ep
 
 
 def _export_stamped(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram | None:

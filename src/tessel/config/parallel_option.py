@@ -41,7 +41,16 @@ class ParallelOption:
     model_weight_sharding: bool = False
     model_weight_prefetch: bool = False
     model_weight_prefetch_buffer_size: int = 0
+    optimizer_offload: str | None = None  # optimizer_offload_option.offload: "cpu"
     source: str = "<default>"
+
+    @property
+    def training_keys(self) -> list[str]:
+        """The policy's keys that only a training build honours, as the file spells them."""
+        keys = [f"tensor_sharding.{k}" for k in SHARDING_SWITCHES if getattr(self, k)]
+        if self.optimizer_offload is not None:
+            keys.append("optimizer_offload_option.offload")
+        return keys
 
 
 def read_parallel_option(path: str | Path, world_size: int | None = None) -> ParallelOption:
@@ -56,10 +65,7 @@ def parallel_option_from_dict(
     top = Fields(data, source)
     top.check_keys(("graph_parallel_option",))
     g = top.child("graph_parallel_option")
-    not_built = {
-        k: f"'{k}' {_NOT_BUILT}"
-        for k in ("optimizer_offload_option", "engine_parallel_option", "mode", "work_dir")
-    }
+    not_built = {k: f"'{k}' {_NOT_BUILT}" for k in ("engine_parallel_option", "mode", "work_dir")}
     g.check_keys(
         (
             "auto",
@@ -69,6 +75,7 @@ def parallel_option_from_dict(
             "data_parallel_option",
             "pipeline_parallel_option",
             "tensor_sharding",
+            "optimizer_offload_option",
         ),
         not_built,
     )
@@ -129,13 +136,20 @@ def parallel_option_from_dict(
         ts.check_keys((*SHARDING_SWITCHES, "model_weight_prefetch_buffer_size"))
         for key in SHARDING_SWITCHES:
             switches[key] = ts.boolean(key, False)
-            if switches[key]:
-                raise ts.error(
-                    "is true, but tensor sharding belongs to training, which tessel does not build "
-                    "yet; set it to false or remove it",
-                    key,
-                )
         switches["model_weight_prefetch_buffer_size"] = ts.integer(
             "model_weight_prefetch_buffer_size", 0, MAX_PREFETCH_MB, 0
         )
+    offload = g.child("optimizer_offload_option", None)
+    if offload is not None:
+        offload.check_keys(
+            ("offload",), {"offload_path": f"'offload_path' (NVMe offload) {_NOT_BUILT}"}
+        )
+        where = offload.get("offload", str)
+        if where.lower() != "cpu":
+            raise offload.error(
+                f"found {describe(where)}; tessel offloads optimizer states to 'cpu' only "
+                "(CANN reserves 'NVME')",
+                "offload",
+            )
+        switches["optimizer_offload"] = "cpu"
     return ParallelOption(auto, opt_level, **sizes, source=source, **switches)

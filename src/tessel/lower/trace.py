@@ -36,6 +36,7 @@ from tessel._torch import (
 )
 from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention, zero_fill_allocations
+from tessel.capture.training import placed_like
 from tessel.errors import TesselError
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
@@ -149,6 +150,7 @@ def _trace(
         and hasattr(s.arg, "value")
     }
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    like = placed_like(graph, plan.param_targets)
     checked = _Checked()
     with fake_world(rank, plan.mesh_shape, plan.mesh_names) as mesh:
 
@@ -176,7 +178,10 @@ def _trace(
                     continue
                 if n.op == "output":
                     outputs = [
-                        _whole(v, mesh) for v in tree_leaves(_lookup(n.args[0], env, None, mesh))
+                        _placed_like(v, mesh, plan.out_placements(like[i]))
+                        if i in like
+                        else _whole(v, mesh)
+                        for i, v in enumerate(tree_leaves(_lookup(n.args[0], env, None, mesh)))
                     ]
                     if stitcher is not None:
                         stitcher.record(env)
@@ -221,6 +226,13 @@ def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple, whole: torch
     return DTensor.from_local(
         local, mesh, placements, run_check=False, shape=whole.shape, stride=whole.stride()
     )
+
+
+def _placed_like(value: Any, mesh: DeviceMesh, placements: tuple) -> Any:
+    """A gradient as the rank holding its weight's shard needs it: that shard's gradient."""
+    if isinstance(value, DTensor):
+        return value.redistribute(mesh, list(placements)).to_local()
+    return value
 
 
 def _whole(value: Any, mesh: DeviceMesh) -> Any:

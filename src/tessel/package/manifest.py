@@ -21,7 +21,7 @@ FORMAT = "tessel.offline_model"
 FORMAT_VERSION = 2  # 2: a submodel may name tied weights, stored once
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-MODES = ("partitioned", "replicated")
+MODES = ("partitioned", "replicated", "training")
 # torch dtype names (without "torch.") that packages carry: those safetensors can store
 DTYPES = frozenset(
     {
@@ -264,6 +264,53 @@ class Submodel:
 
 
 @dataclass(frozen=True)
+class Training:
+    """A training package's step: the optimizer (as data), whose gradient each program output
+    after the loss is, and how the data-parallel replicas share gradients and states."""
+
+    optimizer: Mapping[str, Any]  # checked where it is built (`tessel.config.optimizer`)
+    gradients: tuple[str, ...]
+    data_parallel: int
+    tensor_parallel: int
+    optimizer_state_sharding: bool
+    gradient_sharding: bool
+    optimizer_offload: str
+
+    @classmethod
+    def read(cls, f: _Field, world: int) -> Training:
+        f.only([x.name for x in fields(cls)])
+        dp = f.get("data_parallel").int(low=1)
+        tp = f.get("tensor_parallel").int(low=1)
+        if dp * tp != world:
+            raise f.fail(f"data_parallel {dp} x tensor_parallel {tp} is not the {world} devices")
+        flags = {}
+        for key in ("optimizer_state_sharding", "gradient_sharding"):
+            value = f.get(key).value
+            if not isinstance(value, bool):
+                raise f.get(key)._expect("true or false")
+            flags[key] = value
+        return cls(
+            optimizer=f.get("optimizer").obj(),
+            gradients=tuple(g.str() for g in f.get("gradients").list()),
+            data_parallel=dp,
+            tensor_parallel=tp,
+            optimizer_offload=f.get("optimizer_offload").str(("none", "cpu")),
+            **flags,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "optimizer": self.optimizer,
+            "gradients": list(self.gradients),
+            "data_parallel": self.data_parallel,
+            "tensor_parallel": self.tensor_parallel,
+            "optimizer_state_sharding": self.optimizer_state_sharding,
+            "gradient_sharding": self.gradient_sharding,
+            "optimizer_offload": self.optimizer_offload,
+        }
+
+
+@dataclass(frozen=True)
 class Mesh:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
@@ -306,6 +353,7 @@ class Manifest(Mapping):
     plan: Mapping[str, Any]  # the plan explained, for `tessel inspect`
     timings: Mapping[str, float] = field(default_factory=dict)
     files: Mapping[str, str] = field(default_factory=dict)  # member -> SHA-256
+    training: Training | None = None  # a training step's package only
 
     format = FORMAT
 
@@ -346,8 +394,13 @@ class Manifest(Mapping):
             names = frozenset(members)
         world = top.get("world_size").int(low=1, high=1 << 20)
         mode = top.get("mode").str(MODES)
+        if (mode == "training") != ("training" in obj):
+            raise top.get("mode").fail(
+                f"is {mode!r}, but the manifest {'lacks' if mode == 'training' else 'has'} a "
+                "'training' section"
+            )
         mesh = Mesh.read(top.get("mesh"))
-        want = world if mode == "partitioned" else 1
+        want = 1 if mode == "replicated" else world
         if math.prod(mesh.shape) != want:
             raise top.get("mesh").fail(
                 f"a {mode} model on {world} devices needs a mesh of {want} devices, "
@@ -385,6 +438,7 @@ class Manifest(Mapping):
             plan=_plan(top.get("plan", optional=True)),
             timings=timings,
             files=files,
+            training=top.get("training", optional=True).optional(lambda t: Training.read(t, world)),
         )
 
     def to_json(self) -> dict:
@@ -412,6 +466,8 @@ class Manifest(Mapping):
             out["outputs"] = [o.to_json() for o in self.outputs]
         if self.strategy is not None:
             out["strategy"] = self.strategy
+        if self.training is not None:
+            out["training"] = self.training.to_json()
         return out
 
     def with_files(self, files: Mapping[str, str]) -> Manifest:

@@ -18,6 +18,8 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from tessel._torch import tree_leaves
+from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.ilp import MemoryRow
 
@@ -167,9 +169,14 @@ def footprint(
     choices: dict[fx.Node, NodeChoices],
     weight_tensors: dict[str, torch.Tensor],
     mesh_shape: tuple[int, ...],
+    like: dict[int, fx.Node] | None = None,
 ) -> Footprint:
     """Memory rows for the ILP. `weight_tensors` maps each weight placeholder to its tensor: one
-    tensor under two names (tied weights) is held once."""
+    tensor under two names (tied weights) is held once. A training graph's weights are held
+    with their optimizer state beside them, and its gradients are outputs placed like their
+    weights (`like`: output index -> weight placeholder)."""
+    marks = gradient_outputs(graph)
+    held_per_weight = 1.0 + (marks.state_factor if marks is not None else 0.0)
 
     def owner(n: fx.Node) -> fx.Node:
         return choices[n].owner or n
@@ -193,13 +200,13 @@ def footprint(
         if (v, id(tensor)) in held:
             continue
         held.add((v, id(tensor)))
-        bytes_per_strategy = sizes(v, n.meta["val"], None)
+        bytes_per_strategy = sizes(v, n.meta["val"], None) * held_per_weight
         if len(bytes_per_strategy) == 1:
             fixed += int(bytes_per_strategy[0])
         else:
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
-    buffers = _resharding_buffers(graph, choices, mesh_shape)
+    buffers = _resharding_buffers(graph, choices, mesh_shape, like or {})
     starts = {b.start for b in buffers}
     rows: dict[bytes, MemoryRow] = {}
     for t, moment in _moments(storages(graph, set(weight_tensors)), starts):
@@ -233,7 +240,10 @@ class _Buffer:
 
 
 def _resharding_buffers(
-    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], mesh_shape: tuple[int, ...]
+    graph: fx.Graph,
+    choices: dict[fx.Node, NodeChoices],
+    mesh_shape: tuple[int, ...],
+    like: dict[int, fx.Node],
 ) -> list[_Buffer]:
     """The buffers that moving nodes' inputs to their placements allocates.
 
@@ -257,7 +267,24 @@ def _resharding_buffers(
     matrices: dict[tuple, np.ndarray] = {}
     for t, n in enumerate(nodes):
         if n.op == "output":
-            edges = [(a, None, whole) for a in n.all_input_nodes]
+            leaves = [a for a in tree_leaves(n.args[0]) if isinstance(a, fx.Node)]
+            for i, a in enumerate(leaves):
+                weight = like.get(i)
+                if weight is None or a not in choices or weight not in choices:
+                    continue
+                val = a.meta.get("val")
+                vp, vw = choices[a].owner or a, choices[weight].owner or weight
+                src = [
+                    _placements(s.output_at(choices[a].out_index)) for s in choices[vp].strategies
+                ]
+                dst = [
+                    _placements(choices[weight].out_spec(k))
+                    for k in range(len(choices[vw].strategies))
+                ]
+                m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
+                if np.any(m):
+                    out.append(_Buffer((vp, vw), m, t, t))
+            edges = [(a, None, whole) for i, a in enumerate(leaves) if i not in like]
             vc, end = None, t
         else:
             c = choices.get(n)

@@ -14,8 +14,9 @@ import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from tessel._torch import detached_mesh
+from tessel._torch import detached_mesh, tree_leaves
 from tessel.capture import CapturedModel
+from tessel.capture.training import placed_like
 from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
@@ -111,8 +112,9 @@ def make_plan(
     timings["strategies"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    problem = _problem(graph, choices, cluster, mesh, axes)
-    held = footprint(graph, choices, weight_tensors, tuple(mesh.shape))
+    like = placed_like(graph, param_targets)
+    problem = _problem(graph, choices, cluster, mesh, axes, like)
+    held = footprint(graph, choices, weight_tensors, tuple(mesh.shape), like)
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     problem.memory = held.rows
     problem.memory_budget = float(device_bytes - held.fixed - reserve)
@@ -274,7 +276,11 @@ def _problem(
     cluster: ClusterConfig,
     mesh: DeviceMesh,
     axes: tuple[MeshAxis, ...],
+    like: dict[int, fx.Node] | None = None,
 ) -> Problem:
+    """Each decision's cost: compute, resharding on every edge, and the outputs' moves (`like`:
+    output index -> the weight whose placement that output is returned in)."""
+    like = like or {}
     soc = cluster.soc
     peak, bandwidth = soc.peak_flops, soc.memory_bandwidth
     if soc.device_type == "cpu":
@@ -355,26 +361,47 @@ def _problem(
         else:
             pairs[(vp, vc)] = pairs[(vp, vc)] + m
 
-    # outputs are returned whole
+    # outputs are returned whole, a gradient placed like its weight
     out_node = next(n for n in graph.nodes if n.op == "output")
     rep = (Replicate(),) * mesh.ndim
-    for a in _flat_nodes(out_node):
-        if a not in choices:
+    for i, a in enumerate(tree_leaves(out_node.args[0])):
+        if not isinstance(a, fx.Node) or a not in choices:
             continue
         c = choices[a]
         v = c.owner or a
         val = a.meta.get("val")
         b = cost.nbytes(val)
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        extra = np.array(
+        src = [_placements(s.output_at(c.out_index)) for s in choices[v].strategies]
+        weight = like.get(i)
+        if weight is None or weight not in choices:
+            extra = np.array(
+                [
+                    0.0
+                    if p is None
+                    else cost.redistribute_time(p, rep, b, mesh_shape, links, shape)
+                    for p in src
+                ]
+            )
+            linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
+            continue
+        vw = _owner(choices, weight)
+        dst = [_placements(choices[weight].out_spec(k)) for k in range(sizes[vw])]
+        m = np.array(
             [
-                0.0
-                if (p := _placements(s.output_at(c.out_index))) is None
-                else cost.redistribute_time(p, rep, b, mesh_shape, links, shape)
-                for s in choices[v].strategies
+                [
+                    0.0
+                    if (sp is None or dp is None)
+                    else cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
+                    for dp in dst
+                ]
+                for sp in src
             ]
         )
-        linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
+        if v is vw:
+            linear[v] = linear.get(v, np.zeros(sizes[v])) + np.diag(m)
+        else:
+            pairs[(v, vw)] = pairs[(v, vw)] + m
     return Problem(sizes, linear, dict(pairs))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -93,6 +94,38 @@ def finalize() -> None:
 atexit.register(finalize)
 
 
+_RUN_MODES = {"0": "inference", "1": "training"}
+
+
+def _check_run_mode(manifest: Any, path: Any, options: dict) -> None:
+    """GE's `ge.graphRunMode` (0 inference, 1 training), from the load options or
+    `initialize`'s config: where given, it must be the package's."""
+    key = "ge.graphRunMode"
+    value = options.get(key, _state["config"].get(key))
+    if value is None:
+        return
+    mode = _RUN_MODES.get(str(value).strip())
+    if mode is None:
+        raise ConfigError("options", key, f"found {value!r}; allowed: 0 (inference), 1 (training)")
+    package = "training" if manifest.training is not None else "inference"
+    if mode != package:
+        raise ConfigError(
+            "options",
+            key,
+            f"is {value} ({mode}), but {path} holds a{'n' * (package == 'inference')} "
+            f"{package} model; set ge.graphRunMode to {1 if package == 'training' else 0}",
+        )
+
+
+def _learning_rate(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:
+        raise ConfigError(
+            "options", "tessel.learning_rate", f"found {value!r}; expected a finite number >= 0"
+        )
+    return float(value)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -143,6 +176,7 @@ class _Graph:
     workers: _Workers
     next_replica: int = 0
     inputs: tuple[TensorSpec, ...] = ()
+    learning_rate: float | None = None  # a training step's, where the session set one
 
     @property
     def procs(self) -> list[Any]:
@@ -213,6 +247,14 @@ class Session:
         options = {**self.options, **(options or {})}
         package = Package.open(path)
         manifest = package.manifest
+        _check_run_mode(manifest, path, options)
+        learning_rate = None
+        if "tessel.learning_rate" in options:
+            if manifest.training is None:
+                raise ConfigError(
+                    "options", "tessel.learning_rate", f"{path} is not a training package"
+                )
+            learning_rate = _learning_rate(options["tessel.learning_rate"])
         cluster = cluster_from_dict(manifest.cluster, f"{path} (cluster)", manifest.soc_version)
         if len(cluster.devices) != manifest.world_size:
             raise PackageError(
@@ -225,7 +267,7 @@ class Session:
         run_timeout = _option(options, "tessel.run_timeout_s", float, 300.0)
         reuse = _flag(options, "tessel.reuse_workers", True)
         reuse_memory = _flag(options, "tessel.reuse_freed_memory", False)
-        distributed = manifest.mode == "partitioned" and package.world_size > 1
+        distributed = manifest.mode != "replicated" and package.world_size > 1
         port_option = options.get("tessel.master_port")
         if len(cluster.nodes) == 1 and distributed:
             addr, port = "127.0.0.1", _option(options, "tessel.master_port", int, _free_port())
@@ -261,7 +303,7 @@ class Session:
                 package, local, addr, port, threads, run_timeout, distributed, reuse_memory
             )
             workers.key = key
-        graph = _Graph(package, workers)
+        graph = _Graph(package, workers, learning_rate=learning_rate)
         self._graphs[graph_id] = graph
         try:
             _wait_ready(workers, load_timeout)
@@ -276,7 +318,12 @@ class Session:
     def run_graph(
         self, graph_id: int, inputs: list[torch.Tensor] | tuple | dict
     ) -> list[torch.Tensor]:
-        """Run a loaded graph; returns the same outputs as the single-device model."""
+        """Run a loaded graph; returns the same outputs as the single-device model.
+
+        A training package's run is one step (forward, backward, the optimizer's update on the
+        devices' weights) on the batch `inputs`; it returns `[loss]`, the loss the model
+        computes before the update.
+        """
         graph = self._graph(graph_id)
         tensors = _check_inputs(graph.inputs, inputs)
         workers = graph.workers
@@ -292,8 +339,16 @@ class Session:
             graph.next_replica = (index + 1) % len(workers.conns)
         # a worker gone since the last run closed its pipe: the wait below says how it ended
         with contextlib.suppress(OSError):
-            workers.conns[index].send(("run", tensors))
+            workers.conns[index].send(("run", tensors, graph.learning_rate))
         return _wait_result(workers, index)
+
+    def set_learning_rate(self, graph_id: int, lr: float) -> None:
+        """The learning rate of every parameter group from the next step of a training graph
+        on (as `tessel.learning_rate` in the load options), so any schedule can drive it."""
+        graph = self._graph(graph_id)
+        if graph.package.manifest.training is None:
+            raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
+        graph.learning_rate = _learning_rate(lr)
 
     def remove_graph(self, graph_id: int) -> None:
         """Unload a graph. Its workers stay, idle, for a later `load_graph` to reuse where they

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import datetime
 import gc
+import math
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime.loader import load_rank
+from tessel.runtime.step import TrainingStep, data_parallel_groups
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class _Loaded:
     program: object
     weights: list
     inputs: tuple[TensorSpec, ...]
+    step: TrainingStep | None = None  # a training package's optimizer and gradients
 
 
 def _load(
@@ -127,8 +130,13 @@ def _load(
     if spec.distributed:
         _groups(package.manifest, spec.world_size, groups)
     program, weights = load_rank(package, spec.rank, device, groups)
+    step = None
+    if package.manifest.training is not None:
+        replicas = data_parallel_groups(package.manifest)
+        tp = package.manifest.training.tensor_parallel
+        step = TrainingStep(package.manifest, spec.rank, weights, replicas.get(spec.rank % tp))
     _release_memory(device)  # what decoding the program left behind, before the first run
-    return _Loaded(program, weights, package.manifest.inputs)
+    return _Loaded(program, weights, package.manifest.inputs, step)
 
 
 def _release_memory(device: torch.device) -> None:
@@ -285,7 +293,18 @@ def _serve(
                 ]
             for x in inputs:
                 dist.broadcast(x, src=0)
-        with torch.inference_mode():
-            outputs = loaded.program(*loaded.weights, *inputs)
+        if loaded.step is not None:
+            lr = torch.tensor([math.nan], dtype=torch.float64, device=device)
+            if leader and len(message) > 2 and message[2] is not None:
+                lr.fill_(float(message[2]))
+            if spec.distributed:
+                dist.broadcast(lr, src=0)
+            if not math.isnan(lr.item()):
+                loaded.step.set_learning_rate(lr.item())
+            with torch.no_grad():
+                outputs = [loaded.step.run(loaded.program, inputs)]
+        else:
+            with torch.inference_mode():
+                outputs = loaded.program(*loaded.weights, *inputs)
         if leader:
             conn.send(("result", spec.rank, [o.cpu() for o in outputs]))

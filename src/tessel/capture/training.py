@@ -1,0 +1,158 @@
+"""A training step as one graph: the model's loss and the gradient of every trainable weight.
+
+The model is wrapped so that its forward returns `(loss, *gradients)`, with the gradients taken
+by `torch.func.grad_and_value` inside the trace; torch.export then records forward and backward
+in one ATen graph (the joint graph), which the planner places and lowering partitions like any
+other. Each gradient output is marked with the weight it belongs to (`GradientOutputs` on the
+output node), so the plan returns it placed like that weight: a rank receives the gradient of
+exactly the shard it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from tessel.config.errors import ConfigError
+
+GRADIENTS_META = "tessel_gradients"
+
+
+@dataclass(frozen=True)
+class GradientOutputs:
+    """Output `i + 1` of a training graph is the gradient of weight `names[i]` (by FQN); output
+    0 is the loss. `state_factor` is the optimizer's state per weight element, in weights (2 for
+    Adam's two moments), which the memory model holds beside each weight."""
+
+    names: tuple[str, ...]
+    state_factor: float = 0.0
+
+
+def gradient_outputs(graph: fx.Graph) -> GradientOutputs | None:
+    """The gradient marks of a training graph; None for an inference graph."""
+    for n in reversed(graph.nodes):
+        if n.op == "output":
+            return n.meta.get(GRADIENTS_META)
+    return None
+
+
+def mark_gradients(graph: fx.Graph, marks: GradientOutputs) -> None:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out.meta[GRADIENTS_META] = marks
+
+
+def placed_like(graph: fx.Graph, param_targets: dict[str, str]) -> dict[int, fx.Node]:
+    """Output index -> the weight placeholder whose placement that output is returned in.
+
+    `param_targets` maps placeholder names to FQNs (a tied weight's placeholder stands for all
+    of its names).
+    """
+    marks = gradient_outputs(graph)
+    if marks is None:
+        return {}
+    by_fqn = {fqn: name for name, fqn in param_targets.items()}
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    return {i + 1: placeholders[by_fqn[fqn]] for i, fqn in enumerate(marks.names)}
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The weights a step updates, by FQN, each once (a tied weight under its first name)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class TrainingStep(torch.nn.Module):
+    """`model` whose forward returns `(loss, *gradients)` in `trainable_parameters` order.
+
+    The model's children, parameters and buffers are registered here under their own names, so
+    the exported graph's weights keep the model's FQNs.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a child: its names are ours
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model._parameters.items():
+            if p is not None:
+                self.register_parameter(name, p)
+        for name, b in model._buffers.items():
+            if b is not None:
+                self.register_buffer(
+                    name, b, persistent=name not in model._non_persistent_buffers_set
+                )
+        self.names = tuple(trainable_parameters(model))
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        model = self._model
+        frozen = {n: p for n, p in model.named_parameters() if n not in self.names}
+
+        def loss_of(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            out = torch.func.functional_call(model, {**params, **frozen}, args, kwargs)
+            return scalar_loss(out)
+
+        params = {n: p for n, p in model.named_parameters() if n in self.names}
+        grads, loss = torch.func.grad_and_value(loss_of)(params)
+        return (loss, *(grads[n] for n in self.names))
+
+
+def scalar_loss(out: Any) -> torch.Tensor:
+    """The loss in a model's output: the output itself, its `.loss` (transformers' outputs), or
+    its first element; refused unless a floating-point scalar."""
+    loss = getattr(out, "loss", None) if not isinstance(out, torch.Tensor) else out
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+        found = (
+            f"a tensor of shape {tuple(loss.shape)} ({loss.dtype})"
+            if isinstance(loss, torch.Tensor)
+            else type(out).__name__
+        )
+        raise ConfigError(
+            "model",
+            "forward",
+            f"a training step needs the forward to return a scalar loss (a 0-dim float tensor, "
+            f"an output with .loss, or a tuple whose first element is the loss); found {found}. "
+            "Pass labels (transformers models compute the loss from them) or wrap the model",
+        )
+    return loss
+
+
+def check_trainable(model: torch.nn.Module) -> None:
+    """Refuse what a training step cannot trace faithfully: no weights to train, random dropout."""
+    if not trainable_parameters(model):
+        raise ConfigError("model", "parameters", "has no parameter with requires_grad=True")
+    if model.training:
+        for name, m in model.named_modules():
+            p = getattr(m, "p", 0.0)
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and p > 0:
+                raise ConfigError(
+                    "model",
+                    name,
+                    f"is a {type(m).__name__} with p={p} in training mode: programs draw no "
+                    "random numbers; set its p to 0 (transformers: the config's *dropout/*pdrop "
+                    "keys) or call model.eval()",
+                )
+
+
+def drop_empty_cat_inputs(graph: fx.Graph) -> None:
+    """`cat` skips 1-D empty tensors (legacy semantics) that the backward of a slice makes;
+    removed, so every input of a `cat` has the output's rank and can be sharded like it."""
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.cat.default:
+            continue
+        keep = [
+            a
+            for a in n.args[0]
+            if not (
+                isinstance(a, fx.Node)
+                and isinstance(v := a.meta.get("val"), torch.Tensor)
+                and v.dim() == 1
+                and v.shape[0] == 0
+            )
+        ]
+        if 0 < len(keep) < len(n.args[0]):
+            n.args = (keep, *n.args[1:])
+    graph.eliminate_dead_code()
