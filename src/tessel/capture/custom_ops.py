@@ -42,8 +42,23 @@ def _grouped_mm_over_all_experts(
     return (every * mask.unsqueeze(-1)).sum(dim=1)
 
 
+def _grouped_mm_backward_over_all_experts(
+    input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `_grouped_mm_over_all_experts` with respect to input and weight: each
+    row's gradient flows through its own expert only (the same one-hot mask)."""
+    rows = torch.arange(input.shape[0], device=input.device).to(offs.dtype)
+    expert = torch.searchsorted(offs, rows, right=True)
+    experts = torch.arange(weight.shape[0], device=input.device)
+    mask = (expert.unsqueeze(1) == experts.unsqueeze(0)).to(input.dtype)  # (rows, experts)
+    grad_input = torch.einsum("so,eho,se->sh", grad_output, weight, mask)
+    grad_weight = torch.einsum("sh,so,se->eho", input, grad_output, mask)
+    return grad_input, grad_weight
+
+
 DECOMPOSITIONS: dict[str, Callable[..., Any]] = {
     "transformers::grouped_mm_fallback": _grouped_mm_over_all_experts,
+    "transformers::grouped_mm_fallback_backward": _grouped_mm_backward_over_all_experts,
 }
 
 

@@ -21,6 +21,7 @@ from tessel.capture.training import (
     GradientOutputs,
     TrainingStep,
     check_trainable,
+    drop_detach,
     drop_empty_cat_inputs,
     mark_gradients,
 )
@@ -128,6 +129,7 @@ def capture_training(
     with torch.enable_grad():
         ep = _export_aten(step, args, kwargs)
     ep = _core_aten(ep, keep)
+    drop_detach(ep.graph_module.graph)
     drop_empty_cat_inputs(ep.graph_module.graph)
     ep.graph_module.recompile()
     mark_gradients(ep.graph_module.graph, GradientOutputs(step.names, state_factor))

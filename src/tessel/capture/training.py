@@ -1,7 +1,7 @@
 """A training step as one graph: the model's loss and the gradient of every trainable weight.
 
 The model is wrapped so that its forward returns `(loss, *gradients)`, with the gradients taken
-by `torch.func.grad_and_value` inside the trace; torch.export then records forward and backward
+by `torch.autograd.grad` inside the trace; torch.export then records forward and backward
 in one ATen graph (the joint graph), which the planner places and lowering partitions like any
 other. Each gradient output is marked with the weight it belongs to (`GradientOutputs` on the
 output node), so the plan returns it placed like that weight: a rank receives the gradient of
@@ -64,7 +64,9 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
 
 
 class TrainingStep(torch.nn.Module):
-    """`model` whose forward returns `(loss, *gradients)` in `trainable_parameters` order.
+    """`model` whose forward returns `(loss, *gradients)` in `trainable_parameters` order,
+    the gradients taken by `torch.autograd.grad` while torch.export traces (so custom autograd
+    functions, such as mixture-of-experts routing, are traced through their backward).
 
     The model's children, parameters and buffers are registered here under their own names, so
     the exported graph's weights keep the model's FQNs.
@@ -84,18 +86,34 @@ class TrainingStep(torch.nn.Module):
                     name, b, persistent=name not in model._non_persistent_buffers_set
                 )
         self.names = tuple(trainable_parameters(model))
+        first: dict[int, str] = {}
+        self.aliases = {  # every name of a weight -> its first name
+            n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
+        }
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         model = self._model
-        frozen = {n: p for n, p in model.named_parameters() if n not in self.names}
-
-        def loss_of(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            out = torch.func.functional_call(model, {**params, **frozen}, args, kwargs)
-            return scalar_loss(out)
-
-        params = {n: p for n, p in model.named_parameters() if n in self.names}
-        grads, loss = torch.func.grad_and_value(loss_of)(params)
-        return (loss, *(grads[n] for n in self.names))
+        # export lifts each name of a tied weight as its own input: the gradient of a weight
+        # sums those of all its names (GPT-2's embedding and output layer)
+        lifted = {
+            n: p
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if self.aliases[n] in self.names
+        }
+        with torch.enable_grad():
+            for p in lifted.values():
+                p.requires_grad_(True)
+            loss = scalar_loss(model(*args, **kwargs))
+            grads = torch.autograd.grad(loss, list(lifted.values()), allow_unused=True)
+        total: dict[str, torch.Tensor] = {}
+        for n, g in zip(lifted, grads):
+            if g is not None:
+                first = self.aliases[n]
+                total[first] = total[first] + g if first in total else g
+        return (
+            loss.detach(),
+            *(total[n] if n in total else torch.zeros_like(lifted[n]) for n in self.names),
+        )
 
 
 def scalar_loss(out: Any) -> torch.Tensor:
@@ -135,6 +153,14 @@ def check_trainable(model: torch.nn.Module) -> None:
                     "random numbers; set its p to 0 (transformers: the config's *dropout/*pdrop "
                     "keys) or call model.eval()",
                 )
+
+
+def drop_detach(graph: fx.Graph) -> None:
+    """`detach` is the identity in a program, which runs without autograd."""
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
 
 
 def drop_empty_cat_inputs(graph: fx.Graph) -> None:

@@ -1,0 +1,360 @@
+"""Training packages: steps run by a Session give the losses single-process torch training gives.
+
+Each case builds a training step for a transformers model (small config, random weights) with
+an optimizer, runs five steps on batches the build never saw, and compares every step's loss
+with the same model trained by torch in this process from the same weights and data. A loss
+depends on every earlier update of every weight, so equal losses over five steps check the
+gradients, their exchange between replicas and the optimizer's update together.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import tessel
+from tessel.capture import capture_training
+from tessel.config.cluster import cluster_from_dict, local_cluster_dict
+from tessel.config.errors import ConfigError
+from tessel.plan import has_rule
+
+VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 5
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2() -> torch.nn.Module:  # tied embeddings, Conv1D, GELU, LayerNorm
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _mixtral() -> torch.nn.Module:  # mixture of experts, top-2 routing
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "mixtral": _mixtral}
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _batches(n: int = STEPS, batch: int = BATCH, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def _policy(tmp_path, dp: int, tp: int, sharding: tuple[str, ...] = ()) -> str:
+    g: dict = {"auto": False, "tensor_parallel_option": {"tensor_parallel_size": tp}}
+    if dp > 1:
+        g["data_parallel_option"] = {"data_parallel_size": dp}
+    if sharding:
+        g["tensor_sharding"] = {k: True for k in sharding}
+    path = tmp_path / "parallel_option.json"
+    path.write_text(json.dumps({"graph_parallel_option": g}))
+    return str(path)
+
+
+def _tight(model: torch.nn.Module, devices: int) -> dict:
+    """Devices that hold a model's weights, gradients and Adam states only when sharded."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    data = local_cluster_dict(devices)
+    data["item_def"][0]["memory"] = f"[DDR:{int(4 * weights * 0.75)}B]"
+    return data
+
+
+def _torch_losses(model, make_optimizer, batches, schedule=None) -> list[float]:
+    opt = make_optimizer(model)
+    losses = []
+    for i, b in enumerate(batches):
+        if schedule is not None:
+            for group in opt.param_groups:
+                group["lr"] = schedule(i)
+        opt.zero_grad()
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _run(path, batches, options=None, schedule=None) -> list[float]:
+    tessel.initialize({"ge.graphRunMode": "1"})
+    try:
+        with tessel.Session() as session:
+            session.load_graph(0, options or {}, path)
+            losses = []
+            for i, b in enumerate(batches):
+                if schedule is not None:
+                    session.set_learning_rate(0, schedule(i))
+                (loss,) = session.run_graph(0, b)
+                assert loss.dim() == 0
+                losses.append(loss.item())
+            return losses
+    finally:
+        tessel.finalize()
+
+
+# (model, devices, dp, tp, tensor sharding, tight memory): every model on 2 and 4 devices, the
+# meshes dp, tp and dp x tp, each sharding level, 3 devices (shards that do not divide)
+CASES = [
+    ("llama", 2, 1, 2, (), True),
+    ("llama", 2, 2, 1, (), False),
+    ("llama", 4, 2, 2, ("optimizer_state_sharding",), False),
+    ("llama", 4, 2, 2, ("optimizer_state_sharding", "gradient_sharding"), True),
+    ("llama", 3, 3, 1, ("optimizer_state_sharding",), False),
+    ("gpt2", 2, 1, 2, (), True),
+    ("gpt2", 4, 2, 2, ("gradient_sharding",), False),
+    ("mixtral", 2, 2, 1, ("optimizer_state_sharding",), False),
+    ("mixtral", 4, 1, 4, (), False),
+]
+
+
+@pytest.mark.parametrize(
+    "name,devices,dp,tp,sharding,tight",
+    CASES,
+    ids=[
+        f"{m}-{d}dev-dp{dp}xtp{tp}-{'+'.join(s) or 'none'}{'-tight' if t else ''}"
+        for m, d, dp, tp, s, t in CASES
+    ],
+)
+def test_steps_equal_torch_training(name, devices, dp, tp, sharding, tight, tmp_path):
+    model = _model(name)
+    reference = copy.deepcopy(model)
+    batches = _batches(batch=BATCH if devices != 3 else 3)
+    cluster = _tight(model, devices) if tight else devices
+    built = tessel.build(
+        model,
+        _batches(1, batches[0]["input_ids"].shape[0], seed=9)[0],
+        cluster=cluster,
+        policy=_policy(tmp_path, dp, tp, sharding),
+        optimizer=_adamw(model),
+    )
+    training = built.manifest.training
+    assert (training.data_parallel, training.tensor_parallel) == (dp, tp)
+    assert training.optimizer_state_sharding == (dp > 1 and bool(sharding))
+    assert training.gradient_sharding == (dp > 1 and "gradient_sharding" in sharding)
+    placements = [p for layout in built.manifest.plan["layers"].values() for p in layout.values()]
+    if tight:  # the weights had to be sharded to fit
+        assert any(any(s.startswith("S") for s in p) for p in placements), placements
+    got = _run(built.save(tmp_path / "train"), batches)
+    want = _torch_losses(reference, _adamw, batches)
+    assert got == pytest.approx(want, abs=1e-4), (got, want)
+
+
+def test_sgd_with_momentum_param_groups_and_a_schedule(tmp_path):
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+
+    def sgd(m: torch.nn.Module) -> torch.optim.Optimizer:
+        decay = [p for n, p in m.named_parameters() if n.endswith("proj.weight")]
+        rest = [p for n, p in m.named_parameters() if not n.endswith("proj.weight")]
+        return torch.optim.SGD(
+            [{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.2}],
+            lr=0.1,
+            momentum=0.9,
+            nesterov=True,
+        )
+
+    def schedule(step: int) -> float:
+        return 0.1 * (0.5**step)
+
+    batches = _batches()
+    built = tessel.build(
+        model,
+        batches[0],
+        cluster=2,
+        policy=_policy(tmp_path, 2, 1, ("optimizer_state_sharding",)),
+        optimizer=sgd(model),
+    )
+    groups = built.manifest.training.optimizer["param_groups"]
+    assert [g["lr"] for g in groups] == [0.1, 0.2] and groups[0]["nesterov"] is True
+    got = _run(built.save(tmp_path / "sgd"), batches, schedule=schedule)
+    assert got == pytest.approx(_torch_losses(reference, sgd, batches, schedule), abs=1e-4)
+
+
+def test_learning_rate_load_option(tmp_path):
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    batches = _batches(3)
+    built = tessel.build(model, batches[0], cluster=1, optimizer=_adamw(model))
+    got = _run(built.save(tmp_path / "m"), batches, {"tessel.learning_rate": 0.05})
+    want = _torch_losses(
+        reference, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1), batches
+    )
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_gradients_are_placed_like_their_weights():
+    model = _model("llama")
+    captured = capture_training(model, _batches(1)[0], keep=has_rule)
+    out = next(n for n in captured.program.graph.nodes if n.op == "output")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(out.args[0]) == 1 + len(names)
+    for node, name in zip(out.args[0][1:], names):
+        assert tuple(node.meta["val"].shape) == tuple(model.get_parameter(name).shape)
+
+
+# ---- bad input: each refused with tessel's own error naming what is wrong
+
+
+def _build(model, tmp_path, optimizer=None, batch=None, policy=None, cluster=2, **kw):
+    batch = batch if batch is not None else _batches(1)[0]
+    return tessel.build(
+        model,
+        batch,
+        cluster=cluster,
+        policy=policy,
+        optimizer=optimizer if optimizer is not None else _adamw(model),
+        **kw,
+    )
+
+
+def test_a_forward_without_a_scalar_loss_is_refused(tmp_path):
+    model = _model("llama")
+    with pytest.raises(ConfigError, match=r"needs the forward to return a scalar loss.*found"):
+        _build(model, tmp_path, batch={"input_ids": _batches(1)[0]["input_ids"]})
+
+
+def test_an_optimizer_tessel_does_not_take_is_refused_with_the_list(tmp_path):
+    model = _model("llama")
+    with pytest.raises(
+        ConfigError,
+        match=r"RMSprop; tessel takes torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW",
+    ):
+        _build(model, tmp_path, optimizer=torch.optim.RMSprop(model.parameters()))
+
+
+def test_an_optimizer_missing_weights_is_refused(tmp_path):
+    model = _model("llama")
+    some = list(model.parameters())[:3]
+    with pytest.raises(ConfigError, match=r"leaves \d+ trainable weights out"):
+        _build(model, tmp_path, optimizer=torch.optim.Adam(some))
+
+
+def test_random_dropout_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match=r"Dropout with p=0.1 in training mode"):
+        _build(model, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "inner, words",
+    [
+        (
+            {"tensor_sharding": {"model_weight_sharding": True}},
+            "tensor_sharding.model_weight_sharding: is not built yet for training",
+        ),
+        (
+            {"tensor_sharding": {"model_weight_prefetch": True}},
+            "tensor_sharding.model_weight_prefetch: is not built yet for training",
+        ),
+        (
+            {"pipeline_parallel_option": {"pipe_stage_num": 2}},
+            "pipe_stage_num: is 2: pipeline stages is not built yet for training",
+        ),
+    ],
+)
+def test_training_settings_not_built_are_refused(inner, words, tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"graph_parallel_option": inner}))
+    with pytest.raises(ConfigError) as err:
+        _build(_model("llama"), tmp_path, policy=str(path))
+    assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_an_inference_build_refuses_training_settings(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(
+        json.dumps({"graph_parallel_option": {"tensor_sharding": {"gradient_sharding": True}}})
+    )
+    model = _model("llama")
+    with pytest.raises(ConfigError, match=r"gradient_sharding: is a training setting"):
+        tessel.build(model, _batches(1)[0], cluster=2, policy=str(path))
+
+
+def test_run_mode_must_match_the_package(tmp_path):
+    model = _model("llama")
+    batch = _batches(1)[0]
+    training = _build(model, tmp_path, cluster=1).save(tmp_path / "t")
+    inference = tessel.build(
+        _model("llama"), {"input_ids": batch["input_ids"], "use_cache": False}, cluster=1
+    ).save(tmp_path / "i")
+    tessel.initialize({"ge.graphRunMode": "0"})
+    try:
+        with tessel.Session() as session:
+            with pytest.raises(
+                ConfigError,
+                match=r"ge.graphRunMode: is 0 \(inference\), but .* holds a training model",
+            ):
+                session.load_graph(0, {}, training)
+            with pytest.raises(
+                ConfigError, match=r"is 1 \(training\), but .* holds an inference model"
+            ):
+                session.load_graph(0, {"ge.graphRunMode": 1}, inference)
+            with pytest.raises(ConfigError, match=r"allowed: 0 \(inference\), 1 \(training\)"):
+                session.load_graph(0, {"ge.graphRunMode": "train"}, training)
+            with pytest.raises(ConfigError, match=r"tessel.learning_rate: found -1"):
+                session.load_graph(0, {"ge.graphRunMode": 1, "tessel.learning_rate": -1}, training)
+            with pytest.raises(ConfigError, match=r"is not a training package"):
+                session.load_graph(0, {"tessel.learning_rate": 0.1}, inference)
+    finally:
+        tessel.finalize()
+
+
+def test_training_cluster_helper_is_too_small_for_replicated_states():
+    model = _model("llama")
+    cluster = cluster_from_dict(_tight(model, 2), "tight.json")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert cluster.devices[0].memory_bytes < 4 * weights  # weights, gradients, two moments
