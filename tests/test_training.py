@@ -358,3 +358,115 @@ def test_training_cluster_helper_is_too_small_for_replicated_states():
     cluster = cluster_from_dict(_tight(model, 2), "tight.json")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert cluster.devices[0].memory_bytes < 4 * weights  # weights, gradients, two moments
+
+
+def _adamw_slow(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # a small rate: Adam moves a weight whose gradient is rounding noise by the whole rate, so
+    # the weights' agreement is bounded by it
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def test_checkpoint_saved_resumed_in_another_layout_and_unified(tmp_path):
+    from safetensors.torch import load_file
+
+    from tessel.cli import main as cli
+
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    batches = _batches()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    zero2 = tessel.build(
+        model,
+        batches[0],
+        cluster=4,
+        policy=_policy(tmp_path / "a", 2, 2, ("gradient_sharding",)),
+        optimizer=_adamw_slow(model),
+    ).save(tmp_path / "zero2")
+    tp = tessel.build(
+        model,
+        batches[0],
+        cluster=_tight(model, 2),
+        policy=_policy(tmp_path / "b", 1, 2),
+        optimizer=_adamw_slow(model),
+    ).save(tmp_path / "tp")
+    tessel.initialize({"ge.graphRunMode": "1"})
+    try:
+        with tessel.Session() as session:
+            session.load_graph(0, {}, zero2)
+            got = [session.run_graph(0, b)[0].item() for b in batches[:3]]
+            session.save_checkpoint(0, tmp_path / "step_3")
+            session.remove_graph(0)
+            session.load_graph(1, {"checkpoint": str(tmp_path / "step_3")}, tp)
+            got += [session.run_graph(1, b)[0].item() for b in batches[3:]]
+            session.save_checkpoint(1, tmp_path / "step_5")
+            with pytest.raises(ConfigError, match=r"is not a training checkpoint"):
+                session.load_graph(2, {"checkpoint": str(tmp_path / "nowhere")}, tp)
+    finally:
+        tessel.finalize()
+    opt = _adamw_slow(reference)
+    want = _torch_losses(reference, lambda m: opt, batches)
+    assert got == pytest.approx(want, abs=1e-4)
+
+    saved = tmp_path / "step_5"
+    assert sorted(p.name for p in saved.iterdir()) == ["rank_0", "rank_1", "strategy.json"]
+    assert cli(["ckpt", "unify", str(saved), str(tmp_path / "hf"), "--strategy",
+                str(saved / "strategy.json"), "--no-progress"]) == 0  # fmt: skip
+    unified = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        unified.update(load_file(f))
+    assert unified["optimizer.step"].item() == STEPS
+    for name, p in reference.named_parameters():
+        state = opt.state[p]
+        assert torch.allclose(unified[name], p.detach(), atol=1e-4), name
+        assert torch.allclose(unified[f"optimizer.exp_avg.{name}"], state["exp_avg"], atol=1e-4)
+        assert torch.allclose(
+            unified[f"optimizer.exp_avg_sq.{name}"], state["exp_avg_sq"], atol=1e-4
+        )
+
+
+def test_save_checkpoint_needs_a_training_graph(tmp_path):
+    batch = _batches(1)[0]
+    inference = tessel.build(
+        _model("llama"), {"input_ids": batch["input_ids"], "use_cache": False}, cluster=1
+    ).save(tmp_path / "i")
+    tessel.initialize()
+    try:
+        with tessel.Session() as session:
+            session.load_graph(0, {}, inference)
+            with pytest.raises(ConfigError, match=r"graph 0 is not a training package"):
+                session.save_checkpoint(0, tmp_path / "ckpt")
+            with pytest.raises(ConfigError, match=r"checkpoint: .* is not a training package"):
+                session.load_graph(1, {"checkpoint": str(tmp_path)}, inference)
+    finally:
+        tessel.finalize()
+
+
+def test_cli_builds_a_training_step_from_a_model_function(tmp_path, capsys):
+    from tessel.cli import main as cli
+
+    (tmp_path / "train.py").write_text(
+        "import torch\n"
+        "from tests.test_training import _model, _batches, _adamw\n"
+        "def step():\n"
+        "    model = _model('llama')\n"
+        "    return model, _batches(1)[0], _adamw(model)\n"
+    )
+    (tmp_path / "policy").mkdir()
+    policy = _policy(tmp_path / "policy", 2, 1, ("optimizer_state_sharding",))
+    (tmp_path / "numa.json").write_text(json.dumps(local_cluster_dict(2)))
+    out = tmp_path / "out" / "llama_train"
+    code = cli(
+        ["build", f"--model={tmp_path / 'train.py'}:step", "--distributed_cluster_build=1",
+         f"--cluster_config={tmp_path / 'numa.json'}", "--enable_graph_parallel=1",
+         f"--graph_parallel_option_path={policy}", "--soc_version=cpu", f"--output={out}"]
+    )  # fmt: skip
+    assert code == 0
+    capsys.readouterr()
+    assert cli(["inspect", f"{out}.tessel"]) == 0
+    text = capsys.readouterr().out
+    assert "offline model: training, 2 devices" in text
+    assert (
+        "training step: AdamW (1 parameter groups); sharding: optimizer states sharded over dp 2"
+        in text
+    )

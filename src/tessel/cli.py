@@ -62,10 +62,11 @@ def _build(args: argparse.Namespace) -> int:
             "--weights",
             "streams a PyTorch model's weights from a checkpoint; an ONNX file holds its own",
         )
-    model, example_inputs = load_model_spec(args.model, opts.framework, args.input_shape)
+    model, example_inputs, optimizer = load_model_spec(args.model, opts.framework, args.input_shape)
     built = build(
         model,
         example_inputs,
+        optimizer=optimizer,
         cluster=cluster,
         policy=opts.graph_parallel_option_path,
         soc_version=opts.soc_version,
@@ -149,7 +150,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--model",
         help=".pt2 file from torch.export.save, or file.py:function returning (module, "
-        "example_inputs); with --framework=5 an .onnx file",
+        "example_inputs), or (module, example_inputs, optimizer) to build a training step "
+        "(torch.optim SGD, Adam or AdamW); with --framework=5 an .onnx file",
     )
     b.add_argument(
         "--framework",

@@ -120,6 +120,7 @@ def inspect_json(manifest: Manifest) -> dict:
         "micro_batches": plan.get("micro_batches") or 1,
         "verify": plan.get("verify"),
         "source": plan.get("source", "planned"),
+        "training": plan.get("training"),
         "ranks": _ranks(manifest, memory),
     }
 
@@ -156,6 +157,13 @@ def format_plan(manifest: Manifest) -> str:
         )
     else:
         lines.append(f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms")
+    training = data.get("training")
+    if training:
+        lines.append(
+            f"training step: {training['optimizer']} ({training['param_groups']} parameter "
+            f"groups); sharding: {'; '.join(training['sharding'])}; optimizer offload: "
+            f"{training['optimizer_offload']}"
+        )
     solver = data.get("solver") or {}
     if solver:
         lines.append(

@@ -10,6 +10,7 @@ sharding, the parts then all-gathered), see `tessel.runtime.step`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import replace
@@ -24,7 +25,13 @@ from tessel.capture.training import gradient_outputs
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import parallel_dims
-from tessel.config.optimizer import optimizer_spec
+from tessel.config.optimizer import (
+    STEP_NAME,
+    OptimizerSpec,
+    optimizer_spec,
+    state_keys,
+    state_name,
+)
 from tessel.config.parallel_option import ParallelOption
 from tessel.lower.program import move_groups
 from tessel.plan import has_rule
@@ -104,6 +111,7 @@ def build_training(
     ]
     t = time.perf_counter()
     manifest, members = _pack(captured, plan, every, cluster, soc_version, True, dp)
+    members["strategy.json"] = _with_optimizer_states(members["strategy.json"], spec)
     manifest["mode"] = "training"
     manifest["outputs"] = [{"shape": [], "dtype": "float32"}]
     manifest["training"] = {
@@ -122,6 +130,27 @@ def build_training(
     }
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
+
+
+def _with_optimizer_states(strategy_json: bytes, spec: OptimizerSpec) -> bytes:
+    """The package's strategy file plus the optimizer's states, each laid out like its weight
+    (`optimizer.<key>.<weight>`), and Adam's step count: what `save_checkpoint` writes."""
+    strategy = json.loads(strategy_json)
+    params = strategy["params"]
+    for group in spec.groups:
+        for key in state_keys(spec.name, group.options):
+            for weight in group.params:
+                if weight in params:
+                    params[state_name(key, weight)] = dict(params[weight])
+    if spec.name != "SGD":
+        any_weight = next(iter(params.values()))
+        params[STEP_NAME] = {
+            **any_weight,
+            "tensor_map": [],
+            "shape": [],
+            "dtype": "float32",
+        }
+    return json.dumps(strategy).encode()
 
 
 def captured_gradients(captured: Any) -> tuple[str, ...]:

@@ -233,13 +233,15 @@ def framework_name(value: object, source: str = "command line", key: str = "--fr
 
 def load_model_spec(
     spec: str, framework: str = "pytorch", input_shape: str | None = None
-) -> tuple[Any, Any]:
-    """`--model`: a `.pt2` file, or `file.py:function` returning `(module, example_inputs)`;
-    with `framework="onnx"` an ONNX file, its dynamic dimensions fixed by `input_shape`."""
+) -> tuple[Any, Any, Any]:
+    """`--model`: a `.pt2` file, or `file.py:function` returning `(module, example_inputs)`
+    or `(module, example_inputs, optimizer)` (a training step); with `framework="onnx"` an
+    ONNX file, its dynamic dimensions fixed by `input_shape`. Returns the model, its example
+    inputs and the optimizer (None but for a training step)."""
     if framework == "onnx":
         from tessel.capture.onnx import load_onnx
 
-        return load_onnx(spec, input_shape)
+        return (*load_onnx(spec, input_shape), None)
     if input_shape:
         raise ConfigError(
             "--input_shape",
@@ -253,7 +255,7 @@ def load_model_spec(
         path = Path(spec)
         if not path.is_file():
             raise ConfigError("--model", None, f"file not found: {spec}")
-        return torch.export.load(str(path)), None
+        return torch.export.load(str(path)), None, None
     if ":" not in spec:
         raise ConfigError(
             "--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}"
@@ -268,9 +270,14 @@ def load_model_spec(
     if not hasattr(module, func):
         raise ConfigError("--model", None, f"{file} has no function {func!r}")
     result = getattr(module, func)()
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ConfigError("--model", None, f"{spec} must return (module, example_inputs)")
-    return result
+    if not (isinstance(result, tuple) and len(result) in (2, 3)):
+        raise ConfigError(
+            "--model",
+            None,
+            f"{spec} must return (module, example_inputs), or (module, example_inputs, "
+            "optimizer) for a training step",
+        )
+    return result if len(result) == 3 else (*result, None)
 
 
 def split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:

@@ -69,6 +69,22 @@ class OptimizerSpec:
         }
 
 
+def state_keys(name: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-weight state torch's `name` keeps for a group with `options` (besides Adam's
+    step count): what a checkpoint stores as `optimizer.<key>.<weight>`."""
+    if name == "SGD":
+        return ("momentum_buffer",) if options.get("momentum", 0) else ()
+    return ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if options.get("amsgrad") else ()))
+
+
+def state_name(key: str, weight: str) -> str:
+    """A weight's optimizer state as a checkpoint names it: `optimizer.exp_avg.<weight>`."""
+    return f"optimizer.{key}.{weight}"
+
+
+STEP_NAME = "optimizer.step"  # Adam's step count, one scalar for every weight
+
+
 def _accepted() -> str:
     return ", ".join(f"torch.optim.{n}" for n in HYPERPARAMETERS)
 

@@ -16,13 +16,22 @@ import torch
 from tessel.checkpoint.boxes import Box, device_box
 from tessel.checkpoint.convert import execute, execute_file, shape_bytes
 from tessel.checkpoint.errors import CheckpointError, StrategyError
+from tessel.checkpoint.jobs import (
+    StrategyArg,
+    full_dst,
+    full_strategy_from_file,
+    open_source,
+    plan_convert,
+    rank_entries,
+    rank_jobs,
+    resolve_dst,
+)
 from tessel.checkpoint.plan import FileJob, needed_holders, plan_file
 from tessel.checkpoint.sources import (
     DCPSource,
     FullSource,
     RankSource,
     Source,
-    find_rank_files,
     is_dcp_dir,
 )
 from tessel.checkpoint.st_io import read_header
@@ -34,122 +43,11 @@ from tessel.checkpoint.strategy import (
     write_strategy,
 )
 
-StrategyArg = str | os.PathLike | Strategy | None
 Progress = Callable[[int], None] | None
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _full_strategy_from_file(path: str) -> Strategy:
-    """A strategy for one unsharded checkpoint file: every tensor whole on rank 0."""
-    hdr = read_header(path)[0]
-    params = {
-        n: ParamLayout((1,), tuple(() for _ in loc.shape), loc.shape, loc.dtype)
-        for n, loc in hdr.items()
-    }
-    return Strategy(params, f"{path} (unsharded)")
-
-
-def _open_source(
-    src_dir: str | os.PathLike, src_strategy_file: StrategyArg, need_strategy: bool = True
-) -> Source:
-    if is_dcp_dir(src_dir):
-        return DCPSource(src_dir)
-    files = find_rank_files(src_dir)
-    strategy = load_strategy(src_strategy_file)
-    if strategy is None:
-        if files and need_strategy:
-            if len(files) == 1 and 0 in files:
-                return RankSource(_full_strategy_from_file(files[0]), files)
-            raise StrategyError(
-                str(src_dir),
-                "src_strategy_file",
-                f"is needed: the directory holds {len(files)} rank files (only a DCP "
-                "directory or a single unsharded rank_0 file needs no strategy)",
-            )
-        return FullSource(src_dir)
-    if not files:
-        raise CheckpointError(
-            str(src_dir), None, "holds no rank_{r}/*.safetensors files and no DCP .metadata"
-        )
-    return RankSource(strategy, files)
-
-
-def _resolve_dst(dst: Strategy, source: Source) -> Strategy:
-    """Fill unknown shapes/dtypes of the destination from the source; check the known ones."""
-    names = set(source.names())
-    out = {}
-    for name, p in dst.params.items():
-        if name not in names:
-            raise CheckpointError(
-                source.label,
-                name,
-                f"is in the destination strategy ({dst.source}) but not in the source checkpoint",
-            )
-        shape, dtype = source.info(name)
-        if p.shape is not None and tuple(p.shape) != tuple(shape):
-            raise StrategyError(
-                dst.source,
-                f"params.{name}.shape",
-                f"is {list(p.shape)} but the source checkpoint has {list(shape)}",
-            )
-        if p.dtype is not None and p.dtype != dtype:
-            raise StrategyError(
-                dst.source,
-                f"params.{name}.dtype",
-                f"is {p.dtype} but the source checkpoint has {dtype}",
-            )
-        from dataclasses import replace
-
-        from tessel.checkpoint.boxes import check_tiling
-
-        q = replace(p, shape=tuple(shape), dtype=dtype)
-        check_tiling(name, q, dst.source)
-        out[name] = q
-    return Strategy(out, dst.source, dict(dst.extra))
-
-
-def _rank_entries(dst: Strategy, rank: int) -> list[tuple[str, Box]]:
-    out = []
-    for name in dst.params_of_rank(rank):
-        p = dst.params[name]
-        out.append((name, device_box(p, dst.holders(name)[rank], p.shape)))
-    return out
-
-
-def _full_dst(source: Source) -> Strategy:
-    params = {}
-    for n in source.names():
-        shape, dt = source.info(n)
-        params[n] = ParamLayout((1,), tuple(() for _ in shape), shape, dt)
-    return Strategy(params, "<unsharded destination>")
-
-
-def _rank_jobs(
-    source: Source, dst: Strategy, prefix: str, ranks: Sequence[int] | None = None
-) -> list[FileJob]:
-    jobs = []
-    allowed = None
-    if isinstance(source, RankSource):
-        allowed = set(source.files)
-    for r in ranks if ranks is not None else range(dst.world_size):
-        entries = _rank_entries(dst, r)
-        if not entries:
-            continue
-        prefer = r if isinstance(source, RankSource) else None
-        jobs.append(
-            plan_file(
-                source,
-                entries,
-                f"rank_{r}/{prefix}{r}.safetensors",
-                prefer=prefer,
-                allowed=allowed,
-                metadata={"format": "pt", "tessel_rank": str(r)},
-            )
-        )
-    return jobs
 
 
 def _pick(
@@ -268,12 +166,12 @@ def convert_checkpoint_by_rank(
             raise StrategyError(
                 None, "src_strategy_file", "is None, so give exactly one file, for rank 0"
             )
-        src = _full_strategy_from_file(files[0])
+        src = full_strategy_from_file(files[0])
     source = RankSource(src, files)
     dst = load_strategy(dst_strategy_file)
-    dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
+    dst = resolve_dst(dst, source) if dst is not None else full_dst(source)
     entries = (
-        _rank_entries(dst, rank_id)
+        rank_entries(dst, rank_id)
         if dst_strategy_file is not None
         else [(n, tuple((0, s) for s in dst.params[n].shape)) for n in dst.params]
     )
@@ -316,19 +214,6 @@ def convert_checkpoints(
     return execute(jobs, dst_dir, process_num, progress, source.holder_files())
 
 
-def plan_convert(
-    src_dir: str | os.PathLike,
-    src_strategy_file: StrategyArg,
-    dst_strategy_file: StrategyArg,
-    dst_prefix: str = "checkpoint_",
-) -> tuple[list[FileJob], Source]:
-    """The jobs convert_checkpoints would run (used by the CLI for sizes and progress)."""
-    source = _open_source(src_dir, src_strategy_file)
-    dst = load_strategy(dst_strategy_file)
-    dst = _resolve_dst(dst, source) if dst is not None else _full_dst(source)
-    return _rank_jobs(source, dst, dst_prefix), source
-
-
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
@@ -347,7 +232,7 @@ def plan_unify(
     choice_func: Callable[[str], bool | str] | None = None,
 ) -> tuple[list[FileJob], dict[str, str], int, Source]:
     """Jobs for unified_safetensors, the index weight map and the total size."""
-    source = _open_source(src_dir, src_strategy_file)
+    source = open_source(src_dir, src_strategy_file)
     limit = _parse_size(max_shard_size)
     groups: list[list[tuple[str, str, Box]]] = [[]]
     size = 0
@@ -455,8 +340,8 @@ def shard_checkpoint(
     dst = load_strategy(dst_strategy_file)
     if dst is None:
         raise StrategyError(None, "dst_strategy_file", "is required")
-    dst = _resolve_dst(dst, source)
-    jobs = _rank_jobs(source, dst, dst_prefix)
+    dst = resolve_dst(dst, source)
+    jobs = rank_jobs(source, dst, dst_prefix)
     return execute(jobs, dst_dir, process_num, progress, source.holder_files())
 
 
@@ -607,7 +492,7 @@ def load_distributed_checkpoint(
     if unified_safetensors_dir is not None:
         source: Source = FullSource(unified_safetensors_dir)
     elif isinstance(checkpoint_filenames, (str, os.PathLike)):
-        source = _open_source(checkpoint_filenames, train_strategy_filename)
+        source = open_source(checkpoint_filenames, train_strategy_filename)
     elif checkpoint_filenames:
         files = {i: str(f) for i, f in enumerate(checkpoint_filenames)}
         for r, f in files.items():
@@ -617,7 +502,7 @@ def load_distributed_checkpoint(
         if st is None:
             if len(files) != 1:
                 raise StrategyError(None, "train_strategy_filename", "is needed for >1 file")
-            st = _full_strategy_from_file(files[0])
+            st = full_strategy_from_file(files[0])
         source = RankSource(st, files)
     else:
         raise CheckpointError(None, "checkpoint_filenames", "give files or a directory")
@@ -627,7 +512,7 @@ def load_distributed_checkpoint(
         rank_id = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     dst = load_strategy(predict_strategy)
     if dst is not None:
-        dst = _resolve_dst(dst, source)
+        dst = resolve_dst(dst, source)
     wanted = list(network.state_dict()) if network is not None else source.names()
     local = dict(network.state_dict()) if network is not None else {}
     entries: list[tuple[str, Box]] = []

@@ -88,7 +88,7 @@ def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from tessel.parallel.api import plan_convert
+    from tessel.checkpoint.jobs import plan_convert
 
     jobs, source = plan_convert(
         src_dir=args.src,
@@ -113,13 +113,13 @@ def _unify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
+    from tessel.checkpoint.jobs import rank_jobs, resolve_dst
     from tessel.checkpoint.sources import DCPSource, FullSource, is_dcp_dir
     from tessel.checkpoint.strategy import load_strategy
-    from tessel.parallel.api import _rank_jobs, _resolve_dst
 
     source = DCPSource(args.hf_dir) if is_dcp_dir(args.hf_dir) else FullSource(args.hf_dir)
-    dst = _resolve_dst(load_strategy(args.strategy), source)
-    jobs = _rank_jobs(source, dst, args.dst_prefix)
+    dst = resolve_dst(load_strategy(args.strategy), source)
+    jobs = rank_jobs(source, dst, args.dst_prefix)
     out = _run(jobs, args.dst, args, source.holder_files())
     print(f"wrote {len(out)} rank files to {args.dst}")
     return 0
@@ -136,9 +136,9 @@ def _ranks(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from tessel.checkpoint.convert import shape_bytes
+    from tessel.checkpoint.jobs import open_source
     from tessel.checkpoint.sources import RankSource
     from tessel.checkpoint.strategy import load_strategy
-    from tessel.parallel.api import _open_source
 
     path = Path(args.path)
     rows = []
@@ -154,7 +154,7 @@ def _inspect(args: argparse.Namespace) -> int:
         for n, p in st.params.items():
             rows.append({"name": n, **p.to_json()})
     else:
-        source = _open_source(path, args.strategy)
+        source = open_source(path, args.strategy)
         info = {"kind": source.kind, "files": len(source.holder_files())}
         total = 0
         for n in source.names():

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import math
 import multiprocessing
 import os
 import signal
 import socket
+import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -92,6 +95,40 @@ def finalize() -> None:
 
 
 atexit.register(finalize)
+
+
+@contextlib.contextmanager
+def _checkpoint_in_layout(checkpoint: Any, package: Package) -> Iterator[str]:
+    """The directory of `checkpoint` (a training checkpoint of any layout of this model) in
+    the package's layout: itself when its strategy is the package's, else a converted copy
+    (tessel's checkpoint tools) that lives while the workers load it; "" for none."""
+    if checkpoint is None:
+        yield ""
+        return
+    if package.manifest.training is None:
+        raise ConfigError("options", "checkpoint", f"{package.path} is not a training package")
+    source = Path(checkpoint)
+    strategy = source / "strategy.json"
+    if not source.is_dir() or not strategy.is_file():
+        raise ConfigError(
+            "options",
+            "checkpoint",
+            f"{source} is not a training checkpoint (a directory with strategy.json and "
+            "rank_<r>/ files, as Session.save_checkpoint writes)",
+        )
+    ours = package.json(package.manifest.strategy)
+    if json.loads(strategy.read_text()) == ours:
+        yield str(source)
+        return
+    from tessel.checkpoint.convert import execute
+    from tessel.checkpoint.jobs import plan_convert
+
+    with tempfile.TemporaryDirectory(prefix="tessel-resume-") as tmp:
+        dst_strategy = Path(tmp) / "strategy.json"
+        dst_strategy.write_text(json.dumps(ours))
+        jobs, held = plan_convert(source, strategy, dst_strategy, "checkpoint_")
+        execute(jobs, Path(tmp) / "ranks", forbidden=held.holder_files())
+        yield str(Path(tmp) / "ranks")
 
 
 _RUN_MODES = {"0": "inference", "1": "training"}
@@ -295,22 +332,24 @@ class Session:
             if key is None or idle.key != key or not healthy:
                 _stop(idle, graceful=healthy)
                 idle = None
-        if idle is not None:
-            workers = idle
-            _send_load(workers, str(package.path))
-        else:
-            workers = _start_workers(
-                package, local, addr, port, threads, run_timeout, distributed, reuse_memory
-            )
-            workers.key = key
-        graph = _Graph(package, workers, learning_rate=learning_rate)
-        self._graphs[graph_id] = graph
-        try:
-            _wait_ready(workers, load_timeout)
-        except BaseException:
-            workers.broken = True
-            self.remove_graph(graph_id)
-            raise
+        with _checkpoint_in_layout(options.get("checkpoint"), package) as resume:
+            if idle is not None:
+                workers = idle
+                _send_load(workers, str(package.path), resume)
+            else:
+                workers = _start_workers(
+                    package, local, addr, port, threads, run_timeout, distributed,
+                    reuse_memory, resume,
+                )  # fmt: skip
+                workers.key = key
+            graph = _Graph(package, workers, learning_rate=learning_rate)
+            self._graphs[graph_id] = graph
+            try:
+                _wait_ready(workers, load_timeout)
+            except BaseException:
+                workers.broken = True
+                self.remove_graph(graph_id)
+                raise
         if node_id != cluster.head.node_id:
             return
         graph.inputs = manifest.inputs
@@ -340,7 +379,46 @@ class Session:
         # a worker gone since the last run closed its pipe: the wait below says how it ended
         with contextlib.suppress(OSError):
             workers.conns[index].send(("run", tensors, graph.learning_rate))
-        return _wait_result(workers, index)
+        try:
+            return _wait_result(workers, index)
+        except WorkerError as exc:
+            if graph.package.manifest.training is None:
+                raise
+            raise WorkerError(
+                f"{exc}; the training step failed, so the weights and optimizer states on the "
+                "devices are lost (some ranks may have updated, others not): remove the graph "
+                "and load it again from the last checkpoint",
+                exc.rank,
+                exc.worker_traceback,
+            ) from exc
+
+    def save_checkpoint(self, graph_id: int, path: str | Path) -> Path:
+        """Write a training graph's weights and optimizer states as a distributed checkpoint
+        in tessel's format: `rank_<r>/checkpoint_<r>.safetensors` per rank and
+        `strategy.json` (weights under their names, optimizer states as
+        `optimizer.<key>.<weight>`, Adam's step count as `optimizer.step`), built beside
+        `path` and swapped in whole when every rank has written (a directory every node
+        can reach). `tessel ckpt unify` turns it into a Hugging Face checkpoint; `load_graph`
+        with `{"checkpoint": path}` resumes from it."""
+        from tessel.checkpoint.publish import StagedTree
+
+        graph = self._graph(graph_id)
+        if graph.package.manifest.training is None:
+            raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
+        workers = graph.workers
+        with StagedTree(path) as tree:
+            targets = workers.conns[:1] if workers.distributed else workers.conns
+            for conn in targets:
+                with contextlib.suppress(OSError):
+                    conn.send(("save", str(tree.path)))
+            try:
+                _poll(workers, time.monotonic() + workers.run_timeout, "saved", 0)
+            except BaseException:
+                workers.broken = True
+                _stop(workers, graceful=False)
+                raise
+            tree.publish()
+        return tree.dst
 
     def set_learning_rate(self, graph_id: int, lr: float) -> None:
         """The learning rate of every parameter group from the next step of a training graph
@@ -416,12 +494,12 @@ def _healthy(workers: _Workers) -> bool:
         return False
 
 
-def _send_load(workers: _Workers, path: str) -> None:
+def _send_load(workers: _Workers, path: str, resume: str = "") -> None:
     """Hand idle workers a package; rank 0 passes the word on to the other ranks."""
     targets = workers.conns[:1] if workers.distributed else workers.conns
     for conn in targets:
         with contextlib.suppress(OSError):  # a worker gone: the wait for `ready` says how
-            conn.send(("load", path))
+            conn.send(("load", path, resume))
 
 
 _UNLOAD_TIMEOUT_S = 10.0
@@ -446,7 +524,7 @@ def _unload(workers: _Workers) -> bool:
 
 
 def _start_workers(
-    package, local, addr, port, threads, run_timeout, distributed, reuse_memory
+    package, local, addr, port, threads, run_timeout, distributed, reuse_memory, resume=""
 ) -> _Workers:
     manifest = package.manifest
     ctx = mp.get_context("spawn")
@@ -466,6 +544,7 @@ def _start_workers(
             timeout_s=run_timeout,
             distributed=distributed,
             reuse_freed_memory=reuse_memory,
+            resume=resume,
         )
         proc = ctx.Process(
             target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}"

@@ -19,7 +19,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tessel.config.optimizer import make_optimizer, spec_from_json
+from tessel.config.optimizer import (
+    STEP_NAME,
+    make_optimizer,
+    spec_from_json,
+    state_keys,
+    state_name,
+)
 from tessel.package.manifest import Manifest, Submodel
 from tessel.sharding.geometry import piece
 
@@ -118,9 +124,17 @@ class TrainingStep:
             if a < b:
                 self.pieces[n] = (a, b)
                 self.updated[n] = [self.flat[a:b] if self.shard_states else param]
-        spec = spec_from_json(t.optimizer, "the package")
+        self.spec = spec = spec_from_json(t.optimizer, "the package")
         self.optimizer = make_optimizer(spec, self.updated)
-        self.grad = torch.zeros_like(self.flat)
+        self.state_keys = sorted({k for g in spec.groups for k in state_keys(spec.name, g.options)})
+        self.order = list(sub.weight_order)
+        self.steps = 0
+        # gradients kept between steps: the whole buffer, or this rank's segment of it with
+        # gradient sharding (the whole one is then made for each step's reduce-scatter)
+        self.grad = torch.zeros(
+            self.segment if self.shard_gradients else self.flat.numel(), dtype=dtype, device=device
+        )
+        self.grad_start = self.lo if self.shard_gradients else 0  # where self.grad starts
 
     def run(
         self, program: Callable[..., Sequence[torch.Tensor]], inputs: list[torch.Tensor]
@@ -133,33 +147,36 @@ class TrainingStep:
             raise StepError(
                 f"the program returned {len(grads)} gradients for {len(self.names)} weights"
             )
+        whole = self.grad if not self.shard_gradients else torch.zeros_like(self.flat)
         for g, start, p in zip(grads, self.offsets, self.params):
-            self.grad[start : start + p.numel()].copy_(g.reshape(-1))
+            whole[start : start + p.numel()].copy_(g.reshape(-1))
         del outputs, grads
         loss = loss.detach().clone()
         if self.dp > 1:
-            self._exchange(loss)
+            self._exchange(loss, whole)
+        del whole
         self._step()
         return loss
 
-    def _exchange(self, loss: torch.Tensor) -> None:
+    def _exchange(self, loss: torch.Tensor, whole: torch.Tensor) -> None:
         """Average the loss and the gradients over the replicas (only this rank's segment of
         the gradients, with gradient sharding)."""
         dist.all_reduce(loss, group=self.group)
         loss.div_(self.dp)
         if self.shard_gradients:
-            mine = torch.empty(self.segment, dtype=self.grad.dtype, device=self.grad.device)
-            dist.reduce_scatter_tensor(mine, self.grad, group=self.group)
-            self.grad[self.lo : self.hi].copy_(mine)
+            dist.reduce_scatter_tensor(self.grad, whole, group=self.group)
+            self.grad.div_(self.dp)
         else:
             dist.all_reduce(self.grad, group=self.group)
-        self.grad[self.lo : self.hi].div_(self.dp)
+            self.grad[self.lo : self.hi].div_(self.dp)
 
     def _step(self) -> None:
         for n, tensors in self.updated.items():
             a, b = self.pieces[n]
-            tensors[0].grad = self.grad[a:b].view(tensors[0].shape)
+            g = self.grad[a - self.grad_start : b - self.grad_start]
+            tensors[0].grad = g.view(tensors[0].shape)
         self.optimizer.step()
+        self.steps += 1
         for tensors in self.updated.values():
             tensors[0].grad = None
         if self.shard_states:
@@ -167,6 +184,50 @@ class TrainingStep:
             dist.all_gather_into_tensor(self.flat, mine, group=self.group)
         for copy in self.refresh:
             copy()
+
+    def state_dict(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """This rank's weights among `names` and the optimizer's states, each in its weight's
+        layout (`optimizer.<key>.<weight>`), plus Adam's step count (`optimizer.step`): the
+        tensors a checkpoint holds for this rank. Sharded states are all-gathered first."""
+        held = dict(zip(self.order, self.weights))
+        out = {n: held[n] for n in names if n in held}
+        for key in self.state_keys:
+            flat = torch.zeros_like(self.flat)
+            for n, (a, b) in self.pieces.items():
+                value = self.optimizer.state.get(self.updated[n][0], {}).get(key)
+                if value is not None:
+                    flat[a:b].copy_(value.reshape(-1))
+            if self.shard_states:
+                mine = flat[self.lo : self.hi].clone()
+                dist.all_gather_into_tensor(flat, mine, group=self.group)
+            for n, start, p in zip(self.names, self.offsets, self.params):
+                name = state_name(key, n)
+                if name in names:
+                    out[name] = flat[start : start + p.numel()].view(p.shape)
+        if STEP_NAME in names:
+            out[STEP_NAME] = torch.tensor(float(self.steps), dtype=torch.float32)
+        return out
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take weights and optimizer states (as `state_dict` gives them) from a checkpoint."""
+        for i, n in enumerate(self.order):
+            if n in tensors:
+                self.weights[i].copy_(tensors[n].reshape(self.weights[i].shape))
+        for copy in self.refresh:
+            copy()
+        self.steps = int(tensors[STEP_NAME].item()) if STEP_NAME in tensors else self.steps
+        for n, (a, b) in self.pieces.items():
+            start = self.offsets[self.names.index(n)]
+            state = {}
+            for key in self.state_keys:
+                name = state_name(key, n)
+                if name in tensors:
+                    whole = tensors[name].reshape(-1)
+                    state[key] = whole[a - start : b - start].clone().view(self.updated[n][0].shape)
+            if state:
+                if self.spec.name != "SGD":
+                    state["step"] = torch.tensor(float(self.steps))
+                self.optimizer.state[self.updated[n][0]] = state
 
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import datetime
 import gc
+import json
 import math
 import os
 import signal
@@ -40,6 +41,7 @@ class WorkerSpec:
     timeout_s: float  # the session's run deadline
     distributed: bool
     reuse_freed_memory: bool = False  # keep glibc's own heap policy (see `_fix_mmap_threshold`)
+    resume: str = ""  # a training checkpoint in the package's layout to start from
 
     @property
     def collective_timeout_s(self) -> float:
@@ -59,7 +61,7 @@ def collective_timeout_s(run_timeout_s: float) -> float:
 
 
 # The words rank 0 broadcasts to say what every rank does next.
-_STOP, _RUN, _IDLE, _LOAD, _UNLOAD = 0, 1, 2, 3, 4
+_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE = 0, 1, 2, 3, 4, 5
 
 
 def _die_with_parent() -> None:
@@ -113,12 +115,19 @@ class _Loaded:
     weights: list
     inputs: tuple[TensorSpec, ...]
     step: TrainingStep | None = None  # a training package's optimizer and gradients
+    strategy: bytes = b""  # a training package's strategy file, for its checkpoints
 
 
 def _load(
-    spec: WorkerSpec, path: str, device: torch.device, groups: dict[tuple[int, ...], str]
+    spec: WorkerSpec,
+    path: str,
+    device: torch.device,
+    groups: dict[tuple[int, ...], str],
+    resume: str = "",
 ) -> _Loaded:
-    """Open a package and load this worker's rank of it.
+    """Open a package and load this worker's rank of it (a training package's weights and
+    optimizer states then from the checkpoint directory `resume`, where given, already in
+    the package's layout).
 
     `groups` holds the groups made for earlier packages and gains the ones this package adds.
     """
@@ -130,13 +139,47 @@ def _load(
     if spec.distributed:
         _groups(package.manifest, spec.world_size, groups)
     program, weights = load_rank(package, spec.rank, device, groups)
-    step = None
+    step, strategy = None, b""
     if package.manifest.training is not None:
         replicas = data_parallel_groups(package.manifest)
         tp = package.manifest.training.tensor_parallel
         step = TrainingStep(package.manifest, spec.rank, weights, replicas.get(spec.rank % tp))
+        strategy = json.dumps(package.json(package.manifest.strategy)).encode()
+        if resume:
+            with torch.no_grad():
+                step.load_state_dict(_checkpoint_tensors(resume, spec.rank, device))
     _release_memory(device)  # what decoding the program left behind, before the first run
-    return _Loaded(program, weights, package.manifest.inputs, step)
+    return _Loaded(program, weights, package.manifest.inputs, step, strategy)
+
+
+def _checkpoint_tensors(directory: str, rank: int, device: torch.device) -> dict:
+    """This rank's tensors of a checkpoint in the package's own layout."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, f"rank_{rank}", f"checkpoint_{rank}.safetensors")
+    return load_file(path, device=str(device))
+
+
+def _save_checkpoint(spec: WorkerSpec, loaded: _Loaded, directory: str) -> None:
+    """Write this rank's weights and optimizer states as `rank_<r>/checkpoint_<r>.safetensors`
+    under `directory` (rank 0 also the strategy file); returns when every rank has written."""
+    from safetensors.torch import save_file
+
+    names = json.loads(loaded.strategy)["params"]
+    with torch.no_grad():
+        tensors = loaded.step.state_dict(list(names))
+    rank_dir = os.path.join(directory, f"rank_{spec.rank}")
+    os.makedirs(rank_dir, exist_ok=True)
+    # copies: the weights are views of one buffer, and safetensors stores no shared memory
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+        os.path.join(rank_dir, f"checkpoint_{spec.rank}.safetensors"),
+    )
+    if spec.rank == 0:
+        with open(os.path.join(directory, "strategy.json"), "wb") as f:
+            f.write(loaded.strategy)
+    if spec.distributed:
+        dist.barrier()
 
 
 def _release_memory(device: torch.device) -> None:
@@ -186,7 +229,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 world_size=spec.world_size,
                 timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
             )
-        loaded = _load(spec, spec.package, device, groups)
+        loaded = _load(spec, spec.package, device, groups, spec.resume)
         conn.send(("ready", spec.rank, None))
         _serve(spec, conn, device, groups, loaded)
     except BaseException as exc:  # noqa: BLE001 - report everything to the session, then exit
@@ -230,12 +273,17 @@ def _next_command(
         command = int(word.item())
         if command == _IDLE:
             continue
-        if command == _LOAD:
-            message = ("load", _broadcast_text(message[1] if leader else "", device))
+        if command in (_LOAD, _SAVE):
+            # a package's path and the checkpoint to resume from; a checkpoint's directory
+            words = "\n".join(message[1:3]) if leader else ""
+            message = (
+                "load" if command == _LOAD else "save",
+                *_broadcast_text(words, device).split("\n"),
+            )
         return command, message
 
 
-_COMMANDS = {"run": _RUN, "load": _LOAD, "unload": _UNLOAD, "stop": _STOP}
+_COMMANDS = {"run": _RUN, "load": _LOAD, "unload": _UNLOAD, "stop": _STOP, "save": _SAVE}
 
 
 def _broadcast_text(text: str, device: torch.device) -> str:
@@ -276,8 +324,15 @@ def _serve(
         if command == _LOAD:
             loaded = None
             _release_memory(device)
-            loaded = _load(spec, message[1], device, groups)
+            loaded = _load(spec, message[1], device, groups, message[2] if len(message) > 2 else "")
             conn.send(("ready", spec.rank, None))
+            continue
+        if command == _SAVE:
+            if loaded is None or loaded.step is None:
+                raise RuntimeError("asked to save a checkpoint with no training model loaded")
+            _save_checkpoint(spec, loaded, message[1])
+            if leader:
+                conn.send(("saved", spec.rank, None))
             continue
         if loaded is None:
             raise RuntimeError("asked to run with no model loaded")

@@ -1,0 +1,292 @@
+"""Training step time against torch's own data and tensor parallelism, and the memory a rank
+holds for weights, gradients and optimizer states against ZeRO's formula.
+
+Llama (4 layers, width 256, 8 heads, vocab 8192, seq 128, global batch 8), fp32, AdamW, four
+CPU processes. Side by side in one run, every setting afresh in each of `--rounds` rounds:
+  - torch DDP (`DistributedDataParallel`) against tessel with data_parallel_size 4;
+  - torch FSDP2 (`fully_shard` on every layer and the root) against tessel with
+    data_parallel_size 4 and its optimizer state and gradient sharding (ZeRO-2; tessel's
+    weight sharding, ZeRO-3 as FSDP2 is, is not built);
+  - torch FSDP2 + TP on a 2 x 2 mesh (the Megatron plan on `tp`, `fully_shard` over `dp`, as
+    torchtitan composes them) against tessel with data_parallel_size 2 x tensor_parallel_size 2.
+Each figure is the median step time of 10 steps after 3 warm-up steps (torch: rank 0 between
+barriers, so the slowest rank's; tessel: `Session.run_graph`, which also hands the batch to the
+workers). tessel runs with `tessel.reuse_freed_memory` (glibc's own allocator policy, as torch's
+processes run) and with its memory-honest default.
+
+Memory: the bytes each tessel rank keeps between steps for weights, gradients and optimizer
+states (its flat weight and gradient buffers and torch's optimizer state tensors, counted from
+the tensors themselves) against ZeRO's formula for the level: none 16P, optimizer state
+sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp (fp32 AdamW, P parameters a rank holds).
+
+    python benchmarks/bench_training.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 8192, 128, 8
+WARMUP, REPEAT, WORLD = 3, 10, 4
+
+
+def llama() -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    from tessel.demo import llama_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config(LAYERS, HIDDEN, HEADS, vocab=VOCAB))
+
+
+def batch() -> dict:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _megatron(model: torch.nn.Module, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                     "mlp.up_proj"):  # fmt: skip
+            plan[p + name] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
+    # each rank holds its heads: the attention reshapes by the local head count
+    for layer in model.model.layers:
+        layer.self_attn.config = copy.copy(layer.self_attn.config)
+        layer.self_attn.config.num_attention_heads //= tp_mesh.size()
+        layer.self_attn.config.num_key_value_heads //= tp_mesh.size()
+
+
+def _torch_worker(rank: int, kind: str, port: int, threads: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    model = llama()
+    data = batch()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        rows = BATCH // WORLD
+        mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
+    elif kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        rows = BATCH // WORLD
+        mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
+    else:  # fsdp2 + tp on dp 2 x tp 2
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _megatron(model, mesh["tp"])
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        rows, replica = BATCH // 2, rank // 2
+        mine = {k: v[replica * rows : (replica + 1) * rows] for k, v in data.items()}
+    opt = adamw(model)
+    times = []
+    for i in range(WARMUP + REPEAT):
+        dist.barrier()
+        t = time.perf_counter()
+        opt.zero_grad()
+        model(**mine).loss.backward()
+        opt.step()
+        dist.barrier()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def torch_step_ms(kind: str, threads: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_torch_worker, args=(kind, _free_port(), threads, out), nprocs=WORLD)
+        with open(out) as f:
+            return 1e3 * statistics.median(json.load(f))
+
+
+def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...]) -> str:
+    import tessel
+
+    g: dict = {
+        "auto": False,
+        "tensor_parallel_option": {"tensor_parallel_size": tp},
+        "data_parallel_option": {"data_parallel_size": dp},
+    }
+    if sharding:
+        g["tensor_sharding"] = {k: True for k in sharding}
+    policy = os.path.join(tmp, f"policy_{dp}x{tp}_{len(sharding)}.json")
+    with open(policy, "w") as f:
+        json.dump({"graph_parallel_option": g}, f)
+    model = llama()
+    built = tessel.build(model, batch(), cluster=WORLD, policy=policy, optimizer=adamw(model))
+    return str(built.save(os.path.join(tmp, f"train_{dp}x{tp}_{len(sharding)}")))
+
+
+def tessel_step_ms(path: str, threads: int, reuse: bool) -> tuple[float, dict]:
+    import tessel
+
+    data = batch()
+    tessel.initialize({"ge.graphRunMode": "1"})
+    try:
+        with tessel.Session() as session:
+            options = {"tessel.threads_per_worker": threads, "tessel.reuse_freed_memory": reuse}
+            session.load_graph(0, options, path)
+            times = []
+            for i in range(WARMUP + REPEAT):
+                t = time.perf_counter()
+                session.run_graph(0, data)
+                if i >= WARMUP:
+                    times.append(time.perf_counter() - t)
+    finally:
+        tessel.finalize()
+    return 1e3 * statistics.median(times), {}
+
+
+def held_bytes(path: str) -> list[dict]:
+    """Per rank: weight, gradient and optimizer-state bytes a step runner keeps, counted from
+    its tensors after one step in this process (each rank's runner made here, one at a time,
+    with its collectives' results stood in: the counts depend on shapes alone)."""
+    from tessel.package.format import Package
+    from tessel.runtime.loader import load_rank
+    from tessel.runtime.step import TrainingStep
+
+    package = Package.open(path)
+    t = package.manifest.training
+    out = []
+    for rank in range(package.world_size):
+        _, weights = load_rank(package, rank, torch.device("cpu"), {})
+        step = TrainingStep(package.manifest, rank, weights, None)
+        trained = step.offsets[-1]
+        p_bytes = 4 * trained
+        # the optimizer's state is made on its first step: count what it would make
+        state = sum(t.numel() for ts in step.updated.values() for t in ts) * 4 * 2
+        grads = 4 * (step.segment if step.shard_gradients else trained)
+        out.append(
+            {
+                "rank": rank,
+                "params": trained,
+                "weights": p_bytes,
+                "gradients": grads,
+                "states": state,
+                "dp": t.data_parallel,
+            }
+        )
+    return out
+
+
+def zero_formula(params: int, dp: int, level: str) -> int:
+    if level == "none":
+        return 16 * params
+    if level == "optimizer_state_sharding":
+        return 8 * params + 8 * params // dp
+    return 4 * params + 12 * params // dp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    threads = max(1, (os.cpu_count() or 1) // WORLD)
+    settings = [
+        ("ddp", "DDP", (4, 1, ())),
+        ("fsdp2", "FSDP2", (4, 1, ("optimizer_state_sharding", "gradient_sharding"))),
+        ("fsdp2_tp", "FSDP2 + TP 2x2", (2, 2, ())),
+    ]
+    rows: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for kind, _, (dp, tp, sharding) in settings:
+            t = time.perf_counter()
+            paths[kind] = build(tmp, dp, tp, sharding)
+            print(
+                f"built tessel dp {dp} x tp {tp} {sharding or ''} in {time.perf_counter() - t:.1f} s"
+            )
+        for r in range(args.rounds):
+            for kind, name, _ in settings:
+                row = rows.setdefault(kind, {"torch": [], "reused": [], "returned": []})
+                row["torch"].append(torch_step_ms(kind, threads))
+                row["reused"].append(tessel_step_ms(paths[kind], threads, True)[0])
+                row["returned"].append(tessel_step_ms(paths[kind], threads, False)[0])
+                print(
+                    f"round {r + 1}: {name}: torch {row['torch'][-1]:.1f} ms, tessel "
+                    f"{row['reused'][-1]:.1f} ms (reused) / {row['returned'][-1]:.1f} ms (returned)"
+                )
+        print()
+        print("step time, ms (median over rounds; ratio tessel/torch, range over rounds)")
+        print(
+            f"{'peer':16} {'torch':>8} {'tessel mesh':20} {'freed memory':12} {'tessel':>8}  ratio"
+        )
+        for kind, name, (dp, tp, sharding) in settings:
+            row = rows[kind]
+            mesh = f"dp {dp} x tp {tp}" + (" zero2" if sharding else "")
+            for mode in ("reused", "returned"):
+                ratios = [a / b for a, b in zip(row[mode], row["torch"])]
+                print(
+                    f"{name:16} {statistics.median(row['torch']):8.1f} {mesh:20} {mode:12} "
+                    f"{statistics.median(row[mode]):8.1f}  {statistics.median(ratios):.2f} "
+                    f"({min(ratios):.2f}-{max(ratios):.2f})"
+                )
+        print()
+        print("bytes a rank keeps for weights + gradients + AdamW states (rank 0), against ZeRO")
+        for kind, _, (dp, tp, sharding) in settings:
+            level = (
+                "optimizer_state_sharding+gradient_sharding"
+                if "gradient_sharding" in sharding
+                else "none"
+            )
+            rank0 = held_bytes(paths[kind])[0]
+            held = rank0["weights"] + rank0["gradients"] + rank0["states"]
+            formula = zero_formula(
+                rank0["params"], dp, level.split("+")[-1] if sharding else "none"
+            )
+            print(
+                f"dp {dp} x tp {tp} {level:44} P/rank {rank0['params']:>9}  held "
+                f"{held / 2**20:7.2f} MiB  ZeRO {formula / 2**20:7.2f} MiB  ratio {held / formula:.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
