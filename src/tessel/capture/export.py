@@ -20,6 +20,7 @@ from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
 from tessel.capture.training import (
     GradientOutputs,
     TrainingStep,
+    attribute_gradients_to_layers,
     check_trainable,
     drop_detach,
     drop_empty_cat_inputs,
@@ -130,6 +131,7 @@ def capture_training(
         ep = _export_aten(step, args, kwargs)
     ep = _core_aten(ep, keep)
     drop_detach(ep.graph_module.graph)
+    attribute_gradients_to_layers(ep.graph_module.graph)
     drop_empty_cat_inputs(ep.graph_module.graph)
     ep.graph_module.recompile()
     mark_gradients(ep.graph_module.graph, GradientOutputs(step.names, state_factor))

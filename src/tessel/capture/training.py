@@ -155,6 +155,41 @@ def check_trainable(model: torch.nn.Module) -> None:
                 )
 
 
+def attribute_gradients_to_layers(graph: fx.Graph) -> int:
+    """Give each backward node the layer of the forward values it reads, so identical layers
+    share decisions in the backward pass too (a joint graph's backward nodes are traced
+    outside any module). Returns how many nodes got a layer.
+
+    A backward node reading values a layer's forward computed belongs to the latest such
+    layer; one reading only gradients belongs to the layer of the gradient it reads. The
+    labels repeat layer by layer, so the planner's comparison of layers finds the repeats
+    (the first and last layer, whose neighbours differ, stay on their own).
+    """
+    from tessel.plan.layers import layer_of
+
+    backward = {n for n in graph.nodes if _traced_by_grad(n)}
+    labels: dict[fx.Node, tuple[str, int]] = {}
+    for n in graph.nodes:
+        if n not in backward or layer_of(n) is not None:
+            continue
+        read = [layer_of(a) for a in n.all_input_nodes if a not in backward and layer_of(a)]
+        if not read:
+            read = [labels[a] for a in n.all_input_nodes if a in labels]
+        if read:
+            labels[n] = max(read, key=lambda key: key[1])
+    for n, (family, index) in labels.items():
+        stack = dict(n.meta.get("nn_module_stack") or {})
+        stack["tessel_layer"] = (family.replace("*", str(index)), "")
+        n.meta["nn_module_stack"] = stack
+    return len(labels)
+
+
+def _traced_by_grad(n: fx.Node) -> bool:
+    """Recorded while `torch.autograd.grad` ran (export names the torch function per node)."""
+    fn = n.meta.get("torch_fn")
+    return n.op == "call_function" and isinstance(fn, tuple) and str(fn[-1]).endswith(".grad")
+
+
 def drop_detach(graph: fx.Graph) -> None:
     """`detach` is the identity in a program, which runs without autograd."""
     for n in list(graph.nodes):

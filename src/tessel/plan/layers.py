@@ -55,18 +55,24 @@ def identical_layers(graph: fx.Graph) -> list[list[list[fx.Node]]]:
 
 
 def template_map(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[str, list[int]]]:
-    """Map every node of a repeated layer to the same-position node of its group's first layer.
+    """Map every node of a repeated layer to the same-position node of its group's earliest
+    layer in graph order.
 
     Returns the map (template nodes map to themselves; nodes outside layers are absent) and,
     per layer family, the layer indices found.
     """
     mapping: dict[fx.Node, fx.Node] = {}
     families: dict[str, list[int]] = defaultdict(list)
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for group in identical_layers(graph):
         for nodes in group:
             family, idx = layer_of(nodes[0])
             families[family].append(idx)
-            for n, t in zip(nodes, group[0]):
+        # each position's template is its earliest node: a training graph runs the layers'
+        # backward passes in reverse, so there the last layer comes first
+        for same in zip(*group):
+            t = min(same, key=position.__getitem__)
+            for n in same:
                 mapping[n] = t
     for indices in families.values():
         indices.sort()
