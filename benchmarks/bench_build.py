@@ -6,13 +6,15 @@ The peer, meta-pytorch/autoparallel, cannot be installed here (it is not on the 
 registries), so its figures are the ones measured on this kind of machine in
 shared/reference/peer-baselines.md §1.4 (gpt2, mesh 4, tp mode: 6.9 / 14.7 / 56.1 s end to end).
 Note the difference in work: autoparallel plans a joint forward+backward training graph, tessel
-an inference forward graph, and tessel also writes the weights of every rank to one file and
+an inference forward graph (with `--training`, the same joint graph: a training step with
+AdamW), and tessel also writes the weights of every rank to one file and
 checks the built model against eager where that costs less than the build (`verify`'s default;
 `--verify` forces the check; its column is part of the total, 0 when skipped).
 
     python benchmarks/bench_build.py [--layers 2 8 32] [--trace_every_layer] [--verify]
                                      [--batch 8] [--seq 512] [--profile FILE]
     python benchmarks/bench_build.py --nodes 2 --layers 32   # autoparallel: 110 s on a 2x4 mesh
+    python benchmarks/bench_build.py --training --layers 32  # a training step, as autoparallel
 
 `--profile FILE` profiles each build and save with cProfile and writes the statistics to FILE
 (FILE.<layers>L for each count when several are given); read them with `python -m pstats FILE`.
@@ -34,12 +36,15 @@ PEER_TOTAL_S = {2: 6.9, 8: 14.7, 32: 56.1}  # autoparallel, gpt2, mesh (4,), tp 
 PEER_2X4_S = {32: 110.0}  # autoparallel, gpt2 32 layers, mesh (2, 4)
 
 
-def gpt2(layers: int):
+def gpt2(layers: int, training: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_embd=768, n_head=12, n_layer=layers, vocab_size=50304, n_positions=1024)
+    if training:  # programs draw no random numbers
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
     torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg).eval()
+    model = GPT2LMHeadModel(cfg)
+    return model if training else model.eval()
 
 
 def profile_path(base: str, layers: int, counts: int) -> str:
@@ -56,6 +61,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument(
         "--trace_every_layer", action="store_true", help="build without reusing identical layers"
+    )
+    parser.add_argument(
+        "--training",
+        action="store_true",
+        help="build a training step (loss from labels, AdamW): the joint forward+backward graph "
+        "autoparallel plans",
     )
     parser.add_argument(
         "--verify", action="store_true", help="check every build against eager, whatever it costs"
@@ -79,18 +90,26 @@ def main() -> None:
         peers = PEER_2X4_S if (args.nodes, args.devices) == (2, 4) else {}
     rows = []
     for layers in args.layers:
-        model = gpt2(layers)
+        model = gpt2(layers, args.training)
         ids = torch.randint(0, 50304, (args.batch, args.seq))
         profiler = cProfile.Profile() if args.profile else None
         t = time.perf_counter()
         with profiler or contextlib.nullcontext():
-            built = tessel.build(
-                model,
-                {"input_ids": ids, "use_cache": False},
-                cluster=cluster,
-                reuse_layers=not args.trace_every_layer,
-                verify=True if args.verify else None,
-            )
+            if args.training:
+                built = tessel.build(
+                    model,
+                    {"input_ids": ids, "labels": ids},
+                    cluster=cluster,
+                    optimizer=torch.optim.AdamW(model.parameters()),
+                )
+            else:
+                built = tessel.build(
+                    model,
+                    {"input_ids": ids, "use_cache": False},
+                    cluster=cluster,
+                    reuse_layers=not args.trace_every_layer,
+                    verify=True if args.verify else None,
+                )
             with tempfile.TemporaryDirectory() as tmp:
                 path = built.save(os.path.join(tmp, "gpt2"))
                 size = path.stat().st_size

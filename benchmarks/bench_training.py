@@ -14,10 +14,10 @@ barriers, so the slowest rank's; tessel: `Session.run_graph`, which also hands t
 workers). tessel runs with `tessel.reuse_freed_memory` (glibc's own allocator policy, as torch's
 processes run) and with its memory-honest default.
 
-Memory: the bytes each tessel rank keeps between steps for weights, gradients and optimizer
-states (its flat weight and gradient buffers and torch's optimizer state tensors, counted from
-the tensors themselves) against ZeRO's formula for the level: none 16P, optimizer state
-sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp (fp32 AdamW, P parameters a rank holds).
+Memory: each worker's peak RSS over three steps (VmHWM, less the peak of a process importing
+what a worker imports) against ZeRO's formula for the level plus the plan's activations: none
+16P, optimizer state sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp (fp32 AdamW, P the
+parameters a rank holds: all of them over tp). Workers run with their memory-honest default.
 
     python benchmarks/bench_training.py [--rounds 3]
 """
@@ -185,36 +185,60 @@ def tessel_step_ms(path: str, threads: int, reuse: bool) -> tuple[float, dict]:
     return 1e3 * statistics.median(times), {}
 
 
-def held_bytes(path: str) -> list[dict]:
-    """Per rank: weight, gradient and optimizer-state bytes a step runner keeps, counted from
-    its tensors after one step in this process (each rank's runner made here, one at a time,
-    with its collectives' results stood in: the counts depend on shapes alone)."""
+def _peak_rss(pid: int) -> int:
+    """A process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def baseline_rss() -> int:
+    """Peak RSS of a process that imports what a worker imports and nothing more."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed, tessel.runtime.worker, resource;"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout)  # fmt: skip
+
+
+def measured_peaks(path: str, threads: int, steps: int = 3) -> list[int]:
+    """Each worker's peak RSS after `steps` steps, with the workers' memory-honest default."""
+    import tessel
+
+    data = batch()
+    tessel.initialize({"ge.graphRunMode": "1"})
+    try:
+        with tessel.Session() as session:
+            session.load_graph(0, {"tessel.threads_per_worker": threads}, path)
+            for _ in range(steps):
+                session.run_graph(0, data)
+            procs = session._graphs[0].workers.procs
+            return [_peak_rss(p.pid) for p in procs]
+    finally:
+        tessel.finalize()
+
+
+def rank0_params(path: str) -> int:
+    """The trained parameters rank 0 holds (its shards of them)."""
     from tessel.package.format import Package
-    from tessel.runtime.loader import load_rank
-    from tessel.runtime.step import TrainingStep
 
     package = Package.open(path)
-    t = package.manifest.training
-    out = []
-    for rank in range(package.world_size):
-        _, weights = load_rank(package, rank, torch.device("cpu"), {})
-        step = TrainingStep(package.manifest, rank, weights, None)
-        trained = step.offsets[-1]
-        p_bytes = 4 * trained
-        # the optimizer's state is made on its first step: count what it would make
-        state = sum(t.numel() for ts in step.updated.values() for t in ts) * 4 * 2
-        grads = 4 * (step.segment if step.shard_gradients else trained)
-        out.append(
-            {
-                "rank": rank,
-                "params": trained,
-                "weights": p_bytes,
-                "gradients": grads,
-                "states": state,
-                "dp": t.data_parallel,
-            }
-        )
-    return out
+    held = package.weights(package.submodel(0))
+    return sum(held[n].numel() for n in package.manifest.training.gradients)
+
+
+def activation_bytes(path: str) -> int:
+    """The plan's activations at their peak: its predicted peak less what the weights take."""
+    from tessel.package.format import Package
+
+    memory = Package.open(path).manifest.plan["memory"]
+    return int(memory["peak_bytes"] - memory["weight_bytes"])
 
 
 def zero_formula(params: int, dp: int, level: str) -> int:
@@ -228,6 +252,14 @@ def zero_formula(params: int, dp: int, level: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-only", action="store_true", help="skip the step times")
+    parser.add_argument(
+        "--memory-model",
+        nargs=3,
+        type=int,
+        metavar=("LAYERS", "WIDTH", "VOCAB"),
+        help="the Llama of the memory figure (default: the step-time model)",
+    )
     args = parser.parse_args()
     threads = max(1, (os.cpu_count() or 1) // WORLD)
     settings = [
@@ -236,15 +268,27 @@ def main() -> None:
         ("fsdp2_tp", "FSDP2 + TP 2x2", (2, 2, ())),
     ]
     rows: dict[str, dict[str, list[float]]] = {}
+    levels = {
+        "dp 4, no sharding": (4, 1, ()),
+        "dp 4, optimizer state sharding": (4, 1, ("optimizer_state_sharding",)),
+        "dp 4, + gradient sharding": (4, 1, ("optimizer_state_sharding", "gradient_sharding")),
+        "dp 2 x tp 2, + gradient sharding": (
+            2,
+            2,
+            ("optimizer_state_sharding", "gradient_sharding"),
+        ),
+    }
+    base = baseline_rss()
+    global LAYERS, HIDDEN, VOCAB
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
-        for kind, _, (dp, tp, sharding) in settings:
+        for kind, _, (dp, tp, sharding) in settings if not args.memory_only else ():
             t = time.perf_counter()
             paths[kind] = build(tmp, dp, tp, sharding)
             print(
                 f"built tessel dp {dp} x tp {tp} {sharding or ''} in {time.perf_counter() - t:.1f} s"
             )
-        for r in range(args.rounds):
+        for r in range(0 if args.memory_only else args.rounds):
             for kind, name, _ in settings:
                 row = rows.setdefault(kind, {"torch": [], "reused": [], "returned": []})
                 row["torch"].append(torch_step_ms(kind, threads))
@@ -259,7 +303,7 @@ def main() -> None:
         print(
             f"{'peer':16} {'torch':>8} {'tessel mesh':20} {'freed memory':12} {'tessel':>8}  ratio"
         )
-        for kind, name, (dp, tp, sharding) in settings:
+        for kind, name, (dp, tp, sharding) in settings if rows else ():
             row = rows[kind]
             mesh = f"dp {dp} x tp {tp}" + (" zero2" if sharding else "")
             for mode in ("reused", "returned"):
@@ -270,21 +314,25 @@ def main() -> None:
                     f"({min(ratios):.2f}-{max(ratios):.2f})"
                 )
         print()
-        print("bytes a rank keeps for weights + gradients + AdamW states (rank 0), against ZeRO")
-        for kind, _, (dp, tp, sharding) in settings:
-            level = (
-                "optimizer_state_sharding+gradient_sharding"
-                if "gradient_sharding" in sharding
-                else "none"
-            )
-            rank0 = held_bytes(paths[kind])[0]
-            held = rank0["weights"] + rank0["gradients"] + rank0["states"]
-            formula = zero_formula(
-                rank0["params"], dp, level.split("+")[-1] if sharding else "none"
-            )
+        if args.memory_model:
+            LAYERS, HIDDEN, VOCAB = args.memory_model
+        print(f"Llama {LAYERS} layers, width {HIDDEN}, vocab {VOCAB}: peak RSS per rank against "
+              "ZeRO's formula (fp32 AdamW) plus the plan's activations")  # fmt: skip
+        print(
+            f"(a worker's peak less the {base / 2**20:.0f} MiB of a process that imports what it does)"
+        )
+        header = f"{'tessel':32} {'P/rank':>9} {'ZeRO MiB':>9} {'+ act.':>7} {'measured':>9}  ratio"
+        print(header)
+        for name, (dp, tp, sharding) in levels.items():
+            path = build(tmp, dp, tp, sharding)
+            params = rank0_params(path)
+            level = "none" if not sharding else sharding[-1]
+            formula = zero_formula(params, dp, level)
+            act = activation_bytes(path)
+            worst = max(measured_peaks(path, threads)) - base
             print(
-                f"dp {dp} x tp {tp} {level:44} P/rank {rank0['params']:>9}  held "
-                f"{held / 2**20:7.2f} MiB  ZeRO {formula / 2**20:7.2f} MiB  ratio {held / formula:.3f}"
+                f"{name:32} {params:9d} {formula / 2**20:9.1f} {act / 2**20:7.1f} "
+                f"{worst / 2**20:9.1f}  {worst / (formula + act):.2f}"
             )
 
 

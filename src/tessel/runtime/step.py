@@ -148,9 +148,12 @@ class TrainingStep:
                 f"the program returned {len(grads)} gradients for {len(self.names)} weights"
             )
         whole = self.grad if not self.shard_gradients else torch.zeros_like(self.flat)
-        for g, start, p in zip(grads, self.offsets, self.params):
-            whole[start : start + p.numel()].copy_(g.reshape(-1))
-        del outputs, grads
+        outputs = list(outputs)
+        del grads
+        for i, (start, p) in enumerate(zip(self.offsets, self.params), start=1):
+            whole[start : start + p.numel()].copy_(outputs[i].reshape(-1))
+            outputs[i] = None  # each gradient freed once copied
+        del outputs
         loss = loss.detach().clone()
         if self.dp > 1:
             self._exchange(loss, whole)
