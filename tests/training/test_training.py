@@ -290,6 +290,15 @@ def test_an_optimizer_missing_weights_is_refused(tmp_path):
         _build(model, tmp_path, optimizer=torch.optim.Adam(some))
 
 
+def test_weights_other_than_fp32_are_refused(tmp_path):
+    model = _model("llama").to(torch.bfloat16)
+    with pytest.raises(
+        ConfigError,
+        match=r"model.embed_tokens.weight: is bfloat16: a training step takes fp32 weights",
+    ):
+        _build(model, tmp_path)
+
+
 def test_random_dropout_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -79,6 +79,15 @@ def build_training(
         )
     sharded_states = dp > 1 and (policy.optimizer_state_sharding or policy.gradient_sharding)
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            raise ConfigError(
+                "model",
+                name,
+                f"is {str(p.dtype).removeprefix('torch.')}: a training step takes fp32 weights "
+                "(bf16 weights with fp32 optimizer states and gradient reduction are not built "
+                "yet in tessel); build from model.float()",
+            )
     names = {id(p): n for n, p in model.named_parameters()}
     spec = optimizer_spec(optimizer, names, trainable)
 
