@@ -14,29 +14,12 @@ import torch
 from tessel.config.errors import ConfigError
 
 # class name -> the hyperparameters recorded (each group's value, or torch's default)
+_ADAM = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
 HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
-    "Adam": (
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "decoupled_weight_decay",
-    ),
-    "AdamW": (
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "decoupled_weight_decay",
-    ),
+    "Adam": _ADAM,
+    "AdamW": _ADAM,
 }
-# how much state each keeps per weight element, in weights: the memory model holds it
-STATE_PER_WEIGHT = {"SGD": 0.0, "SGD+momentum": 1.0, "Adam": 2.0, "AdamW": 2.0}
 # implementation switches: any value computes the same update; not recorded
 _IGNORED = ("foreach", "fused", "params", "initial_lr")
 _MUST_BE_OFF = ("differentiable", "capturable")
@@ -55,12 +38,8 @@ class OptimizerSpec:
 
     @property
     def state_per_weight(self) -> float:
-        if self.name == "SGD":
-            return 1.0 if any(g.options.get("momentum", 0) for g in self.groups) else 0.0
-        return STATE_PER_WEIGHT[self.name]
-
-    def group_of(self) -> dict[str, int]:
-        return {name: i for i, g in enumerate(self.groups) for name in g.params}
+        """The state torch keeps per weight element, in weights (what the memory model holds)."""
+        return float(max(len(state_keys(self.name, g.options)) for g in self.groups))
 
     def to_json(self) -> dict:
         return {

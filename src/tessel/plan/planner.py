@@ -338,28 +338,31 @@ def _problem(
             )
             edges[key] += 1
     pairs: dict[tuple, np.ndarray] = defaultdict(lambda: 0)
-    for (vp, out_index, vc, j, b, shape), count in edges.items():
-        cp, cc = choices[vp], choices[vc]
-        src = [_placements(s.output_at(out_index)) for s in cp.strategies]
-        dst = [_placements(s.inputs[j]) if j < len(s.inputs) else None for s in cc.strategies]
-        m = (
-            np.array(
+
+    def add_moves(vp: fx.Node, src: list, vc: fx.Node, dst: list, b: int, shape, count=1):
+        """Price moving a value from each of `vp`'s placements to each of `vc`'s."""
+        m = count * np.array(
+            [
                 [
-                    [
-                        0.0
-                        if (sp is None or dp is None)
-                        else cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
-                        for dp in dst
-                    ]
-                    for sp in src
+                    0.0
+                    if (sp is None or dp is None)
+                    else cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
+                    for dp in dst
                 ]
-            )
-            * count
+                for sp in src
+            ]
         )
         if vp is vc:
             linear[vp] = linear.get(vp, np.zeros(sizes[vp])) + np.diag(m)
         else:
             pairs[(vp, vc)] = pairs[(vp, vc)] + m
+
+    for (vp, out_index, vc, j, b, shape), count in edges.items():
+        src = [_placements(s.output_at(out_index)) for s in choices[vp].strategies]
+        dst = [
+            _placements(s.inputs[j]) if j < len(s.inputs) else None for s in choices[vc].strategies
+        ]
+        add_moves(vp, src, vc, dst, b, shape, count)
 
     # outputs are returned whole, a gradient placed like its weight
     out_node = next(n for n in graph.nodes if n.op == "output")
@@ -387,21 +390,7 @@ def _problem(
             continue
         vw = _owner(choices, weight)
         dst = [_placements(choices[weight].out_spec(k)) for k in range(sizes[vw])]
-        m = np.array(
-            [
-                [
-                    0.0
-                    if (sp is None or dp is None)
-                    else cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
-                    for dp in dst
-                ]
-                for sp in src
-            ]
-        )
-        if v is vw:
-            linear[v] = linear.get(v, np.zeros(sizes[v])) + np.diag(m)
-        else:
-            pairs[(v, vw)] = pairs[(v, vw)] + m
+        add_moves(v, src, vw, dst, b, shape)
     return Problem(sizes, linear, dict(pairs))
 
 

@@ -219,8 +219,9 @@ class TrainingStep:
         for copy in self.refresh:
             copy()
         self.steps = int(tensors[STEP_NAME].item()) if STEP_NAME in tensors else self.steps
+        starts = dict(zip(self.names, self.offsets))
         for n, (a, b) in self.pieces.items():
-            start = self.offsets[self.names.index(n)]
+            start = starts[n]
             state = {}
             for key in self.state_keys:
                 name = state_name(key, n)
