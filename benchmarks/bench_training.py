@@ -5,8 +5,8 @@ Llama (4 layers, width 256, 8 heads, vocab 8192, seq 128, global batch 8), fp32,
 CPU processes. Side by side in one run, every setting afresh in each of `--rounds` rounds:
   - torch DDP (`DistributedDataParallel`) against tessel with data_parallel_size 4;
   - torch FSDP2 (`fully_shard` on every layer and the root) against tessel with
-    data_parallel_size 4 and its optimizer state and gradient sharding (ZeRO-2; tessel's
-    weight sharding, ZeRO-3 as FSDP2 is, is not built);
+    data_parallel_size 4 and weight sharding with prefetch (ZeRO-3, as FSDP2 is), and with
+    optimizer state and gradient sharding alone (ZeRO-2);
   - torch FSDP2 + TP on a 2 x 2 mesh (the Megatron plan on `tp`, `fully_shard` over `dp`, as
     torchtitan composes them) against tessel with data_parallel_size 2 x tensor_parallel_size 2.
 Each figure is the median step time of 10 steps after 3 warm-up steps (torch: rank 0 between
@@ -16,8 +16,13 @@ processes run) and with its memory-honest default.
 
 Memory: each worker's peak RSS over three steps (VmHWM, less the peak of a process importing
 what a worker imports) against ZeRO's formula for the level plus the plan's activations: none
-16P, optimizer state sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp (fp32 AdamW, P the
-parameters a rank holds: all of them over tp). Workers run with their memory-honest default.
+16P, optimizer state sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp, + weight sharding
+16P/dp plus the largest gathered layer and the prefetch buffer (fp32 AdamW, P the parameters a
+rank holds: all of them over tp). Workers run with their memory-honest default.
+
+Weight prefetch: ZeRO-3 step time without prefetch, with the default buffer (the largest
+layer) and with a buffer of three layers, and the most prefetched bytes a rank held at once
+(`Session.training_stats`) against the buffer.
 
     python benchmarks/bench_training.py [--rounds 3]
 """
@@ -147,7 +152,11 @@ def torch_step_ms(kind: str, threads: int) -> float:
             return 1e3 * statistics.median(json.load(f))
 
 
-def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...]) -> str:
+ZERO2 = ("optimizer_state_sharding", "gradient_sharding")
+ZERO3 = ("model_weight_sharding", "model_weight_prefetch")
+
+
+def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...], buffer_mb: int = 0) -> str:
     import tessel
 
     g: dict = {
@@ -157,12 +166,15 @@ def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...]) -> str:
     }
     if sharding:
         g["tensor_sharding"] = {k: True for k in sharding}
-    policy = os.path.join(tmp, f"policy_{dp}x{tp}_{len(sharding)}.json")
+    if buffer_mb:
+        g["tensor_sharding"]["model_weight_prefetch_buffer_size"] = buffer_mb
+    name = f"{dp}x{tp}_{'_'.join(sharding)}_{buffer_mb}"
+    policy = os.path.join(tmp, f"policy_{name}.json")
     with open(policy, "w") as f:
         json.dump({"graph_parallel_option": g}, f)
     model = llama()
     built = tessel.build(model, batch(), cluster=WORLD, policy=policy, optimizer=adamw(model))
-    return str(built.save(os.path.join(tmp, f"train_{dp}x{tp}_{len(sharding)}")))
+    return str(built.save(os.path.join(tmp, f"train_{name}")))
 
 
 def tessel_step_ms(path: str, threads: int, reuse: bool) -> tuple[float, dict]:
@@ -180,9 +192,10 @@ def tessel_step_ms(path: str, threads: int, reuse: bool) -> tuple[float, dict]:
                 session.run_graph(0, data)
                 if i >= WARMUP:
                     times.append(time.perf_counter() - t)
+            stats = session.training_stats(0)
     finally:
         tessel.finalize()
-    return 1e3 * statistics.median(times), {}
+    return 1e3 * statistics.median(times), stats
 
 
 def _peak_rss(pid: int) -> int:
@@ -241,12 +254,62 @@ def activation_bytes(path: str) -> int:
     return int(memory["peak_bytes"] - memory["weight_bytes"])
 
 
-def zero_formula(params: int, dp: int, level: str) -> int:
+def largest_layer_bytes(path: str) -> int:
+    """The most bytes rank 0 gathers for one unit of weights (fp32)."""
+    from tessel.package.format import Package
+
+    package = Package.open(path)
+    held = package.weights(package.submodel(0))
+    return max(4 * sum(held[n].numel() for n in unit) for unit in package.manifest.training.units)
+
+
+def zero_formula(params: int, dp: int, level: str, path: str) -> int:
     if level == "none":
         return 16 * params
     if level == "optimizer_state_sharding":
         return 8 * params + 8 * params // dp
-    return 4 * params + 12 * params // dp
+    if level == "gradient_sharding":
+        return 4 * params + 12 * params // dp
+    from tessel.package.format import Package
+
+    prefetch = Package.open(path).manifest.training.weight_prefetch_bytes
+    return 16 * params // dp + largest_layer_bytes(path) + prefetch
+
+
+def _describe(setting: tuple) -> str:
+    dp, tp, sharding = setting
+    level = {(): "", ZERO2: " zero2", ZERO3: " zero3"}[sharding]
+    return f"dp {dp} x tp {tp}{level}"
+
+
+def prefetch_figure(tmp: str, threads: int, rounds: int) -> None:
+    """ZeRO-3 step time without prefetch, with the default buffer and with three layers'
+    worth, and the measured peak of prefetched bytes against each buffer."""
+    default = build(tmp, WORLD, 1, ZERO3)
+    three = max(1, -(-3 * largest_layer_bytes(default) // 2**20))
+    variants = {
+        "no prefetch": build(tmp, WORLD, 1, ("model_weight_sharding",)),
+        "default buffer": default,
+        f"{three} MB buffer": build(tmp, WORLD, 1, ZERO3, buffer_mb=three),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    stats: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, path in variants.items():
+            ms, stats[name] = tessel_step_ms(path, threads, True)
+            times[name].append(ms)
+    print()
+    print("weight prefetch (dp 4 zero3): step time, ms (median over rounds), and the most")
+    print("prefetched bytes a rank held at once against the buffer")
+    base = statistics.median(times["no prefetch"])
+    print(f"{'':16} {'step ms':>8} {'vs none':>8} {'buffer B':>10} {'peak B':>10}")
+    for name in variants:
+        ms = statistics.median(times[name])
+        s = stats[name]
+        print(
+            f"{name:16} {ms:8.1f} {ms / base:8.2f} {s['prefetch_bytes']:10d} "
+            f"{s['prefetch_peak_bytes']:10d}"
+        )
 
 
 def main() -> None:
@@ -264,55 +327,56 @@ def main() -> None:
     threads = max(1, (os.cpu_count() or 1) // WORLD)
     settings = [
         ("ddp", "DDP", (4, 1, ())),
-        ("fsdp2", "FSDP2", (4, 1, ("optimizer_state_sharding", "gradient_sharding"))),
+        ("fsdp2", "FSDP2", (4, 1, ZERO3)),
+        ("fsdp2", "FSDP2", (4, 1, ZERO2)),
         ("fsdp2_tp", "FSDP2 + TP 2x2", (2, 2, ())),
     ]
-    rows: dict[str, dict[str, list[float]]] = {}
+    rows: dict[tuple, dict[str, list[float]]] = {}
     levels = {
         "dp 4, no sharding": (4, 1, ()),
         "dp 4, optimizer state sharding": (4, 1, ("optimizer_state_sharding",)),
-        "dp 4, + gradient sharding": (4, 1, ("optimizer_state_sharding", "gradient_sharding")),
-        "dp 2 x tp 2, + gradient sharding": (
-            2,
-            2,
-            ("optimizer_state_sharding", "gradient_sharding"),
-        ),
+        "dp 4, + gradient sharding": (4, 1, ZERO2),
+        "dp 4, + weight sharding, prefetch": (4, 1, ZERO3),
+        "dp 2 x tp 2, + gradient sharding": (2, 2, ZERO2),
     }
     base = baseline_rss()
     global LAYERS, HIDDEN, VOCAB
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
-        for kind, _, (dp, tp, sharding) in settings if not args.memory_only else ():
+        for _, _, setting in settings if not args.memory_only else ():
             t = time.perf_counter()
-            paths[kind] = build(tmp, dp, tp, sharding)
-            print(
-                f"built tessel dp {dp} x tp {tp} {sharding or ''} in {time.perf_counter() - t:.1f} s"
-            )
+            paths[setting] = build(tmp, *setting)
+            print(f"built tessel {_describe(setting)} in {time.perf_counter() - t:.1f} s")
         for r in range(0 if args.memory_only else args.rounds):
-            for kind, name, _ in settings:
-                row = rows.setdefault(kind, {"torch": [], "reused": [], "returned": []})
-                row["torch"].append(torch_step_ms(kind, threads))
-                row["reused"].append(tessel_step_ms(paths[kind], threads, True)[0])
-                row["returned"].append(tessel_step_ms(paths[kind], threads, False)[0])
+            peers: dict[str, float] = {}
+            for kind, name, setting in settings:
+                row = rows.setdefault(setting, {"torch": [], "reused": [], "returned": []})
+                if kind not in peers:
+                    peers[kind] = torch_step_ms(kind, threads)
+                row["torch"].append(peers[kind])
+                row["reused"].append(tessel_step_ms(paths[setting], threads, True)[0])
+                row["returned"].append(tessel_step_ms(paths[setting], threads, False)[0])
                 print(
                     f"round {r + 1}: {name}: torch {row['torch'][-1]:.1f} ms, tessel "
-                    f"{row['reused'][-1]:.1f} ms (reused) / {row['returned'][-1]:.1f} ms (returned)"
+                    f"{_describe(setting)} {row['reused'][-1]:.1f} ms (reused) / "
+                    f"{row['returned'][-1]:.1f} ms (returned)"
                 )
         print()
         print("step time, ms (median over rounds; ratio tessel/torch, range over rounds)")
         print(
-            f"{'peer':16} {'torch':>8} {'tessel mesh':20} {'freed memory':12} {'tessel':>8}  ratio"
+            f"{'peer':16} {'torch':>8} {'tessel mesh':24} {'freed memory':12} {'tessel':>8}  ratio"
         )
-        for kind, name, (dp, tp, sharding) in settings if rows else ():
-            row = rows[kind]
-            mesh = f"dp {dp} x tp {tp}" + (" zero2" if sharding else "")
+        for _, name, setting in settings if rows else ():
+            row = rows[setting]
             for mode in ("reused", "returned"):
                 ratios = [a / b for a, b in zip(row[mode], row["torch"])]
                 print(
-                    f"{name:16} {statistics.median(row['torch']):8.1f} {mesh:20} {mode:12} "
-                    f"{statistics.median(row[mode]):8.1f}  {statistics.median(ratios):.2f} "
-                    f"({min(ratios):.2f}-{max(ratios):.2f})"
+                    f"{name:16} {statistics.median(row['torch']):8.1f} {_describe(setting):24} "
+                    f"{mode:12} {statistics.median(row[mode]):8.1f}  "
+                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
                 )
+        if not args.memory_only:
+            prefetch_figure(tmp, threads, args.rounds)
         print()
         if args.memory_model:
             LAYERS, HIDDEN, VOCAB = args.memory_model
@@ -321,17 +385,18 @@ def main() -> None:
         print(
             f"(a worker's peak less the {base / 2**20:.0f} MiB of a process that imports what it does)"
         )
-        header = f"{'tessel':32} {'P/rank':>9} {'ZeRO MiB':>9} {'+ act.':>7} {'measured':>9}  ratio"
+        header = f"{'tessel':36} {'P/rank':>9} {'ZeRO MiB':>9} {'+ act.':>7} {'measured':>9}  ratio"
         print(header)
         for name, (dp, tp, sharding) in levels.items():
             path = build(tmp, dp, tp, sharding)
             params = rank0_params(path)
             level = "none" if not sharding else sharding[-1]
-            formula = zero_formula(params, dp, level)
+            level = "weight_sharding" if sharding == ZERO3 else level
+            formula = zero_formula(params, dp, level, path)
             act = activation_bytes(path)
             worst = max(measured_peaks(path, threads)) - base
             print(
-                f"{name:32} {params:9d} {formula / 2**20:9.1f} {act / 2**20:7.1f} "
+                f"{name:36} {params:9d} {formula / 2**20:9.1f} {act / 2**20:7.1f} "
                 f"{worst / 2**20:9.1f}  {worst / (formula + act):.2f}"
             )
 

@@ -32,7 +32,13 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 OpOverload = torch._ops.OpOverload
 
+# the one-tensor collectives: `*_single` in newer torch, `*_tensor` (now deprecated) before
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 __all__ = [
+    "all_gather_single",
+    "reduce_scatter_single",
     "DTensorSpec",
     "MaskPartial",
     "OpOverload",

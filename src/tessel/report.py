@@ -164,6 +164,8 @@ def format_plan(manifest: Manifest) -> str:
             f"groups); sharding: {'; '.join(training['sharding'])}; optimizer offload: "
             f"{training['optimizer_offload']}"
         )
+        for line in training.get("levels_weighed", []):
+            lines.append(f"  sharding level weighed (auto): {line}")
     solver = data.get("solver") or {}
     if solver:
         lines.append(

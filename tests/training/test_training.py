@@ -20,6 +20,7 @@ from tessel.capture import capture_training
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.config.errors import ConfigError
 from tessel.plan import has_rule
+from tessel.report import format_plan
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 5
 FACTOR = 0.75  # tight devices hold this share of replicated weights, gradients and moments
@@ -137,9 +138,10 @@ def _session(sessions: dict, devices: int) -> tessel.Session:
     return sessions[devices]
 
 
-def _run(sessions, path, batches, options=None, schedule=None) -> list[float]:
+def _run(sessions, path, batches, options=None, schedule=None, stats=None) -> list[float]:
     """Load a training package on the module's session for its device count (its workers
-    reused), run a step per batch, unload it; returns the losses."""
+    reused), run a step per batch, unload it; returns the losses (and fills `stats` with the
+    steps' statistics)."""
     from tessel.package.format import Package
 
     session = _session(sessions, Package.open(path).world_size)
@@ -152,6 +154,8 @@ def _run(sessions, path, batches, options=None, schedule=None) -> list[float]:
             (loss,) = session.run_graph(0, b)
             assert loss.dim() == 0
             losses.append(loss.item())
+        if stats is not None:
+            stats.update(session.training_stats(0))
         return losses
     finally:
         session.remove_graph(0)
@@ -165,7 +169,7 @@ CASES = [
     ("llama", 4, 2, 2, ("optimizer_state_sharding", "gradient_sharding"), True),
     ("llama", 3, 3, 1, ("optimizer_state_sharding",), False),
     ("gpt2", 2, 1, 2, (), True),
-    ("gpt2", 4, 2, 2, ("gradient_sharding",), False),
+    ("gpt2", 4, 2, 2, ("model_weight_sharding", "model_weight_prefetch"), False),
     ("mixtral", 4, 2, 2, ("optimizer_state_sharding",), False),
 ]
 
@@ -194,13 +198,22 @@ def test_steps_equal_torch_training(name, devices, dp, tp, sharding, tight, sess
     training = built.manifest.training
     assert (training.data_parallel, training.tensor_parallel) == (dp, tp)
     assert training.optimizer_state_sharding == (dp > 1 and bool(sharding))
-    assert training.gradient_sharding == (dp > 1 and "gradient_sharding" in sharding)
+    zero3 = dp > 1 and "model_weight_sharding" in sharding
+    assert training.gradient_sharding == (dp > 1 and "gradient_sharding" in sharding or zero3)
+    assert training.weight_sharding == zero3
+    # with prefetch, the buffer holds the largest gathered layer (the policy names no size)
+    assert (training.weight_prefetch_bytes > 0) == ("model_weight_prefetch" in sharding)
     placements = [p for layout in built.manifest.plan["layers"].values() for p in layout.values()]
     if tight:  # the weights had to be sharded to fit
         assert any(any(s.startswith("S") for s in p) for p in placements), placements
-    got = _run(sessions, built.save(tmp_path / "train"), batches)
+    stats: dict = {}
+    got = _run(sessions, built.save(tmp_path / "train"), batches, stats=stats)
     want = _torch_losses(reference, _adamw, batches)
     assert got == pytest.approx(want, abs=1e-4), (got, want)
+    # layers were fetched ahead, never more than the buffer at once
+    assert stats["prefetch_bytes"] == training.weight_prefetch_bytes
+    fetched_ahead = 0 < stats["prefetch_peak_bytes"] <= stats["prefetch_bytes"]
+    assert fetched_ahead == (training.weight_prefetch_bytes > 0)
 
 
 def test_sgd_with_momentum_param_groups_and_a_schedule(sessions, tmp_path):
@@ -311,12 +324,9 @@ def test_random_dropout_is_refused(tmp_path):
     "inner, words",
     [
         (
-            {"tensor_sharding": {"model_weight_sharding": True}},
-            "tensor_sharding.model_weight_sharding: is not built yet for training",
-        ),
-        (
             {"tensor_sharding": {"model_weight_prefetch": True}},
-            "tensor_sharding.model_weight_prefetch: is not built yet for training",
+            "tensor_sharding.model_weight_prefetch: fetches sharded weights ahead, but "
+            "model_weight_sharding is off",
         ),
         (
             {"pipeline_parallel_option": {"pipe_stage_num": 2}},
@@ -324,12 +334,41 @@ def test_random_dropout_is_refused(tmp_path):
         ),
     ],
 )
-def test_training_settings_not_built_are_refused(inner, words, tmp_path):
+def test_training_settings_refused(inner, words, tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"graph_parallel_option": inner}))
     with pytest.raises(ConfigError) as err:
         _build(_model("llama"), tmp_path, policy=str(path))
     assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_a_prefetch_buffer_smaller_than_a_layer_is_refused_with_both_sizes(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # one layer of 256 x 1024: 4 MiB of weights and its norms, gathered whole by each replica
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    mb = -(-layer // 2**20)
+    sharding = {"model_weight_sharding": True, "model_weight_prefetch": True}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"graph_parallel_option": {
+        "data_parallel_option": {"data_parallel_size": 2},
+        "tensor_sharding": {**sharding, "model_weight_prefetch_buffer_size": 2},
+    }}))  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        _build(model, tmp_path, policy=str(path))
+    message = str(err.value)
+    assert str(path) in message and "model_weight_prefetch_buffer_size: is 2 MB" in message
+    assert f"largest layer's gathered weights on one device ({layer} bytes, {mb} MB)" in message
+    path.write_text(json.dumps({"graph_parallel_option": {
+        "data_parallel_option": {"data_parallel_size": 2},
+        "tensor_sharding": {**sharding, "model_weight_prefetch_buffer_size": mb},
+    }}))  # fmt: skip
+    built = _build(model, tmp_path, policy=str(path))
+    assert built.manifest.training.weight_prefetch_bytes == mb * 2**20
+    assert f"the next fetched ahead within {mb * 2**20} bytes" in format_plan(built.manifest)
 
 
 def test_an_inference_build_refuses_training_settings(tmp_path):
@@ -413,14 +452,14 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
         optimizer=_adamw_slow(model),
         time_limit=TIME_LIMIT,
     ).save(tmp_path / "zero2")
-    tp = tessel.build(
+    zero3 = tessel.build(
         model,
         batches[0],
-        cluster=_tight(model, 2),
-        policy=_policy(tmp_path / "b", 1, 2),
+        cluster=2,
+        policy=_policy(tmp_path / "b", 2, 1, ("model_weight_sharding", "model_weight_prefetch")),
         optimizer=_adamw_slow(model),
         time_limit=TIME_LIMIT,
-    ).save(tmp_path / "tp")
+    ).save(tmp_path / "zero3")
     four, two = _session(sessions, 4), _session(sessions, 2)
     four.load_graph(0, {}, zero2)
     try:
@@ -428,12 +467,12 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
         four.save_checkpoint(0, tmp_path / "step_3")
     finally:
         four.remove_graph(0)
-    two.load_graph(0, {"checkpoint": str(tmp_path / "step_3")}, tp)
+    two.load_graph(0, {"checkpoint": str(tmp_path / "step_3")}, zero3)
     try:
         got += [two.run_graph(0, b)[0].item() for b in batches[3:]]
         two.save_checkpoint(0, tmp_path / "step_5")
         with pytest.raises(ConfigError, match=r"is not a training checkpoint"):
-            two.load_graph(1, {"checkpoint": str(tmp_path / "nowhere")}, tp)
+            two.load_graph(1, {"checkpoint": str(tmp_path / "nowhere")}, zero3)
     finally:
         two.remove_graph(0)
     opt = _adamw_slow(reference)
@@ -485,3 +524,24 @@ def test_cli_builds_a_training_step_from_a_model_function(tmp_path, capsys):
         "training step: AdamW (1 parameter groups); sharding: optimizer states sharded over dp 2"
         in text
     )
+
+
+def test_auto_chooses_the_least_sharding_that_fits(sessions, tmp_path):
+    # devices hold 3/4 of replicated weights, gradients and moments: the policy names no
+    # tensor_sharding, so the planner weighs the levels from none up and takes one that fits
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    batches = _batches()
+    policy = tmp_path / "p.json"
+    policy.write_text(json.dumps({"graph_parallel_option": {
+        "auto": True, "data_parallel_option": {"data_parallel_size": 2}}}))  # fmt: skip
+    built = _build(model, tmp_path, policy=str(policy), cluster=_tight(model, 2))
+    weighed = built.manifest.plan["training"]["levels_weighed"]
+    assert weighed[0].startswith("no sharding: does not fit"), weighed
+    assert weighed[-1].endswith("chosen, the least sharding that fits"), weighed
+    assert built.manifest.training.optimizer_state_sharding
+    assert "sharding level weighed (auto): no sharding: does not fit" in format_plan(
+        built.manifest
+    )
+    got = _run(sessions, built.save(tmp_path / "auto"), batches)
+    assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)

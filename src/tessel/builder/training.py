@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from tessel.builder.mesh_choice import first_devices, replica_batch
 from tessel.capture import capture_training
 from tessel.capture.export import split_inputs
-from tessel.capture.training import gradient_outputs
+from tessel.capture.training import GradientOutputs, gradient_outputs, mark_gradients
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import parallel_dims
@@ -34,7 +35,11 @@ from tessel.config.optimizer import (
 )
 from tessel.config.parallel_option import ParallelOption
 from tessel.lower.program import move_groups
-from tessel.plan import has_rule
+from tessel.lower.trace import weight_inputs
+from tessel.plan import PlanError, has_rule
+from tessel.sharding.placements import local_shard_shape
+
+MB = 2**20  # the policy's prefetch buffer is in MB
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +71,19 @@ def build_training(
             "graph_parallel_option.pipeline_parallel_option.pipe_stage_num",
             f"is {pp}: pipeline stages {_NOT_BUILT}",
         )
-    for key in ("model_weight_sharding", "model_weight_prefetch"):
-        if getattr(policy, key):
-            raise ConfigError(
-                policy.source, f"graph_parallel_option.tensor_sharding.{key}", _NOT_BUILT
-            )
+    if policy.model_weight_prefetch and not policy.model_weight_sharding:
+        raise ConfigError(
+            policy.source,
+            "graph_parallel_option.tensor_sharding.model_weight_prefetch",
+            "fetches sharded weights ahead, but model_weight_sharding is off; turn both on, or "
+            "prefetch off",
+        )
     if policy.optimizer_offload is not None and cluster.soc.device_type != "cpu":
         raise ConfigError(
             policy.source,
             "graph_parallel_option.optimizer_offload_option",
             f"offloads optimizer states from {cluster.soc.device_type} devices, which {_NOT_BUILT}",
         )
-    sharded_states = dp > 1 and (policy.optimizer_state_sharding or policy.gradient_sharding)
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
@@ -95,18 +101,36 @@ def build_training(
     t = time.perf_counter()
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     split = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
-    state = spec.state_per_weight / (dp if sharded_states else 1)
-    captured = capture_training(model, *split, keep=has_rule, state_factor=state)
+    captured = capture_training(model, *split, keep=has_rule)
     timings["capture"] = time.perf_counter() - t
 
-    plan, programs = plan_and_lower(
-        captured,
-        first_devices(cluster, tp) if dp > 1 else cluster,
-        policy,
-        time_limit=time_limit,
-        reuse_layers=False,
-        timings=timings,
-    )
+    # the sharding levels asked for, or (auto, the policy silent) the least that fits
+    choices = _sharding_choices(policy, dp)
+    weighed: list[str] = []
+    for i, level in enumerate(choices):
+        held = (1 / dp if level.weights else 1) + spec.state_per_weight / (
+            dp if level.states else 1
+        )
+        mark_gradients(
+            captured.program.graph_module.graph, GradientOutputs(captured_gradients(captured), held)
+        )
+        try:
+            plan, programs = plan_and_lower(
+                captured,
+                first_devices(cluster, tp) if dp > 1 else cluster,
+                policy,
+                time_limit=time_limit,
+                reuse_layers=False,
+                timings=timings,
+            )
+            break
+        except PlanError as exc:
+            if i == len(choices) - 1:
+                raise
+            weighed.append(f"{level.name}: does not fit ({exc})")
+            log.info("training step with %s does not fit; trying more sharding", level.name)
+    if len(choices) > 1:
+        weighed.append(f"{level.name}: chosen, the least sharding that fits")
     # replica d runs the first replica's programs on ranks d*tp ..., its groups moved there
     every = [
         rp
@@ -119,21 +143,30 @@ def build_training(
         for rp in (programs[rank % tp],)
     ]
     t = time.perf_counter()
+    gradients = captured_gradients(captured)
+    units = weight_units(gradients)
+    prefetch = 0
+    if level.weights and (policy.model_weight_prefetch or len(choices) > 1):
+        prefetch = _prefetch_bytes(policy, _largest_gathered_unit(captured, plan, units, dp, tp))
     manifest, members = _pack(captured, plan, every, cluster, soc_version, True, dp)
     members["strategy.json"] = _with_optimizer_states(members["strategy.json"], spec)
     manifest["mode"] = "training"
     manifest["outputs"] = [{"shape": [], "dtype": "float32"}]
     manifest["training"] = {
         "optimizer": spec.to_json(),
-        "gradients": list(captured_gradients(captured)),
+        "gradients": list(gradients),
         "data_parallel": dp,
         "tensor_parallel": tp,
-        # a rank keeping 1/dp of the gradients can only update that part: ZeRO's stage 2
-        "optimizer_state_sharding": sharded_states,
-        "gradient_sharding": dp > 1 and policy.gradient_sharding,
+        "optimizer_state_sharding": level.states,
+        "gradient_sharding": level.gradients,
+        "weight_sharding": level.weights,
+        "weight_prefetch_bytes": prefetch,
+        "units": [list(u) for u in units],
         "optimizer_offload": policy.optimizer_offload or "none",
     }
     manifest["plan"]["training"] = _explain(manifest["training"], cluster, policy)
+    if weighed:
+        manifest["plan"]["training"]["levels_weighed"] = weighed
     manifest["plan"]["verify"] = {
         "skipped": "a training step changes the weights; tests check steps against torch"
     }
@@ -162,6 +195,95 @@ def _with_optimizer_states(strategy_json: bytes, spec: OptimizerSpec) -> bytes:
     return json.dumps(strategy).encode()
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """ZeRO's stages over the data-parallel axis; each level takes the ones below it."""
+
+    states: bool = False
+    gradients: bool = False
+    weights: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.weights:
+            return "weight sharding"
+        if self.gradients:
+            return "gradient sharding"
+        return "optimizer state sharding" if self.states else "no sharding"
+
+
+def _sharding_choices(policy: ParallelOption, dp: int) -> list[Sharding]:
+    """The levels to try in order: the policy's, or with `auto` and no `tensor_sharding`
+    section each from none up (more sharding holds less and communicates more)."""
+    if dp == 1:
+        return [Sharding()]
+    if policy.auto and not policy.tensor_sharding_given:
+        return [
+            Sharding(),
+            Sharding(states=True),
+            Sharding(states=True, gradients=True),
+            Sharding(states=True, gradients=True, weights=True),
+        ]
+    weights = policy.model_weight_sharding
+    gradients = policy.gradient_sharding or weights
+    return [Sharding(policy.optimizer_state_sharding or gradients, gradients, weights)]
+
+
+def weight_units(names: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The trained weights gathered and reduced together, in first-named order: a repeated
+    layer's weights (the module path up to its first index, `model.layers.3`), or else one
+    module's (`model.embed_tokens`)."""
+    units: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        key = ".".join(parts[: index + 1] if index is not None else parts[:-1])
+        units.setdefault(key, []).append(name)
+    return [tuple(u) for u in units.values()]
+
+
+def _largest_gathered_unit(captured: Any, plan: Any, units: list, dp: int, tp: int) -> int:
+    """The most bytes a rank gathers for one unit: the unit's shards on its tensor-parallel
+    rank, padded to a multiple of dp as the step lays them out."""
+    placeholders = {n.name: n for n in captured.program.graph_module.graph.nodes}
+    local: dict[str, list[int]] = {}
+    size = 4
+    for ph, fqn in weight_inputs(captured, plan):
+        node = placeholders[ph]
+        val = node.meta["val"]
+        size = val.element_size()
+        placements = plan.out_placements(node)
+        local[fqn] = [
+            math.prod(local_shard_shape(val.shape, placements, plan.mesh_shape, r))
+            for r in range(tp)
+        ]
+    return max(
+        (
+            math.ceil(sum(local[n][r] for n in unit) / dp) * dp * size
+            for unit in units
+            for r in range(tp)
+        ),
+        default=0,
+    )
+
+
+def _prefetch_bytes(policy: ParallelOption, largest: int) -> int:
+    """The prefetch buffer in bytes: the policy's size in MB, at least the largest gathered
+    unit (refused with both sizes where smaller); that unit's size where the policy is silent."""
+    asked = policy.model_weight_prefetch_buffer_size * MB
+    if not asked:
+        return largest
+    if asked < largest:
+        raise ConfigError(
+            policy.source,
+            "graph_parallel_option.tensor_sharding.model_weight_prefetch_buffer_size",
+            f"is {policy.model_weight_prefetch_buffer_size} MB ({asked} bytes), smaller than the "
+            f"largest layer's gathered weights on one device ({largest} bytes, "
+            f"{math.ceil(largest / MB)} MB); set at least that or turn model_weight_prefetch off",
+        )
+    return asked
+
+
 def captured_gradients(captured: Any) -> tuple[str, ...]:
     marks = gradient_outputs(captured.program.graph_module.graph)
     return marks.names if marks is not None else ()
@@ -175,7 +297,15 @@ def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> 
         levels.append(f"optimizer states sharded over dp {dp}")
     if training["gradient_sharding"]:
         levels.append(f"gradients reduce-scattered over dp {dp}")
-    asked = [k for k in ("optimizer_state_sharding", "gradient_sharding") if getattr(policy, k)]
+    if training["weight_sharding"]:
+        prefetch = training["weight_prefetch_bytes"]
+        levels.append(
+            f"weights sharded over dp {dp}, each layer gathered before its forward and again "
+            "before its backward, "
+            + (f"the next fetched ahead within {prefetch} bytes" if prefetch else "no prefetch")
+        )
+    switches = ("optimizer_state_sharding", "gradient_sharding", "model_weight_sharding")
+    asked = [k for k in switches if getattr(policy, k)]
     if dp == 1 and asked:
         levels.append(f"{', '.join(asked)} asked, but there is no data-parallel axis to shard over")
     offload = training["optimizer_offload"]

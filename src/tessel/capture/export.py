@@ -110,15 +110,15 @@ def capture_training(
     example_inputs: tuple | list | dict | None = None,
     example_kwargs: dict | None = None,
     keep: Callable[[Any], bool] | None = None,
-    state_factor: float = 0.0,
+    held_factor: float = 1.0,
 ) -> CapturedModel:
     """Export one training step of `model` (its loss, then the gradient of every trainable
     weight; see `tessel.capture.training`) and decompose it as `capture` does.
 
     The model keeps its mode (dropout with p > 0 in training mode is refused: programs draw no
     random numbers). Every layer is traced: the backward runs the layers in reverse, which the
-    stamping of identical layers does not follow. `state_factor` is the optimizer's state per
-    weight, for the memory model.
+    stamping of identical layers does not follow. `held_factor` is what a device holds between
+    steps per weight byte (see `GradientOutputs`), for the memory model.
     """
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     if not isinstance(model, torch.nn.Module):
@@ -134,7 +134,7 @@ def capture_training(
     attribute_gradients_to_layers(ep.graph_module.graph)
     drop_empty_cat_inputs(ep.graph_module.graph)
     ep.graph_module.recompile()
-    mark_gradients(ep.graph_module.graph, GradientOutputs(step.names, state_factor))
+    mark_gradients(ep.graph_module.graph, GradientOutputs(step.names, held_factor))
     names, values = _user_inputs(ep)
     given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     if len(given) == len(values):

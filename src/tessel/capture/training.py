@@ -24,11 +24,12 @@ GRADIENTS_META = "tessel_gradients"
 @dataclass(frozen=True)
 class GradientOutputs:
     """Output `i + 1` of a training graph is the gradient of weight `names[i]` (by FQN); output
-    0 is the loss. `state_factor` is the optimizer's state per weight element, in weights (2 for
-    Adam's two moments), which the memory model holds beside each weight."""
+    0 is the loss. `held_factor` is what a device holds between steps per weight byte: the
+    weight and the optimizer's state for it (3 for Adam's two moments), less where sharded
+    over data-parallel replicas; the memory model holds that much for each weight."""
 
     names: tuple[str, ...]
-    state_factor: float = 0.0
+    held_factor: float = 1.0
 
 
 def gradient_outputs(graph: fx.Graph) -> GradientOutputs | None:

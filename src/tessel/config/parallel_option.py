@@ -41,6 +41,7 @@ class ParallelOption:
     model_weight_sharding: bool = False
     model_weight_prefetch: bool = False
     model_weight_prefetch_buffer_size: int = 0
+    tensor_sharding_given: bool = False  # the policy has a tensor_sharding section
     optimizer_offload: str | None = None  # optimizer_offload_option.offload: "cpu"
     source: str = "<default>"
 
@@ -134,6 +135,7 @@ def parallel_option_from_dict(
     ts = g.child("tensor_sharding", None)
     if ts is not None:
         ts.check_keys((*SHARDING_SWITCHES, "model_weight_prefetch_buffer_size"))
+        switches["tensor_sharding_given"] = True
         for key in SHARDING_SWITCHES:
             switches[key] = ts.boolean(key, False)
         switches["model_weight_prefetch_buffer_size"] = ts.integer(

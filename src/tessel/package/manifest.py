@@ -274,6 +274,11 @@ class Training:
     tensor_parallel: int
     optimizer_state_sharding: bool
     gradient_sharding: bool
+    weight_sharding: bool
+    # bytes of gathered weights fetched ahead of their use at once (0: no prefetch)
+    weight_prefetch_bytes: int
+    # the trained weights gathered and reduced together, each named once
+    units: tuple[tuple[str, ...], ...]
     optimizer_offload: str
 
     @classmethod
@@ -284,16 +289,28 @@ class Training:
         if dp * tp != world:
             raise f.fail(f"data_parallel {dp} x tensor_parallel {tp} is not the {world} devices")
         flags = {}
-        for key in ("optimizer_state_sharding", "gradient_sharding"):
+        for key in ("optimizer_state_sharding", "gradient_sharding", "weight_sharding"):
             value = f.get(key).value
             if not isinstance(value, bool):
                 raise f.get(key)._expect("true or false")
             flags[key] = value
+        if flags["weight_sharding"] and not flags["gradient_sharding"]:
+            raise f.get("weight_sharding").fail("weight sharding needs gradient sharding")
+        if flags["gradient_sharding"] and not flags["optimizer_state_sharding"]:
+            raise f.get("gradient_sharding").fail(
+                "gradient sharding needs optimizer state sharding"
+            )
+        gradients = tuple(g.str() for g in f.get("gradients").list())
+        units = tuple(tuple(n.str() for n in u.list()) for u in f.get("units").list())
+        if sorted(n for u in units for n in u) != sorted(gradients):
+            raise f.get("units").fail("expected every trained weight in one unit, once")
         return cls(
             optimizer=f.get("optimizer").obj(),
-            gradients=tuple(g.str() for g in f.get("gradients").list()),
+            gradients=gradients,
             data_parallel=dp,
             tensor_parallel=tp,
+            weight_prefetch_bytes=f.get("weight_prefetch_bytes").int(low=0),
+            units=units,
             optimizer_offload=f.get("optimizer_offload").str(("none", "cpu")),
             **flags,
         )
@@ -306,6 +323,9 @@ class Training:
             "tensor_parallel": self.tensor_parallel,
             "optimizer_state_sharding": self.optimizer_state_sharding,
             "gradient_sharding": self.gradient_sharding,
+            "weight_sharding": self.weight_sharding,
+            "weight_prefetch_bytes": self.weight_prefetch_bytes,
+            "units": [list(u) for u in self.units],
             "optimizer_offload": self.optimizer_offload,
         }
 

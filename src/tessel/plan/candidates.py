@@ -161,9 +161,20 @@ def _op_choices(
     if found is None:
         return _replicated(n, mesh, "fallback", "no DTensor sharding rule")
     found = [s for s in found if len(s.inputs) == len(args) and strategy_key(s) not in banned]
+    # on an axis of one device every placement is the whole tensor: Replicate stands for all
+    found = [s for s in found if _replicated_on_single_axes(s, mesh)] or found
     if not found:
         return _replicated(n, mesh, "fallback", "rule gave no strategy for these arguments")
     return NodeChoices(n, "op", found, args)
+
+
+def _replicated_on_single_axes(s: Strategy, mesh: DeviceMesh) -> bool:
+    single = [i for i, size in enumerate(mesh.shape) if size == 1]
+    outputs = s.output if isinstance(s.output, tuple) else (s.output,)
+    return all(
+        spec is None or all(spec.placements[i].is_replicate() for i in single)
+        for spec in (*outputs, *s.inputs)
+    )
 
 
 def _one_candidate_at_a_time(

@@ -170,16 +170,25 @@ class _Model:
         return self.n + len(self.extra)
 
     def run(self, c: np.ndarray, integral: int, upper: np.ndarray, time_limit: float):
+        """Solve within `time_limit`; where the limit passes before any answer (a slow or busy
+        machine), the time is doubled until one is found, up to `_LIMIT_GROWTH` times the
+        limit: the limit bounds the search for better plans, never the finding of one."""
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), len(c))).tocsr()
         integrality = np.concatenate([np.ones(integral), np.zeros(len(c) - integral)])
-        result = milp(
-            c,
-            constraints=LinearConstraint(a, np.asarray(self.lo), np.asarray(self.hi)),
-            integrality=integrality,
-            bounds=Bounds(np.zeros(len(c)), upper),
-            options={"time_limit": time_limit, "disp": False, "mip_rel_gap": MIP_GAP},
-        )
-        if result.x is None and result.status != 1:  # 1: out of time before any answer
+        limit = time_limit
+        while True:
+            result = milp(
+                c,
+                constraints=LinearConstraint(a, np.asarray(self.lo), np.asarray(self.hi)),
+                integrality=integrality,
+                bounds=Bounds(np.zeros(len(c)), upper),
+                options={"time_limit": limit, "disp": False, "mip_rel_gap": MIP_GAP},
+            )
+            if result.x is not None or result.status != 1 or limit >= _LIMIT_GROWTH * time_limit:
+                break  # 1: out of time before any answer
+            limit *= 2
+            log.info("no plan within %.1f s; searching for %.1f s", limit / 2, limit)
+        if result.x is None and result.status != 1:
             raise InfeasibleError(result.message)
         return result
 
@@ -311,6 +320,7 @@ def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
         active += broken[:_ROWS_PER_ROUND]
 
 
+_LIMIT_GROWTH = 16  # how far past its time limit a solve goes to find any answer
 _PRICE_STEPS = 40  # programs solved while looking for the prices of memory
 _ROWS_PER_ROUND = 8  # broken memory rows added to the program per round
 

@@ -176,7 +176,7 @@ def footprint(
     with their optimizer state beside them, and its gradients are outputs placed like their
     weights (`like`: output index -> weight placeholder)."""
     marks = gradient_outputs(graph)
-    held_per_weight = 1.0 + (marks.state_factor if marks is not None else 0.0)
+    held_per_weight = marks.held_factor if marks is not None else 1.0
 
     def owner(n: fx.Node) -> fx.Node:
         return choices[n].owner or n

@@ -420,6 +420,20 @@ class Session:
             tree.publish()
         return tree.dst
 
+    def training_stats(self, graph_id: int) -> dict[str, int]:
+        """What a training graph's steps measured, the largest over its ranks:
+        `prefetch_peak_bytes`, the most gathered weights fetched ahead and held at once, and
+        `prefetch_bytes`, the buffer that bounds them (0: no prefetch)."""
+        graph = self._graph(graph_id)
+        if graph.package.manifest.training is None:
+            raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
+        workers = graph.workers
+        targets = workers.conns[:1] if workers.distributed else workers.conns
+        for conn in targets:
+            with contextlib.suppress(OSError):
+                conn.send(("stats",))
+        return _poll(workers, time.monotonic() + workers.run_timeout, "stats", 0)
+
     def set_learning_rate(self, graph_id: int, lr: float) -> None:
         """The learning rate of every parameter group from the next step of a training graph
         on (as `tessel.learning_rate` in the load options), so any schedule can drive it."""

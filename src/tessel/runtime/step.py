@@ -1,24 +1,32 @@
-"""One training step on a worker: its rank's program, then the data-parallel exchange of
-gradients, then torch's optimizer over the part of the weights this rank updates.
+"""One training step on a worker: its rank's program, the data-parallel exchange of gradients,
+then torch's optimizer over the part of the weights this rank updates.
 
-A rank's trained weights live in one flat buffer (the weights its program reads are views of
-it). With `dp` data-parallel replicas the flat gradients are averaged over the replicas
-(all-reduce), or reduce-scattered so each rank keeps 1/dp of them (gradient sharding). With
-optimizer state sharding each replica's rank updates its 1/dp segment of the buffer, holding
-optimizer state for that segment alone, and the segments are all-gathered afterwards; the
-pieces of a segment are views of the buffer, one per weight it crosses, so torch's optimizers
-see ordinary tensors in the package's parameter groups.
+The trained weights live in one flat buffer laid out by `FlatLayout`: units of weights, each
+cut into one chunk per data-parallel replica. The program hands each unit's gradients over as
+soon as the backward pass has made them (`step_program`), and the unit's exchange starts while
+the pass goes on. ZeRO's stages over the `dp` replicas:
+
+- none: gradients all-reduced; every rank updates whole weights with whole optimizer state;
+- optimizer state sharding: gradients all-reduced; each rank updates its chunks of every unit
+  with state for those alone, and the updated chunks are all-gathered;
+- gradient sharding: gradients reduce-scattered, each rank keeping its chunks only;
+- weight sharding: a rank stores only its chunks of the weights too; the program gathers a
+  unit just before the nodes that read it (the next units fetched ahead while it computes,
+  within the prefetch buffer) and frees it after them, in the forward and the backward pass.
+
+The pieces a rank updates are views of the flat buffer (or of its segment), one per weight,
+so torch's optimizers see ordinary tensors in the package's parameter groups.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
+from tessel._torch import all_gather_single, reduce_scatter_single
 from tessel.config.optimizer import (
     STEP_NAME,
     make_optimizer,
@@ -27,6 +35,8 @@ from tessel.config.optimizer import (
     state_name,
 )
 from tessel.package.manifest import Manifest, Submodel
+from tessel.runtime.flat import FlatLayout, Owned
+from tessel.runtime.step_program import gather_weights, hand_over_gradients
 from tessel.sharding.geometry import piece
 
 
@@ -47,7 +57,7 @@ def data_parallel_groups(manifest: Manifest) -> dict[int, dist.ProcessGroup | No
 
 
 class TrainingStep:
-    """A rank's weights, gradients and optimizer for the steps of one loaded package."""
+    """A rank's weights, gradients, optimizer and program for the steps of one package."""
 
     def __init__(
         self,
@@ -55,6 +65,7 @@ class TrainingStep:
         rank: int,
         weights: list[torch.Tensor],
         group: dist.ProcessGroup | None,
+        program: fx.GraphModule,
     ) -> None:
         t = manifest.training
         sub: Submodel = manifest.submodel(rank)
@@ -63,8 +74,10 @@ class TrainingStep:
         self.group = group
         self.shard_states = t.optimizer_state_sharding and self.dp > 1
         self.shard_gradients = t.gradient_sharding and self.dp > 1
+        self.shard_weights = t.weight_sharding and self.dp > 1
         self.names = t.gradients
-        position = {name: i for i, name in enumerate(sub.weight_order)}
+        self.order = list(sub.weight_order)
+        position = {name: i for i, name in enumerate(self.order)}
         missing = [n for n in self.names if n not in position]
         if missing:
             raise StepError(f"rank {rank} holds no weight {missing[0]!r} to train")
@@ -72,167 +85,296 @@ class TrainingStep:
         if len(dtypes) > 1:
             raise StepError(f"trained weights of several dtypes: {sorted(map(str, dtypes))}")
         dtype = dtypes.pop() if dtypes else torch.float32
-        device = weights[0].device if weights else torch.device("cpu")
+        self.device = device = weights[0].device if weights else torch.device("cpu")
+        self.shapes = {n: weights[position[n]].shape for n in self.names}
+        self.layout = layout = FlatLayout(
+            t.units, {n: weights[position[n]].numel() for n in self.names}, self.dp
+        )
+        self.ties = {name: tie for name, tie in sub.tied.items() if tie.source in self.names}
 
-        # the trained weights, copied into one flat buffer (padded to a multiple of dp)
-        sizes = [weights[position[n]].numel() for n in self.names]
-        self.offsets = [0, *itertools.accumulate(sizes)]
-        total = self.offsets[-1]
-        self.segment = math.ceil(total / self.dp) if self.dp > 1 else total
-        self.flat = torch.zeros(self.segment * max(self.dp, 1), dtype=dtype, device=device)
-        self.params: list[torch.Tensor] = []
-        for n, start, size in zip(self.names, self.offsets, sizes):
-            w = weights[position[n]]
-            view = self.flat[start : start + size].view(w.shape)
-            view.copy_(w)
-            self.params.append(view)
-            weights[position[n]] = view
-        # a second name of a trained weight: the same tensor, or this rank's chunk of it,
-        # copied again after every update where the chunk is not a view
-        self.refresh: list[Callable[[], None]] = []
-        for name, tie in sub.tied.items():
-            if tie.source not in self.names:
-                continue
-            source = weights[position[tie.source]]
-            chunk = source
-            for dim, count, index in tie.chunks:
-                chunk = piece(chunk, dim, count, index)
-            if chunk.is_contiguous():
-                weights[position[name]] = chunk
-            else:
-                target = weights[position[name]] = chunk.contiguous()
-
-                def copy(target: torch.Tensor = target, tie=tie, source=source) -> None:
-                    chunk = source
-                    for dim, count, index in tie.chunks:
-                        chunk = piece(chunk, dim, count, index)
-                    target.copy_(chunk)
-
-                self.refresh.append(copy)
+        # the weights: whole in the flat buffer, or only this replica's chunks in its segment
+        self.flat: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        self.refresh: list[tuple[torch.Tensor, str]] = []  # tied copies made after updates
+        if self.shard_weights:
+            self.shard = torch.zeros(layout.segment, dtype=dtype, device=device)
+            for n in self.names:
+                own = layout.owned(n, self.replica)
+                if own is not None:
+                    self._in_segment(self.shard, own).copy_(
+                        self._owned_part(weights[position[n]], n, own)
+                    )
+            for n in (*self.names, *self.ties):
+                weights[position[n]] = torch.empty(0, dtype=dtype, device=device)
+        else:
+            self.flat = torch.zeros(layout.total, dtype=dtype, device=device)
+            for n in self.names:
+                view = self._view(self.flat, n)
+                view.copy_(weights[position[n]])
+                weights[position[n]] = view
+            for name in self.ties:
+                chunk = self._tied(weights[position[self.ties[name].source]], name)
+                if chunk.is_contiguous():
+                    weights[position[name]] = chunk
+                else:
+                    weights[position[name]] = chunk.contiguous()
+                    self.refresh.append((weights[position[name]], name))
         self.weights = weights
 
-        # what this rank's optimizer updates: whole weights, or their pieces in its segment
-        self.lo, self.hi = (
-            (self.replica * self.segment, (self.replica + 1) * self.segment)
-            if self.shard_states
-            else (0, total)
-        )
-        self.pieces: dict[str, tuple[int, int]] = {}  # name -> (start, end) in the flat buffer
+        # what this rank's optimizer updates: whole weights, or the parts of them it owns
+        self.owned: dict[str, Owned] = {}
         self.updated: dict[str, list[torch.Tensor]] = {}
-        for n, start, size, param in zip(self.names, self.offsets, sizes, self.params):
-            a, b = max(start, self.lo), min(start + size, self.hi)
-            if a < b:
-                self.pieces[n] = (a, b)
-                self.updated[n] = [self.flat[a:b] if self.shard_states else param]
+        for n in self.names:
+            if not self.shard_states:
+                self.updated[n] = [weights[position[n]]]
+                continue
+            own = layout.owned(n, self.replica)
+            if own is not None:
+                self.owned[n] = own
+                held = self.shard if self.shard_weights else self.flat
+                part = (
+                    self._in_segment(held, own)
+                    if self.shard_weights
+                    else held[own.start : own.stop]
+                )
+                self.updated[n] = [part]
         self.spec = spec = spec_from_json(t.optimizer, "the package")
         self.optimizer = make_optimizer(spec, self.updated)
         self.state_keys = sorted({k for g in spec.groups for k in state_keys(spec.name, g.options)})
-        self.order = list(sub.weight_order)
         self.steps = 0
-        # gradients kept between steps: the whole buffer, or this rank's segment of it with
-        # gradient sharding (the whole one is then made for each step's reduce-scatter)
+        # gradients kept between steps: the whole flat buffer, or this replica's segment
         self.grad = torch.zeros(
-            self.segment if self.shard_gradients else self.flat.numel(), dtype=dtype, device=device
+            layout.segment if self.shard_gradients else layout.total, dtype=dtype, device=device
         )
-        self.grad_start = self.lo if self.shard_gradients else 0  # where self.grad starts
+        self.pending: list[tuple[dist.Work | None, torch.Tensor | None]] = []
 
-    def run(
-        self, program: Callable[..., Sequence[torch.Tensor]], inputs: list[torch.Tensor]
-    ) -> torch.Tensor:
+        # the program, rewritten to hand over gradients and (sharded weights) gather units
+        index = {n: i for i, n in enumerate(self.names)}
+        hand_over_gradients(
+            program, [[index[n] for n in u.names] for u in layout.units], self._take
+        )
+        self.gathers: list[int] = []
+        self.prefetch_bytes = t.weight_prefetch_bytes
+        self.prefetched: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}
+        self.prefetch_peak = 0  # the most gathered bytes fetched ahead and not yet read
+        if self.shard_weights:
+            inputs = {
+                position[n]: (layout.unit_of[self.ties[n].source if n in self.ties else n], n)
+                for n in (*self.names, *self.ties)
+            }
+            self.gathers = gather_weights(program, inputs, self._gather, self._weight)
+        self.program = program
+
+    # -- where things are --------------------------------------------------------------
+
+    def _view(self, flat: torch.Tensor, name: str, unit: bool = False) -> torch.Tensor:
+        """Weight `name` in a buffer laid out like the flat one (`unit`: in its gathered unit)."""
+        start = self.layout.start[name]
+        if unit:
+            start -= self.layout.units[self.layout.unit_of[name]].start
+        return flat[start : start + self.layout.numel[name]].view(self.shapes[name])
+
+    def _tied(self, source: torch.Tensor, name: str) -> torch.Tensor:
+        chunk = source
+        for dim, count, index in self.ties[name].chunks:
+            chunk = piece(chunk, dim, count, index)
+        return chunk
+
+    def _owned_part(self, weight: torch.Tensor, name: str, own: Owned) -> torch.Tensor:
+        start = own.start - self.layout.start[name]
+        return weight.reshape(-1)[start : start + own.size]
+
+    @staticmethod
+    def _in_segment(segment: torch.Tensor, own: Owned) -> torch.Tensor:
+        return segment[own.segment_start : own.segment_start + own.size]
+
+    # -- the step ----------------------------------------------------------------------
+
+    def run(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         """One step on the whole batch `inputs`; returns the loss averaged over the replicas."""
         mine = [x.chunk(self.dp)[self.replica] if self.dp > 1 else x for x in inputs]
-        outputs = program(*self.weights, *mine)
-        loss, grads = outputs[0], outputs[1:]
-        if len(grads) != len(self.names):
-            raise StepError(
-                f"the program returned {len(grads)} gradients for {len(self.names)} weights"
-            )
-        whole = self.grad if not self.shard_gradients else torch.zeros_like(self.flat)
-        outputs = list(outputs)
-        del grads
-        for i, (start, p) in enumerate(zip(self.offsets, self.params), start=1):
-            whole[start : start + p.numel()].copy_(outputs[i].reshape(-1))
-            outputs[i] = None  # each gradient freed once copied
-        del outputs
-        loss = loss.detach().clone()
+        self.prefetched.clear()
+        try:
+            (loss,) = self.program(*self.weights, *mine)
+            loss = loss.detach().clone()
+            if self.dp > 1:
+                dist.all_reduce(loss, group=self.group)
+                loss.div_(self.dp)
+            for work, _ in self.pending:
+                if work is not None:
+                    work.wait()
+        finally:
+            self.pending.clear()
+            self.prefetched.clear()
         if self.dp > 1:
-            self._exchange(loss, whole)
-        del whole
+            self.grad.div_(self.dp)
         self._step()
         return loss
 
-    def _exchange(self, loss: torch.Tensor, whole: torch.Tensor) -> None:
-        """Average the loss and the gradients over the replicas (only this rank's segment of
-        the gradients, with gradient sharding)."""
-        dist.all_reduce(loss, group=self.group)
-        loss.div_(self.dp)
-        if self.shard_gradients:
-            dist.reduce_scatter_tensor(self.grad, whole, group=self.group)
-            self.grad.div_(self.dp)
+    def _take(self, unit: int, *grads: torch.Tensor | None) -> None:
+        """A unit's gradients, as the program makes them: into the gradient buffer, and the
+        exchange over the replicas started."""
+        u = self.layout.units[unit]
+        if not self.shard_gradients:
+            target = self.grad[u.start : u.start + self.layout.padded(u)]
+            self._fill(target, u.names, grads)
+            if self.dp > 1:
+                self.pending.append(
+                    (dist.all_reduce(target, group=self.group, async_op=True), None)
+                )
+            return
+        whole = torch.zeros(self.layout.padded(u), dtype=self.grad.dtype, device=self.device)
+        self._fill(whole, u.names, grads)
+        mine = self.grad[u.segment_start : u.segment_start + u.chunk]
+        work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
+        self.pending.append((work, whole))  # kept until the exchange is done
+
+    def _fill(self, target: torch.Tensor, names: Sequence[str], grads) -> None:
+        offset = 0
+        for n, g in zip(names, grads):
+            size = self.layout.numel[n]
+            if g is None:
+                target[offset : offset + size].zero_()
+            else:
+                target[offset : offset + size].copy_(g.reshape(-1))
+            offset += size
+
+    def _gather(self, index: int) -> torch.Tensor:
+        """The unit of the program's `index`-th gather, whole; later gathers fetched ahead."""
+        if index in self.prefetched:
+            work, gathered = self.prefetched.pop(index)
+            if work is not None:
+                work.wait()
         else:
-            dist.all_reduce(self.grad, group=self.group)
-            self.grad[self.lo : self.hi].div_(self.dp)
+            gathered = self._start_gather(index, wait=True)[1]
+        if self.prefetch_bytes:
+            held = sum(b.numel() * b.element_size() for _, b in self.prefetched.values())
+            ahead = index + 1
+            while ahead < len(self.gathers):
+                if ahead not in self.prefetched:
+                    unit = self.layout.units[self.gathers[ahead]]
+                    size = self.layout.padded(unit) * self.shard.element_size()
+                    if held + size > self.prefetch_bytes:
+                        break
+                    self.prefetched[ahead] = self._start_gather(ahead, wait=False)
+                    held += size
+                ahead += 1
+            self.prefetch_peak = max(self.prefetch_peak, held)
+        return gathered
+
+    def _start_gather(self, index: int, wait: bool) -> tuple[dist.Work | None, torch.Tensor]:
+        u = self.layout.units[self.gathers[index]]
+        whole = torch.empty(self.layout.padded(u), dtype=self.shard.dtype, device=self.device)
+        mine = self.shard[u.segment_start : u.segment_start + u.chunk]
+        work = all_gather_single(whole, mine, group=self.group, async_op=not wait)
+        return work, whole
+
+    def _weight(self, gathered: torch.Tensor, name: str) -> torch.Tensor:
+        if name in self.ties:
+            return self._tied(self._view(gathered, self.ties[name].source, unit=True), name)
+        return self._view(gathered, name, unit=True)
 
     def _step(self) -> None:
         for n, tensors in self.updated.items():
-            a, b = self.pieces[n]
-            g = self.grad[a - self.grad_start : b - self.grad_start]
-            tensors[0].grad = g.view(tensors[0].shape)
+            if n not in self.owned:
+                grad = self._view(self.grad, n)
+            elif self.shard_gradients:
+                grad = self._in_segment(self.grad, self.owned[n])
+            else:
+                grad = self.grad[self.owned[n].start : self.owned[n].stop]
+            tensors[0].grad = grad
         self.optimizer.step()
         self.steps += 1
         for tensors in self.updated.values():
             tensors[0].grad = None
-        if self.shard_states:
-            mine = self.flat[self.lo : self.hi].clone()
-            dist.all_gather_into_tensor(self.flat, mine, group=self.group)
-        for copy in self.refresh:
-            copy()
+        if self.shard_states and not self.shard_weights:
+            for u in self.layout.units:
+                lo, hi = self.layout.chunk_range(u, self.replica)
+                whole = self.flat[u.start : u.start + self.layout.padded(u)]
+                all_gather_single(whole, self.flat[lo:hi].clone(), group=self.group)
+        for target, name in self.refresh:
+            target.copy_(self._tied(self._view(self.flat, self.ties[name].source), name))
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _unshard(self, segment: torch.Tensor) -> torch.Tensor:
+        """The flat buffer whose chunks the replicas hold in their `segment`s."""
+        flat = torch.empty(self.layout.total, dtype=segment.dtype, device=segment.device)
+        for u in self.layout.units:
+            whole = flat[u.start : u.start + self.layout.padded(u)]
+            mine = segment[u.segment_start : u.segment_start + u.chunk]
+            all_gather_single(whole, mine, group=self.group)
+        return flat
 
     def state_dict(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """This rank's weights among `names` and the optimizer's states, each in its weight's
         layout (`optimizer.<key>.<weight>`), plus Adam's step count (`optimizer.step`): the
-        tensors a checkpoint holds for this rank. Sharded states are all-gathered first."""
+        tensors a checkpoint holds for this rank. Sharded ones are all-gathered first."""
+        flat = self._unshard(self.shard) if self.shard_weights else self.flat
         held = dict(zip(self.order, self.weights))
+        for n in self.names:
+            held[n] = self._view(flat, n)
+        for n in self.ties:
+            held[n] = self._tied(held[self.ties[n].source], n)
         out = {n: held[n] for n in names if n in held}
         for key in self.state_keys:
-            flat = torch.zeros_like(self.flat)
-            for n, (a, b) in self.pieces.items():
-                value = self.optimizer.state.get(self.updated[n][0], {}).get(key)
-                if value is not None:
-                    flat[a:b].copy_(value.reshape(-1))
+            values = torch.zeros(
+                self.layout.segment if self.shard_states else self.layout.total,
+                dtype=flat.dtype,
+                device=self.device,
+            )
+            for n, tensors in self.updated.items():
+                value = self.optimizer.state.get(tensors[0], {}).get(key)
+                if value is None:
+                    continue
+                if self.shard_states:
+                    self._in_segment(values, self.owned[n]).copy_(value.reshape(-1))
+                else:
+                    self._view(values, n).copy_(value)
             if self.shard_states:
-                mine = flat[self.lo : self.hi].clone()
-                dist.all_gather_into_tensor(flat, mine, group=self.group)
-            for n, start, p in zip(self.names, self.offsets, self.params):
+                values = self._unshard(values)
+            for n in self.names:
                 name = state_name(key, n)
                 if name in names:
-                    out[name] = flat[start : start + p.numel()].view(p.shape)
+                    out[name] = self._view(values, n)
         if STEP_NAME in names:
             out[STEP_NAME] = torch.tensor(float(self.steps), dtype=torch.float32)
         return out
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take weights and optimizer states (as `state_dict` gives them) from a checkpoint."""
+        trained = set(self.names)
         for i, n in enumerate(self.order):
-            if n in tensors:
+            if n not in tensors or n in self.ties:
+                continue
+            if n in trained and self.shard_weights:
+                own = self.layout.owned(n, self.replica)
+                if own is not None:
+                    self._in_segment(self.shard, own).copy_(self._owned_part(tensors[n], n, own))
+            else:
                 self.weights[i].copy_(tensors[n].reshape(self.weights[i].shape))
-        for copy in self.refresh:
-            copy()
+        for target, name in self.refresh:
+            target.copy_(self._tied(self._view(self.flat, self.ties[name].source), name))
         self.steps = int(tensors[STEP_NAME].item()) if STEP_NAME in tensors else self.steps
-        starts = dict(zip(self.names, self.offsets))
-        for n, (a, b) in self.pieces.items():
-            start = starts[n]
+        for n, updated in self.updated.items():
             state = {}
             for key in self.state_keys:
                 name = state_name(key, n)
-                if name in tensors:
-                    whole = tensors[name].reshape(-1)
-                    state[key] = whole[a - start : b - start].clone().view(self.updated[n][0].shape)
+                if name not in tensors:
+                    continue
+                value = tensors[name]
+                if n in self.owned:
+                    value = self._owned_part(value, n, self.owned[n])
+                state[key] = value.clone().view(updated[0].shape)
             if state:
                 if self.spec.name != "SGD":
                     state["step"] = torch.tensor(float(self.steps))
-                self.optimizer.state[self.updated[n][0]] = state
+                self.optimizer.state[updated[0]] = state
 
     def set_learning_rate(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def stats(self) -> dict[str, int]:
+        """What a step measured: the most bytes of weights gathered ahead at once."""
+        return {"prefetch_peak_bytes": self.prefetch_peak, "prefetch_bytes": self.prefetch_bytes}

@@ -61,7 +61,7 @@ def collective_timeout_s(run_timeout_s: float) -> float:
 
 
 # The words rank 0 broadcasts to say what every rank does next.
-_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE = 0, 1, 2, 3, 4, 5
+_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS = 0, 1, 2, 3, 4, 5, 6
 
 
 def _die_with_parent() -> None:
@@ -143,7 +143,9 @@ def _load(
     if package.manifest.training is not None:
         replicas = data_parallel_groups(package.manifest)
         tp = package.manifest.training.tensor_parallel
-        step = TrainingStep(package.manifest, spec.rank, weights, replicas.get(spec.rank % tp))
+        step = TrainingStep(
+            package.manifest, spec.rank, weights, replicas.get(spec.rank % tp), program
+        )
         strategy = json.dumps(package.json(package.manifest.strategy)).encode()
         if resume:
             with torch.no_grad():
@@ -180,6 +182,15 @@ def _save_checkpoint(spec: WorkerSpec, loaded: _Loaded, directory: str) -> None:
             f.write(loaded.strategy)
     if spec.distributed:
         dist.barrier()
+
+
+def _largest_over_ranks(spec: WorkerSpec, stats: dict[str, int], device: torch.device) -> dict:
+    """Each of a rank's counts, the largest over the ranks."""
+    if not spec.distributed:
+        return stats
+    values = torch.tensor(list(stats.values()), dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(stats, values.tolist()))
 
 
 def _release_memory(device: torch.device) -> None:
@@ -283,7 +294,14 @@ def _next_command(
         return command, message
 
 
-_COMMANDS = {"run": _RUN, "load": _LOAD, "unload": _UNLOAD, "stop": _STOP, "save": _SAVE}
+_COMMANDS = {
+    "run": _RUN,
+    "load": _LOAD,
+    "unload": _UNLOAD,
+    "stop": _STOP,
+    "save": _SAVE,
+    "stats": _STATS,
+}
 
 
 def _broadcast_text(text: str, device: torch.device) -> str:
@@ -334,6 +352,13 @@ def _serve(
             if leader:
                 conn.send(("saved", spec.rank, None))
             continue
+        if command == _STATS:
+            if loaded is None or loaded.step is None:
+                raise RuntimeError("asked for step statistics with no training model loaded")
+            stats = _largest_over_ranks(spec, loaded.step.stats(), device)
+            if leader:
+                conn.send(("stats", spec.rank, stats))
+            continue
         if loaded is None:
             raise RuntimeError("asked to run with no model loaded")
         inputs: list[torch.Tensor] = []
@@ -357,7 +382,7 @@ def _serve(
             if not math.isnan(lr.item()):
                 loaded.step.set_learning_rate(lr.item())
             with torch.no_grad():
-                outputs = [loaded.step.run(loaded.program, inputs)]
+                outputs = [loaded.step.run(inputs)]
         else:
             with torch.inference_mode():
                 outputs = loaded.program(*loaded.weights, *inputs)
