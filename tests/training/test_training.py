@@ -540,8 +540,6 @@ def test_auto_chooses_the_least_sharding_that_fits(sessions, tmp_path):
     assert weighed[0].startswith("no sharding: does not fit"), weighed
     assert weighed[-1].endswith("chosen, the least sharding that fits"), weighed
     assert built.manifest.training.optimizer_state_sharding
-    assert "sharding level weighed (auto): no sharding: does not fit" in format_plan(
-        built.manifest
-    )
+    assert "sharding level weighed (auto): no sharding: does not fit" in format_plan(built.manifest)
     got = _run(sessions, built.save(tmp_path / "auto"), batches)
     assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
