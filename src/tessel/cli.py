@@ -63,10 +63,17 @@ def _build(args: argparse.Namespace) -> int:
             "streams a PyTorch model's weights from a checkpoint; an ONNX file holds its own",
         )
     model, example_inputs, optimizer = load_model_spec(args.model, opts.framework, args.input_shape)
+    if args.param_dtype and optimizer is None:
+        raise ConfigError(
+            "command line",
+            "--param_dtype",
+            "sets a training step's compute dtype; the --model function returned no optimizer",
+        )
     built = build(
         model,
         example_inputs,
         optimizer=optimizer,
+        param_dtype=args.param_dtype,
         cluster=cluster,
         policy=opts.graph_parallel_option_path,
         soc_version=opts.soc_version,
@@ -152,6 +159,12 @@ def make_parser() -> argparse.ArgumentParser:
         help=".pt2 file from torch.export.save, or file.py:function returning (module, "
         "example_inputs), or (module, example_inputs, optimizer) to build a training step "
         "(torch.optim SGD, Adam or AdamW); with --framework=5 an .onnx file",
+    )
+    b.add_argument(
+        "--param_dtype",
+        choices=("float32", "bfloat16"),
+        help="training step: compute in this dtype over fp32 master weights, optimizer states "
+        "and gradient exchange (default: the dtype of the model's parameters)",
     )
     b.add_argument(
         "--framework",

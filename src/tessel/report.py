@@ -162,7 +162,7 @@ def format_plan(manifest: Manifest) -> str:
         lines.append(
             f"training step: {training['optimizer']} ({training['param_groups']} parameter "
             f"groups); sharding: {'; '.join(training['sharding'])}; optimizer offload: "
-            f"{training['optimizer_offload']}"
+            f"{training['optimizer_offload']}; precision: {training.get('precision', 'float32')}"
         )
         for line in training.get("levels_weighed", []):
             lines.append(f"  sharding level weighed (auto): {line}")

@@ -303,13 +303,73 @@ def test_an_optimizer_missing_weights_is_refused(tmp_path):
         _build(model, tmp_path, optimizer=torch.optim.Adam(some))
 
 
-def test_weights_other_than_fp32_are_refused(tmp_path):
-    model = _model("llama").to(torch.bfloat16)
+def test_weight_dtypes_a_step_does_not_take_are_refused(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"model.embed_tokens.weight: is bfloat16: a training step takes fp32 weights",
+        match=r"model.embed_tokens.weight: is float16: a training step takes float32 or bfloat16",
     ):
-        _build(model, tmp_path)
+        _build(_model("llama").half(), tmp_path)
+    mixed = _model("llama")
+    mixed.lm_head.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"trains weights of several dtypes \(bfloat16, float32"):
+        _build(mixed, tmp_path)
+    with pytest.raises(ConfigError, match=r"param_dtype: is 'float16'; a training step computes"):
+        _build(_model("llama"), tmp_path, param_dtype="float16")
+    with pytest.raises(ConfigError, match=r"param_dtype: is taken with optimizer="):
+        tessel.build(_model("llama"), _batches(1)[0], cluster=2, param_dtype=torch.bfloat16)
+
+
+def _mixed_precision_losses(model: torch.nn.Module, batches) -> list[float]:
+    """torch's mixed precision: bf16 forward and backward on a copy of the fp32 master
+    weights, fp32 gradients into AdamW over the master, the copy refreshed after each step."""
+    work = copy.deepcopy(model).to(torch.bfloat16)
+    opt = _adamw(model)
+    losses = []
+    for b in batches:
+        loss = work(**b).loss
+        loss.backward()
+        for master, p in zip(model.parameters(), work.parameters()):
+            master.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for master, p in zip(model.parameters(), work.parameters()):
+                p.copy_(master)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    "name,dp,tp,sharding,given",
+    [
+        ("gpt2", 1, 2, (), "param_dtype"),  # tied, tensor parallel, fp32 model built as bf16
+        ("llama", 2, 1, ("model_weight_sharding",), "bf16 model"),  # gathered in bf16
+    ],
+)
+def test_bf16_steps_over_fp32_master_weights_equal_torch_mixed_precision(
+    name, dp, tp, sharding, given, sessions, tmp_path
+):
+    model = _model(name)
+    reference = copy.deepcopy(model)
+    batches = _batches()
+    batches = [batches[0]] * 2 + batches[1:4]  # a batch seen twice: its loss must fall
+    built = tessel.build(
+        model.to(torch.bfloat16) if given == "bf16 model" else model,
+        _batches(1, seed=9)[0],
+        cluster=dp * tp,
+        policy=_policy(tmp_path, dp, tp, sharding),
+        optimizer=_adamw(model),
+        param_dtype=torch.bfloat16 if given == "param_dtype" else None,
+        time_limit=TIME_LIMIT,
+    )
+    assert built.manifest.training.compute_dtype == "bfloat16"
+    got = _run(sessions, built.save(tmp_path / "bf16"), batches)
+    if given == "bf16 model":  # the master weights start from the bf16 ones
+        reference.to(torch.bfloat16).float()
+    want = _mixed_precision_losses(reference, batches)
+    assert want[1] < want[0] - 0.05  # sensitive to the update
+    # bf16 products summed in other orders: the losses agree to bf16's precision
+    assert got == pytest.approx(want, abs=2e-2), (got, want)
 
 
 def test_random_dropout_is_refused(tmp_path):
@@ -513,7 +573,8 @@ def test_cli_builds_a_training_step_from_a_model_function(tmp_path, capsys):
     code = cli(
         ["build", f"--model={tmp_path / 'train.py'}:step", "--distributed_cluster_build=1",
          f"--cluster_config={tmp_path / 'numa.json'}", "--enable_graph_parallel=1",
-         f"--graph_parallel_option_path={policy}", "--soc_version=cpu", f"--output={out}"]
+         f"--graph_parallel_option_path={policy}", "--soc_version=cpu", f"--output={out}",
+         "--param_dtype=bfloat16"]
     )  # fmt: skip
     assert code == 0
     capsys.readouterr()
@@ -524,6 +585,7 @@ def test_cli_builds_a_training_step_from_a_model_function(tmp_path, capsys):
         "training step: AdamW (1 parameter groups); sharding: optimizer states sharded over dp 2"
         in text
     )
+    assert "precision: bfloat16 compute over fp32 master weights" in text
 
 
 def test_auto_chooses_the_least_sharding_that_fits(sessions, tmp_path):
@@ -543,3 +605,40 @@ def test_auto_chooses_the_least_sharding_that_fits(sessions, tmp_path):
     assert "sharding level weighed (auto): no sharding: does not fit" in format_plan(built.manifest)
     got = _run(sessions, built.save(tmp_path / "auto"), batches)
     assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
+
+
+def test_a_dead_or_hung_worker_fails_the_step_saying_the_state_is_lost(tmp_path):
+    import os
+    import signal
+
+    model = _model("llama")
+    path = tessel.build(
+        model,
+        _batches(1)[0],
+        cluster=2,
+        policy=_policy(tmp_path, 2, 1, ("model_weight_sharding", "model_weight_prefetch")),
+        optimizer=_adamw(model),
+        time_limit=TIME_LIMIT,
+    ).save(tmp_path / "zero3")
+    batch = _batches(1)[0]
+    lost = "the training step failed, so the weights and optimizer states on the devices are lost"
+    deadline = 3.0
+    with tessel.Session() as session:
+        session.load_graph(0, {"ge.graphRunMode": "1"}, path)
+        session.run_graph(0, batch)
+        procs = list(session._graphs[0].procs)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        with pytest.raises(tessel.WorkerError, match=rf"rank 1 died \(exit code -9\); {lost}"):
+            session.run_graph(0, batch)
+        assert not any(p.is_alive() for p in procs)
+        session.remove_graph(0)
+
+        session.load_graph(0, {"ge.graphRunMode": "1", "tessel.run_timeout_s": deadline}, path)
+        session.run_graph(0, batch)
+        procs = list(session._graphs[0].procs)
+        os.kill(procs[1].pid, signal.SIGSTOP)  # stopped between steps: rank 0 waits on it
+        with pytest.raises(
+            tessel.WorkerError, match=rf"no answer from ranks \[0\] in time; {lost}"
+        ):
+            session.run_graph(0, batch)
+        assert not any(p.is_alive() for p in procs)

@@ -108,6 +108,7 @@ def build(
     verify: bool | None = None,
     weights: str | Path | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    param_dtype: torch.dtype | str | None = None,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
@@ -129,7 +130,10 @@ def build(
     With `optimizer` (torch.optim SGD, Adam or AdamW over the model's parameters), the package
     holds a training step instead: the model's forward must return a scalar loss, and each
     `Session.run_graph` runs forward, backward and the optimizer's update, returning the loss
-    (see `tessel.builder.training`).
+    (see `tessel.builder.training`). `param_dtype` (torch.bfloat16) makes the step compute in
+    bf16 over fp32 master weights, optimizer states and gradient exchange, as FSDP2's
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` does; by
+    default the step computes in the dtype of the model's parameters (fp32 or bf16).
     """
     timings: dict[str, float] = {}
     stored = None
@@ -148,6 +152,8 @@ def build(
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
+    if param_dtype is not None and optimizer is None:
+        raise ConfigError("build()", "param_dtype", "is taken with optimizer= (a training step)")
     if optimizer is not None:
         if weights is not None or verify or not graph_parallel:
             given = "weights" if weights is not None else "verify" if verify else "graph_parallel"
@@ -161,6 +167,7 @@ def build(
             policy,
             soc_version,
             time_limit,
+            param_dtype,
         )
         manifest["timings"] = timings
         return BuiltModel(

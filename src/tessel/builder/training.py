@@ -10,6 +10,7 @@ sharding, the parts then all-gathered), see `tessel.runtime.step`.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ def build_training(
     policy: ParallelOption,
     soc_version: str,
     time_limit: float,
+    param_dtype: torch.dtype | str | None = None,
 ) -> tuple[dict, dict, dict[str, float]]:
     """The manifest, members and timings of a training package (see the module docstring)."""
     from tessel.builder.pipeline import _pack, plan_and_lower
@@ -85,15 +87,7 @@ def build_training(
             f"offloads optimizer states from {cluster.soc.device_type} devices, which {_NOT_BUILT}",
         )
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-    for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            raise ConfigError(
-                "model",
-                name,
-                f"is {str(p.dtype).removeprefix('torch.')}: a training step takes fp32 weights "
-                "(bf16 weights with fp32 optimizer states and gradient reduction are not built "
-                "yet in tessel); build from model.float()",
-            )
+    compute = _compute_dtype(model, param_dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     spec = optimizer_spec(optimizer, names, trainable)
 
@@ -101,15 +95,30 @@ def build_training(
     t = time.perf_counter()
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     split = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
-    captured = capture_training(model, *split, keep=has_rule)
+    # the package holds fp32 master weights; the program computes in `compute`
+    fp32: dict[int, torch.Tensor] = {}
+    master = {  # a tied weight's names share one tensor, as the model's do
+        n: fp32.setdefault(id(p), p.detach().float())
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p.requires_grad
+    }
+    mixed = compute != torch.float32
+    traced = copy.deepcopy(model).to(compute) if _dtype_of(model) != compute else model
+    captured = capture_training(traced, *split, keep=has_rule)
+    del traced
     timings["capture"] = time.perf_counter() - t
 
     # the sharding levels asked for, or (auto, the policy silent) the least that fits
     choices = _sharding_choices(policy, dp)
     weighed: list[str] = []
+    ratio = 4 / torch.empty((), dtype=compute).element_size()  # fp32 bytes per program byte
     for i, level in enumerate(choices):
-        held = (1 / dp if level.weights else 1) + spec.state_per_weight / (
-            dp if level.states else 1
+        # per byte of a weight as the program reads it: the fp32 master (and its compute copy,
+        # mixed precision without weight sharding) and the optimizer's fp32 states
+        held = (
+            ratio / (dp if level.weights else 1)
+            + (1 if mixed and not level.weights else 0)
+            + spec.state_per_weight * ratio / (dp if level.states else 1)
         )
         mark_gradients(
             captured.program.graph_module.graph, GradientOutputs(captured_gradients(captured), held)
@@ -148,7 +157,9 @@ def build_training(
     prefetch = 0
     if level.weights and (policy.model_weight_prefetch or len(choices) > 1):
         prefetch = _prefetch_bytes(policy, _largest_gathered_unit(captured, plan, units, dp, tp))
-    manifest, members = _pack(captured, plan, every, cluster, soc_version, True, dp)
+    manifest, members = _pack(
+        captured, plan, every, cluster, soc_version, True, dp, stored=master if mixed else None
+    )
     members["strategy.json"] = _with_optimizer_states(members["strategy.json"], spec)
     manifest["mode"] = "training"
     manifest["outputs"] = [{"shape": [], "dtype": "float32"}]
@@ -162,6 +173,7 @@ def build_training(
         "weight_sharding": level.weights,
         "weight_prefetch_bytes": prefetch,
         "units": [list(u) for u in units],
+        "compute_dtype": str(compute).removeprefix("torch."),
         "optimizer_offload": policy.optimizer_offload or "none",
     }
     manifest["plan"]["training"] = _explain(manifest["training"], cluster, policy)
@@ -210,6 +222,49 @@ class Sharding:
         if self.gradients:
             return "gradient sharding"
         return "optimizer state sharding" if self.states else "no sharding"
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+    """The one dtype of a model's trained weights (fp32 or bf16), or a ConfigError."""
+    found = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(found) > 1:
+        kinds = sorted(str(d).removeprefix("torch.") for d in found)
+        raise ConfigError(
+            "model", None, f"trains weights of several dtypes ({', '.join(kinds)}); use one"
+        )
+    dtype = found.pop() if found else torch.float32
+    if dtype not in _DTYPES.values():
+        name = next(n for n, p in model.named_parameters() if p.requires_grad)
+        raise ConfigError(
+            "model",
+            name,
+            f"is {str(dtype).removeprefix('torch.')}: a training step takes float32 or bfloat16 "
+            "weights (float16 would need loss scaling)",
+        )
+    return dtype
+
+
+def _compute_dtype(model: torch.nn.Module, param_dtype: torch.dtype | str | None) -> torch.dtype:
+    """What the step computes in: `param_dtype` (FSDP2's name for it) or the weights' dtype.
+    Master weights, optimizer states and the gradient exchange are fp32 either way."""
+    own = _dtype_of(model)
+    if param_dtype is None:
+        return own
+    dtype = (
+        _DTYPES.get(param_dtype.removeprefix("torch."), None)
+        if isinstance(param_dtype, str)
+        else param_dtype
+    )
+    if dtype not in _DTYPES.values():
+        raise ConfigError(
+            "build()",
+            "param_dtype",
+            f"is {param_dtype!r}; a training step computes in {' or '.join(_DTYPES)}",
+        )
+    return dtype
 
 
 def _sharding_choices(policy: ParallelOption, dp: int) -> list[Sharding]:
@@ -316,4 +371,8 @@ def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> 
         "param_groups": len(training["optimizer"]["param_groups"]),
         "sharding": levels or ["none: every replica holds whole optimizer states and gradients"],
         "optimizer_offload": offload,
+        "precision": "float32"
+        if training["compute_dtype"] == "float32"
+        else f"{training['compute_dtype']} compute over fp32 master weights, optimizer states "
+        "and gradient exchange",
     }

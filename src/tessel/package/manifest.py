@@ -279,6 +279,8 @@ class Training:
     weight_prefetch_bytes: int
     # the trained weights gathered and reduced together, each named once
     units: tuple[tuple[str, ...], ...]
+    # what the program computes in; the package's trained weights are its fp32 master copy
+    compute_dtype: str
     optimizer_offload: str
 
     @classmethod
@@ -311,6 +313,7 @@ class Training:
             tensor_parallel=tp,
             weight_prefetch_bytes=f.get("weight_prefetch_bytes").int(low=0),
             units=units,
+            compute_dtype=f.get("compute_dtype").str(("float32", "bfloat16")),
             optimizer_offload=f.get("optimizer_offload").str(("none", "cpu")),
             **flags,
         )
@@ -326,6 +329,7 @@ class Training:
             "weight_sharding": self.weight_sharding,
             "weight_prefetch_bytes": self.weight_prefetch_bytes,
             "units": [list(u) for u in self.units],
+            "compute_dtype": self.compute_dtype,
             "optimizer_offload": self.optimizer_offload,
         }
 

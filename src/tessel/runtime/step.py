@@ -91,9 +91,12 @@ class TrainingStep:
             t.units, {n: weights[position[n]].numel() for n in self.names}, self.dp
         )
         self.ties = {name: tie for name, tie in sub.tied.items() if tie.source in self.names}
+        # the program computes in `compute` (bf16: on a copy of the fp32 master weights)
+        self.compute = getattr(torch, t.compute_dtype)
 
         # the weights: whole in the flat buffer, or only this replica's chunks in its segment
         self.flat: torch.Tensor | None = None
+        self.work: torch.Tensor | None = None  # the flat buffer in the compute dtype
         self.shard: torch.Tensor | None = None
         self.refresh: list[tuple[torch.Tensor, str]] = []  # tied copies made after updates
         if self.shard_weights:
@@ -105,13 +108,14 @@ class TrainingStep:
                         self._owned_part(weights[position[n]], n, own)
                     )
             for n in (*self.names, *self.ties):
-                weights[position[n]] = torch.empty(0, dtype=dtype, device=device)
+                weights[position[n]] = torch.empty(0, dtype=self.compute, device=device)
         else:
             self.flat = torch.zeros(layout.total, dtype=dtype, device=device)
             for n in self.names:
-                view = self._view(self.flat, n)
-                view.copy_(weights[position[n]])
-                weights[position[n]] = view
+                self._view(self.flat, n).copy_(weights[position[n]])
+            self.work = self.flat if self.compute == dtype else self.flat.to(self.compute)
+            for n in self.names:
+                weights[position[n]] = self._view(self.work, n)
             for name in self.ties:
                 chunk = self._tied(weights[position[self.ties[name].source]], name)
                 if chunk.is_contiguous():
@@ -126,7 +130,7 @@ class TrainingStep:
         self.updated: dict[str, list[torch.Tensor]] = {}
         for n in self.names:
             if not self.shard_states:
-                self.updated[n] = [weights[position[n]]]
+                self.updated[n] = [self._view(self.flat, n)]
                 continue
             own = layout.owned(n, self.replica)
             if own is not None:
@@ -147,6 +151,7 @@ class TrainingStep:
             layout.segment if self.shard_gradients else layout.total, dtype=dtype, device=device
         )
         self.pending: list[tuple[dist.Work | None, torch.Tensor | None]] = []
+        self.work_bytes = torch.empty((), dtype=self.compute).element_size()
 
         # the program, rewritten to hand over gradients and (sharded weights) gather units
         index = {n: i for i, n in enumerate(self.names)}
@@ -196,7 +201,7 @@ class TrainingStep:
         self.prefetched.clear()
         try:
             (loss,) = self.program(*self.weights, *mine)
-            loss = loss.detach().clone()
+            loss = loss.detach().to(torch.float32, copy=True)
             if self.dp > 1:
                 dist.all_reduce(loss, group=self.group)
                 loss.div_(self.dp)
@@ -253,7 +258,7 @@ class TrainingStep:
             while ahead < len(self.gathers):
                 if ahead not in self.prefetched:
                     unit = self.layout.units[self.gathers[ahead]]
-                    size = self.layout.padded(unit) * self.shard.element_size()
+                    size = self.layout.padded(unit) * self.work_bytes
                     if held + size > self.prefetch_bytes:
                         break
                     self.prefetched[ahead] = self._start_gather(ahead, wait=False)
@@ -264,8 +269,8 @@ class TrainingStep:
 
     def _start_gather(self, index: int, wait: bool) -> tuple[dist.Work | None, torch.Tensor]:
         u = self.layout.units[self.gathers[index]]
-        whole = torch.empty(self.layout.padded(u), dtype=self.shard.dtype, device=self.device)
-        mine = self.shard[u.segment_start : u.segment_start + u.chunk]
+        whole = torch.empty(self.layout.padded(u), dtype=self.compute, device=self.device)
+        mine = self.shard[u.segment_start : u.segment_start + u.chunk].to(self.compute)
         work = all_gather_single(whole, mine, group=self.group, async_op=not wait)
         return work, whole
 
@@ -292,8 +297,14 @@ class TrainingStep:
                 lo, hi = self.layout.chunk_range(u, self.replica)
                 whole = self.flat[u.start : u.start + self.layout.padded(u)]
                 all_gather_single(whole, self.flat[lo:hi].clone(), group=self.group)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The program's copies of updated weights: the compute dtype's, and tied names'."""
+        if self.work is not None and self.work is not self.flat:
+            self.work.copy_(self.flat)
         for target, name in self.refresh:
-            target.copy_(self._tied(self._view(self.flat, self.ties[name].source), name))
+            target.copy_(self._tied(self._view(self.work, self.ties[name].source), name))
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -351,10 +362,11 @@ class TrainingStep:
                 own = self.layout.owned(n, self.replica)
                 if own is not None:
                     self._in_segment(self.shard, own).copy_(self._owned_part(tensors[n], n, own))
+            elif n in trained:
+                self._view(self.flat, n).copy_(tensors[n].reshape(self.shapes[n]))
             else:
                 self.weights[i].copy_(tensors[n].reshape(self.weights[i].shape))
-        for target, name in self.refresh:
-            target.copy_(self._tied(self._view(self.flat, self.ties[name].source), name))
+        self._refresh()
         self.steps = int(tensors[STEP_NAME].item()) if STEP_NAME in tensors else self.steps
         for n, updated in self.updated.items():
             state = {}
