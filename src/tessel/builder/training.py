@@ -112,6 +112,14 @@ def build_training(
     choices = _sharding_choices(policy, dp)
     weighed: list[str] = []
     ratio = 4 / torch.empty((), dtype=compute).element_size()  # fp32 bytes per program byte
+    # gathered units are held beside the program's own values: the largest, whole (an upper
+    # bound: tensor parallelism may shard it), and as much again fetched ahead
+    size = dict(model.named_parameters())
+    element = torch.empty((), dtype=compute).element_size()
+    largest_unit = max(
+        (sum(size[n].numel() * element for n in u) for u in weight_units(trainable)), default=0
+    )
+    buffer = policy.model_weight_prefetch_buffer_size * MB
     for i, level in enumerate(choices):
         # per byte of a weight as the program reads it: the fp32 master (and its compute copy,
         # mixed precision without weight sharding) and the optimizer's fp32 states
@@ -131,6 +139,7 @@ def build_training(
                 time_limit=time_limit,
                 reuse_layers=False,
                 timings=timings,
+                reserve=_gathered_reserve(level, largest_unit, buffer, policy, len(choices) > 1),
             )
             break
         except PlanError as exc:
@@ -265,6 +274,16 @@ def _compute_dtype(model: torch.nn.Module, param_dtype: torch.dtype | str | None
             f"is {param_dtype!r}; a training step computes in {' or '.join(_DTYPES)}",
         )
     return dtype
+
+
+def _gathered_reserve(
+    level: Sharding, largest_unit: int, buffer: int, policy: ParallelOption, auto: bool
+) -> int:
+    """Bytes to keep free for gathered weights: the unit in use and those fetched ahead."""
+    if not level.weights:
+        return 0
+    prefetch = policy.model_weight_prefetch or auto
+    return largest_unit + (max(buffer, largest_unit) if prefetch else 0)
 
 
 def _sharding_choices(policy: ParallelOption, dp: int) -> list[Sharding]:
