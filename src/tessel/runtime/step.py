@@ -39,6 +39,10 @@ from tessel.runtime.flat import FlatLayout, Owned
 from tessel.runtime.step_program import gather_weights, hand_over_gradients
 from tessel.sharding.geometry import piece
 
+# exchanges of units' gradients in flight at once: enough to overlap the backward pass, few
+# enough that their buffers never add up to the whole gradients
+_IN_FLIGHT = 2
+
 
 class StepError(RuntimeError):
     """A training step could not run on this rank."""
@@ -220,6 +224,10 @@ class TrainingStep:
         """A unit's gradients, as the program makes them: into the gradient buffer, and the
         exchange over the replicas started."""
         u = self.layout.units[unit]
+        while len(self.pending) >= _IN_FLIGHT:  # a unit's buffer freed once it is exchanged
+            work, _ = self.pending.pop(0)
+            if work is not None:
+                work.wait()
         if not self.shard_gradients:
             target = self.grad[u.start : u.start + self.layout.padded(u)]
             self._fill(target, u.names, grads)
