@@ -2,10 +2,12 @@
 
 The step (forward, backward, and the optimizer's update) is planned for one data-parallel
 replica's tensor-parallel devices on its share of the batch; every replica runs that program on
-its own rows, each gradient returned placed like its weight. Workers then average the
-gradients over the data-parallel axis (or reduce-scatter them: gradient sharding) and update
-their shards with torch's optimizer (each rank a 1/dp part of every shard with optimizer state
-sharding, the parts then all-gathered), see `tessel.runtime.step`.
+its own rows, each gradient returned placed like its weight. Workers then exchange each layer's
+gradients over the data-parallel axis as the backward pass makes them and update their shards
+with torch's optimizer; the sharding levels (ZeRO's three stages, chosen here: as the policy
+asks, or the least that fits under `auto`) and the prefetch buffer are recorded in the
+manifest, and `tessel.runtime.step` carries them out. The package holds fp32 master weights;
+the program computes in the model's dtype or `param_dtype`.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def build_training(
             f"offloads optimizer states from {cluster.soc.device_type} devices, which {_NOT_BUILT}",
         )
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-    compute = _compute_dtype(model, param_dtype)
+    own_dtype = _dtype_of(model)
+    compute = _compute_dtype(own_dtype, param_dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     spec = optimizer_spec(optimizer, names, trainable)
 
@@ -103,23 +106,23 @@ def build_training(
         if p.requires_grad
     }
     mixed = compute != torch.float32
-    traced = copy.deepcopy(model).to(compute) if _dtype_of(model) != compute else model
+    traced = copy.deepcopy(model).to(compute) if own_dtype != compute else model
     captured = capture_training(traced, *split, keep=has_rule)
     del traced
     timings["capture"] = time.perf_counter() - t
 
     # the sharding levels asked for, or (auto, the policy silent) the least that fits
     choices = _sharding_choices(policy, dp)
+    auto = len(choices) > 1
     weighed: list[str] = []
-    ratio = 4 / torch.empty((), dtype=compute).element_size()  # fp32 bytes per program byte
+    ratio = 4 / compute.itemsize  # fp32 bytes per byte the program reads
     # gathered units are held beside the program's own values: the largest, whole (an upper
     # bound: tensor parallelism may shard it), and as much again fetched ahead
     size = dict(model.named_parameters())
-    element = torch.empty((), dtype=compute).element_size()
     largest_unit = max(
-        (sum(size[n].numel() * element for n in u) for u in weight_units(trainable)), default=0
+        (sum(size[n].numel() * compute.itemsize for n in u) for u in weight_units(trainable)),
+        default=0,
     )
-    buffer = policy.model_weight_prefetch_buffer_size * MB
     for i, level in enumerate(choices):
         # per byte of a weight as the program reads it: the fp32 master (and its compute copy,
         # mixed precision without weight sharding) and the optimizer's fp32 states
@@ -139,7 +142,7 @@ def build_training(
                 time_limit=time_limit,
                 reuse_layers=False,
                 timings=timings,
-                reserve=_gathered_reserve(level, largest_unit, buffer, policy, len(choices) > 1),
+                reserve=_gathered_reserve(level, largest_unit, policy, auto),
             )
             break
         except PlanError as exc:
@@ -147,7 +150,7 @@ def build_training(
                 raise
             weighed.append(f"{level.name}: does not fit ({exc})")
             log.info("training step with %s does not fit; trying more sharding", level.name)
-    if len(choices) > 1:
+    if auto:
         weighed.append(f"{level.name}: chosen, the least sharding that fits")
     # replica d runs the first replica's programs on ranks d*tp ..., its groups moved there
     every = [
@@ -164,7 +167,7 @@ def build_training(
     gradients = captured_gradients(captured)
     units = weight_units(gradients)
     prefetch = 0
-    if level.weights and (policy.model_weight_prefetch or len(choices) > 1):
+    if _prefetches(level, policy, auto):
         prefetch = _prefetch_bytes(policy, _largest_gathered_unit(captured, plan, units, dp, tp))
     manifest, members = _pack(
         captured, plan, every, cluster, soc_version, True, dp, stored=master if mixed else None
@@ -256,10 +259,9 @@ def _dtype_of(model: torch.nn.Module) -> torch.dtype:
     return dtype
 
 
-def _compute_dtype(model: torch.nn.Module, param_dtype: torch.dtype | str | None) -> torch.dtype:
-    """What the step computes in: `param_dtype` (FSDP2's name for it) or the weights' dtype.
-    Master weights, optimizer states and the gradient exchange are fp32 either way."""
-    own = _dtype_of(model)
+def _compute_dtype(own: torch.dtype, param_dtype: torch.dtype | str | None) -> torch.dtype:
+    """What the step computes in: `param_dtype` (FSDP2's name for it) or the weights' dtype
+    `own`. Master weights, optimizer states and the gradient exchange are fp32 either way."""
     if param_dtype is None:
         return own
     dtype = (
@@ -276,14 +278,20 @@ def _compute_dtype(model: torch.nn.Module, param_dtype: torch.dtype | str | None
     return dtype
 
 
+def _prefetches(level: Sharding, policy: ParallelOption, auto: bool) -> bool:
+    """Whether sharded weights are fetched ahead: as the policy says, always where chosen."""
+    return level.weights and (policy.model_weight_prefetch or auto)
+
+
 def _gathered_reserve(
-    level: Sharding, largest_unit: int, buffer: int, policy: ParallelOption, auto: bool
+    level: Sharding, largest_unit: int, policy: ParallelOption, auto: bool
 ) -> int:
     """Bytes to keep free for gathered weights: the unit in use and those fetched ahead."""
     if not level.weights:
         return 0
-    prefetch = policy.model_weight_prefetch or auto
-    return largest_unit + (max(buffer, largest_unit) if prefetch else 0)
+    if not _prefetches(level, policy, auto):
+        return largest_unit
+    return largest_unit + max(policy.model_weight_prefetch_buffer_size * MB, largest_unit)
 
 
 def _sharding_choices(policy: ParallelOption, dp: int) -> list[Sharding]:
@@ -320,23 +328,18 @@ def _largest_gathered_unit(captured: Any, plan: Any, units: list, dp: int, tp: i
     """The most bytes a rank gathers for one unit: the unit's shards on its tensor-parallel
     rank, padded to a multiple of dp as the step lays them out."""
     placeholders = {n.name: n for n in captured.program.graph_module.graph.nodes}
-    local: dict[str, list[int]] = {}
-    size = 4
+    local: dict[str, list[int]] = {}  # each trained weight's elements on each tp rank
+    size = 0
     for ph, fqn in weight_inputs(captured, plan):
         node = placeholders[ph]
-        val = node.meta["val"]
-        size = val.element_size()
-        placements = plan.out_placements(node)
+        val, placements = node.meta["val"], plan.out_placements(node)
+        size = val.element_size()  # the program reads every trained weight in one dtype
         local[fqn] = [
             math.prod(local_shard_shape(val.shape, placements, plan.mesh_shape, r))
             for r in range(tp)
         ]
-    return max(
-        (
-            math.ceil(sum(local[n][r] for n in unit) / dp) * dp * size
-            for unit in units
-            for r in range(tp)
-        ),
+    return size * max(
+        (math.ceil(sum(local[n][r] for n in unit) / dp) * dp for unit in units for r in range(tp)),
         default=0,
     )
 

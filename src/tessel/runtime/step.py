@@ -139,13 +139,11 @@ class TrainingStep:
             own = layout.owned(n, self.replica)
             if own is not None:
                 self.owned[n] = own
-                held = self.shard if self.shard_weights else self.flat
-                part = (
-                    self._in_segment(held, own)
+                self.updated[n] = [
+                    self._in_segment(self.shard, own)
                     if self.shard_weights
-                    else held[own.start : own.stop]
-                )
-                self.updated[n] = [part]
+                    else self.flat[own.start : own.stop]
+                ]
         self.spec = spec = spec_from_json(t.optimizer, "the package")
         self.optimizer = make_optimizer(spec, self.updated)
         self.state_keys = sorted({k for g in spec.groups for k in state_keys(spec.name, g.options)})
@@ -154,8 +152,8 @@ class TrainingStep:
         self.grad = torch.zeros(
             layout.segment if self.shard_gradients else layout.total, dtype=dtype, device=device
         )
-        self.pending: list[tuple[dist.Work | None, torch.Tensor | None]] = []
-        self.work_bytes = torch.empty((), dtype=self.compute).element_size()
+        # exchanges started and not yet waited on, with the buffer each reads
+        self.pending: list[tuple[dist.Work, torch.Tensor | None]] = []
 
         # the program, rewritten to hand over gradients and (sharded weights) gather units
         index = {n: i for i, n in enumerate(self.names)}
@@ -164,7 +162,7 @@ class TrainingStep:
         )
         self.gathers: list[int] = []
         self.prefetch_bytes = t.weight_prefetch_bytes
-        self.prefetched: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}
+        self.prefetched: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         self.prefetch_peak = 0  # the most gathered bytes fetched ahead and not yet read
         if self.shard_weights:
             inputs = {
@@ -202,16 +200,13 @@ class TrainingStep:
     def run(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         """One step on the whole batch `inputs`; returns the loss averaged over the replicas."""
         mine = [x.chunk(self.dp)[self.replica] if self.dp > 1 else x for x in inputs]
-        self.prefetched.clear()
         try:
             (loss,) = self.program(*self.weights, *mine)
             loss = loss.detach().to(torch.float32, copy=True)
             if self.dp > 1:
                 dist.all_reduce(loss, group=self.group)
                 loss.div_(self.dp)
-            for work, _ in self.pending:
-                if work is not None:
-                    work.wait()
+            self._settle(0)
         finally:
             self.pending.clear()
             self.prefetched.clear()
@@ -224,10 +219,7 @@ class TrainingStep:
         """A unit's gradients, as the program makes them: into the gradient buffer, and the
         exchange over the replicas started."""
         u = self.layout.units[unit]
-        while len(self.pending) >= _IN_FLIGHT:  # a unit's buffer freed once it is exchanged
-            work, _ = self.pending.pop(0)
-            if work is not None:
-                work.wait()
+        self._settle(_IN_FLIGHT - 1)  # a unit's buffer is freed once it is exchanged
         if not self.shard_gradients:
             target = self.grad[u.start : u.start + self.layout.padded(u)]
             self._fill(target, u.names, grads)
@@ -241,6 +233,12 @@ class TrainingStep:
         mine = self.grad[u.segment_start : u.segment_start + u.chunk]
         work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
         self.pending.append((work, whole))  # kept until the exchange is done
+
+    def _settle(self, keep: int) -> None:
+        """Wait for the oldest exchanges until at most `keep` are in flight."""
+        while len(self.pending) > keep:
+            work, _ = self.pending.pop(0)
+            work.wait()
 
     def _fill(self, target: torch.Tensor, names: Sequence[str], grads) -> None:
         offset = 0
@@ -256,26 +254,25 @@ class TrainingStep:
         """The unit of the program's `index`-th gather, whole; later gathers fetched ahead."""
         if index in self.prefetched:
             work, gathered = self.prefetched.pop(index)
-            if work is not None:
-                work.wait()
+            work.wait()
         else:
-            gathered = self._start_gather(index, wait=True)[1]
+            gathered = self._all_gather(index, wait=True)[1]
         if self.prefetch_bytes:
             held = sum(b.numel() * b.element_size() for _, b in self.prefetched.values())
             ahead = index + 1
             while ahead < len(self.gathers):
                 if ahead not in self.prefetched:
                     unit = self.layout.units[self.gathers[ahead]]
-                    size = self.layout.padded(unit) * self.work_bytes
+                    size = self.layout.padded(unit) * self.compute.itemsize
                     if held + size > self.prefetch_bytes:
                         break
-                    self.prefetched[ahead] = self._start_gather(ahead, wait=False)
+                    self.prefetched[ahead] = self._all_gather(ahead, wait=False)
                     held += size
                 ahead += 1
             self.prefetch_peak = max(self.prefetch_peak, held)
         return gathered
 
-    def _start_gather(self, index: int, wait: bool) -> tuple[dist.Work | None, torch.Tensor]:
+    def _all_gather(self, index: int, wait: bool) -> tuple[dist.Work | None, torch.Tensor]:
         u = self.layout.units[self.gathers[index]]
         whole = torch.empty(self.layout.padded(u), dtype=self.compute, device=self.device)
         mine = self.shard[u.segment_start : u.segment_start + u.chunk].to(self.compute)
