@@ -14,8 +14,9 @@ from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, ParallelDims
 from tessel.lower.program import decode_graph, groups_in
-from tessel.lower.stages import Split, StagedProgram, stage_programs
+from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
+from tessel.lower.training_stages import training_stage_programs
 from tessel.plan import Plan, PlanError, cost
 from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
@@ -112,6 +113,68 @@ def build_stages(
     return staged, assignment
 
 
+def build_training_stages(
+    captured: CapturedModel,
+    plan: Plan,
+    programs: list[RankProgram],
+    cluster: ClusterConfig,
+    dims: ParallelDims,
+    gradients: tuple[str, ...],
+    micro_batches: int,
+    source: str,
+) -> tuple[list[StagedProgram], dict[str, int]]:
+    """Every rank's program of a training step on the `pp x dp x tp` mesh, in rank order, and
+    each weight's stage. A weight's other names (tied embeddings) belong to its stage: the
+    stages that read it there receive it, so one rank holds and updates it."""
+    assignment = _assignment(captured, plan, cluster, dims, source)
+    weights = weight_inputs(captured, plan)
+    state = {**captured.program.state_dict, **captured.program.constants}
+    stage = dict(assignment.weight_stage)
+    owner: dict[int, str] = {}  # a tensor's trained name, or its first
+    for _, fqn in weights:
+        key = id(state[fqn])
+        if key not in owner or (fqn in gradients and owner[key] not in gradients):
+            owner[key] = fqn
+    for _, fqn in weights:
+        stage[fqn] = stage[owner[id(state[fqn])]]
+    split = Split(
+        dims.size("pp"),
+        dims.size("dp"),
+        dims.size("tp"),
+        micro_batches,
+        captured.example_inputs[0].shape[0] if captured.example_inputs else 1,
+    )
+    try:
+        staged = training_stage_programs(
+            programs,
+            [fqn for _, fqn in weights],
+            stage,
+            gradients,
+            len(captured.example_inputs),
+            split,
+        )
+    except StageError as exc:
+        raise ConfigError(source, PP_KEY, f"the training step cannot be cut: {exc}") from None
+    measured: dict[tuple, tuple[int, int]] = {}
+    for rank, sp in enumerate(staged):
+        key = (sp.stage, dims.coordinate(rank)["tp"])
+        if key not in measured:
+            measured[key] = _memory(sp)
+        held, peak = measured[key]
+        sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
+        if peak > cluster.devices[rank].memory_bytes:
+            layers = assignment.layers[sp.stage]
+            raise StageMemoryError(
+                f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on rank {rank} "
+                f"holds {peak} bytes at its peak, more than the device's "
+                f"{cluster.devices[rank].memory_bytes}; use more stages, more micro-batches or "
+                "more tensor parallelism",
+                peak,
+                cluster.devices[rank].memory_bytes,
+            )
+    return staged, stage
+
+
 def pipeline_estimate(
     captured: CapturedModel,
     plan: Plan,
@@ -179,7 +242,8 @@ def _memory(sp: StagedProgram) -> tuple[int, int]:
     """(weight bytes, peak bytes) of a staged program, from its recorded local shapes."""
     rp = sp.program
     groups = {tuple(g): "" for g in groups_in(rp.program)}
-    _, graph = decode_graph(rp.program, rp.constants, torch.device("meta"), groups)
+    # decoded, never run: "cpu" admits CPU-only kernels, and constants stay where they are
+    _, graph = decode_graph(rp.program, rp.constants, torch.device("cpu"), groups)
     inputs = []
     for spec, n in zip(rp.program["nodes"], graph.nodes):  # one graph node per program node
         if spec.get("name") in rp.shapes:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from tessel.builder.mesh_choice import first_devices, replica_batch
+from tessel.builder.mesh_choice import batch_rows, first_devices, replica_batch
+from tessel.builder.stages import build_training_stages, default_micro_batches, more_memory
 from tessel.capture import capture_training
 from tessel.capture.export import split_inputs
 from tessel.capture.training import GradientOutputs, gradient_outputs, mark_gradients
@@ -69,12 +70,6 @@ def build_training(
         )
     dims = parallel_dims(cluster, policy)
     dp, tp, pp = dims.size("dp"), dims.size("tp"), dims.size("pp")
-    if pp > 1:
-        raise ConfigError(
-            policy.source,
-            "graph_parallel_option.pipeline_parallel_option.pipe_stage_num",
-            f"is {pp}: pipeline stages {_NOT_BUILT}",
-        )
     if policy.model_weight_prefetch and not policy.model_weight_sharding:
         raise ConfigError(
             policy.source,
@@ -97,7 +92,16 @@ def build_training(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     args, kwargs = split_inputs(example_inputs, example_kwargs)
-    split = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
+    micro_batches = 1
+    if pp > 1:
+        micro_batches = policy.micro_batch_num or default_micro_batches(
+            pp, batch_rows(args, kwargs) // dp
+        )
+    split = (
+        replica_batch(args, kwargs, dp, policy.source, micro_batches)
+        if dp * micro_batches > 1
+        else (args, kwargs)
+    )
     # the package holds fp32 master weights; the program computes in `compute`
     fp32: dict[int, torch.Tensor] = {}
     master = {  # a tied weight's names share one tensor, as the model's do
@@ -137,7 +141,8 @@ def build_training(
         try:
             plan, programs = plan_and_lower(
                 captured,
-                first_devices(cluster, tp) if dp > 1 else cluster,
+                # one stage holds about 1/pp of what the whole step holds
+                more_memory(first_devices(cluster, tp), pp) if dp * pp > 1 else cluster,
                 policy,
                 time_limit=time_limit,
                 reuse_layers=False,
@@ -152,27 +157,47 @@ def build_training(
             log.info("training step with %s does not fit; trying more sharding", level.name)
     if auto:
         weighed.append(f"{level.name}: chosen, the least sharding that fits")
-    # replica d runs the first replica's programs on ranks d*tp ..., its groups moved there
-    every = [
-        rp
-        if rank < tp
-        else replace(
-            rp,
-            program=move_groups(rp.program, lambda q, base=rank - rank % tp: q + base),
-        )
-        for rank in range(cluster.world_size)
-        for rp in (programs[rank % tp],)
-    ]
     t = time.perf_counter()
     gradients = captured_gradients(captured)
+    staged, weight_stage = None, {}
+    if pp > 1:
+        staged, weight_stage = build_training_stages(
+            captured, plan, programs, cluster, dims, gradients, micro_batches, policy.source
+        )
+        every = [sp.program for sp in staged]
+        timings["stages"] = time.perf_counter() - t
+        t = time.perf_counter()
+    else:  # replica d runs the first replica's programs on ranks d*tp ..., groups moved there
+        every = [
+            rp
+            if rank < tp
+            else replace(
+                rp,
+                program=move_groups(rp.program, lambda q, base=rank - rank % tp: q + base),
+            )
+            for rank in range(cluster.world_size)
+            for rp in (programs[rank % tp],)
+        ]
     units = weight_units(gradients)
     prefetch = 0
     if _prefetches(level, policy, auto):
         prefetch = _prefetch_bytes(policy, _largest_gathered_unit(captured, plan, units, dp, tp))
     manifest, members = _pack(
-        captured, plan, every, cluster, soc_version, True, dp, stored=master if mixed else None
+        captured,
+        plan,
+        every,
+        cluster,
+        soc_version,
+        True,
+        dp,
+        staged=staged,
+        pp=pp,
+        micro_batches=micro_batches,
+        stored=master if mixed else None,
     )
-    members["strategy.json"] = _with_optimizer_states(members["strategy.json"], spec)
+    members["strategy.json"] = _with_optimizer_states(
+        members["strategy.json"], spec, weight_stage, pp
+    )
     manifest["mode"] = "training"
     manifest["outputs"] = [{"shape": [], "dtype": "float32"}]
     manifest["training"] = {
@@ -187,6 +212,8 @@ def build_training(
         "units": [list(u) for u in units],
         "compute_dtype": str(compute).removeprefix("torch."),
         "optimizer_offload": policy.optimizer_offload or "none",
+        "pipeline_stages": pp,
+        "micro_batches": micro_batches,
     }
     manifest["plan"]["training"] = _explain(manifest["training"], cluster, policy)
     if weighed:
@@ -198,11 +225,17 @@ def build_training(
     return manifest, members, timings
 
 
-def _with_optimizer_states(strategy_json: bytes, spec: OptimizerSpec) -> bytes:
+def _with_optimizer_states(
+    strategy_json: bytes, spec: OptimizerSpec, weight_stage: dict[str, int], pp: int
+) -> bytes:
     """The package's strategy file plus the optimizer's states, each laid out like its weight
-    (`optimizer.<key>.<weight>`), and Adam's step count: what `save_checkpoint` writes."""
+    (`optimizer.<key>.<weight>`), and Adam's step count: what `save_checkpoint` writes. With
+    pipeline stages each weight is held by its stage's ranks, the step count by every rank."""
     strategy = json.loads(strategy_json)
     params = strategy["params"]
+    for name, stage in weight_stage.items():
+        if name in params:
+            params[name]["stages"] = [stage]
     for group in spec.groups:
         for key in state_keys(spec.name, group.options):
             for weight in group.params:
@@ -215,6 +248,7 @@ def _with_optimizer_states(strategy_json: bytes, spec: OptimizerSpec) -> bytes:
             "tensor_map": [],
             "shape": [],
             "dtype": "float32",
+            "stages": list(range(pp)),
         }
     return json.dumps(strategy).encode()
 

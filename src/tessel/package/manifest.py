@@ -282,14 +282,23 @@ class Training:
     # what the program computes in; the package's trained weights are its fp32 master copy
     compute_dtype: str
     optimizer_offload: str
+    # ranks are (stage, replica, tensor-parallel rank), outermost first; each step runs this
+    # many micro-batches through the stages and sums their gradients
+    pipeline_stages: int = 1
+    micro_batches: int = 1
 
     @classmethod
     def read(cls, f: _Field, world: int) -> Training:
         f.only([x.name for x in fields(cls)])
         dp = f.get("data_parallel").int(low=1)
         tp = f.get("tensor_parallel").int(low=1)
-        if dp * tp != world:
-            raise f.fail(f"data_parallel {dp} x tensor_parallel {tp} is not the {world} devices")
+        pp = f.get("pipeline_stages", optional=True).optional(lambda v: v.int(low=1)) or 1
+        micro_batches = f.get("micro_batches", optional=True).optional(lambda v: v.int(low=1))
+        if dp * tp * pp != world:
+            raise f.fail(
+                f"pipeline_stages {pp} x data_parallel {dp} x tensor_parallel {tp} is not the "
+                f"{world} devices"
+            )
         flags = {}
         for key in ("optimizer_state_sharding", "gradient_sharding", "weight_sharding"):
             value = f.get(key).value
@@ -315,6 +324,8 @@ class Training:
             units=units,
             compute_dtype=f.get("compute_dtype").str(("float32", "bfloat16")),
             optimizer_offload=f.get("optimizer_offload").str(("none", "cpu")),
+            pipeline_stages=pp,
+            micro_batches=micro_batches or 1,
             **flags,
         )
 
@@ -331,6 +342,8 @@ class Training:
             "units": [list(u) for u in self.units],
             "compute_dtype": self.compute_dtype,
             "optimizer_offload": self.optimizer_offload,
+            "pipeline_stages": self.pipeline_stages,
+            "micro_batches": self.micro_batches,
         }
 
 

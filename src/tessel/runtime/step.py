@@ -48,16 +48,23 @@ class StepError(RuntimeError):
     """A training step could not run on this rank."""
 
 
-def data_parallel_groups(manifest: Manifest) -> dict[int, dist.ProcessGroup | None]:
-    """One group per tensor-parallel rank holding its data-parallel replicas (tp rank -> group),
-    made on every rank in one order; None stands for the whole world."""
+def data_parallel_group(manifest: Manifest, rank: int) -> dist.ProcessGroup | None:
+    """The group of `rank`'s data-parallel replicas (the ranks of its stage and tensor-parallel
+    rank); every group is made on every rank in one order. None: the whole world, or none."""
     t = manifest.training
-    dp, tp = t.data_parallel, t.tensor_parallel
+    dp, tp, pp = t.data_parallel, t.tensor_parallel, t.pipeline_stages
     if dp == 1 or not dist.is_initialized():
-        return {}
-    if tp == 1:
-        return {0: None}
-    return {i: dist.new_group([d * tp + i for d in range(dp)]) for i in range(tp)}
+        return None
+    if tp * pp == 1:
+        return None
+    mine = None
+    for s in range(pp):
+        for i in range(tp):
+            ranks = [(s * dp + d) * tp + i for d in range(dp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
 
 
 class TrainingStep:
@@ -74,14 +81,21 @@ class TrainingStep:
         t = manifest.training
         sub: Submodel = manifest.submodel(rank)
         self.dp, self.tp = t.data_parallel, t.tensor_parallel
-        self.replica = rank // self.tp
+        self.replica = rank // self.tp % self.dp
         self.group = group
+        # the gradients summed over this many micro-batches and replicas make their mean
+        self.parts = self.dp * t.micro_batches
         self.shard_states = t.optimizer_state_sharding and self.dp > 1
         self.shard_gradients = t.gradient_sharding and self.dp > 1
         self.shard_weights = t.weight_sharding and self.dp > 1
-        self.names = t.gradients
         self.order = list(sub.weight_order)
         position = {name: i for i, name in enumerate(self.order)}
+        # a pipeline stage trains the weights it holds; without stages a rank trains them all
+        self.names = t.gradients
+        units = t.units
+        if t.pipeline_stages > 1:
+            self.names = tuple(n for n in t.gradients if n in position)
+            units = [kept for u in t.units if (kept := [n for n in u if n in position])]
         missing = [n for n in self.names if n not in position]
         if missing:
             raise StepError(f"rank {rank} holds no weight {missing[0]!r} to train")
@@ -92,7 +106,7 @@ class TrainingStep:
         self.device = device = weights[0].device if weights else torch.device("cpu")
         self.shapes = {n: weights[position[n]].shape for n in self.names}
         self.layout = layout = FlatLayout(
-            t.units, {n: weights[position[n]].numel() for n in self.names}, self.dp
+            units, {n: weights[position[n]].numel() for n in self.names}, self.dp
         )
         self.ties = {name: tie for name, tie in sub.tied.items() if tie.source in self.names}
         # the program computes in `compute` (bf16: on a copy of the fp32 master weights)
@@ -210,8 +224,8 @@ class TrainingStep:
         finally:
             self.pending.clear()
             self.prefetched.clear()
-        if self.dp > 1:
-            self.grad.div_(self.dp)
+        if self.parts > 1:
+            self.grad.div_(self.parts)
         self._step()
         return loss
 

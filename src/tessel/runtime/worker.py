@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime.loader import load_rank
-from tessel.runtime.step import TrainingStep, data_parallel_groups
+from tessel.runtime.step import TrainingStep, data_parallel_group
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,8 @@ def _load(
     program, weights = load_rank(package, spec.rank, device, groups)
     step, strategy = None, b""
     if package.manifest.training is not None:
-        replicas = data_parallel_groups(package.manifest)
-        tp = package.manifest.training.tensor_parallel
-        step = TrainingStep(
-            package.manifest, spec.rank, weights, replicas.get(spec.rank % tp), program
-        )
+        replicas = data_parallel_group(package.manifest, spec.rank)
+        step = TrainingStep(package.manifest, spec.rank, weights, replicas, program)
         strategy = json.dumps(package.json(package.manifest.strategy)).encode()
         if resume:
             with torch.no_grad():

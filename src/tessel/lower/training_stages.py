@@ -1,0 +1,485 @@
+"""Pipeline stages of a training step: each rank's program runs its stage's part of the forward
+and backward pass over the micro-batches in a 1F1B schedule, and returns its weights' gradients
+summed over them.
+
+The joint forward + backward program is planned and lowered once for the `tp` devices of one
+stage-replica, on one micro-batch (as `lower.stages` does for inference). Here every node is
+given a *position* in one micro-batch's journey through the pipeline, `F0 < F1 < ... < F(p-1)
+< B(p-1) < ... < B0`: stage `s` computes the nodes at `Fs` in its forward slot and those at
+`Bs` in its backward slot. A value may be read at its own position or any later one, so
+activations travel to later stages and gradients back to earlier ones:
+
+- a node that reads a weight (or a value made from weights alone) runs on the weight's stage:
+  at `Fs` when its other inputs allow, at `Bs` when it reads a gradient made on that stage or
+  a later one; a node reading a later stage's activation runs there and the weight is sent;
+- any other node runs as early as its inputs allow, or, not joining values, as late as its
+  readers allow, so the few values a layer hands on cross between stages;
+- a weight's gradient is returned by its stage, summed over the micro-batches; the loss, the
+  mean over the micro-batches, is sent from its stage to the first one.
+
+Stage `s` runs `min(p - 1 - s, m)` forward slots, then alternates one forward and one backward
+slot, then the remaining backward slots: at most `p - s` micro-batches' activations are held.
+
+Values travel over a channel per ordered pair of ranks: a process group over the two ranks,
+listed sender first, so a pair has one group each way and the broadcasts on each group come
+in the same order on both ranks. A rank posts every receive when its program starts and waits
+on each where it is first read, so no send waits for a receiver that is busy sending.
+
+Rank `(s, d, t)` is `s * dp * tp + d * tp + t`, as for inference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from tessel.lower.stages import (
+    _BROADCAST,
+    _SLICE,
+    _WAIT,
+    _ZEROS,
+    Split,
+    StagedProgram,
+    StageError,
+    _call,
+    _nbytes,
+    _refs,
+    _sub,
+)
+from tessel.lower.trace import RankProgram
+
+_ADD = "aten.add.Tensor"
+_DIV = "aten.div.Tensor"
+
+
+def schedule_1f1b(pp: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s slots in order: ("F" or "B", micro-batch)."""
+    warm = min(pp - 1 - stage, micro_batches)
+    slots = [("F", k) for k in range(warm)]
+    forward, backward = warm, 0
+    while forward < micro_batches:
+        slots += [("F", forward), ("B", backward)]
+        forward, backward = forward + 1, backward + 1
+    slots += [("B", k) for k in range(backward, micro_batches)]
+    return slots
+
+
+def training_stage_programs(
+    programs: Sequence[RankProgram],
+    weights: Sequence[str],
+    weight_stage: dict[str, int],
+    gradients: Sequence[str],
+    user_inputs: int,
+    split: Split,
+) -> list[StagedProgram]:
+    """Every rank's training program, in rank order, from the joint programs of one
+    stage-replica's `tp` ranks, which return the loss and then the gradients of the weights
+    `gradients` names. `weights` names the programs' weight inputs in order, `weight_stage`
+    gives each its stage (a weight's other names, tied to it, the same stage)."""
+    out: list[StagedProgram | None] = [None] * (split.pp * split.dp * split.tp)
+    for t, rp in enumerate(programs):
+        cut = _TrainingCut(rp, weights, weight_stage, gradients, user_inputs, split)
+        for s in range(split.pp):
+            for d in range(split.dp):
+                out[split.rank(s, d, t)] = cut.program(s, d, t)
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class _Send:
+    value: str  # the node (or weight input) sent
+    micro_batch: int  # -1: a weight, sent once for every micro-batch
+    target: int  # the receiving stage
+
+
+@dataclass
+class _Slot:
+    """What a stage does in one slot: the nodes it runs and what it sends after each."""
+
+    phase: str
+    micro_batch: int
+    nodes: list[dict] = field(default_factory=list)
+
+
+class _TrainingCut:
+    """One tensor-parallel rank's joint program, each node given its position."""
+
+    def __init__(
+        self,
+        rp: RankProgram,
+        weights: Sequence[str],
+        weight_stage: dict[str, int],
+        gradients: Sequence[str],
+        user_inputs: int,
+        split: Split,
+    ) -> None:
+        self.rp, self.split = rp, split
+        nodes = rp.program["nodes"]
+        inputs = [n for n in nodes if n["op"] == "input"]
+        if len(inputs) != len(weights) + user_inputs:
+            raise StageError(
+                f"the program takes {len(inputs)} inputs; {len(weights)} weights and "
+                f"{user_inputs} model inputs were expected"
+            )
+        self.weight_nodes = inputs[: len(weights)]
+        self.user_nodes = inputs[len(weights) :]
+        self.fqn = {n["name"]: fqn for n, fqn in zip(self.weight_nodes, weights)}
+        self.weight_stage = {n: weight_stage[fqn] for n, fqn in self.fqn.items()}
+        self.constants = [n for n in nodes if n["op"] == "constant"]
+        self.calls = [n for n in nodes if n["op"] == "call"]
+        self.output = nodes[-1]
+        returned = self.output["args"]
+        if len(returned) != 1 + len(gradients) or not all(
+            isinstance(a, dict) and "$node" in a for a in returned
+        ):
+            raise StageError(
+                f"a training program returns the loss and {len(gradients)} gradients, each a "
+                "value it computes"
+            )
+        self.loss = returned[0]["$node"]
+        self.gradients = [a["$node"] for a in returned[1:]]
+        self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
+        self.pos = self._assign()
+
+    # -- positions ---------------------------------------------------------------------
+
+    def _f(self, s: int) -> int:
+        return s
+
+    def _b(self, s: int) -> int:
+        return 2 * self.split.pp - 1 - s
+
+    def stage_of(self, pos: int) -> int:
+        p = self.split.pp
+        return pos if pos < p else 2 * p - 1 - pos
+
+    def _assign(self) -> dict[str, int]:
+        """Each call node's position (see the module docstring)."""
+        p = self.split.pp
+        constants = {c["name"] for c in self.constants}
+        earliest: dict[str, int] = {}
+        made_of_weights: dict[str, int] = {}  # node -> the stage of the weights it is made of
+        pinned: set[str] = set()
+        readers: dict[str, list[str]] = {n["name"]: [] for n in self.calls}
+        for n in self.calls:
+            name, args = n["name"], _refs([n["args"], n["kwargs"]])
+            stages = [self.weight_stage[a] for a in args if a in self.weight_stage]
+            stages += [made_of_weights[a] for a in args if a in made_of_weights]
+            others = [earliest[a] for a in args if a in earliest and a not in made_of_weights]
+            for a in args:
+                if a in readers:
+                    readers[a].append(name)
+            e = max(others, default=-1)
+            if not stages:
+                earliest[name] = max(e, 0)
+                continue
+            made = all(
+                a in self.weight_stage or a in made_of_weights or a in constants for a in args
+            )
+            if not made:  # a weight's value read with others: on the weight's stage
+                pinned.add(name)
+            w = max(stages)
+            if e <= self._f(w):
+                earliest[name] = self._f(w)
+            elif e < p:
+                earliest[name] = e  # a later stage's activation: the weight is sent there
+            else:
+                earliest[name] = self._b(w) if self.stage_of(e) >= w else e
+            if made:  # runs where it is read: the weight is sent there once, not this per batch
+                made_of_weights[name] = w
+        pieces: dict[str, list[str]] = {}  # a tuple-valued node -> the getitems reading it
+        for n in self.calls:
+            if n["target"] == "getitem":
+                pieces.setdefault(n["args"][0]["$node"], []).append(n["name"])
+        returned = {self.loss, *self.gradients}
+        pos: dict[str, int] = {}
+        for n in reversed(self.calls):
+            name = n["name"]
+            later = [pos[r] for r in readers[name] if r not in pieces.get(name, ())]
+            if name in pieces:  # a tuple stays with its pieces: as late as the first of them
+                later = [pos[g] for g in pieces[name]]
+            joins = len({a for a in _refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
+            if name in pinned or not later or name in returned or joins:
+                pos[name] = earliest[name]
+            else:
+                pos[name] = max(earliest[name], min(later))
+            for g in pieces.get(name, ()):  # a piece is taken where its tuple is made
+                pos[g] = pos[name]
+        for n in self.calls:
+            for a in _refs([n["args"], n["kwargs"]]):
+                where = pos.get(a, self._f(self.weight_stage.get(a, 0)))
+                if a in pos or a in self.weight_stage:
+                    if where > pos[n["name"]]:
+                        raise StageError(f"{n['name']} runs before {a}, which it reads")
+                    crosses = self.stage_of(where) != self.stage_of(pos[n["name"]])
+                    if crosses and a not in self.rp.shapes:
+                        raise StageError(
+                            f"{n['name']} reads {a}, which is not a tensor, from another "
+                            "stage: pipeline stages can pass only tensors"
+                        )
+        for value, stage in zip(self.gradients, self.gradient_stage):
+            if value in pos and pos[value] > self._b(stage):
+                raise StageError(
+                    f"the gradient {value} is made on stage {self.stage_of(pos[value])} after "
+                    f"stage {stage}, which holds its weight, has finished its backward pass"
+                )
+        return pos
+
+    def _position(self, value: str) -> int:
+        if value in self.pos:
+            return self.pos[value]
+        return self._f(self.weight_stage[value])  # a weight, held by its stage from the start
+
+    # -- what each stage sends ---------------------------------------------------------
+
+    def _reads(self, s: int) -> dict[str, int]:
+        """Values stage `s` reads from other stages -> the first position it reads them at
+        (gradients returned by `s` are read at its backward position)."""
+        first: dict[str, int] = {}
+        for n in self.calls:
+            where = self.pos[n["name"]]
+            if self.stage_of(where) != s:
+                continue
+            for a in _refs([n["args"], n["kwargs"]]):
+                if (a in self.pos or a in self.weight_stage) and self.stage_of(
+                    self._position(a)
+                ) != s:
+                    first[a] = min(first.get(a, where), where)
+        for value, stage in zip(self.gradients, self.gradient_stage):
+            if stage == s and self.stage_of(self._position(value)) != s:
+                first.setdefault(value, self._b(s))
+        return first
+
+    def _sends(self, s: int) -> list[_Send]:
+        """Everything stage `s` sends, in the order its program sends it."""
+        targets: dict[str, list[int]] = {}
+        for q in range(self.split.pp):
+            if q != s:
+                for value in self._reads(q):
+                    if self.stage_of(self._position(value)) == s:
+                        targets.setdefault(value, []).append(q)
+        sends: list[_Send] = []
+        for phase, k in schedule_1f1b(self.split.pp, s, self.split.micro_batches):
+            here = self._f(s) if phase == "F" else self._b(s)
+            if phase == "F" and k == 0:
+                sends += [
+                    _Send(w, -1, q)
+                    for w in self.weight_stage
+                    if self.weight_stage[w] == s
+                    for q in targets.get(w, ())
+                ]
+            for n in self.calls:
+                if self.pos[n["name"]] == here:
+                    sends += [_Send(n["name"], k, q) for q in targets.get(n["name"], ())]
+        loss_stage = self.stage_of(self._position(self.loss))
+        if s == loss_stage and s != 0:
+            sends.append(_Send(_LOSS, -1, 0))
+        return sends
+
+    # -- one rank's program ------------------------------------------------------------
+
+    def program(self, s: int, d: int, t: int) -> StagedProgram:
+        split, p = self.split, self.split.pp
+        shapes = dict(self.rp.shapes)
+        me = split.rank(s, d, t)
+
+        def rank_of(stage: int) -> int:
+            return split.rank(stage, d, t)
+
+        def tp_rank(r: int) -> int:
+            return split.rank(s, d, r)
+
+        loss_stage = self.stage_of(self._position(self.loss))
+        shapes[_LOSS] = self.rp.shapes[self.loss]
+        body: list[dict] = []
+        rows_of = self._rows(body, shapes)
+
+        # every receive posted first, each channel's in its sender's order
+        received: dict[tuple[str, int], str] = {}  # (value, micro-batch or -1) -> node
+        waits: dict[str, dict] = {}  # received node -> its wait, placed where first read
+        for q in range(p):
+            if q == s:
+                continue
+            group = {"$group": [rank_of(q), me]}  # sender first: the channel from q to s
+            src = sorted([rank_of(q), me]).index(rank_of(q))
+            for send in self._sends(q):
+                if send.target != s:
+                    continue
+                tag = "w" if send.micro_batch < 0 else f"mb{send.micro_batch}"
+                new = f"{send.value}__{tag}_from{q}"
+                shape, dtype = shapes[send.value]
+                shapes[f"{new}_buf"] = shapes[f"{new}_recv"] = shapes[new] = (shape, dtype)
+                body.append(
+                    _call(
+                        f"{new}_buf",
+                        _ZEROS,
+                        [shape],
+                        {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
+                    )
+                )
+                body.append(_call(f"{new}_recv", _BROADCAST, [{"$node": f"{new}_buf"}, src, group]))
+                waits[new] = _call(new, _WAIT, [{"$node": f"{new}_recv"}])
+                received[(send.value, send.micro_batch)] = new
+
+        sends = [x for x in self._sends(s)]
+        sent_bytes = 0
+        targets: dict[tuple[str, int], list[int]] = {}
+        for x in sends:
+            targets.setdefault((x.value, x.micro_batch), []).append(x.target)
+
+        def send(value: str, node: str, k: int, pending: list[dict]) -> None:
+            nonlocal sent_bytes
+            for q in targets.get((value, k), ()):
+                group = {"$group": [me, rank_of(q)]}
+                src = sorted([me, rank_of(q)]).index(me)
+                name = f"{node}_to{rank_of(q)}"
+                shapes[name] = shapes[node]
+                body.append(_call(name, _BROADCAST, [{"$node": node}, src, group]))
+                pending.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
+                sent_bytes += _nbytes(*shapes[node])
+
+        def wait_for(node: str) -> str:
+            if node in waits:
+                body.append(waits.pop(node))
+            return node
+
+        mine = {fqn_node for fqn_node, stage in self.weight_stage.items() if stage == s}
+        weights = [w for w in self.weight_nodes if w["name"] in mine]
+        accumulated: dict[int, str] = {}  # gradient output index -> its running sum's node
+        loss_sum = ""
+        for phase, k in schedule_1f1b(p, s, split.micro_batches):
+            here = self._f(s) if phase == "F" else self._b(s)
+            pending: list[dict] = []
+            if phase == "F" and k == 0:
+                for w in weights:
+                    send(w["name"], w["name"], -1, pending)
+
+            def name_of(a: str, k: int = k) -> str:
+                if a in self.weight_stage:
+                    if self.weight_stage[a] == s:
+                        return a
+                    return wait_for(received[(a, -1)])
+                if a in rows_of:
+                    return rows_of[a][k]
+                if a in self.pos:
+                    if self.stage_of(self.pos[a]) == s:
+                        return f"{a}__mb{k}"
+                    return wait_for(received[(a, k)])
+                return a  # a constant
+
+            for n in self.calls:
+                if self.pos[n["name"]] != here:
+                    continue
+                args = _refs([n["args"], n["kwargs"]])
+                names = {a: name_of(a) for a in args}
+                new = f"{n['name']}__mb{k}"
+                if n["name"] in shapes:
+                    shapes[new] = shapes[n["name"]]
+                body.append(
+                    {
+                        **n,
+                        "name": new,
+                        "args": _sub(n["args"], names, tp_rank),
+                        "kwargs": _sub(n["kwargs"], names, tp_rank),
+                    }
+                )
+                send(n["name"], new, k, pending)
+            if s == loss_stage and self._position(self.loss) == here:
+                loss_sum = self._accumulate(body, shapes, loss_sum, name_of(self.loss), k)
+            if phase == "B":
+                for i, (value, stage) in enumerate(zip(self.gradients, self.gradient_stage)):
+                    if stage == s:
+                        accumulated[i] = self._accumulate(
+                            body, shapes, accumulated.get(i, ""), name_of(value), k
+                        )
+            body += pending
+
+        # the loss: the mean over the micro-batches, sent from its stage to the first
+        pending = []
+        if s == loss_stage:
+            loss = loss_sum
+            if split.micro_batches > 1:
+                loss = f"{_LOSS}__mean"
+                shapes[loss] = shapes[_LOSS]
+                body.append(_call(loss, _DIV, [{"$node": loss_sum}, split.micro_batches]))
+            if s != 0:
+                targets[(_LOSS, -1)] = [0]
+                send(_LOSS, loss, -1, pending)
+        elif s == 0:
+            loss = wait_for(received[(_LOSS, -1)])
+        else:  # a middle stage returns no loss of its own
+            loss = f"{_LOSS}__none"
+            shapes[loss] = shapes[_LOSS]
+            shape, dtype = shapes[_LOSS]
+            body.append(
+                _call(
+                    loss,
+                    _ZEROS,
+                    [shape],
+                    {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
+                )
+            )
+        body += pending
+        if waits:
+            raise StageError(f"rank {me} receives {sorted(waits)[0]} but never reads it")
+        outputs = [{"$node": loss}] + [
+            {"$node": accumulated[i]} for i, stage in enumerate(self.gradient_stage) if stage == s
+        ]
+        reads = {a for n in body for a in _refs([n["args"], n["kwargs"]])}
+        constants = [c for c in self.constants if c["name"] in reads]
+        program = {
+            **self.rp.program,
+            "nodes": [
+                *weights,
+                *self.user_nodes,
+                *constants,
+                *body,
+                {**self.output, "args": outputs},
+            ],
+        }
+        used = {c["name"] for c in constants}
+        rp = replace(
+            self.rp,
+            program=program,
+            shapes=shapes,
+            constants={k: v for k, v in self.rp.constants.items() if k in used},
+        )
+        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, sent_bytes)
+
+    @staticmethod
+    def _accumulate(body: list[dict], shapes: dict, total: str, value: str, k: int) -> str:
+        """The running sum over micro-batches `total` (empty before the first) plus `value`."""
+        if not total:
+            return value
+        new = f"{value}__sum{k}"
+        shapes[new] = shapes.get(value, shapes.get(total))
+        body.append(_call(new, _ADD, [{"$node": total}, {"$node": value}]))
+        return new
+
+    def _rows(self, body: list[dict], shapes: dict) -> dict[str, list[str]]:
+        """Each model input's node per micro-batch: its rows of the replica's share."""
+        split = self.split
+        rows_of: dict[str, list[str]] = {}
+        for u in self.user_nodes:
+            name = u["name"]
+            if split.micro_batches == 1:
+                rows_of[name] = [name]
+                continue
+            shape, dtype = shapes[name]
+            if not shape or shape[0] != split.rows:
+                raise StageError(
+                    f"model input {name!r} of shape {shape} has no batch dimension of "
+                    f"{split.rows} rows first; micro-batches split every input along its first "
+                    "dimension"
+                )
+            rows_of[name] = []
+            for k in range(split.micro_batches):
+                start = k * split.rows
+                new = f"{name}__rows{k}"
+                shapes[new] = (shape, dtype)
+                body.append(_call(new, _SLICE, [{"$node": name}, 0, start, start + split.rows, 1]))
+                rows_of[name].append(new)
+        return rows_of
+
+
+_LOSS = "tessel_loss"  # the loss's mean over the micro-batches, as sent to the first stage
