@@ -164,6 +164,8 @@ def format_plan(manifest: Manifest) -> str:
             f"groups); sharding: {'; '.join(training['sharding'])}; optimizer offload: "
             f"{training['optimizer_offload']}; precision: {training.get('precision', 'float32')}"
         )
+        if training.get("pipeline", "none") != "none":
+            lines.append(f"  pipeline: {training['pipeline']}")
         for line in training.get("levels_weighed", []):
             lines.append(f"  sharding level weighed (auto): {line}")
     solver = data.get("solver") or {}

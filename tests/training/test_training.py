@@ -94,10 +94,12 @@ def _batches(n: int = STEPS, batch: int = BATCH, seed: int = 1) -> list[dict]:
     return out
 
 
-def _policy(tmp_path, dp: int, tp: int, sharding: tuple[str, ...] = ()) -> str:
+def _policy(tmp_path, dp: int, tp: int, sharding: tuple[str, ...] = (), pp: int = 1) -> str:
     g: dict = {"auto": False, "tensor_parallel_option": {"tensor_parallel_size": tp}}
     if dp > 1:
         g["data_parallel_option"] = {"data_parallel_size": dp}
+    if pp > 1:
+        g["pipeline_parallel_option"] = {"pipe_stage_num": pp}
     if sharding:
         g["tensor_sharding"] = {k: True for k in sharding}
     path = tmp_path / "parallel_option.json"
@@ -161,28 +163,33 @@ def _run(sessions, path, batches, options=None, schedule=None, stats=None) -> li
         session.remove_graph(0)
 
 
-# (model, devices, dp, tp, tensor sharding, tight memory): the meshes tp, dp x tp and dp (with
-# the SGD test's dp 2), each sharding level, 3 devices (shards that do not divide), devices
-# too small for replicated weights, every model on 4 devices and Llama and GPT-2 on 2
+# (model, devices, pp, dp, tp, tensor sharding, tight memory): the meshes tp, dp x tp and dp
+# (with the SGD test's dp 2), 2 pipeline stages alone, with replicas and with tensor
+# parallelism, each sharding level, 3 devices (shards that do not divide), devices too small for
+# replicated weights, every model on 4 devices and on 2
 CASES = [
-    ("llama", 2, 1, 2, (), True),
-    ("llama", 4, 2, 2, ("optimizer_state_sharding", "gradient_sharding"), True),
-    ("llama", 3, 3, 1, ("optimizer_state_sharding",), False),
-    ("gpt2", 2, 1, 2, (), True),
-    ("gpt2", 4, 2, 2, ("model_weight_sharding", "model_weight_prefetch"), False),
-    ("mixtral", 4, 2, 2, ("optimizer_state_sharding",), False),
+    ("llama", 2, 1, 1, 2, (), True),
+    ("llama", 4, 1, 2, 2, ("optimizer_state_sharding", "gradient_sharding"), True),
+    ("llama", 3, 1, 3, 1, ("optimizer_state_sharding",), False),
+    ("llama", 4, 2, 1, 2, (), False),
+    ("gpt2", 2, 1, 1, 2, (), True),
+    ("gpt2", 4, 1, 2, 2, ("model_weight_sharding", "model_weight_prefetch"), False),
+    ("gpt2", 4, 2, 2, 1, ("model_weight_sharding", "model_weight_prefetch"), False),
+    ("mixtral", 4, 1, 2, 2, ("optimizer_state_sharding",), False),
+    ("mixtral", 2, 2, 1, 1, (), False),
 ]
 
 
 @pytest.mark.parametrize(
-    "name,devices,dp,tp,sharding,tight",
+    "name,devices,pp,dp,tp,sharding,tight",
     CASES,
     ids=[
-        f"{m}-{d}dev-dp{dp}xtp{tp}-{'+'.join(s) or 'none'}{'-tight' if t else ''}"
-        for m, d, dp, tp, s, t in CASES
+        f"{m}-{d}dev-{f'pp{pp}x' if pp > 1 else ''}dp{dp}xtp{tp}-{'+'.join(s) or 'none'}"
+        f"{'-tight' if t else ''}"
+        for m, d, pp, dp, tp, s, t in CASES
     ],
 )
-def test_steps_equal_torch_training(name, devices, dp, tp, sharding, tight, sessions, tmp_path):
+def test_steps_equal_torch_training(name, devices, pp, dp, tp, sharding, tight, sessions, tmp_path):
     model = _model(name)
     reference = copy.deepcopy(model)
     batches = _batches(batch=BATCH if devices != 3 else 3)
@@ -191,12 +198,22 @@ def test_steps_equal_torch_training(name, devices, dp, tp, sharding, tight, sess
         model,
         _batches(1, batches[0]["input_ids"].shape[0], seed=9)[0],
         cluster=cluster,
-        policy=_policy(tmp_path, dp, tp, sharding),
+        policy=_policy(tmp_path, dp, tp, sharding, pp),
         optimizer=_adamw(model),
         time_limit=TIME_LIMIT,
     )
     training = built.manifest.training
-    assert (training.data_parallel, training.tensor_parallel) == (dp, tp)
+    assert (training.pipeline_stages, training.data_parallel, training.tensor_parallel) == (
+        pp,
+        dp,
+        tp,
+    )
+    # the stages run micro-batches: as many as the stages, where the replica's rows allow
+    assert training.micro_batches == (pp if pp > 1 else 1)
+    if pp > 1:
+        text = format_plan(built.manifest)
+        assert f"pipeline: {pp} stages, {pp} micro-batches in a 1F1B schedule" in text, text
+        assert all(f"  stage {s}: " in text for s in range(pp)), text
     assert training.optimizer_state_sharding == (dp > 1 and bool(sharding))
     zero3 = dp > 1 and "model_weight_sharding" in sharding
     assert training.gradient_sharding == (dp > 1 and "gradient_sharding" in sharding or zero3)
@@ -214,6 +231,73 @@ def test_steps_equal_torch_training(name, devices, dp, tp, sharding, tight, sess
     assert stats["prefetch_bytes"] == training.weight_prefetch_bytes
     fetched_ahead = 0 < stats["prefetch_peak_bytes"] <= stats["prefetch_bytes"]
     assert fetched_ahead == (training.weight_prefetch_bytes > 0)
+
+
+def test_three_pipeline_stages_on_three_devices(sessions, tmp_path):
+    # a middle stage receives activations and sends gradients both ways; 3 micro-batches
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(cfg)
+    reference = copy.deepcopy(model)
+    batches = _batches(batch=3)
+    built = tessel.build(
+        model,
+        _batches(1, 3, seed=9)[0],
+        cluster=3,
+        policy=_policy(tmp_path, 1, 1, pp=3),
+        optimizer=_adamw(model),
+        time_limit=TIME_LIMIT,
+    )
+    assert (built.manifest.training.pipeline_stages, built.manifest.training.micro_batches) == (
+        3,
+        3,
+    )
+    got = _run(sessions, built.save(tmp_path / "train"), batches)
+    assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
+
+
+@pytest.mark.parametrize("pp,micro_batches", [(2, 1), (2, 4), (3, 5), (4, 2), (5, 8)])
+def test_the_1f1b_schedule_runs_every_micro_batch_once_and_holds_few(pp, micro_batches):
+    from tessel.lower.training_stages import schedule_1f1b
+
+    slots = {s: schedule_1f1b(pp, s, micro_batches) for s in range(pp)}
+    for s, order in slots.items():
+        every = [(phase, k) for phase in "FB" for k in range(micro_batches)]
+        assert sorted(order) == sorted(every)
+        held = peak = 0  # micro-batches whose activations stage s holds
+        for phase, k in order:
+            held += 1 if phase == "F" else -1
+            peak = max(peak, held)
+            assert order.index(("F", k)) < order.index(("B", k))
+        assert peak == min(pp - s, micro_batches)
+    # run the stages as one machine: a slot runs once its inputs are there (the forward
+    # of the stage before, the backward of the stage after); every stage must finish
+    done: set[tuple[int, str, int]] = set()
+    place = dict.fromkeys(slots, 0)
+    while any(place[s] < len(slots[s]) for s in slots):
+        ran = False
+        for s in slots:
+            if place[s] == len(slots[s]):
+                continue
+            phase, k = slots[s][place[s]]
+            needs = (s - 1, "F", k) if phase == "F" else (s + 1, "B", k)
+            if phase == "B" and s == pp - 1:
+                needs = (s, "F", k)
+            if (phase == "F" and s == 0) or needs in done:
+                done.add((s, phase, k))
+                place[s] += 1
+                ran = True
+        assert ran, f"the stages wait on each other at {place}"
 
 
 def test_sgd_with_momentum_param_groups_and_a_schedule(sessions, tmp_path):
@@ -389,8 +473,8 @@ def test_random_dropout_is_refused(tmp_path):
             "model_weight_sharding is off",
         ),
         (
-            {"pipeline_parallel_option": {"pipe_stage_num": 2}},
-            "pipe_stage_num: is 2: pipeline stages is not built yet for training",
+            {"pipeline_parallel_option": {"pipe_stage_num": 2, "micro_batch_num": 3}},
+            "micro_batch_num: is 3, but the example inputs' first dimensions are ['4']",
         ),
     ],
 )
@@ -502,8 +586,8 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
     model = _model("llama")
     reference = copy.deepcopy(model)
     batches = _batches()
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    for d in "abc":
+        (tmp_path / d).mkdir()
     zero2 = tessel.build(
         model,
         batches[0],
@@ -520,6 +604,14 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
         optimizer=_adamw_slow(model),
         time_limit=TIME_LIMIT,
     ).save(tmp_path / "zero3")
+    stages = tessel.build(
+        model,
+        batches[0],
+        cluster=2,
+        policy=_policy(tmp_path / "c", 1, 1, pp=2),
+        optimizer=_adamw_slow(model),
+        time_limit=TIME_LIMIT,
+    ).save(tmp_path / "stages")
     four, two = _session(sessions, 4), _session(sessions, 2)
     four.load_graph(0, {}, zero2)
     try:
@@ -527,9 +619,16 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
         four.save_checkpoint(0, tmp_path / "step_3")
     finally:
         four.remove_graph(0)
-    two.load_graph(0, {"checkpoint": str(tmp_path / "step_3")}, zero3)
+    # on into pipeline stages for a step, and out of them for the last
+    two.load_graph(0, {"checkpoint": str(tmp_path / "step_3")}, stages)
     try:
-        got += [two.run_graph(0, b)[0].item() for b in batches[3:]]
+        got.append(two.run_graph(0, batches[3])[0].item())
+        two.save_checkpoint(0, tmp_path / "step_4")
+    finally:
+        two.remove_graph(0)
+    two.load_graph(0, {"checkpoint": str(tmp_path / "step_4")}, zero3)
+    try:
+        got += [two.run_graph(0, b)[0].item() for b in batches[4:]]
         two.save_checkpoint(0, tmp_path / "step_5")
         with pytest.raises(ConfigError, match=r"is not a training checkpoint"):
             two.load_graph(1, {"checkpoint": str(tmp_path / "nowhere")}, zero3)

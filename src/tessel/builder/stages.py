@@ -122,9 +122,9 @@ def build_training_stages(
     gradients: tuple[str, ...],
     micro_batches: int,
     source: str,
-) -> tuple[list[StagedProgram], dict[str, int]]:
-    """Every rank's program of a training step on the `pp x dp x tp` mesh, in rank order, and
-    each weight's stage. A weight's other names (tied embeddings) belong to its stage: the
+) -> tuple[list[StagedProgram], dict[str, int], StageAssignment]:
+    """Every rank's program of a training step on the `pp x dp x tp` mesh, in rank order,
+    each weight's stage and the layers of each stage. A weight's other names (tied embeddings) belong to its stage: the
     stages that read it there receive it, so one rank holds and updates it."""
     assignment = _assignment(captured, plan, cluster, dims, source)
     weights = weight_inputs(captured, plan)
@@ -172,7 +172,7 @@ def build_training_stages(
                 peak,
                 cluster.devices[rank].memory_bytes,
             )
-    return staged, stage
+    return staged, stage, assignment
 
 
 def pipeline_estimate(

@@ -159,9 +159,9 @@ def build_training(
         weighed.append(f"{level.name}: chosen, the least sharding that fits")
     t = time.perf_counter()
     gradients = captured_gradients(captured)
-    staged, weight_stage = None, {}
+    staged, weight_stage, stages = None, {}, None
     if pp > 1:
-        staged, weight_stage = build_training_stages(
+        staged, weight_stage, stages = build_training_stages(
             captured, plan, programs, cluster, dims, gradients, micro_batches, policy.source
         )
         every = [sp.program for sp in staged]
@@ -216,6 +216,17 @@ def build_training(
         "micro_batches": micro_batches,
     }
     manifest["plan"]["training"] = _explain(manifest["training"], cluster, policy)
+    if stages is not None:
+        manifest["plan"]["stages"] = [
+            {**entry, "ranks": [r for r, sp in enumerate(staged) if sp.stage == entry["stage"]]}
+            for entry in stages.to_json()
+        ]
+        manifest["plan"]["micro_batches"] = micro_batches
+        manifest["plan"]["memory"] = {  # what the stages' programs hold
+            "weight_bytes": max(sp.program.weight_bytes for sp in staged),
+            "peak_bytes": max(sp.program.peak_bytes for sp in staged),
+            "device_bytes": min(d.memory_bytes for d in cluster.devices),
+        }
     if weighed:
         manifest["plan"]["training"]["levels_weighed"] = weighed
     manifest["plan"]["verify"] = {
@@ -422,9 +433,14 @@ def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> 
     offload = training["optimizer_offload"]
     if offload == "cpu" and cluster.soc.device_type == "cpu":
         offload = "cpu (the devices are the host's CPU: nothing moves)"
+    pp, micro_batches = training["pipeline_stages"], training["micro_batches"]
     return {
         "optimizer": training["optimizer"]["type"],
         "param_groups": len(training["optimizer"]["param_groups"]),
+        "pipeline": f"{pp} stages, {micro_batches} micro-batches in a 1F1B schedule, gradients "
+        "summed over them before the update"
+        if pp > 1
+        else "none",
         "sharding": levels or ["none: every replica holds whole optimizer states and gradients"],
         "optimizer_offload": offload,
         "precision": "float32"

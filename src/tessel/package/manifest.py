@@ -215,6 +215,8 @@ class Submodel:
     weights: tuple[str, ...]
     weight_order: tuple[str, ...]
     tied: Mapping[str, Tie]
+    # each a process group over its ranks; the same ranks in another order are another group
+    # (a training pipeline sends each way between two ranks over a group of its own)
     comm_groups: tuple[tuple[int, ...], ...]
 
     @classmethod
