@@ -233,6 +233,38 @@ def test_steps_equal_torch_training(name, devices, pp, dp, tp, sharding, tight, 
     assert fetched_ahead == (training.weight_prefetch_bytes > 0)
 
 
+def test_optimizer_offload_updates_host_copies_as_torch_does(tmp_path):
+    # the path an accelerator rank takes (its states in host memory), run here in this
+    # process with the host standing for both: the optimizer updates copies, not the weights
+    from tessel.package.format import Package
+    from tessel.runtime.loader import load_rank
+    from tessel.runtime.step import TrainingStep
+
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    batches = _batches(3)
+    policy = tmp_path / "p.json"
+    policy.write_text(
+        json.dumps({"graph_parallel_option": {"optimizer_offload_option": {"offload": "cpu"}}})
+    )
+    built = _build(model, tmp_path, cluster=1, policy=str(policy))
+    assert "nothing moves" in format_plan(built.manifest)
+    package = Package.open(built.save(tmp_path / "train"))
+    program, weights = load_rank(package, 0, torch.device("cpu"), {})
+    step = TrainingStep(package.manifest, 0, weights, None, program, offload=torch.device("cpu"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert step.updated[name][0].data_ptr() != step.on_device[name].data_ptr()
+    got = [step.run([b["input_ids"], b["labels"]]).item() for b in batches]
+    opt = _adamw(reference)
+    assert got == pytest.approx(_torch_losses(reference, lambda m: opt, batches), abs=1e-4)
+    state = step.state_dict([name, f"optimizer.exp_avg.{name}"])
+    param = dict(reference.named_parameters())[name]
+    assert torch.allclose(state[name], param.detach(), atol=1e-5)
+    assert torch.allclose(
+        state[f"optimizer.exp_avg.{name}"], opt.state[param]["exp_avg"], atol=1e-5
+    )
+
+
 def test_three_pipeline_stages_on_three_devices(sessions, tmp_path):
     # a middle stage receives activations and sends gradients both ways; 3 micro-batches
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -47,8 +47,6 @@ MB = 2**20  # the policy's prefetch buffer is in MB
 
 log = logging.getLogger(__name__)
 
-_NOT_BUILT = "is not built yet for training in tessel; set it to false or remove it"
-
 
 def build_training(
     model: torch.nn.Module,
@@ -76,12 +74,6 @@ def build_training(
             "graph_parallel_option.tensor_sharding.model_weight_prefetch",
             "fetches sharded weights ahead, but model_weight_sharding is off; turn both on, or "
             "prefetch off",
-        )
-    if policy.optimizer_offload is not None and cluster.soc.device_type != "cpu":
-        raise ConfigError(
-            policy.source,
-            "graph_parallel_option.optimizer_offload_option",
-            f"offloads optimizer states from {cluster.soc.device_type} devices, which {_NOT_BUILT}",
         )
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
     own_dtype = _dtype_of(model)
@@ -115,6 +107,8 @@ def build_training(
     del traced
     timings["capture"] = time.perf_counter() - t
 
+    # offloaded optimizer states live in host memory, not on the devices
+    offloaded = policy.optimizer_offload is not None and cluster.soc.device_type != "cpu"
     # the sharding levels asked for, or (auto, the policy silent) the least that fits
     choices = _sharding_choices(policy, dp)
     auto = len(choices) > 1
@@ -133,7 +127,7 @@ def build_training(
         held = (
             ratio / (dp if level.weights else 1)
             + (1 if mixed and not level.weights else 0)
-            + spec.state_per_weight * ratio / (dp if level.states else 1)
+            + (0 if offloaded else spec.state_per_weight * ratio / (dp if level.states else 1))
         )
         mark_gradients(
             captured.program.graph_module.graph, GradientOutputs(captured_gradients(captured), held)
@@ -433,6 +427,11 @@ def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> 
     offload = training["optimizer_offload"]
     if offload == "cpu" and cluster.soc.device_type == "cpu":
         offload = "cpu (the devices are the host's CPU: nothing moves)"
+    elif offload == "cpu":
+        offload = (
+            "cpu (each rank's optimizer states and an fp32 copy of the weights it updates in "
+            "host memory; gradients go to the host and updated weights back every step)"
+        )
     pp, micro_batches = training["pipeline_stages"], training["micro_batches"]
     return {
         "optimizer": training["optimizer"]["type"],

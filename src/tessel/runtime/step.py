@@ -77,6 +77,7 @@ class TrainingStep:
         weights: list[torch.Tensor],
         group: dist.ProcessGroup | None,
         program: fx.GraphModule,
+        offload: torch.device | None = None,
     ) -> None:
         t = manifest.training
         sub: Submodel = manifest.submodel(rank)
@@ -158,6 +159,13 @@ class TrainingStep:
                     if self.shard_weights
                     else self.flat[own.start : own.stop]
                 ]
+        # optimizer offload: the optimizer updates host copies of those parts, with its states
+        # beside them in host memory; each step takes the gradients there and the result back
+        self.on_device: dict[str, torch.Tensor] = {}
+        if offload is not None:
+            for n, tensors in self.updated.items():
+                self.on_device[n] = tensors[0]
+                tensors[0] = tensors[0].detach().to(offload, copy=True)
         self.spec = spec = spec_from_json(t.optimizer, "the package")
         self.optimizer = make_optimizer(spec, self.updated)
         self.state_keys = sorted({k for g in spec.groups for k in state_keys(spec.name, g.options)})
@@ -306,11 +314,13 @@ class TrainingStep:
                 grad = self._in_segment(self.grad, self.owned[n])
             else:
                 grad = self.grad[self.owned[n].start : self.owned[n].stop]
-            tensors[0].grad = grad
+            tensors[0].grad = grad.to(tensors[0].device)
         self.optimizer.step()
         self.steps += 1
-        for tensors in self.updated.values():
+        for n, tensors in self.updated.items():
             tensors[0].grad = None
+            if n in self.on_device:
+                self.on_device[n].copy_(tensors[0])
         if self.shard_states and not self.shard_weights:
             for u in self.layout.units:
                 lo, hi = self.layout.chunk_range(u, self.replica)
@@ -386,6 +396,8 @@ class TrainingStep:
             else:
                 self.weights[i].copy_(tensors[n].reshape(self.weights[i].shape))
         self._refresh()
+        for n, part in self.on_device.items():  # the optimizer's host copies
+            self.updated[n][0].copy_(part)
         self.steps = int(tensors[STEP_NAME].item()) if STEP_NAME in tensors else self.steps
         for n, updated in self.updated.items():
             state = {}
@@ -396,7 +408,7 @@ class TrainingStep:
                 value = tensors[name]
                 if n in self.owned:
                     value = self._owned_part(value, n, self.owned[n])
-                state[key] = value.clone().view(updated[0].shape)
+                state[key] = value.to(updated[0].device, copy=True).view(updated[0].shape)
             if state:
                 if self.spec.name != "SGD":
                     state["step"] = torch.tensor(float(self.steps))

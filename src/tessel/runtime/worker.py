@@ -142,7 +142,16 @@ def _load(
     step, strategy = None, b""
     if package.manifest.training is not None:
         replicas = data_parallel_group(package.manifest, spec.rank)
-        step = TrainingStep(package.manifest, spec.rank, weights, replicas, program)
+        # optimizer states offloaded to host memory, where the devices are not the host's CPU
+        offload = package.manifest.training.optimizer_offload != "none" and device.type != "cpu"
+        step = TrainingStep(
+            package.manifest,
+            spec.rank,
+            weights,
+            replicas,
+            program,
+            offload=torch.device("cpu") if offload else None,
+        )
         strategy = json.dumps(package.json(package.manifest.strategy)).encode()
         if resume:
             with torch.no_grad():
