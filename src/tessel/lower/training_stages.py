@@ -31,7 +31,7 @@ Rank `(s, d, t)` is `s * dp * tp + d * tp + t`, as for inference.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from tessel.lower.stages import (
     _BROADCAST,
@@ -85,20 +85,13 @@ def training_stage_programs(
     return out  # type: ignore[return-value]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Send:
-    value: str  # the node (or weight input) sent
-    micro_batch: int  # -1: a weight, sent once for every micro-batch
-    target: int  # the receiving stage
+    """A value one stage sends another: for one micro-batch, or (-1) once for all of them."""
 
-
-@dataclass
-class _Slot:
-    """What a stage does in one slot: the nodes it runs and what it sends after each."""
-
-    phase: str
+    value: str  # the node or weight input sent
     micro_batch: int
-    nodes: list[dict] = field(default_factory=list)
+    target: int  # the receiving stage
 
 
 class _TrainingCut:
@@ -140,6 +133,8 @@ class _TrainingCut:
         self.gradients = [a["$node"] for a in returned[1:]]
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
         self.pos = self._assign()
+        # what each stage sends, in the order it sends it: the same for every replica and rank
+        self.sends = {s: self._sends(s) for s in range(split.pp)}
 
     # -- positions ---------------------------------------------------------------------
 
@@ -302,7 +297,7 @@ class _TrainingCut:
                 continue
             group = {"$group": [rank_of(q), me]}  # sender first: the channel from q to s
             src = sorted([rank_of(q), me]).index(rank_of(q))
-            for send in self._sends(q):
+            for send in self.sends[q]:
                 if send.target != s:
                     continue
                 tag = "w" if send.micro_batch < 0 else f"mb{send.micro_batch}"
@@ -321,10 +316,9 @@ class _TrainingCut:
                 waits[new] = _call(new, _WAIT, [{"$node": f"{new}_recv"}])
                 received[(send.value, send.micro_batch)] = new
 
-        sends = [x for x in self._sends(s)]
         sent_bytes = 0
         targets: dict[tuple[str, int], list[int]] = {}
-        for x in sends:
+        for x in self.sends[s]:
             targets.setdefault((x.value, x.micro_batch), []).append(x.target)
 
         def send(value: str, node: str, k: int, pending: list[dict]) -> None:
@@ -343,8 +337,7 @@ class _TrainingCut:
                 body.append(waits.pop(node))
             return node
 
-        mine = {fqn_node for fqn_node, stage in self.weight_stage.items() if stage == s}
-        weights = [w for w in self.weight_nodes if w["name"] in mine]
+        weights = [w for w in self.weight_nodes if self.weight_stage[w["name"]] == s]
         accumulated: dict[int, str] = {}  # gradient output index -> its running sum's node
         loss_sum = ""
         for phase, k in schedule_1f1b(p, s, split.micro_batches):

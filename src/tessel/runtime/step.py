@@ -142,6 +142,14 @@ class TrainingStep:
                 else:
                     weights[position[name]] = chunk.contiguous()
                     self.refresh.append((weights[position[name]], name))
+        # what still reads the package's buffer (weights not trained, the program's constants)
+        # gets its own copy, so that buffer, which holds every weight, is freed
+        trained = {*self.names, *self.ties}
+        for i, n in enumerate(self.order):
+            if n not in trained:
+                weights[i] = weights[i].clone()
+        for name, buffer in list(program.named_buffers(recurse=False)):
+            program.register_buffer(name, buffer.clone())
         self.weights = weights
 
         # what this rank's optimizer updates: whole weights, or the parts of them it owns
@@ -250,8 +258,13 @@ class TrainingStep:
                     (dist.all_reduce(target, group=self.group, async_op=True), None)
                 )
             return
-        whole = torch.zeros(self.layout.padded(u), dtype=self.grad.dtype, device=self.device)
-        self._fill(whole, u.names, grads)
+        size = self.layout.padded(u)
+        made = grads[0] if len(grads) == 1 else None
+        if made is not None and made.numel() == size and made.dtype == self.grad.dtype:
+            whole = made.reshape(-1)  # one weight, no padding: reduced where the program left it
+        else:
+            whole = torch.zeros(size, dtype=self.grad.dtype, device=self.device)
+            self._fill(whole, u.names, grads)
         mine = self.grad[u.segment_start : u.segment_start + u.chunk]
         work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
         self.pending.append((work, whole))  # kept until the exchange is done
