@@ -181,14 +181,21 @@ def footprint(
     def owner(n: fx.Node) -> fx.Node:
         return choices[n].owner or n
 
-    def sizes(v: fx.Node, val: torch.Tensor, index: int | None) -> np.ndarray:
-        return np.array(
-            [
-                local_bytes(val, _placements(s.output_at(index)), mesh_shape)
-                for s in choices[v].strategies
-            ],
-            dtype=float,
-        )
+    known: dict[tuple[fx.Node, fx.Node, int | None], np.ndarray] = {}
+
+    def sizes(v: fx.Node, n: fx.Node, val: torch.Tensor, index: int | None) -> np.ndarray:
+        """Bytes of `n`'s value (output `index`) per strategy of its owner `v`, computed
+        once: a value is counted in every moment it lives through."""
+        key = (v, n, index)
+        if key not in known:
+            known[key] = np.array(
+                [
+                    local_bytes(val, _placements(s.output_at(index)), mesh_shape)
+                    for s in choices[v].strategies
+                ],
+                dtype=float,
+            )
+        return known[key]
 
     fixed = 0
     weights: dict[fx.Node, np.ndarray] = {}
@@ -200,7 +207,7 @@ def footprint(
         if (v, id(tensor)) in held:
             continue
         held.add((v, id(tensor)))
-        bytes_per_strategy = sizes(v, n.meta["val"], None) * held_per_weight
+        bytes_per_strategy = sizes(v, n, n.meta["val"], None) * held_per_weight
         if len(bytes_per_strategy) == 1:
             fixed += int(bytes_per_strategy[0])
         else:
@@ -215,7 +222,7 @@ def footprint(
             if s.node not in choices:
                 continue
             v = owner(s.node)
-            row.linear[v] = row.linear.get(v, 0) + sizes(v, s.value, s.index)
+            row.linear[v] = row.linear.get(v, 0) + sizes(v, s.node, s.value, s.index)
         for b in buffers:
             if not b.start <= t <= b.end:
                 continue
