@@ -46,7 +46,13 @@ from tessel.config.cluster import (
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
-from tessel.lower.program import collectives, groups_in, move_groups
+from tessel.lower.program import (
+    collectives,
+    groups_in,
+    matched_names,
+    move_groups,
+    rank_interpolation,
+)
 from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import (
     LoweringError,
@@ -483,12 +489,33 @@ def _lower_all(
     if world == 1:
         return [first]
     last = lower(world - 1)
-    if _even_weight_shards(captured, plan, world) and _same_program(
-        _moved(first, plan.mesh_shape, world - 1), last
-    ):
-        return [first, *(_moved(first, plan.mesh_shape, r) for r in range(1, world - 1)), last]
+    if _even_weight_shards(captured, plan, world):
+        if _same_program(_moved(first, plan.mesh_shape, world - 1), last):
+            return [first, *(_moved(first, plan.mesh_shape, r) for r in range(1, world - 1)), last]
+        between = _interpolated(first, last, plan.mesh_shape, world)
+        if between is not None:
+            return [first, *between, last]
     log.info("rank programs differ; tracing each of the %d ranks", world)
     return [first, *(lower(r) for r in range(1, world - 1)), last]
+
+
+def _interpolated(
+    first: RankProgram, last: RankProgram, mesh_shape: tuple[int, ...], world: int
+) -> list[RankProgram] | None:
+    """The programs of ranks 1 .. world - 2 of a 1-D mesh whose first and last programs
+    differ only in integers growing by a step per rank (`rank_interpolation`), with the same
+    local shapes and constants; None otherwise."""
+    if len(mesh_shape) != 1 or first.constants.keys() != last.constants.keys():
+        return None
+    if not all(torch.equal(first.constants[k], last.constants[k]) for k in first.constants):
+        return None
+    program = rank_interpolation(first.program, last.program, world)
+    if program is None or len(first.shapes) != len(last.shapes):
+        return None
+    names = matched_names(first.program, last.program)
+    if any(first.shapes.get(names.get(n, n)) != v for n, v in last.shapes.items()):
+        return None
+    return [replace(first, program=program(r)) for r in range(1, world - 1)]
 
 
 def _moved(program: RankProgram, mesh_shape: tuple[int, ...], rank: int) -> RankProgram:

@@ -10,6 +10,7 @@ program file can name what to compute but never run code of its own or change a 
 
 from __future__ import annotations
 
+import json
 import keyword
 import math
 import operator
@@ -265,6 +266,64 @@ def move_groups(program: dict, rank_map: Callable[[int], int]) -> dict:
         return a
 
     return {**program, "nodes": move(program["nodes"])}
+
+
+def matched_names(first: dict, last: dict) -> dict[str, str]:
+    """Node names of `last` -> those of `first`, the programs' nodes matched by position."""
+    return {
+        b["name"]: a["name"]
+        for a, b in zip(first["nodes"], last["nodes"])
+        if "name" in a and "name" in b
+    }
+
+
+def rank_interpolation(first: dict, last: dict, world: int) -> Callable[[int], dict] | None:
+    """The programs of the ranks between `first` (rank 0's) and `last` (rank `world - 1`'s) of
+    a 1-D mesh, where the two differ only in integers that grow by a whole step per rank: where
+    a rank's chunk of an evenly sharded tensor starts, which piece of a split it takes. Returns
+    None where they differ otherwise (then each rank is traced). Node names may differ: they
+    are matched by position and rank 0's are kept."""
+    nodes_a, nodes_b = first["nodes"], last["nodes"]
+    rest = {k: v for k, v in first.items() if k != "nodes"}
+    if (
+        len(nodes_a) != len(nodes_b)
+        or world < 3
+        or rest != {k: v for k, v in last.items() if k != "nodes"}
+    ):
+        return None
+    names = matched_names(first, last)
+    grows: list[tuple[tuple, int, int]] = []  # (where, rank 0's value, step per rank)
+
+    def walk(a: Any, b: Any, where: tuple) -> bool:
+        if isinstance(a, dict) and isinstance(b, dict):
+            if "$node" in a:
+                return "$node" in b and names.get(b["$node"], b["$node"]) == a["$node"]
+            if a.keys() != b.keys():
+                return False
+            return all(k == "name" or walk(a[k], b[k], (*where, k)) for k in a)
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(
+                walk(x, y, (*where, i)) for i, (x, y) in enumerate(zip(a, b))
+            )
+        if type(a) is int and type(b) is int and a != b:
+            step, rest = divmod(b - a, world - 1)
+            grows.append((where, a, step))
+            return rest == 0
+        return type(a) is type(b) and a == b
+
+    if not all(walk(a, b, (i,)) for i, (a, b) in enumerate(zip(nodes_a, nodes_b))):
+        return None
+
+    def program(rank: int) -> dict:
+        nodes = json.loads(json.dumps(nodes_a))
+        for where, value, step in grows:
+            holder = nodes
+            for key in where[:-1]:
+                holder = holder[key]
+            holder[where[-1]] = value + step * rank
+        return {**first, "nodes": nodes}
+
+    return program
 
 
 def groups_in(program: dict) -> list[list[int]]:
