@@ -139,7 +139,7 @@ def build_training(
                 more_memory(first_devices(cluster, tp), pp) if dp * pp > 1 else cluster,
                 policy,
                 time_limit=time_limit,
-                reuse_layers=False,
+                reuse_layers=True,
                 timings=timings,
                 reserve=_gathered_reserve(level, largest_unit, policy, auto),
             )

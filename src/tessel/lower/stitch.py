@@ -70,9 +70,10 @@ class Stitcher:
         order = {n: i for i, n in enumerate(graph.nodes)}
         runs = []
         for group in identical_layers(graph):
-            for layers in _contiguous_runs(group, order):
-                if len(layers) >= MIN_LAYERS and _placed_alike(layers, plan):
-                    runs.append(_Run(layers, [_external(layer) for layer in layers]))
+            for pieces in _passes(group, order):
+                for layers in _contiguous_runs(pieces, order):
+                    if len(layers) >= MIN_LAYERS and _placed_alike(layers, plan):
+                        runs.append(_Run(layers, [_external(layer) for layer in layers]))
         runs.sort(key=lambda run: order[run.layers[0][0]])  # a later run may read an earlier one
         stitcher = cls(runs, plan)
         for run in runs:
@@ -255,6 +256,29 @@ def _node_of(t: torch.Tensor) -> fx.Node:
     if node is None:
         raise StitchError("layers can be stitched only while a program is traced")
     return node
+
+
+def _passes(group: list[list[fx.Node]], order: dict) -> list[list[list[fx.Node]]]:
+    """Identical layers, each cut where other nodes run inside it: a training graph runs a
+    layer's forward nodes in one place and its backward nodes in another, the layers'
+    backward in reverse. Where every layer is cut alike, one list of pieces per pass (in graph
+    order); otherwise the layers whole."""
+    cuts = []
+    for layer in group:
+        pieces = [[layer[0]]]
+        for a, b in zip(layer, layer[1:]):
+            if order[b] == order[a] + 1:
+                pieces[-1].append(b)
+            else:
+                pieces.append([b])
+        cuts.append(pieces)
+    shapes = {tuple(len(p) for p in pieces) for pieces in cuts}
+    if len(cuts[0]) == 1 or len(shapes) != 1:
+        return [group]
+    return [
+        sorted((pieces[j] for pieces in cuts), key=lambda piece: order[piece[0]])
+        for j in range(len(cuts[0]))
+    ]
 
 
 def _contiguous_runs(group: list[list[fx.Node]], order: dict) -> list[list[list[fx.Node]]]:
