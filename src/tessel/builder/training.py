@@ -121,6 +121,8 @@ def build_training(
         (sum(size[n].numel() * compute.itemsize for n in u) for u in weight_units(trainable)),
         default=0,
     )
+    gradients = captured_gradients(captured)
+    staged, weight_stage, stages = None, {}, None
     for i, level in enumerate(choices):
         # per byte of a weight as the program reads it: the fp32 master (and its compute copy,
         # mixed precision without weight sharding) and the optimizer's fp32 states
@@ -129,9 +131,7 @@ def build_training(
             + (1 if mixed and not level.weights else 0)
             + (0 if offloaded else spec.state_per_weight * ratio / (dp if level.states else 1))
         )
-        mark_gradients(
-            captured.program.graph_module.graph, GradientOutputs(captured_gradients(captured), held)
-        )
+        mark_gradients(captured.program.graph_module.graph, GradientOutputs(gradients, held))
         try:
             plan, programs = plan_and_lower(
                 captured,
@@ -143,6 +143,12 @@ def build_training(
                 timings=timings,
                 reserve=_gathered_reserve(level, largest_unit, policy, auto),
             )
+            if pp > 1:  # a stage's program holds its micro-batches' activations: it must fit
+                t = time.perf_counter()
+                staged, weight_stage, stages = build_training_stages(
+                    captured, plan, programs, cluster, dims, gradients, micro_batches, policy.source
+                )
+                timings["stages"] = time.perf_counter() - t
             break
         except PlanError as exc:
             if i == len(choices) - 1:
@@ -152,15 +158,8 @@ def build_training(
     if auto:
         weighed.append(f"{level.name}: chosen, the least sharding that fits")
     t = time.perf_counter()
-    gradients = captured_gradients(captured)
-    staged, weight_stage, stages = None, {}, None
-    if pp > 1:
-        staged, weight_stage, stages = build_training_stages(
-            captured, plan, programs, cluster, dims, gradients, micro_batches, policy.source
-        )
+    if staged is not None:
         every = [sp.program for sp in staged]
-        timings["stages"] = time.perf_counter() - t
-        t = time.perf_counter()
     else:  # replica d runs the first replica's programs on ranks d*tp ..., groups moved there
         every = [
             rp
