@@ -1,8 +1,10 @@
 """`tessel.build(..., optimizer=opt)`: one offline model holding a partitioned training step.
 
 The step (forward, backward, and the optimizer's update) is planned for one data-parallel
-replica's tensor-parallel devices on its share of the batch; every replica runs that program on
-its own rows, each gradient returned placed like its weight. Workers then exchange each layer's
+replica's tensor-parallel devices on its share of the batch (with pipeline stages, on one
+micro-batch of it, then cut into the stages' programs by `lower.training_stages`); every
+replica runs that program on its own rows, each gradient returned placed like its weight.
+Workers then exchange each layer's
 gradients over the data-parallel axis as the backward pass makes them and update their shards
 with torch's optimizer; the sharding levels (ZeRO's three stages, chosen here: as the policy
 asks, or the least that fits under `auto`) and the prefetch buffer are recorded in the

@@ -15,7 +15,10 @@ the pass goes on. ZeRO's stages over the `dp` replicas:
   within the prefetch buffer) and frees it after them, in the forward and the backward pass.
 
 The pieces a rank updates are views of the flat buffer (or of its segment), one per weight,
-so torch's optimizers see ordinary tensors in the package's parameter groups.
+so torch's optimizers see ordinary tensors in the package's parameter groups; with optimizer
+offload, host copies of them. With pipeline stages a rank trains its stage's weights: the
+program sums their gradients over the micro-batches, and the replicas of the stage exchange
+them as above.
 """
 
 from __future__ import annotations
