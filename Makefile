@@ -24,12 +24,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tessel demo
 
-# two pytest processes, each taking whole test files (a file's tests share its sessions and
-# their workers); TEST_PROCESSES=0 runs them in this one
+# two pytest processes, each taking whole test files or test classes (a file's tests share its
+# sessions and their workers); TEST_PROCESSES=0 runs them in this one
 TEST_PROCESSES ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadscope --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
