@@ -471,3 +471,44 @@ def test_idle_workers_outlive_the_collective_timeout(model_file, gpt2_files, ses
     session.load_graph(1, options, paths[2])
     assert _pids(session, 1) == first
     _assert_matches(session, 1, gpt2, ids)
+
+
+def _report_and_exit(conn) -> None:  # a worker that saw a broken connection
+    conn.send(("error", 0, ("RuntimeError", "Connection reset by peer", "")))
+    os._exit(1)
+
+
+def _wait_for_the_session(conn) -> None:  # a worker blocked in a collective
+    conn.recv()
+
+
+@pytest.mark.parametrize("peer", ["killed", "alive"])
+def test_a_peer_killed_outright_is_named_before_the_connection_it_broke(peer):
+    # a killed worker's sockets and pipe close together: the session may read a peer's report
+    # of the broken connection first, and must still name the death as the cause
+    import multiprocessing as mp
+
+    from tessel.runtime.session import _silent_death, _Workers
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [
+        ctx.Process(target=_report_and_exit, args=(pipes[0][1],), daemon=True),
+        ctx.Process(target=_wait_for_the_session, args=(pipes[1][1],), daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert pipes[0][0].recv()[0] == "error"  # the peer's report came first
+        if peer == "killed":
+            os.kill(procs[1].pid, signal.SIGKILL)
+        workers = _Workers(procs, [parent for parent, _ in pipes], [0, 1], True, 10.0)
+        found = _silent_death(workers, 0)
+        if peer == "killed":
+            assert found is not None and "rank 1 died" in str(found), found
+        else:
+            assert found is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()

@@ -301,6 +301,30 @@ def test_a_deep_model_lowered_from_copies_of_one_layer_trains_as_torch(
     assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
 
 
+def test_a_global_batch_larger_than_the_example_is_what_a_step_takes(sessions, tmp_path):
+    # the policy's global_batch_size: each of 2 replicas runs 2 micro-batches of 2 rows
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    policy = tmp_path / "p.json"
+    policy.write_text(
+        json.dumps(
+            {
+                "graph_parallel_option": {
+                    "auto": False,
+                    "global_batch_size": 8,
+                    "data_parallel_option": {"data_parallel_size": 2},
+                    "pipeline_parallel_option": {"pipe_stage_num": 2},
+                }
+            }
+        )
+    )
+    built = _build(model, tmp_path, policy=str(policy), cluster=4)  # an example of 4 rows
+    assert [spec.shape[0] for spec in built.manifest.inputs] == [8, 8]
+    batches = _batches(2, batch=8)
+    got = _run(sessions, built.save(tmp_path / "train"), batches)
+    assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
+
+
 def test_three_pipeline_stages_on_three_devices(sessions, tmp_path):
     # a middle stage receives activations and sends gradients both ways; 3 micro-batches
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -543,6 +567,11 @@ def test_random_dropout_is_refused(tmp_path):
         (
             {"pipeline_parallel_option": {"pipe_stage_num": 2, "micro_batch_num": 3}},
             "micro_batch_num: is 3, but the example inputs' first dimensions are ['4']",
+        ),
+        (
+            {"data_parallel_option": {"data_parallel_size": 2}, "global_batch_size": 12},
+            "global_batch_size: is 12: it must split into 2 equal parts (data_parallel_size 2 x "
+            "micro_batch_num 1) and the example batch, of 4 rows, must hold one of them (6 rows)",
         ),
     ],
 )

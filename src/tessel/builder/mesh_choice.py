@@ -177,13 +177,31 @@ def gather_seconds(
 
 
 def replica_batch(
-    args: tuple, kwargs: dict, dp: int, source: str, micro_batches: int = 1
+    args: tuple,
+    kwargs: dict,
+    dp: int,
+    source: str,
+    micro_batches: int = 1,
+    global_batch: int | None = None,
 ) -> tuple[tuple, dict]:
     """One micro-batch of the first replica's share of the example batch: every tensor input
-    split along its first dimension, which `dp * micro_batches` must divide."""
+    split along its first dimension, which `dp * micro_batches` must divide. With
+    `global_batch` (the policy's `global_batch_size`) that many rows make the batch a run takes,
+    of which the example must hold at least one micro-batch."""
     tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     batches = {x.shape[0] if x.dim() else None for x in tensors}
     parts = dp * micro_batches
+    if global_batch is not None and len(batches) == 1 and None not in batches:
+        example = next(iter(batches))
+        if global_batch % parts or example < global_batch // parts:
+            raise ConfigError(
+                source,
+                "graph_parallel_option.global_batch_size",
+                f"is {global_batch}: it must split into {parts} equal parts (data_parallel_size "
+                f"{dp} x micro_batch_num {micro_batches}) and the example batch, of {example} "
+                f"rows, must hold one of them ({global_batch // parts} rows)",
+            )
+        batches = {global_batch}
     if len(batches) != 1 or None in batches or next(iter(batches)) % parts:
         found = sorted(map(str, batches))
         if micro_batches > 1:

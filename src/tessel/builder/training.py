@@ -86,14 +86,14 @@ def build_training(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    # the rows a step takes: the policy's global batch, or the example's
+    rows = policy.global_batch_size or batch_rows(args, kwargs)
     micro_batches = 1
     if pp > 1:
-        micro_batches = policy.micro_batch_num or default_micro_batches(
-            pp, batch_rows(args, kwargs) // dp
-        )
+        micro_batches = policy.micro_batch_num or default_micro_batches(pp, rows // dp)
     split = (
-        replica_batch(args, kwargs, dp, policy.source, micro_batches)
-        if dp * micro_batches > 1
+        replica_batch(args, kwargs, dp, policy.source, micro_batches, policy.global_batch_size)
+        if dp * micro_batches > 1 or policy.global_batch_size is not None
         else (args, kwargs)
     )
     # the package holds fp32 master weights; the program computes in `compute`

@@ -639,7 +639,7 @@ def _poll(workers: _Workers, deadline: float, want: str, index: int | None) -> A
             except (EOFError, OSError):
                 raise WorkerError(_describe_exit(workers, i)) from None
             if kind == "error":
-                raise _worker_failed(rank, payload)
+                raise _silent_death(workers, i) or _worker_failed(rank, payload)
             if kind == want and i in pending:
                 pending.discard(i)
                 result = payload
@@ -647,6 +647,30 @@ def _poll(workers: _Workers, deadline: float, want: str, index: int | None) -> A
             if isinstance(obj, int) and sentinels[obj] not in answered:
                 raise WorkerError(_describe_exit(workers, sentinels[obj]))
     return result
+
+
+# a worker killed outright closes its sockets and its pipe to the session in the same moment:
+# a peer may report the broken connection first, so a report waits this long for a death
+_DEATH_WINDOW_S = 1.0
+
+
+def _silent_death(workers: _Workers, reporter: int) -> WorkerError | None:
+    """The death of a worker other than `reporter` that sent no word (killed, or crashed),
+    seen within `_DEATH_WINDOW_S` of `reporter`'s error: the cause of that error, which then
+    only says a connection broke. None where every other worker is alive or reported."""
+    others = [j for j in range(len(workers.procs)) if j != reporter]
+    sentinels = {workers.procs[j].sentinel: j for j in others}
+    deadline = time.monotonic() + _DEATH_WINDOW_S
+    while sentinels and (remaining := deadline - time.monotonic()) > 0:
+        for sentinel in wait(list(sentinels), timeout=remaining):
+            j = sentinels.pop(sentinel)
+            try:
+                said = workers.conns[j].poll() and workers.conns[j].recv()[0] == "error"
+            except (EOFError, OSError):
+                said = False
+            if not said:
+                return WorkerError(_describe_exit(workers, j))
+    return None
 
 
 def _worker_failed(rank: int, report: Any) -> WorkerError:
