@@ -395,9 +395,7 @@ class _TrainingCut:
                 loss = f"{_LOSS}__mean"
                 shapes[loss] = shapes[_LOSS]
                 body.append(_call(loss, _DIV, [{"$node": loss_sum}, split.micro_batches]))
-            if s != 0:
-                targets[(_LOSS, -1)] = [0]
-                send(_LOSS, loss, -1, pending)
+            send(_LOSS, loss, -1, pending)  # to the first stage, unless this is it
         elif s == 0:
             loss = wait_for(received[(_LOSS, -1)])
         else:  # a middle stage returns no loss of its own
