@@ -29,14 +29,14 @@ FACTOR = 0.75  # tight devices hold this share of replicated weights, gradients 
 TIME_LIMIT = 2.0
 
 
-def _llama() -> torch.nn.Module:
+def _llama(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -270,8 +270,6 @@ def test_a_deep_model_lowered_from_copies_of_one_layer_trains_as_torch(
 ):
     # six layers: the forward pass of the identical ones is traced twice and copied for the
     # rest (lowering's stitching), on two tensor-parallel ranks
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tessel.lower.stitch import Stitcher
 
     stitched: list[int] = []  # per stitched rank, the most layers of a run copied
@@ -283,16 +281,7 @@ def test_a_deep_model_lowered_from_copies_of_one_layer_trains_as_torch(
 
     monkeypatch.setattr(Stitcher, "stitch", recorded)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = _llama(layers=6, hidden=32)
     reference = copy.deepcopy(model)
     batches = _batches()
     built = _build(model, tmp_path, batch=batches[0], policy=_policy(tmp_path, 1, 2))
@@ -327,19 +316,8 @@ def test_a_global_batch_larger_than_the_example_is_what_a_step_takes(sessions, t
 
 def test_three_pipeline_stages_on_three_devices(sessions, tmp_path):
     # a middle stage receives activations and sends gradients both ways; 3 micro-batches
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = _llama(layers=3, hidden=32)
     reference = copy.deepcopy(model)
     batches = _batches(batch=3)
     built = tessel.build(

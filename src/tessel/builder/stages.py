@@ -75,13 +75,7 @@ def build_stages(
     if dims.size("pp") > 1:
         assignment = _assignment(captured, plan, cluster, dims, source)
         weight_stage = assignment.weight_stage
-    split = Split(
-        dims.size("pp"),
-        dims.size("dp"),
-        dims.size("tp"),
-        micro_batches,
-        captured.example_inputs[0].shape[0] if captured.example_inputs else 1,
-    )
+    split = _split(captured, dims, micro_batches)
     staged = stage_programs(
         programs,
         [fqn for _, fqn in weights],
@@ -89,27 +83,7 @@ def build_stages(
         len(captured.example_inputs),
         split,
     )
-    measured: dict[tuple, tuple[int, int]] = {}
-    for rank, sp in enumerate(staged):
-        # replicas after the first run the same program over other ranks
-        coordinate = dims.coordinate(rank)
-        key = (sp.stage, coordinate["tp"], coordinate["dp"] == 0)
-        if key not in measured:
-            measured[key] = _memory(sp)
-        held, peak = measured[key]
-        sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
-        if peak > cluster.devices[rank].memory_bytes:
-            where = f"rank {rank}"
-            if assignment is not None:
-                layers = assignment.layers[sp.stage]
-                where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
-            raise StageMemoryError(
-                f"{where} holds {peak} bytes at its peak, more than the device's "
-                f"{cluster.devices[rank].memory_bytes}; use more stages, more micro-batches or "
-                "more tensor parallelism",
-                peak,
-                cluster.devices[rank].memory_bytes,
-            )
+    _measure(staged, cluster, dims, assignment)
     return staged, assignment
 
 
@@ -137,13 +111,7 @@ def build_training_stages(
             owner[key] = fqn
     for _, fqn in weights:
         stage[fqn] = stage[owner[id(state[fqn])]]
-    split = Split(
-        dims.size("pp"),
-        dims.size("dp"),
-        dims.size("tp"),
-        micro_batches,
-        captured.example_inputs[0].shape[0] if captured.example_inputs else 1,
-    )
+    split = _split(captured, dims, micro_batches)
     try:
         staged = training_stage_programs(
             programs,
@@ -155,24 +123,45 @@ def build_training_stages(
         )
     except StageError as exc:
         raise ConfigError(source, PP_KEY, f"the training step cannot be cut: {exc}") from None
+    _measure(staged, cluster, dims, assignment)
+    return staged, stage, assignment
+
+
+def _split(captured: CapturedModel, dims: ParallelDims, micro_batches: int) -> Split:
+    """The mesh's cut of the work, micro-batches of the rows the programs were lowered for."""
+    rows = captured.example_inputs[0].shape[0] if captured.example_inputs else 1
+    return Split(dims.size("pp"), dims.size("dp"), dims.size("tp"), micro_batches, rows)
+
+
+def _measure(
+    staged: list[StagedProgram],
+    cluster: ClusterConfig,
+    dims: ParallelDims,
+    assignment: StageAssignment | None,
+) -> None:
+    """Record each rank's weight and peak bytes in its program; raise `StageMemoryError`
+    where a peak is more than the rank's device holds."""
     measured: dict[tuple, tuple[int, int]] = {}
     for rank, sp in enumerate(staged):
-        key = (sp.stage, dims.coordinate(rank)["tp"])
+        # replicas after the first run the same program over other ranks
+        coordinate = dims.coordinate(rank)
+        key = (sp.stage, coordinate["tp"], coordinate["dp"] == 0)
         if key not in measured:
             measured[key] = _memory(sp)
         held, peak = measured[key]
         sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
         if peak > cluster.devices[rank].memory_bytes:
-            layers = assignment.layers[sp.stage]
+            where = f"rank {rank}"
+            if assignment is not None:
+                layers = assignment.layers[sp.stage]
+                where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
             raise StageMemoryError(
-                f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on rank {rank} "
-                f"holds {peak} bytes at its peak, more than the device's "
+                f"{where} holds {peak} bytes at its peak, more than the device's "
                 f"{cluster.devices[rank].memory_bytes}; use more stages, more micro-batches or "
                 "more tensor parallelism",
                 peak,
                 cluster.devices[rank].memory_bytes,
             )
-    return staged, stage, assignment
 
 
 def pipeline_estimate(

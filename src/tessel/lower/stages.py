@@ -119,6 +119,32 @@ def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dic
     return {"op": "call", "name": name, "target": target, "args": args, "kwargs": kwargs or {}}
 
 
+def latest_allowed(
+    calls: list[dict], readers: dict[str, list[str]], earliest: dict[str, int], fixed: set[str]
+) -> dict[str, int]:
+    """Each call node's place: its `earliest` where it is `fixed`, unread, or joins several
+    values (one value crosses, not both), else as late as its readers allow; a tuple and the
+    pieces taken from it share the place of the first piece read."""
+    pieces: dict[str, list[str]] = {}  # a tuple-valued node -> the getitems reading it
+    for n in calls:
+        if n["target"] == "getitem":
+            pieces.setdefault(n["args"][0]["$node"], []).append(n["name"])
+    place: dict[str, int] = {}
+    for n in reversed(calls):
+        name = n["name"]
+        later = [place[r] for r in readers[name] if r not in pieces.get(name, ())]
+        if name in pieces:
+            later = [place[g] for g in pieces[name]]
+        joins = len({a for a in _refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
+        if name in fixed or not later or joins:
+            place[name] = earliest[name]
+        else:
+            place[name] = max(earliest[name], min(later))
+        for g in pieces.get(name, ()):
+            place[g] = place[name]
+    return place
+
+
 class _Cut:
     """One tensor-parallel rank's program, each node assigned its stage."""
 
@@ -174,24 +200,7 @@ class _Cut:
                     of_weights.add(name)
             earliest[name] = min(stage, pp - 1)
         returned = set(_refs(self.output["args"]))
-        pieces: dict[str, list[str]] = {}  # a tuple-valued node -> the getitems reading it
-        for n in self.calls:
-            if n["target"] == "getitem":
-                pieces.setdefault(n["args"][0]["$node"], []).append(n["name"])
-        stage: dict[str, int] = {}
-        for n in reversed(self.calls):
-            name = n["name"]
-            later = [stage[r] for r in readers[name] if r not in pieces.get(name, ())]
-            if name in pieces:  # a tuple stays with its pieces: as late as the first of them
-                later = [stage[g] for g in pieces[name]]
-            joins = len({a for a in _refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
-            if name in pinned or not later or name in returned or joins:
-                # a node joining two values runs early: one value crosses, not both
-                stage[name] = earliest[name]
-            else:
-                stage[name] = max(earliest[name], min(later))
-            for g in pieces.get(name, ()):  # a piece is taken where its tuple is made
-                stage[g] = stage[name]
+        stage = latest_allowed(self.calls, readers, earliest, pinned | returned)
         for n in self.calls:
             for a in _refs([n["args"], n["kwargs"]]):
                 if a in stage and stage[a] > stage[n["name"]]:
@@ -356,18 +365,21 @@ class _Cut:
 class _Transfers:
     """Point-to-point sends between this rank and another, as broadcasts over the pair."""
 
-    def __init__(self, me: int, shapes: dict) -> None:
+    def __init__(self, me: int, shapes: dict, directed: bool = False) -> None:
         self.me, self.shapes = me, shapes
+        # directed: a pair's group lists the sender first, so each direction has its own
+        self.directed = directed
         self.sent = 0  # bytes sent on to later stages per run
 
-    def _pair(self, peer: int) -> tuple[dict, int, int]:
+    def _pair(self, peer: int, sender: int) -> tuple[dict, int, int]:
         ranks = sorted({self.me, peer})
-        return {"$group": ranks}, ranks.index(self.me), ranks.index(peer)
+        listed = [sender, self.me if sender == peer else peer] if self.directed else ranks
+        return {"$group": listed}, ranks.index(self.me), ranks.index(peer)
 
     def recv(self, value: str, new: str, source: int) -> list[dict]:
         """Nodes receiving `value` (shaped as this rank's own) from `source` as `new`."""
         shape, dtype = self.shapes[value]
-        group, _, src = self._pair(source)
+        group, _, src = self._pair(source, source)
         self.shapes[f"{new}_buf"] = self.shapes[f"{new}_recv"] = self.shapes[new] = (shape, dtype)
         return [
             _call(
@@ -382,7 +394,7 @@ class _Transfers:
 
     def send(self, value: str, target: int, waits: list[dict], forward: bool = True) -> dict:
         """The node sending `value` to `target`; its wait goes into `waits`."""
-        group, me, _ = self._pair(target)
+        group, me, _ = self._pair(target, self.me)
         name = f"{value}_to{target}"
         self.shapes[name] = self.shapes[value]
         if forward:

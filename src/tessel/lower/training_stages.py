@@ -34,17 +34,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tessel.lower.stages import (
-    _BROADCAST,
     _SLICE,
-    _WAIT,
     _ZEROS,
     Split,
     StagedProgram,
     StageError,
     _call,
-    _nbytes,
     _refs,
     _sub,
+    _Transfers,
+    latest_allowed,
 )
 from tessel.lower.trace import RankProgram
 
@@ -182,24 +181,7 @@ class _TrainingCut:
                 earliest[name] = self._b(w) if self.stage_of(e) >= w else e
             if made:  # runs where it is read: the weight is sent there once, not this per batch
                 made_of_weights[name] = w
-        pieces: dict[str, list[str]] = {}  # a tuple-valued node -> the getitems reading it
-        for n in self.calls:
-            if n["target"] == "getitem":
-                pieces.setdefault(n["args"][0]["$node"], []).append(n["name"])
-        returned = {self.loss, *self.gradients}
-        pos: dict[str, int] = {}
-        for n in reversed(self.calls):
-            name = n["name"]
-            later = [pos[r] for r in readers[name] if r not in pieces.get(name, ())]
-            if name in pieces:  # a tuple stays with its pieces: as late as the first of them
-                later = [pos[g] for g in pieces[name]]
-            joins = len({a for a in _refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
-            if name in pinned or not later or name in returned or joins:
-                pos[name] = earliest[name]
-            else:
-                pos[name] = max(earliest[name], min(later))
-            for g in pieces.get(name, ()):  # a piece is taken where its tuple is made
-                pos[g] = pos[name]
+        pos = latest_allowed(self.calls, readers, earliest, pinned | {self.loss, *self.gradients})
         for n in self.calls:
             for a in _refs([n["args"], n["kwargs"]]):
                 where = pos.get(a, self._f(self.weight_stage.get(a, 0)))
@@ -290,47 +272,26 @@ class _TrainingCut:
         rows_of = self._rows(body, shapes)
 
         # every receive posted first, each channel's in its sender's order
+        transfers = _Transfers(me, shapes, directed=True)
         received: dict[tuple[str, int], str] = {}  # (value, micro-batch or -1) -> node
         waits: dict[str, dict] = {}  # received node -> its wait, placed where first read
         for q in range(p):
-            if q == s:
-                continue
-            group = {"$group": [rank_of(q), me]}  # sender first: the channel from q to s
-            src = sorted([rank_of(q), me]).index(rank_of(q))
-            for send in self.sends[q]:
+            for send in self.sends[q] if q != s else ():
                 if send.target != s:
                     continue
                 tag = "w" if send.micro_batch < 0 else f"mb{send.micro_batch}"
                 new = f"{send.value}__{tag}_from{q}"
-                shape, dtype = shapes[send.value]
-                shapes[f"{new}_buf"] = shapes[f"{new}_recv"] = shapes[new] = (shape, dtype)
-                body.append(
-                    _call(
-                        f"{new}_buf",
-                        _ZEROS,
-                        [shape],
-                        {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
-                    )
-                )
-                body.append(_call(f"{new}_recv", _BROADCAST, [{"$node": f"{new}_buf"}, src, group]))
-                waits[new] = _call(new, _WAIT, [{"$node": f"{new}_recv"}])
+                *post, waits[new] = transfers.recv(send.value, new, rank_of(q))
+                body += post
                 received[(send.value, send.micro_batch)] = new
 
-        sent_bytes = 0
         targets: dict[tuple[str, int], list[int]] = {}
         for x in self.sends[s]:
             targets.setdefault((x.value, x.micro_batch), []).append(x.target)
 
         def send(value: str, node: str, k: int, pending: list[dict]) -> None:
-            nonlocal sent_bytes
             for q in targets.get((value, k), ()):
-                group = {"$group": [me, rank_of(q)]}
-                src = sorted([me, rank_of(q)]).index(me)
-                name = f"{node}_to{rank_of(q)}"
-                shapes[name] = shapes[node]
-                body.append(_call(name, _BROADCAST, [{"$node": node}, src, group]))
-                pending.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
-                sent_bytes += _nbytes(*shapes[node])
+                body.append(transfers.send(node, rank_of(q), pending))
 
         def wait_for(node: str) -> str:
             if node in waits:
@@ -435,7 +396,7 @@ class _TrainingCut:
             shapes=shapes,
             constants={k: v for k, v in self.rp.constants.items() if k in used},
         )
-        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, sent_bytes)
+        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, transfers.sent)
 
     @staticmethod
     def _accumulate(body: list[dict], shapes: dict, total: str, value: str, k: int) -> str:
