@@ -12,6 +12,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "AutoParallel": "tessel.parallel.auto_parallel",
+    "ParallelError": "tessel.parallel.planned",
+    "shard": "tessel.parallel.annotate",
+    "reshard": "tessel.parallel.annotate",
     "build_searched_strategy": "tessel.parallel.api",
     "convert_checkpoint_by_rank": "tessel.parallel.api",
     "convert_checkpoints": "tessel.parallel.api",
@@ -38,6 +42,10 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AutoParallel",
+    "ParallelError",
+    "shard",
+    "reshard",
     "Layout",
     "ParamLayout",
     "Strategy",
@@ -65,6 +73,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "nn":  # mindspore.parallel.nn's wrappers
+        return importlib.import_module("tessel.parallel.nn")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'tessel.parallel' has no attribute {name!r}")

@@ -89,7 +89,7 @@ def _device(spec: WorkerSpec) -> torch.device:
     return device
 
 
-def _groups(manifest: Manifest, world: int, names: dict[tuple[int, ...], str]) -> None:
+def make_groups(manifest: Manifest, world: int, names: dict[tuple[int, ...], str]) -> None:
     """Create every group any rank uses that `names` lacks, in one order on all ranks.
 
     `names` maps rank lists to group names. A worker that loads several packages in turn keeps
@@ -137,7 +137,7 @@ def _load(
             path, f"built for {package.world_size} devices; these workers are {spec.world_size}"
         )
     if spec.distributed:
-        _groups(package.manifest, spec.world_size, groups)
+        make_groups(package.manifest, spec.world_size, groups)
     program, weights = load_rank(package, spec.rank, device, groups)
     step, strategy = None, b""
     if package.manifest.training is not None:

@@ -67,3 +67,14 @@ def placement_str(p: Placement) -> str:
         return f"S({p.dim})"
     name = type(p).__name__
     return {"Replicate": "R", "Partial": "P"}.get(name, name)
+
+
+def placement_from_str(text: str) -> Placement:
+    """The placement `placement_str` wrote: `S(d)` or `R` (a stored weight is never Partial)."""
+    from torch.distributed.tensor import Replicate
+
+    if text == "R":
+        return Replicate()
+    if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"not a stored weight's placement: {text!r} (allowed: 'R', 'S(<dim>)')")

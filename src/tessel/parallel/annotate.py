@@ -1,0 +1,282 @@
+"""`shard` and `reshard`: mindspore.parallel's sharding annotations, carried out by DTensor.
+
+A strategy is a `Layout` called with its tensor map, or a tuple of split counts (one per
+tensor dim; a dim split over every rank, or nothing split); `None` is data parallel (dim 0
+split over every rank). `shard(module, in_strategy, parameter_plan=...)` makes the planned
+parameters DTensors placed as asked, and runs the module on DTensors: its positional inputs
+placed by `in_strategy` (a plain tensor is taken as the whole tensor, held by every rank),
+other tensor inputs replicated; its outputs leave whole, or as DTensors placed by
+`out_strategy` where one is given. DTensor inserts the communication, forward and backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from tessel._torch import tree_flatten, tree_map, tree_unflatten
+from tessel.checkpoint.dtensor import layout_to_dtensor
+from tessel.checkpoint.layout import Layout
+
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _world_mesh(device_type: str) -> DeviceMesh:
+    key = (device_type, "world")
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[key] = init_device_mesh(
+            device_type, (dist.get_world_size(),), mesh_dim_names=("world",)
+        )
+    return _MESHES[key]
+
+
+def _layout_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, list]:
+    """The layout's mesh (one per distinct device matrix, ranks and aliases: every rank makes
+    them in the same order, as SPMD scripts do) and its placements."""
+    key = (
+        device_type,
+        tuple(layout.device_matrix),
+        tuple(layout.rank_list),
+        tuple(layout.alias_name),
+    )
+    if key not in _MESHES:
+        _MESHES[key], placements = layout_to_dtensor(layout, device_type)
+        return _MESHES[key], placements
+    return layout_to_dtensor(layout, device_type, _MESHES[key])
+
+
+def placed(strategy: Any, ndim: int, shape: tuple[int, ...], device_type: str, where: str):
+    """(mesh, placements) of a strategy for a tensor of `shape`; `where` names it in errors."""
+    world = dist.get_world_size()
+    if isinstance(strategy, Layout):
+        if strategy.tensor_map is None:
+            raise ValueError(
+                f"{where}: the Layout needs a tensor map (call it: layout('dp', 'None'))"
+            )
+        if len(strategy.tensor_map) != ndim:
+            raise ValueError(
+                f"{where}: the Layout maps {len(strategy.tensor_map)} dims; the tensor has {ndim}"
+            )
+        if math.prod(strategy.device_matrix) != world:
+            raise ValueError(
+                f"{where}: the Layout's device matrix {tuple(strategy.device_matrix)} covers "
+                f"{math.prod(strategy.device_matrix)} ranks; the job has {world}"
+            )
+        mesh, placements = _layout_mesh(strategy, device_type)
+    else:
+        if strategy is None:  # data parallel
+            strategy = (world, *(1,) * (ndim - 1))
+        if not isinstance(strategy, tuple) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in strategy
+        ):
+            raise TypeError(
+                f"{where}: a strategy is a Layout, a tuple of split counts (ints >= 1) or None, "
+                f"found {strategy!r}"
+            )
+        if len(strategy) != ndim:
+            raise ValueError(f"{where}: {len(strategy)} split counts for a tensor of {ndim} dims")
+        split = [d for d, c in enumerate(strategy) if c > 1]
+        if len(split) > 1 or (split and strategy[split[0]] != world):
+            raise ValueError(
+                f"{where}: split counts {strategy} are not built: split one dim over all "
+                f"{world} ranks, or give a Layout"
+            )
+        mesh = _world_mesh(device_type)
+        placements = [Shard(split[0])] if split else [Replicate()]
+    for p, n in zip(placements, mesh.shape):
+        if isinstance(p, Shard) and shape[p.dim] % n:
+            raise ValueError(
+                f"{where}: dim {p.dim} of shape {tuple(shape)} does not divide into {n} shards"
+            )
+    return mesh, list(placements)
+
+
+def _check_kinds(strategies: list, where: str) -> None:
+    kinds = {isinstance(s, Layout) for s in strategies if s is not None}
+    if len(kinds) > 1:
+        raise TypeError(
+            f"{where}: the strategy can only pass in consistent type for all inputs: all "
+            "Layouts or all tuples of split counts"
+        )
+
+
+def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: list) -> DTensor:
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, placements)
+    whole = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, placements)
+
+
+def shard(
+    fn: torch.nn.Module | Callable,
+    in_strategy: tuple,
+    out_strategy: tuple | None = None,
+    parameter_plan: Mapping[str, Any] | None = None,
+    device: str = "Ascend",
+    level: int = 0,
+) -> torch.nn.Module | Callable:
+    """Run `fn` sharded (see the module docstring). A module is changed in place and returned;
+    a function comes back wrapped. `device` and `level` are accepted and unused, as in
+    MindSpore."""
+    if not isinstance(in_strategy, tuple):
+        raise TypeError(f"shard: in_strategy must be a tuple, found {type(in_strategy).__name__}")
+    if out_strategy is not None and not isinstance(out_strategy, tuple):
+        raise TypeError(
+            f"shard: out_strategy must be a tuple or None, found {type(out_strategy).__name__}"
+        )
+    if level not in (0, 1, 2):
+        raise ValueError(f"shard: level must be 0, 1 or 2, found {level!r}")
+    _check_kinds(list(in_strategy), "shard: in_strategy")
+    if out_strategy is not None:
+        _check_kinds(list(out_strategy), "shard: out_strategy")
+    if parameter_plan is not None and not isinstance(fn, torch.nn.Module):
+        raise TypeError("shard: parameter_plan needs fn to be an nn.Module")
+    if not dist.is_initialized():
+        raise RuntimeError("shard needs torch.distributed initialised first")
+    if dist.get_world_size() == 1:
+        return fn
+
+    def enter(args: tuple, kwargs: dict, device_type: str) -> tuple[tuple, dict]:
+        if len(args) > len(in_strategy):
+            raise ValueError(
+                f"shard: in_strategy has {len(in_strategy)} entries; the call has {len(args)} "
+                "positional inputs"
+            )
+        placed_args = []
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor):
+                mesh, placements = placed(
+                    in_strategy[i], x.dim(), tuple(x.shape), device_type, f"shard: in_strategy[{i}]"
+                )
+                x = _as_dtensor(x, mesh, placements)
+            placed_args.append(x)
+        mesh = _default_mesh(in_strategy, device_type)
+        kwargs = tree_map(
+            lambda v: (
+                _as_dtensor(v, mesh, [Replicate()] * mesh.ndim)
+                if isinstance(v, torch.Tensor)
+                else v
+            ),
+            kwargs,
+        )
+        return tuple(placed_args), kwargs
+
+    def leave(output: Any) -> Any:
+        leaves, spec = tree_flatten(output)
+        out = []
+        for i, v in enumerate(leaves):
+            if isinstance(v, DTensor):
+                if out_strategy is None:
+                    v = v.full_tensor()
+                else:
+                    if i >= len(out_strategy):
+                        raise ValueError(
+                            f"shard: out_strategy has {len(out_strategy)} entries; the output "
+                            f"has tensor {i} too"
+                        )
+                    mesh, placements = placed(
+                        out_strategy[i],
+                        v.dim(),
+                        tuple(v.shape),
+                        v.device_mesh.device_type,
+                        f"shard: out_strategy[{i}]",
+                    )
+                    v = v.redistribute(mesh, placements)
+            out.append(v)
+        return tree_unflatten(out, spec)
+
+    if isinstance(fn, torch.nn.Module):
+        device_type = _device_type(fn)
+        _distribute_parameters(fn, parameter_plan or {}, _default_mesh(in_strategy, device_type))
+        fn.register_forward_pre_hook(
+            lambda module, args, kwargs: enter(args, kwargs, device_type), with_kwargs=True
+        )
+        fn.register_forward_hook(lambda module, args, output: leave(output))
+        return fn
+
+    @functools.wraps(fn)
+    def sharded(*args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        device_type = tensors[0].device.type if tensors else "cpu"
+        args, kwargs = enter(args, kwargs, device_type)
+        return leave(fn(*args, **kwargs))
+
+    return sharded
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device.type
+    return "cpu"
+
+
+def _default_mesh(strategies: tuple, device_type: str) -> DeviceMesh:
+    """The mesh the annotation's tensors share: its layouts', or every rank in a row."""
+    for s in strategies:
+        if isinstance(s, Layout):
+            return _layout_mesh(s, device_type)[0]
+    return _world_mesh(device_type)
+
+
+def _distribute_parameters(
+    module: torch.nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh
+) -> None:
+    """Every parameter of `module` a DTensor: placed by `plan`, or replicated."""
+    names = dict(module.named_parameters())
+    wanted = {}
+    for key, strategy in plan.items():
+        name = key.removeprefix("self.")
+        if name not in names:
+            raise KeyError(
+                f"shard: parameter_plan names {key!r}; the module's parameters are {sorted(names)}"
+            )
+        wanted[name] = strategy
+    for name, parameter in names.items():
+        if isinstance(parameter, DTensor):
+            continue
+        if name in wanted:
+            p_mesh, placements = placed(
+                wanted[name],
+                parameter.dim(),
+                tuple(parameter.shape),
+                parameter.device.type,
+                f"shard: parameter_plan[{name!r}]",
+            )
+            if p_mesh != mesh:
+                raise ValueError(
+                    f"shard: parameter_plan[{name!r}] is on another device mesh than the inputs "
+                    "(give layouts of one device matrix)"
+                )
+        else:
+            placements = [Replicate()] * mesh.ndim
+        value = distribute_tensor(parameter.detach(), mesh, placements)
+        owner, _, leaf = name.rpartition(".")
+        setattr(
+            module.get_submodule(owner),
+            leaf,
+            torch.nn.Parameter(value, requires_grad=parameter.requires_grad),
+        )
+
+
+def reshard(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """`tensor` placed as `layout` says: a DTensor is redistributed, a plain tensor is taken as
+    the whole tensor, held by every rank. One rank: the tensor unchanged."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"reshard: tensor must be a Tensor, found {type(tensor).__name__}")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"reshard: layout must be a Layout, found {type(layout).__name__}")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor
+    mesh, placements = placed(
+        layout, tensor.dim(), tuple(tensor.shape), tensor.device.type, "reshard: layout"
+    )
+    return _as_dtensor(tensor, mesh, placements)

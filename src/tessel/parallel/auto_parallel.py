@@ -1,0 +1,360 @@
+"""`AutoParallel`: mindspore.parallel's wrapper of a network, for a PyTorch training loop.
+
+    parallel_net = AutoParallel(network_with_loss, parallel_mode="recursive_programming")
+    optimizer = torch.optim.AdamW(parallel_net.parameters())
+    loss = parallel_net(input_ids=ids, labels=ids)   # plans on the first call
+    loss.backward(); optimizer.step()
+
+The settings methods record what the first call plans with; each is honoured or refused by
+name with the reason. The network returns its loss (a scalar, or an output with `.loss`, as
+`transformers` models given labels do): tessel plans its joint forward and backward graph
+(`tessel.parallel.planned`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tessel._torch import tree_flatten, tree_unflatten
+from tessel.atomic import replace_atomically
+from tessel.checkpoint.dtensor import layout_from_dtensor
+from tessel.checkpoint.mindspore_proto import strategy_to_protobuf, write_group_info
+from tessel.checkpoint.strategy import Strategy, param_from_layout, write_strategy
+from tessel.config.cluster import ClusterConfig
+from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
+
+PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")
+SCHEDULERS = ("1f1b", "gpipe")
+
+
+def _path_argument(method: str, file_path: Any) -> str:
+    if not isinstance(file_path, (str, os.PathLike)):
+        raise TypeError(f"{method}: file_path must be a str, found {type(file_path).__name__}")
+    return os.fspath(file_path)
+
+
+def _int_argument(method: str, name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{method}: {name} must be an int, found {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{method}: {name} must be at least {low}, found {value}")
+    return value
+
+
+class AutoParallel(torch.nn.Module):
+    """`network` planned over the job's ranks on its first call (see the module docstring).
+
+    `parallel_mode`: "recursive_programming" (tessel's planner decides every placement), and
+    "sharding_propagation" (the same, for a network without `shard` annotations); "semi_auto"
+    runs the network with its `shard` annotations, DTensor carrying them out, and the rest of
+    the network replicated on the whole batch. Communication must already be initialised.
+    `cluster` (tessel's addition) is the cluster config the planner costs and fits the plan
+    on: a path, its JSON as a dict, or a ClusterConfig; by default local devices of the job's
+    device type, one per rank.
+    """
+
+    def __init__(
+        self,
+        network: torch.nn.Module,
+        parallel_mode: str = "semi_auto",
+        *,
+        cluster: ClusterConfig | str | os.PathLike | dict | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(network, torch.nn.Module):
+            raise TypeError(
+                f"AutoParallel: network must be a torch.nn.Module, found {type(network).__name__}"
+            )
+        if parallel_mode not in PARALLEL_MODES:
+            raise ValueError(
+                f"AutoParallel: parallel_mode must be one of {list(PARALLEL_MODES)}, found "
+                f"{parallel_mode!r}"
+            )
+        if not dist.is_initialized():
+            raise ParallelError(
+                "AutoParallel needs torch.distributed initialised first (dist."
+                "init_process_group, as torchrun scripts do)"
+            )
+        self.network = network
+        self.cluster = cluster
+        self.parallel_mode = parallel_mode
+        self._dataset: str | tuple = "data_parallel"
+        self._hsdp: dict | None = None
+        self._stages = 1
+        self._strategy_save: str | None = None
+        self._group_save: str | None = None
+        self._planned: PlannedNetwork | None = None
+        self._form: tuple | None = None
+
+    # -- settings -----------------------------------------------------------------------
+
+    def no_init_parameters_in_compile(self) -> None:
+        """Accepted: the plan's weights come from rank 0's network, whatever the others hold."""
+
+    def load_param_strategy_file(self, file_path: str) -> None:
+        _path_argument("load_param_strategy_file", file_path)
+        raise ParallelError(
+            "load_param_strategy_file: planning from a saved strategy is not built; tessel "
+            "plans on the first call (recursive_programming)"
+        )
+
+    def save_param_strategy_file(self, file_path: str) -> None:
+        """Write the trained parameters' layouts on the first call: tessel JSON for a `.json`
+        path, MindSpore's protobuf otherwise; `tessel ckpt` reads both."""
+        self._strategy_save = _path_argument("save_param_strategy_file", file_path)
+        if self._planned is not None:
+            self._save_strategy()
+
+    def set_group_ckpt_save_file(self, file_path: str) -> None:
+        """Write the communication groups (MindSpore's group-info protobuf) on the first call."""
+        self._group_save = _path_argument("set_group_ckpt_save_file", file_path)
+        if self._planned is not None:
+            self._save_groups()
+
+    def dataset_strategy(self, config: str | tuple) -> None:
+        """ "data_parallel": each rank's call holds its slice of the batch, rank order;
+        "full_batch": every rank's call holds the whole batch; a tuple of per-input split
+        counts (one tuple per input, each splitting it over every rank or none)."""
+        if config is None:
+            raise ValueError("dataset_strategy: config must not be None")
+        if isinstance(config, str):
+            if config not in ("data_parallel", "full_batch"):
+                raise ValueError(
+                    "dataset_strategy: a string config must be 'data_parallel' or 'full_batch', "
+                    f"found {config!r}"
+                )
+        elif isinstance(config, tuple):
+            world = dist.get_world_size()
+            for i, entry in enumerate(config):
+                if not isinstance(entry, tuple) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in entry
+                ):
+                    raise TypeError(
+                        f"dataset_strategy: entry {i} must be a tuple of split counts (ints "
+                        f">= 1), found {entry!r} (a tuple of Layout is not built)"
+                    )
+                count = 1
+                for c in entry:
+                    count *= c
+                if count not in (1, world):
+                    raise ValueError(
+                        f"dataset_strategy: entry {i} {entry} splits an input {count} ways; "
+                        f"allowed: over all {world} ranks or none"
+                    )
+        else:
+            raise TypeError(
+                "dataset_strategy: config must be 'data_parallel', 'full_batch' or a tuple of "
+                f"split counts, found {type(config).__name__}"
+            )
+        self._dataset = config
+
+    def hsdp(
+        self, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1"
+    ) -> None:
+        """Store every weight of at least `threshold` KB sharded on dim 0 over the ranks the
+        plan replicates it on, its optimizer states with it (level1: its gradient is reduced
+        whole, then sliced). level2 and level3 are refused: the program computes forward and
+        backward in one pass with the weights gathered, and reduces each gradient whole."""
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int):
+            raise TypeError(f"hsdp: shard_size must be an int, found {type(shard_size).__name__}")
+        world = dist.get_world_size()
+        if shard_size not in (-1, world):
+            raise ValueError(
+                f"hsdp: shard_size must be -1 or the {world} ranks the plan replicates over, "
+                f"found {shard_size} (smaller shard groups are not built)"
+            )
+        _int_argument("hsdp", "threshold", threshold, 0)
+        if optimizer_level not in OPTIMIZER_LEVELS:
+            raise ValueError(
+                f"hsdp: optimizer_level must be one of {list(OPTIMIZER_LEVELS)}, found "
+                f"{optimizer_level!r}"
+            )
+        if optimizer_level != "level1":
+            raise ParallelError(
+                f"hsdp: optimizer_level {optimizer_level!r} is not built: tessel runs the "
+                "forward and backward as one program holding the gathered weights, and each "
+                "gradient leaves it reduced whole; level1 is what that gives"
+            )
+        self._hsdp = {"threshold_bytes": threshold * 1024, "level": optimizer_level}
+
+    def pipeline(
+        self,
+        stages: int = 1,
+        output_broadcast: bool = False,
+        interleave: bool = False,
+        scheduler: str = "1f1b",
+    ) -> None:
+        _int_argument("pipeline", "stages", stages, 1)
+        if scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"pipeline: scheduler must be one of {list(SCHEDULERS)}, found {scheduler!r}"
+            )
+        if stages > 1 or interleave or output_broadcast:
+            raise ParallelError(
+                "pipeline: stages in AutoParallel are not built; use "
+                "tessel.build with the policy's pipe_stage_num"
+            )
+        self._stages = stages
+
+    def get_pipeline_stages(self) -> int:
+        return self._stages
+
+    def enable_gradients_mean(self) -> None:
+        """Accepted: gradients are those of the loss returned, the mean over the whole batch."""
+
+    def disable_gradient_fp32_sync(self) -> None:
+        """Accepted: gradients are reduced in the dtype the program computes them in."""
+
+    def disable_loss_repeated_mean(self) -> None:
+        raise ParallelError(
+            "disable_loss_repeated_mean: the loss is computed once over the whole batch; a "
+            "repeated loss to leave unaveraged does not arise and is not built"
+        )
+
+    def comm_fusion(self, config: dict) -> None:
+        if not isinstance(config, dict):
+            raise TypeError(f"comm_fusion: config must be a dict, found {type(config).__name__}")
+        raise ParallelError(
+            "comm_fusion: the program issues one collective per tensor the plan moves; fusing "
+            "them by size or index is not built"
+        )
+
+    def enable_fp32_communication(self) -> None:
+        if any(p.dtype != torch.float32 for p in self.network.parameters()):
+            raise ParallelError(
+                "enable_fp32_communication: reductions run in the dtype the program computes "
+                "in; for a network not in float32 that is not built"
+            )
+
+    # -- running ------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The loss of the whole batch (recursive_programming, sharding_propagation), or the
+        network's output (semi_auto)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        whole = iter([self._whole_batch(i, x) for i, x in enumerate(tensors)])
+        leaves = [next(whole) if isinstance(x, torch.Tensor) else x for x in leaves]
+        if self.parallel_mode == "semi_auto":
+            args, kwargs = tree_unflatten(leaves, spec)
+            return self.network(*args, **kwargs)
+        # the program holds what the first call passed besides tensors (flags such as
+        # use_cache=False): later calls must pass the same
+        form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
+        inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if self._planned is None:
+            if _annotated(self.network):
+                raise ParallelError(
+                    f"AutoParallel(parallel_mode={self.parallel_mode!r}): planning around "
+                    "`shard` annotations is not built; run them with 'semi_auto', or drop them "
+                    "for the planner to decide"
+                )
+            args, kwargs = tree_unflatten(leaves, spec)
+            device = inputs[0].device if inputs else torch.device("cpu")
+            threshold = None if self._hsdp is None else self._hsdp["threshold_bytes"]
+            with planned_package(self.network, args, kwargs, device, self.cluster) as package:
+                self._planned = PlannedNetwork(self.network, package, device, threshold)
+            self._form = form
+            if self._strategy_save is not None:
+                self._save_strategy()
+            if self._group_save is not None:
+                self._save_groups()
+        if form != self._form:
+            raise ParallelError(
+                f"AutoParallel: the network was planned for a call of the form {self._form}; "
+                f"this call is {form}"
+            )
+        found = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]
+        wanted = [(tuple(s.shape), s.dtype) for s in self._planned.inputs]
+        if found != wanted:
+            raise ParallelError(
+                f"AutoParallel: the network was planned for inputs {wanted} (whole batch); "
+                f"this call gives {found}"
+            )
+        return self._planned(inputs)
+
+    def _whole_batch(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Input `index` of the whole batch, from this rank's part of it."""
+        world = dist.get_world_size()
+        config = self._dataset
+        if config == "full_batch" or world == 1:
+            return x
+        if config == "data_parallel":
+            counts: tuple[int, ...] = (world,)
+        else:
+            if index >= len(config):
+                raise ParallelError(
+                    f"dataset_strategy gives {len(config)} inputs' split counts; the call has "
+                    f"input {index} too"
+                )
+            counts = config[index]
+            if all(c == 1 for c in counts):
+                return x
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return _assemble(parts, counts)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The network's state under its own names (DTensors where planned or annotated), as
+        torch.distributed.checkpoint saves it and the strategy file names it."""
+        return self.network.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.network.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- files --------------------------------------------------------------------------
+
+    def _strategy(self) -> Strategy:
+        assert self._planned is not None
+        params = {}
+        mesh = self._planned.mesh
+        for t in self._planned.trained:
+            value = t.parameter
+            layout = layout_from_dtensor(mesh, value.placements, value.dim())
+            params[t.name] = param_from_layout(
+                t.name, layout, tuple(value.shape), value.dtype, 0, 0, 0, "AutoParallel"
+            )
+        return Strategy(params, "AutoParallel", {"world_size": dist.get_world_size()})
+
+    def _save_strategy(self) -> None:
+        path = self._strategy_save
+        assert path is not None
+        strategy = self._strategy()
+        if Path(path).suffix == ".json":
+            write_strategy(strategy, path)
+            return
+        data = strategy_to_protobuf(strategy)
+        with replace_atomically(path) as tmp:
+            tmp.write_bytes(data)
+
+    def _save_groups(self) -> None:
+        path = self._group_save
+        assert self._planned is not None and path is not None
+        groups = {f"group_{i}": list(g) for i, g in enumerate(self._planned.comm_groups)}
+        data = write_group_info(groups, self._planned.identical_ranks())
+        with replace_atomically(path) as tmp:
+            tmp.write_bytes(data)
+
+
+def _annotated(network: torch.nn.Module) -> bool:
+    """Whether `shard` placed any of the network's parameters."""
+    return any(isinstance(p, DTensor) for p in network.parameters())
+
+
+def _assemble(parts: list[torch.Tensor], counts: tuple[int, ...], dim: int = 0) -> torch.Tensor:
+    """The tensor that `counts` split (dim i into counts[i] pieces; rank coordinates row-major,
+    the last dim fastest) from its pieces `parts`, in rank order."""
+    if len(counts) == 1:
+        return torch.cat(parts, dim=dim)
+    inner = len(parts) // counts[0]
+    blocks = [
+        _assemble(parts[i * inner : (i + 1) * inner], counts[1:], dim + 1) for i in range(counts[0])
+    ]
+    return torch.cat(blocks, dim=dim)

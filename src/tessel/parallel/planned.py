@@ -1,0 +1,281 @@
+"""A training script's network, planned by tessel and run as each rank's partitioned program.
+
+Inside a running torchrun job the first call plans: rank 0 builds a training package of the
+network for the job's ranks in a child process (lowering traces every rank under a fake
+process group, which a process already in the job cannot open), and broadcasts it; every rank
+then loads its own program and weight shards from it, so all ranks run one plan, on rank 0's
+weights. The network's trained parameters become DTensors placed as the plan places them.
+
+Each call runs the rank's program: the joint forward and backward graph, which returns the
+loss and every trained weight's gradient placed like the weight. The loss comes back through a
+custom autograd function whose backward hands those gradients to the DTensor parameters, so
+`loss.backward()`, `torch.optim` and gradient clipping work on them unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from tessel._torch import tree_map
+from tessel.errors import TesselError
+from tessel.package.format import Package
+from tessel.runtime.loader import load_rank
+from tessel.runtime.worker import make_groups
+from tessel.sharding.geometry import mesh_coordinate, piece
+from tessel.sharding.placements import placement_from_str
+
+
+class ParallelError(TesselError, RuntimeError):
+    """The network could not be planned or run as asked."""
+
+
+def _build(model: torch.nn.Module, args: tuple, kwargs: dict, cluster: Any, path: str) -> str:
+    """In the child process: build the training package and write it to `path`."""
+    import tessel
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # the plan's memory model counts AdamW's two states per weight: the script's optimizer is
+    # made after planning, and AdamW is what such scripts most often make
+    optimizer = torch.optim.AdamW(trained)
+    built = tessel.build(
+        model, args, example_kwargs=kwargs, cluster=cluster, optimizer=optimizer, verify=False
+    )
+    return str(built.save(path))
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+@contextlib.contextmanager
+def planned_package(
+    network: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    cluster: Any = None,
+) -> Iterator[Package]:
+    """Every rank's copy of the package rank 0 built for this job (see the module docstring),
+    open while the context lasts."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = b""
+    failure = ""
+    if rank == 0:
+        model = network if _on_cpu(network) else copy.deepcopy(network).cpu()
+        with tempfile.TemporaryDirectory(prefix="tessel-plan-") as folder:
+            target = os.path.join(folder, "plan.tessel")
+            try:
+                with ProcessPoolExecutor(
+                    1, mp_context=torch.multiprocessing.get_context("spawn")
+                ) as pool:
+                    saved = pool.submit(
+                        _build,
+                        model,
+                        tree_map(_cpu, args),
+                        tree_map(_cpu, kwargs),
+                        world if cluster is None else cluster,
+                        target,
+                    ).result()
+                with open(saved, "rb") as f:
+                    data = f.read()
+            except Exception as exc:  # every rank must hear of it, or they wait forever
+                failure = f"planning failed on rank 0: {type(exc).__name__}: {exc}"
+    failure = _broadcast_bytes(failure.encode(), device).decode()
+    if failure:
+        raise ParallelError(failure)
+    data = _broadcast_bytes(data, device)
+    handle, path = tempfile.mkstemp(prefix="tessel-plan-", suffix=".tessel")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+        package = Package.open(path)
+        package.verify()
+        yield package
+    finally:
+        os.unlink(path)
+
+
+def _on_cpu(network: torch.nn.Module) -> bool:
+    return all(t.device.type == "cpu" for t in (*network.parameters(), *network.buffers()))
+
+
+def _broadcast_bytes(data: bytes, device: torch.device) -> bytes:
+    """Rank 0's `data` on every rank."""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    if dist.get_rank() == 0:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buffer = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, 0)
+    return bytes(buffer.cpu().numpy())
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """A trained weight: its parameter, its placements in the plan and as stored (hsdp shards
+    the dims the plan replicates), and its global shape."""
+
+    name: str
+    parameter: torch.nn.Parameter
+    planned: tuple[Placement, ...]
+    stored: tuple[Placement, ...]
+
+
+class _Step(torch.autograd.Function):
+    """The loss of a step whose gradients the program has already computed: backward hands
+    them (scaled by the incoming gradient) to the parameters."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, give: Any, *parameters: torch.Tensor) -> torch.Tensor:
+        ctx.give = give
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return (None, None, *ctx.give(grad))
+
+
+class PlannedNetwork:
+    """One rank's program and the network's parameters as DTensors on the plan's mesh."""
+
+    def __init__(
+        self,
+        network: torch.nn.Module,
+        package: Package,
+        device: torch.device,
+        shard_replicated: int | None = None,
+    ) -> None:
+        """`shard_replicated`: store weights of at least this many bytes sharded on dim 0
+        over the mesh dims the plan replicates them on (hsdp); None keeps them as planned."""
+        manifest = package.manifest
+        rank = dist.get_rank()
+        if manifest.world_size != dist.get_world_size():
+            raise ParallelError(
+                f"the plan is for {manifest.world_size} ranks; this job has {dist.get_world_size()}"
+            )
+        groups: dict[tuple[int, ...], str] = {}
+        make_groups(manifest, manifest.world_size, groups)
+        self.program, weights = load_rank(package, rank, device, groups)
+        self.inputs = manifest.inputs
+        sub = manifest.submodel(rank)
+        self.order = list(sub.weight_order)
+        self.tied = dict(sub.tied)
+        layouts = package.json(manifest.layouts)
+        self.mesh: DeviceMesh = init_device_mesh(
+            device.type, tuple(manifest.mesh.shape), mesh_dim_names=tuple(manifest.mesh.dim_names)
+        )
+        trained = manifest.training.gradients
+        position = {n: i for i, n in enumerate(self.order)}
+        by_name = dict(network.named_parameters(remove_duplicate=False))
+        replaced: dict[int, torch.nn.Parameter] = {}
+        self.trained: list[_Trained] = []
+        for name in trained:
+            old = by_name[name]
+            planned = tuple(placement_from_str(p) for p in layouts[name]["placements"])
+            stored = planned
+            if (
+                shard_replicated is not None
+                and old.numel() * old.element_size() >= shard_replicated
+            ):
+                stored = tuple(Shard(0) if isinstance(p, Replicate) else p for p in planned)
+            local = weights[position[name]].to(old.dtype)
+            value = DTensor.from_local(
+                local, self.mesh, planned, run_check=False, shape=old.shape, stride=old.stride()
+            )
+            if stored != planned:
+                value = value.redistribute(self.mesh, stored)
+            parameter = torch.nn.Parameter(value, requires_grad=True)
+            replaced[id(old)] = parameter
+            self.trained.append(_Trained(name, parameter, planned, stored))
+        # every name of a parameter (tied ones have several) now holds its DTensor
+        for name, old in by_name.items():
+            if id(old) in replaced:
+                owner, _, leaf = name.rpartition(".")
+                setattr(network.get_submodule(owner), leaf, replaced[id(old)])
+        # weights the program reads but nobody trains (buffers, frozen parameters) stay local
+        trained_names = {t.name for t in self.trained}
+        self.fixed = {
+            i: w
+            for i, (n, w) in enumerate(zip(self.order, weights))
+            if n not in trained_names and n not in self.tied
+        }
+        self.comm_groups = sorted({g for s in manifest.submodels for g in s.comm_groups})
+
+    def identical_ranks(self) -> list[int]:
+        """The ranks holding the same shard of every trained weight as this rank: any of
+        their checkpoints stands in for this rank's."""
+        rank, shape = dist.get_rank(), self.mesh.shape
+        mine = mesh_coordinate(rank, shape)
+        return [
+            r
+            for r in range(self.mesh.size())
+            if all(
+                a == b
+                for t in self.trained
+                for p, a, b in zip(t.stored, mine, mesh_coordinate(r, shape))
+                if isinstance(p, Shard)
+            )
+        ]
+
+    def _locals(self) -> dict[str, torch.Tensor]:
+        """Each trained weight's local shard as the plan places it (hsdp: gathered)."""
+        out = {}
+        for t in self.trained:
+            value = t.parameter.detach()
+            if t.stored != t.planned:
+                value = value.redistribute(self.mesh, t.planned)
+            out[t.name] = value.to_local()
+        return out
+
+    def __call__(self, flat_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        locals_ = self._locals()
+        arguments = []
+        for i, name in enumerate(self.order):
+            if name in locals_:
+                arguments.append(locals_[name])
+            elif name in self.tied:
+                tie = self.tied[name]
+                chunk = locals_[tie.source]
+                for dim, count, index in tie.chunks:
+                    chunk = piece(chunk, dim, count, index)
+                arguments.append(chunk.contiguous())
+            else:
+                arguments.append(self.fixed[i])
+        with torch.no_grad():
+            loss, *grads = self.program(*arguments, *flat_inputs)
+        trained = self.trained
+
+        def give(scale: torch.Tensor) -> list[torch.Tensor]:
+            out = []
+            for t, g in zip(trained, grads):
+                value = DTensor.from_local(
+                    (g * scale).to(t.parameter.dtype),
+                    self.mesh,
+                    t.planned,
+                    run_check=False,
+                    shape=t.parameter.shape,
+                    stride=t.parameter.stride(),
+                )
+                if t.stored != t.planned:
+                    value = value.redistribute(self.mesh, t.stored)
+                out.append(value)
+            return out
+
+        return _Step.apply(loss, give, *(t.parameter for t in trained))

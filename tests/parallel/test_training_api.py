@@ -1,0 +1,439 @@
+"""tessel.parallel in a training script: ranks spawned as torchrun starts them (gloo), each
+training a small transformers model for five AdamW steps, checked against one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from tessel.cli import main
+from tessel.parallel import AutoParallel, Layout, ParallelError, reshard, shard
+from tessel.parallel.nn import GradAccumulation, MicroBatchInterleaved
+
+STEPS = 5
+LR = 1e-3
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config), torch.randint(0, 128, (STEPS, 8, 16))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
+        attn_implementation="eager",  # DTensor has no rule for CPU flash attention
+    )  # fmt: skip
+    return LlamaForCausalLM(config), torch.randint(0, 128, (STEPS, 4, 16))
+
+
+def _loss(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _train(net, batches, micro: int = 1) -> list[float]:
+    """Losses of five AdamW steps; `micro` > 1 sums the loss over that many slices of each
+    batch (what GradAccumulation and MicroBatchInterleaved compute), written out by hand."""
+    optimizer = None
+    losses = []
+    for batch in batches:
+        loss = sum(_loss(net(input_ids=x, labels=x, use_cache=False)) for x in batch.chunk(micro))
+        optimizer = optimizer or torch.optim.AdamW(net.parameters(), lr=LR)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_parallel(net, batches, rank: int, world: int) -> list[float]:
+    """The same steps through a wrapped network, each rank calling it on its rows."""
+    optimizer = None
+    losses = []
+    for batch in batches:
+        mine = batch.chunk(world)[rank]
+        loss = _loss(net(input_ids=mine, labels=mine, use_cache=False))
+        optimizer = optimizer or torch.optim.AdamW(net.parameters(), lr=LR)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _spawn(fn, world: int, folder: Path) -> dict:
+    mp.start_processes(fn, args=(world, str(folder)), nprocs=world, start_method="spawn")
+    return json.loads((folder / "results.json").read_text())
+
+
+def _join(world: int, folder: str, rank: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world
+    )
+
+
+def _megatron(model, world: int) -> None:
+    """Megatron's attention and MLP split, annotated with `shard`."""
+    tp = Layout((world,), ("tp",))
+    column, row, whole = tp("tp", "None"), tp("None", "tp"), tp("None", "None", "None")
+    for layer in model.model.layers:
+        shard(layer.self_attn, in_strategy=(whole,), parameter_plan={
+            "q_proj.weight": column, "k_proj.weight": column, "v_proj.weight": column,
+            "self.o_proj.weight": row,
+        })  # fmt: skip
+        shard(layer.mlp, in_strategy=(whole,), parameter_plan={
+            "gate_proj.weight": column, "up_proj.weight": column, "down_proj.weight": row,
+        })  # fmt: skip
+
+
+# -- four ranks: the planner decides ------------------------------------------------------
+
+
+def _four_ranks(rank: int, world: int, folder: str) -> None:
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tessel.config.cluster import local_cluster_dict
+
+    _join(world, folder, rank)
+    model, batches = _gpt2()
+    cluster = local_cluster_dict(world)
+    # too little memory for every rank to hold every weight with its gradient and AdamW
+    # states: the plan must shard
+    cluster["item_def"][0]["memory"] = "[DDR:1500000B]"
+    net = AutoParallel(model, parallel_mode="recursive_programming", cluster=cluster)
+    net.hsdp(threshold=0)  # the weights the plan replicates stored sharded, however small
+    # tessel's JSON from rank 0, MindSpore's protobuf from the others
+    net.save_param_strategy_file(
+        f"{folder}/strategy.json" if rank == 0 else f"{folder}/strategy_{rank}.ckpt"
+    )
+    net.set_group_ckpt_save_file(f"{folder}/groups_{rank}.pb")
+    losses = _train_parallel(net, batches, rank, world)
+    try:
+        net(input_ids=batches[0][:1], labels=batches[0][:1], use_cache=False)
+        wrong_shape = ""
+    except ParallelError as exc:
+        wrong_shape = str(exc)
+    params = dict(net.named_parameters())
+    state = net.state_dict()
+    dcp_save(state, checkpoint_id=f"{folder}/dcp")
+    full = {n: p.full_tensor() for n, p in params.items()}
+    planned = net._planned
+    if rank == 0:
+        save_file(
+            {n.removeprefix("network."): t for n, t in full.items()}, f"{folder}/final.safetensors"
+        )
+        Path(folder, "results.json").write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "wrong_shape": wrong_shape,
+                    "all_dtensors": all(isinstance(p, DTensor) for p in params.values()),
+                    "grad_cleared": all(p.grad is None for p in params.values()),
+                    "planned_shards": sum(
+                        any(isinstance(x, Shard) for x in t.planned) for t in planned.trained
+                    ),
+                    "stored_shards": sum(t.stored != t.planned for t in planned.trained),
+                    "state_keys": sorted(state),
+                }
+            )
+        )
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("four_ranks")
+    return folder, _spawn(_four_ranks, 4, folder)
+
+
+def test_recursive_programming_trains_as_one_process(four_ranks):
+    _, got = four_ranks
+    model, batches = _gpt2()
+    want = _train(model, batches)
+    assert got["losses"] == pytest.approx(want, abs=1e-4)
+    assert got["planned_shards"] > 0  # the plan shards weights: the check is not trivial
+    assert got["all_dtensors"] and got["grad_cleared"]
+    assert "planned for inputs" in got["wrong_shape"]
+    assert got["state_keys"] == sorted(model.state_dict())
+
+
+def test_hsdp_level1_stores_large_weights_sharded(four_ranks):
+    _, got = four_ranks
+    assert got["stored_shards"] > 0
+
+
+def test_saved_strategy_drives_checkpoint_conversion(four_ranks, tmp_path):
+    folder, _ = four_ranks
+    final = load_file(str(folder / "final.safetensors"))
+    # the checkpoint torch.distributed.checkpoint saved, cut by the strategy, then unified
+    assert main(["ckpt", "convert", str(folder / "dcp"), str(tmp_path / "ranks"),
+                 "--dst-strategy", str(folder / "strategy.json"), "--no-progress"]) == 0  # fmt: skip
+    assert main(["ckpt", "unify", str(tmp_path / "ranks"), str(tmp_path / "whole"),
+                 "--strategy", str(folder / "strategy_1.ckpt"), "--no-progress"]) == 0  # fmt: skip
+    whole = load_file(str(tmp_path / "whole" / "model-00001-of-00001.safetensors"))
+    assert set(whole) == set(final)
+    for name, value in final.items():
+        assert torch.equal(whole[name], value), name
+
+
+def test_group_file_lists_the_ranks_that_hold_the_same_shards(four_ranks):
+    from tessel.parallel import restore_group_info_list
+
+    folder, _ = four_ranks
+    # hsdp shards every large weight over all four ranks: no other rank stands in for one
+    for rank in range(4):
+        assert restore_group_info_list(str(folder / f"groups_{rank}.pb")) == [rank]
+
+
+# -- two ranks: shard annotations ---------------------------------------------------------
+
+
+def _two_ranks(rank: int, world: int, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    _join(world, folder, rank)
+    out: dict = {}
+    model, batches = _llama()
+    _megatron(model, world)
+    out["semi_auto"] = _train_parallel(AutoParallel(model, "semi_auto"), batches, rank, world)
+
+    model, _ = _llama()
+    mesh = init_device_mesh("cpu", (world,))
+    column, row = ColwiseParallel(), RowwiseParallel()
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            "self_attn.q_proj": column, "self_attn.k_proj": column, "self_attn.v_proj": column,
+            "self_attn.o_proj": row, "mlp.gate_proj": column, "mlp.up_proj": column,
+            "mlp.down_proj": row,
+        })  # fmt: skip
+    out["torch_tp"] = _train(model, batches)
+
+    for wrapper in (GradAccumulation, MicroBatchInterleaved):
+        model, _ = _llama()
+        _megatron(model, world)
+        net = AutoParallel(wrapper(model, 2), "semi_auto")
+        out[wrapper.__name__] = _train_parallel(net, batches, rank, world)
+
+    # reshard: a whole tensor cut as the layout says, and a DTensor moved to another layout
+    tp = Layout((world,), ("tp",))
+    whole = torch.arange(24.0).reshape(4, 6)
+    rows = reshard(whole, tp("tp", "None"))
+    columns = reshard(rows, tp("None", "tp"))
+    out["reshard"] = {
+        "rows": [isinstance(rows, DTensor), rows.placements == (Shard(0),),
+                 torch.equal(rows.to_local(), whole.chunk(world)[rank])],
+        "columns": [columns.placements == (Shard(1),),
+                    torch.equal(columns.to_local(), whole.chunk(world, dim=1)[rank]),
+                    torch.equal(columns.full_tensor(), whole)],
+        "replicated": reshard(whole, tp("None", "None")).placements == (Replicate(),),
+    }  # fmt: skip
+    errors = {}
+    for key, call in {
+        "unknown_parameter": lambda: shard(
+            torch.nn.Linear(4, 4), (None,), parameter_plan={"bias2": tp("tp")}
+        ),
+        "indivisible": lambda: reshard(torch.ones(3, 2), tp("tp", "None")),
+        "rank_count": lambda: reshard(torch.ones(4), Layout((4,), ("x",))("x")),
+        "dims": lambda: reshard(torch.ones(4), tp("tp", "None")),
+        "split_counts": lambda: shard(torch.nn.Linear(4, 4), ((1, 3),))(torch.ones(2, 4)),
+        "too_many_inputs": lambda: shard(torch.add, ((2, 1),))(torch.ones(2, 2), torch.ones(2, 2)),
+    }.items():
+        try:
+            call()
+            errors[key] = "accepted"
+        except (KeyError, ValueError, TypeError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+    out["errors"] = errors
+    if rank == 0:
+        Path(folder, "results.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("two_ranks")
+    return _spawn(_two_ranks, 2, folder)
+
+
+def test_semi_auto_megatron_annotations_train_as_one_process_and_torch_tp(two_ranks):
+    model, batches = _llama()
+    want = _train(model, batches)
+    assert two_ranks["semi_auto"] == pytest.approx(want, abs=1e-4)
+    assert two_ranks["semi_auto"] == pytest.approx(two_ranks["torch_tp"], abs=1e-4)
+
+
+@pytest.mark.parametrize("wrapper", ["GradAccumulation", "MicroBatchInterleaved"])
+def test_micro_batch_wrappers_sum_the_slices_losses(two_ranks, wrapper):
+    model, batches = _llama()
+    want = _train(model, batches, micro=2)
+    assert two_ranks[wrapper] == pytest.approx(want, abs=1e-4)
+
+
+def test_reshard_places_whole_tensors_and_moves_dtensors(two_ranks):
+    got = two_ranks["reshard"]
+    assert got["rows"] == [True, True, True]
+    assert got["columns"] == [True, True, True]
+    assert got["replicated"]
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("unknown_parameter", "KeyError: \"shard: parameter_plan names 'bias2'"),
+        ("indivisible", "ValueError: reshard: layout: dim 0 of shape (3, 2)"),
+        ("rank_count", "ValueError: reshard: layout: the Layout's device matrix (4,)"),
+        ("dims", "ValueError: reshard: layout: the Layout maps 2 dims"),
+        ("split_counts", "ValueError: shard: in_strategy[0]: split counts (1, 3)"),
+        ("too_many_inputs", "ValueError: shard: in_strategy has 1 entries"),
+    ],
+)
+def test_shard_and_reshard_refuse_bad_strategies(two_ranks, key, message):
+    assert two_ranks["errors"][key].startswith(message)
+
+
+# -- argument checks, in this process -----------------------------------------------------
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_auto_parallel_refuses_bad_construction():
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="parallel_mode must be one of"):
+        AutoParallel(net, "auto")
+    with pytest.raises(TypeError, match="network must be a torch.nn.Module"):
+        AutoParallel(lambda x: x)
+    with pytest.raises(ParallelError, match="torch.distributed initialised first"):
+        AutoParallel(net, "recursive_programming")
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda n: n.hsdp(shard_size="all"), TypeError, "shard_size must be an int"),
+        (lambda n: n.hsdp(shard_size=3), ValueError, "shard_size must be -1 or the 1 ranks"),
+        (lambda n: n.hsdp(threshold=-1), ValueError, "threshold must be at least 0"),
+        (lambda n: n.hsdp(optimizer_level="level9"), ValueError, "optimizer_level must be one"),
+        (lambda n: n.hsdp(optimizer_level="level2"), ParallelError, "'level2' is not built"),
+        (lambda n: n.hsdp(optimizer_level="level3"), ParallelError, "'level3' is not built"),
+        (lambda n: n.pipeline(stages=0), ValueError, "stages must be at least 1"),
+        (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),
+        (lambda n: n.pipeline(scheduler="zb"), ValueError, "scheduler must be one of"),
+        (lambda n: n.pipeline(stages=2), ParallelError, "stages in AutoParallel are not built"),
+        (lambda n: n.dataset_strategy(None), ValueError, "config must not be None"),
+        (lambda n: n.dataset_strategy(3), TypeError, "config must be 'data_parallel'"),
+        (lambda n: n.dataset_strategy("rows"), ValueError, "must be 'data_parallel' or"),
+        (lambda n: n.dataset_strategy(((1, 2),)), ValueError, "splits an input 2 ways"),
+        (lambda n: n.dataset_strategy((Layout((1,), ("dp",)),)), TypeError, "split counts"),
+        (lambda n: n.save_param_strategy_file(3), TypeError, "file_path must be a str"),
+        (lambda n: n.set_group_ckpt_save_file(None), TypeError, "file_path must be a str"),
+        (lambda n: n.load_param_strategy_file(3), TypeError, "file_path must be a str"),
+        (lambda n: n.load_param_strategy_file("s.json"), ParallelError, "is not built"),
+        (lambda n: n.comm_fusion("on"), TypeError, "config must be a dict"),
+        (lambda n: n.comm_fusion({"openstate": True}), ParallelError, "fusing them"),
+        (lambda n: n.disable_loss_repeated_mean(), ParallelError, "not built"),
+        (
+            lambda n: n.network.to(torch.bfloat16) and n.enable_fp32_communication(),
+            ParallelError,
+            "not in float32",
+        ),  # fmt: skip
+    ],
+)
+def test_auto_parallel_methods_refuse_by_name(one_rank, call, error, match):
+    net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")
+    with pytest.raises(error, match=match):
+        call(net)
+
+
+def test_auto_parallel_accepted_settings(one_rank):
+    net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")
+    net.enable_gradients_mean()
+    net.disable_gradient_fp32_sync()
+    net.no_init_parameters_in_compile()
+    net.enable_fp32_communication()
+    net.pipeline(stages=1, scheduler="gpipe")
+    net.dataset_strategy("full_batch")
+    net.dataset_strategy(((1, 1), (1,)))
+    assert net.get_pipeline_stages() == 1
+
+
+def test_sharding_propagation_refuses_annotated_networks(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    linear = torch.nn.Linear(2, 2)
+    mesh = init_device_mesh("cpu", (1,))
+    linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh))
+    net = AutoParallel(linear, "sharding_propagation")
+    with pytest.raises(ParallelError, match="planning around `shard` annotations is not built"):
+        net(torch.ones(2, 2))
+
+
+def test_shard_checks_its_arguments_before_anything_runs(one_rank):
+    linear = torch.nn.Linear(2, 2)
+    tp = Layout((1,), ("tp",))
+    with pytest.raises(TypeError, match="in_strategy must be a tuple"):
+        shard(linear, [(1, 1)])
+    with pytest.raises(TypeError, match="out_strategy must be a tuple or None"):
+        shard(linear, ((1, 1),), out_strategy=[(1, 1)])
+    with pytest.raises(TypeError, match="consistent type"):
+        shard(linear, ((1, 1), tp("None", "None")))
+    with pytest.raises(TypeError, match="parameter_plan needs fn to be an nn.Module"):
+        shard(torch.add, ((1, 1),), parameter_plan={"w": (1, 1)})
+    with pytest.raises(ValueError, match="level must be 0, 1 or 2"):
+        shard(linear, ((1, 1),), level=3)
+    # one rank: nothing to shard, the module comes back as it was
+    assert shard(linear, ((1, 1),)) is linear and not linear._forward_hooks
+    with pytest.raises(TypeError, match="reshard: tensor must be a Tensor"):
+        reshard([1.0], tp("tp"))
+    with pytest.raises(TypeError, match="reshard: layout must be a Layout"):
+        reshard(torch.ones(2), (1,))
+    assert reshard(torch.ones(2), tp("tp")) is not None
+
+
+@pytest.mark.parametrize("wrapper", [GradAccumulation, MicroBatchInterleaved])
+def test_micro_batch_wrappers_check_their_arguments(wrapper):
+    with pytest.raises(TypeError, match="network must be a torch.nn.Module"):
+        wrapper(lambda x: x, 2)
+    with pytest.raises(TypeError, match="must be an int"):
+        wrapper(torch.nn.Linear(2, 2), "2")
+    with pytest.raises(ValueError, match="must be > 0"):
+        wrapper(torch.nn.Linear(2, 2), 0)
+    with pytest.raises(ValueError, match="does not cut into 2 equal slices"):
+        wrapper(torch.nn.Linear(2, 2), 2)(torch.ones(3, 2))
+    with pytest.raises(TypeError, match="must return a tensor"):
+        wrapper(torch.nn.Identity(), 2)({"x": torch.ones(2)})
+
+
+def test_micro_batch_wrappers_sum_outputs_of_slices():
+    linear = torch.nn.Linear(2, 3)
+    x = torch.randn(4, 2)
+    got = GradAccumulation(linear, 2)(x)
+    assert torch.allclose(got, linear(x[:2]) + linear(x[2:]))
