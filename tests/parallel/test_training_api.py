@@ -14,10 +14,16 @@ from safetensors.torch import load_file, save_file
 
 from tessel.cli import main
 from tessel.parallel import AutoParallel, Layout, ParallelError, reshard, shard
-from tessel.parallel.nn import GradAccumulation, MicroBatchInterleaved
+from tessel.parallel.nn import (
+    GradAccumulation,
+    MicroBatchInterleaved,
+    Pipeline,
+    PipelineGradReducer,
+)
 
 STEPS = 5
 LR = 1e-3
+MICRO = 2
 
 
 def _gpt2():
@@ -132,6 +138,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
         wrong_shape = str(exc)
     params = dict(net.named_parameters())
     state = net.state_dict()
+    pipelined = _pipelines(rank, world, folder)
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
     full = {n: p.full_tensor() for n, p in params.items()}
     planned = net._planned
@@ -151,10 +158,49 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     ),
                     "stored_shards": sum(t.stored != t.planned for t in planned.trained),
                     "state_keys": sorted(state),
+                    **pipelined,
                 }
             )
         )
     dist.destroy_process_group()
+
+
+STAGES = {"transformer.wte": 0, "transformer.h.0": 0, "transformer.h.1": 1, "lm_head": 1}
+
+
+def _pipelines(rank: int, world: int, folder: str) -> dict:
+    """Two stages x two data-parallel replicas, under each schedule: losses, and the copies of
+    the tied embedding each stage holds."""
+    from tessel.parallel import sync_pipeline_shared_parameters
+
+    out = {}
+    dp = world // 2
+    for scheduler in ("1f1b", "gpipe"):
+        model, batches = _gpt2()
+        net = AutoParallel(Pipeline(model, MICRO, STAGES), "semi_auto")
+        net.pipeline(stages=2, scheduler=scheduler)
+        optimizer = None
+        losses = []
+        for batch in batches:
+            mine = batch.chunk(dp)[rank % dp]  # the ranks of a replica pass its batch
+            loss = net(input_ids=mine, labels=mine)
+            optimizer = optimizer or torch.optim.AdamW(net.parameters(), lr=LR)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        sync_pipeline_shared_parameters(net)
+        state = net.state_dict()
+        tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
+        save_file(tied, f"{folder}/tied_{scheduler}_{rank}.safetensors")
+        out[f"pipeline_{scheduler}"] = losses
+    try:
+        model, batches = _gpt2()
+        Pipeline(model, 1, STAGES)(input_ids=batches[0], labels=batches[0])
+        out["pipeline_micro_size"] = "accepted"
+    except ValueError as exc:
+        out["pipeline_micro_size"] = str(exc)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +237,38 @@ def test_saved_strategy_drives_checkpoint_conversion(four_ranks, tmp_path):
     assert set(whole) == set(final)
     for name, value in final.items():
         assert torch.equal(whole[name], value), name
+
+
+@pytest.mark.parametrize("scheduler", ["1f1b", "gpipe"])
+def test_pipeline_stages_with_data_parallel_train_as_one_process(four_ranks, scheduler):
+    folder, got = four_ranks
+    model, batches = _gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    want = []
+    for batch in batches:
+        # each of 2 replicas sums its micro-batches' losses; the replicas are averaged
+        parts = [x for replica in batch.chunk(2) for x in replica.chunk(MICRO)]
+        loss = sum(model(input_ids=x, labels=x).loss for x in parts) / 2
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    assert got[f"pipeline_{scheduler}"] == pytest.approx(want, abs=1e-4)
+    # every stage's copy of the tied embedding stays equal to the one process's
+    embedding = model.transformer.wte.weight.detach()
+    copies = [
+        t
+        for rank in range(4)
+        for t in load_file(str(folder / f"tied_{scheduler}_{rank}.safetensors")).values()
+    ]
+    assert len(copies) >= 4  # both stages of both replicas hold one
+    for copy in copies:
+        torch.testing.assert_close(copy, embedding, atol=1e-6, rtol=0)
+
+
+def test_pipeline_micro_size_must_cover_the_stages(four_ranks):
+    _, got = four_ranks
+    assert got["pipeline_micro_size"].startswith("Pipeline: micro_size (1) must be >= the stage")
 
 
 def test_group_file_lists_the_ranks_that_hold_the_same_shards(four_ranks):
@@ -346,7 +424,8 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.pipeline(stages=0), ValueError, "stages must be at least 1"),
         (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),
         (lambda n: n.pipeline(scheduler="zb"), ValueError, "scheduler must be one of"),
-        (lambda n: n.pipeline(stages=2), ParallelError, "stages in AutoParallel are not built"),
+        (lambda n: n.pipeline(stages=2), ParallelError, "run a tessel.parallel.nn.Pipeline"),
+        (lambda n: n.pipeline(interleave=True), ParallelError, "interleave is not built"),
         (lambda n: n.dataset_strategy(None), ValueError, "config must not be None"),
         (lambda n: n.dataset_strategy(3), TypeError, "config must be 'data_parallel'"),
         (lambda n: n.dataset_strategy("rows"), ValueError, "must be 'data_parallel' or"),
@@ -430,6 +509,39 @@ def test_micro_batch_wrappers_check_their_arguments(wrapper):
         wrapper(torch.nn.Linear(2, 2), 2)(torch.ones(3, 2))
     with pytest.raises(TypeError, match="must return a tensor"):
         wrapper(torch.nn.Identity(), 2)({"x": torch.ones(2)})
+
+
+def test_pipeline_checks_its_arguments():
+    model, _ = _gpt2()
+    with pytest.raises(TypeError, match="network must be a torch.nn.Module"):
+        Pipeline(lambda x: x, 2)
+    with pytest.raises(TypeError, match="micro_size must be an int"):
+        Pipeline(model, 2.0)
+    with pytest.raises(KeyError, match="'transformer.h.9'.*its modules are"):
+        Pipeline(model, 2, {"transformer.h.9": 1})
+    with pytest.raises(ValueError, match="each stage before the next"):
+        Pipeline(model, 2, {"transformer.h.0": 1, "transformer.h.1": 0})
+    with pytest.raises(ValueError, match="no module to stages \\[1\\]"):
+        Pipeline(model, 2, {"transformer.h.0": 0, "transformer.h.1": 2})
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        Pipeline(model, 2, {"transformer.h.0": -1})
+
+
+def test_pipeline_grad_reducer_scales_the_accumulated_gradients():
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 4.0)
+    reducer = PipelineGradReducer([weight], scale_sense=2.0)
+    assert torch.equal(reducer((torch.full((3,), 6.0),))[0], torch.full((3,), 3.0))
+    (grad,) = reducer()
+    assert grad is weight.grad and torch.equal(weight.grad, torch.full((3,), 2.0))
+    with pytest.raises(TypeError, match="parameters must be an iterable"):
+        PipelineGradReducer(weight)
+    with pytest.raises(ValueError, match="scale_sense must be > 0"):
+        PipelineGradReducer([weight], scale_sense=0)
+    with pytest.raises(TypeError, match="opt_shard must be a bool"):
+        PipelineGradReducer([weight], opt_shard="yes")
+    with pytest.raises(ValueError, match="2 gradients for 1 parameters"):
+        reducer([None, None])
 
 
 def test_micro_batch_wrappers_sum_outputs_of_slices():

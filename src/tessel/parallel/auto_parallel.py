@@ -27,6 +27,7 @@ from tessel.checkpoint.dtensor import layout_from_dtensor
 from tessel.checkpoint.mindspore_proto import strategy_to_protobuf, write_group_info
 from tessel.checkpoint.strategy import Strategy, param_from_layout, write_strategy
 from tessel.config.cluster import ClusterConfig
+from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -191,16 +192,32 @@ class AutoParallel(torch.nn.Module):
         interleave: bool = False,
         scheduler: str = "1f1b",
     ) -> None:
+        """Run a `Pipeline` network of `stages` stages under `scheduler` (semi_auto). Its loss
+        reaches every stage whatever `output_broadcast` says; `interleave` (several stages
+        per rank) is refused: Pipeline's stage_config gives each rank one stage."""
         _int_argument("pipeline", "stages", stages, 1)
         if scheduler not in SCHEDULERS:
             raise ValueError(
                 f"pipeline: scheduler must be one of {list(SCHEDULERS)}, found {scheduler!r}"
             )
-        if stages > 1 or interleave or output_broadcast:
+        if interleave:
             raise ParallelError(
-                "pipeline: stages in AutoParallel are not built; use "
-                "tessel.build with the policy's pipe_stage_num"
+                "pipeline: interleave is not built: Pipeline's stage_config gives each rank "
+                "one stage, and interleaving needs several"
             )
+        if stages > 1:
+            if self.parallel_mode != "semi_auto" or not isinstance(self.network, Pipeline):
+                raise ParallelError(
+                    "pipeline: stages in AutoParallel run a tessel.parallel.nn.Pipeline "
+                    "network in 'semi_auto' mode; tessel's planner does not cut stages here "
+                    "(tessel.build does, with the policy's pipe_stage_num)"
+                )
+            if self.network.stages != stages:
+                raise ValueError(
+                    f"pipeline: stages={stages}, but the Pipeline's stage_config gives "
+                    f"{self.network.stages}"
+                )
+            self.network.scheduler = scheduler
         self._stages = stages
 
     def get_pipeline_stages(self) -> int:
@@ -238,6 +255,8 @@ class AutoParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The loss of the whole batch (recursive_programming, sharding_propagation), or the
         network's output (semi_auto)."""
+        if self.parallel_mode == "semi_auto" and isinstance(self.network, Pipeline):
+            return self.network(*args, **kwargs)  # each rank passes its replica's batch
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         whole = iter([self._whole_batch(i, x) for i, x in enumerate(tensors)])

@@ -152,6 +152,14 @@ class _Step(torch.autograd.Function):
         return (None, None, *ctx.give(grad))
 
 
+def loss_with_gradients(
+    loss: torch.Tensor, parameters: Sequence[torch.Tensor], give: Any
+) -> torch.Tensor:
+    """`loss`, whose backward gives `parameters` the gradients `give(incoming gradient)`
+    returns: for steps whose gradients are computed before the loss is returned."""
+    return _Step.apply(loss, give, *parameters)
+
+
 class PlannedNetwork:
     """One rank's program and the network's parameters as DTensors on the plan's mesh."""
 
@@ -278,4 +286,4 @@ class PlannedNetwork:
                 out.append(value)
             return out
 
-        return _Step.apply(loss, give, *(t.parameter for t in trained))
+        return loss_with_gradients(loss, [t.parameter for t in trained], give)

@@ -1,0 +1,353 @@
+"""`Pipeline`: a network cut into stages by `stage_config`, run on torch.distributed.pipelining.
+
+The ranks are (stage, data-parallel replica), stage outermost: rank = stage * dp + replica. On
+the first call the network is traced once (`torch.distributed.pipelining.pipeline`), cut
+before the first module of each stage, and each rank keeps its stage's module; every call then
+runs the batch through the stages as `micro_size` micro-batches under torch's schedule (1F1B or
+GPipe). As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
+mean over the data-parallel replicas, each calling with its own batch); `loss.backward()` hands
+the stage's parameters the gradients the schedule computed, so the optimizer is made after the
+first call, over the stage's parameters. Parameters several stages hold (tied embeddings) get
+the sum of their copies' gradients, so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+from tessel._torch import tree_flatten, tree_unflatten
+from tessel.parallel.micro_batches import _count, _tensor_output
+from tessel.parallel.planned import ParallelError, loss_with_gradients
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def _loss_forward(forward: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The network's loss as a 1-element tensor (torch's schedule concatenates the
+    micro-batches' outputs). Every input is copied first, inside the first stage, so that an
+    input only the last stage reads (labels) travels there with the activations."""
+    args, kwargs = tree_unflatten(
+        [x.clone() if isinstance(x, torch.Tensor) else x for x in tree_flatten((args, kwargs))[0]],
+        tree_flatten((args, kwargs))[1],
+    )
+    return _tensor_output(forward(*args, **kwargs), "Pipeline").reshape(1)
+
+
+class Pipeline(torch.nn.Module):
+    """`network` in pipeline stages (see the module docstring). `stage_config` maps module
+    names to stage indices; the modules of a stage come before those of the next one."""
+
+    def __init__(
+        self,
+        network: torch.nn.Module,
+        micro_size: int,
+        stage_config: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if not isinstance(network, torch.nn.Module):
+            raise TypeError(
+                f"{owner}: network must be a torch.nn.Module, found {type(network).__name__}"
+            )
+        self.micro_size = _count(owner, "micro_size", micro_size)
+        stage_config = dict(stage_config or {})
+        modules = [name for name, _ in network.named_modules() if name]
+        unmatched = sorted(set(stage_config) - set(modules))
+        if unmatched:
+            raise KeyError(
+                f"{owner}: stage_config names {unmatched}, which the network does not have; "
+                f"its modules are {modules}"
+            )
+        for name, stage in stage_config.items():
+            if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+                raise ValueError(
+                    f"{owner}: stage_config[{name!r}] must be an int >= 0, found {stage!r}"
+                )
+        order = sorted(stage_config, key=modules.index)
+        stages = [stage_config[n] for n in order]
+        if stages != sorted(stages):
+            raise ValueError(
+                f"{owner}: stage_config must put the modules of each stage before the next "
+                f"stage's, in the network's module order; found {[(n, stage_config[n]) for n in order]}"
+            )
+        self.stages = max(stages, default=0) + 1
+        missing = sorted(set(range(self.stages)) - set(stages))
+        if missing:
+            raise ValueError(f"{owner}: stage_config gives no module to stages {missing}")
+        # each stage after the first starts at its first module
+        self.cuts = {s: n for n, s in reversed(list(zip(order, stages))) if s > 0}
+        self.scheduler = "1f1b"
+        self.network = network
+        self._stage: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        leaves, _ = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not tensors:
+            raise TypeError("Pipeline: the network needs tensor inputs to cut into micro-batches")
+        for x in tensors:
+            if x.dim() == 0 or x.shape[0] % self.micro_size:
+                raise ValueError(
+                    f"Pipeline: an input of shape {tuple(x.shape)} does not cut into "
+                    f"{self.micro_size} micro-batches along dim 0"
+                )
+        if self._stage is None:
+            self._build(args, kwargs, tensors[0].device)
+        return self._step(args, kwargs)
+
+    def _build(self, args: tuple, kwargs: dict, device: torch.device) -> None:
+        world = dist.get_world_size()
+        if world % self.stages:
+            raise ParallelError(
+                f"Pipeline: {self.stages} stages do not divide the job's {world} ranks"
+            )
+        if self.micro_size < self.stages:
+            raise ValueError(
+                f"Pipeline: micro_size ({self.micro_size}) must be >= the stage count "
+                f"({self.stages})"
+            )
+        dp = world // self.stages
+        self.mesh = init_device_mesh(device.type, (self.stages, dp), mesh_dim_names=("pp", "dp"))
+        self.stage_index = dist.get_rank() // dp
+        network = self.network
+        shared = _shared_names(network)
+        micro = [
+            x.chunk(self.micro_size)[0] if isinstance(x, torch.Tensor) else x
+            for x in tree_flatten((args, kwargs))[0]
+        ]
+        micro_args, micro_kwargs = tree_unflatten(micro, tree_flatten((args, kwargs))[1])
+        network.forward = functools.partial(_loss_forward, network.forward)
+        try:
+            pipe = pipeline(
+                network,
+                mb_args=tuple(micro_args),
+                mb_kwargs=micro_kwargs,
+                split_spec={name: SplitPoint.BEGINNING for name in self.cuts.values()},
+            )
+        finally:
+            del network.forward
+        _contiguous_boundaries(pipe, self.stages)
+        stage = pipe.build_stage(self.stage_index, device, group=self.mesh["pp"].get_group())
+        self.schedule = SCHEDULES[self.scheduler](
+            stage,
+            self.micro_size,
+            loss_fn=lambda output, target: output.sum(),
+            scale_grads=False,  # the loss is the micro-batches' sum, as its gradients are
+        )
+        # this rank trains its stage's module: the whole network is no longer held here
+        del self.network
+        self.stage_module = stage.submod
+        self._stage = stage
+        self.shared = shared
+        self.shared_shapes = _gather_shapes(
+            self, dict(self.stage_module.named_parameters(remove_duplicate=False))
+        )
+        sync_pipeline_shared_parameters(self)
+
+    def _step(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        pp, dp = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
+        last = self.stage_index == self.stages - 1
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(self.micro_size, device=self.mesh.device_type)
+        if self.stage_index == 0:
+            self.schedule.step(*args, **kwargs, target=target if last else None, losses=losses)
+        elif last:
+            self.schedule.step(target=target, losses=losses)
+        else:
+            self.schedule.step()
+        loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=target.device)
+        loss = loss.to(torch.float32)
+        # the last stage's loss on every stage, then the mean over the replicas
+        dist.all_reduce(loss, group=pp)
+        parameters = [p for p in self.stage_module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        self._sum_shared(dict(zip(_names_of(self.stage_module, parameters), grads)))
+        if self.mesh["dp"].size() > 1:
+            dist.all_reduce(loss, group=dp)
+            loss /= self.mesh["dp"].size()
+            for g in grads:
+                dist.all_reduce(g, group=dp)
+                g /= self.mesh["dp"].size()
+        for p in parameters:
+            p.grad = None
+        return loss_with_gradients(loss, parameters, lambda scale: [g * scale for g in grads])
+
+    def _sum_shared(self, grads: dict[str, torch.Tensor]) -> None:
+        """Give every copy of a shared parameter the sum of all copies' gradients."""
+        pp = self.mesh["pp"].get_group()
+        for names in self.shared:
+            mine = [n for n in names if n in grads]
+            shape = _shape_of(self.shared_shapes, names)
+            total = torch.zeros(shape, device=self.mesh.device_type)
+            for n in mine:
+                total += grads[n]
+            dist.all_reduce(total, group=pp)
+            for n in mine:
+                grads[n].copy_(total)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's stage's state under the network's names (the whole network's before the
+        first call)."""
+        module = self.network if self._stage is None else self.stage_module
+        return module.state_dict(*args, **kwargs)
+
+
+class PipelineCell(Pipeline):
+    """MindSpore's other name for `Pipeline`."""
+
+
+def _shared_names(network: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter the network holds under several names (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in network.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]
+
+
+def _names_of(module: torch.nn.Module, parameters: Sequence[torch.Tensor]) -> list[str]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [names[id(p)] for p in parameters]
+
+
+def _contiguous_boundaries(pipe: Any, stages: int) -> None:
+    """Make what one stage sends the next contiguous, in the stage programs and in the shapes
+    the receiving buffers are made from (gloo cannot receive into strided buffers)."""
+    for i in range(stages):
+        module = pipe.get_stage_module(i)
+        graph: fx.Graph = module.graph
+        output = next(n for n in graph.nodes if n.op == "output")
+
+        def contiguous(a: Any, graph: fx.Graph = graph, output: fx.Node = output) -> Any:
+            if not isinstance(a, fx.Node):
+                return a
+            with graph.inserting_before(output):
+                node = graph.call_method("contiguous", (a,))
+            if "val" in a.meta:
+                node.meta["val"] = a.meta["val"].contiguous()
+            return node
+
+        output.args = (fx.node.map_aggregate(output.args[0], contiguous),)
+        module.recompile()
+    nodes = [*pipe.split_gm.graph.nodes]
+    for i in range(stages):
+        nodes += [n for n in pipe.get_stage_module(i).graph.nodes if n.op == "placeholder"]
+    for node in nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            node.meta["val"] = value.contiguous()
+
+
+def sync_pipeline_shared_parameters(net: torch.nn.Module) -> None:
+    """Copy each parameter several pipeline stages hold (tied embeddings) from the first
+    stage holding it to the others. A network with fewer than 2 stages is left as it is."""
+    pipe = _find_pipeline(net)
+    if pipe is None or pipe._stage is None or pipe.stages < 2:
+        return
+    group = pipe.mesh["pp"].get_group()
+    ranks = dist.get_process_group_ranks(group)
+    params = dict(pipe.stage_module.named_parameters(remove_duplicate=False))
+    for names in pipe.shared:
+        held = [n for n in names if n in params]
+        holder = torch.tensor([pipe.stage_index if held else pipe.stages])
+        dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
+        first = int(holder.item())
+        value = (
+            params[held[0]].detach().clone()
+            if held
+            else torch.zeros(_shape_of(pipe.shared_shapes, names))
+        )
+        dist.broadcast(value, src=ranks[first], group=group)
+        with torch.no_grad():
+            for n in held:
+                params[n].copy_(value)
+
+
+def _gather_shapes(pipe: Pipeline, params: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """The shape of every shared parameter, from whichever stage holds it."""
+    group = pipe.mesh["pp"].get_group()
+    shapes: dict[str, tuple] = {}
+    for names in pipe.shared:
+        held = [n for n in names if n in params]
+        dims = torch.zeros(8, dtype=torch.int64)
+        if held:
+            shape = params[held[0]].shape
+            dims[0] = len(shape)
+            dims[1 : 1 + len(shape)] = torch.tensor(shape)
+        dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=group)
+        shapes[names[0]] = tuple(int(d) for d in dims[1 : 1 + int(dims[0])])
+    return shapes
+
+
+def _shape_of(shapes: dict[str, tuple], names: tuple[str, ...]) -> tuple:
+    return shapes[names[0]]
+
+
+def _find_pipeline(net: torch.nn.Module) -> Pipeline | None:
+    if not isinstance(net, torch.nn.Module):
+        raise TypeError(
+            f"sync_pipeline_shared_parameters: net must be a torch.nn.Module, found "
+            f"{type(net).__name__}"
+        )
+    for module in net.modules():
+        if isinstance(module, Pipeline):
+            return module
+    return None
+
+
+class PipelineGradReducer(torch.nn.Module):
+    """The accumulated gradients of `parameters`, divided by `scale_sense` (MindSpore v2.6's
+    semantics; `Pipeline` has already summed the micro-batches' gradients and reduced them
+    over the data-parallel replicas). Called with no gradients, it scales the parameters'
+    own `.grad` in place and returns them."""
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.Tensor],
+        scale_sense: float = 1.0,
+        opt_shard: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(parameters, torch.Tensor) or not isinstance(parameters, Iterable):
+            raise TypeError(
+                "PipelineGradReducer: parameters must be an iterable of tensors, found "
+                f"{type(parameters).__name__}"
+            )
+        self.parameters_ = list(parameters)
+        if not all(isinstance(p, torch.Tensor) for p in self.parameters_):
+            raise TypeError("PipelineGradReducer: every parameter must be a tensor")
+        if isinstance(scale_sense, bool) or not isinstance(scale_sense, (int, float)):
+            raise TypeError(
+                f"PipelineGradReducer: scale_sense must be a number, found "
+                f"{type(scale_sense).__name__}"
+            )
+        if scale_sense <= 0:
+            raise ValueError(f"PipelineGradReducer: scale_sense must be > 0, found {scale_sense}")
+        if opt_shard is not None and not isinstance(opt_shard, bool):
+            raise TypeError(
+                f"PipelineGradReducer: opt_shard must be a bool or None, found "
+                f"{type(opt_shard).__name__}"
+            )
+        self.scale_sense = float(scale_sense)
+        self.opt_shard = opt_shard
+
+    def forward(self, grads: Sequence[torch.Tensor | None] | None = None) -> tuple:
+        if grads is None:
+            with torch.no_grad():
+                for p in self.parameters_:
+                    if p.grad is not None:
+                        p.grad.div_(self.scale_sense)
+            return tuple(p.grad for p in self.parameters_)
+        if len(grads) != len(self.parameters_):
+            raise ValueError(
+                f"PipelineGradReducer: {len(grads)} gradients for {len(self.parameters_)} "
+                "parameters"
+            )
+        return tuple(None if g is None else g / self.scale_sense for g in grads)
