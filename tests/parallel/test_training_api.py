@@ -139,6 +139,10 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     params = dict(net.named_parameters())
     state = net.state_dict()
     pipelined = _pipelines(rank, world, folder)
+    # with memory to spare the planner weighs data-parallel replicas too
+    model, batches = _gpt2()
+    roomy = AutoParallel(model, parallel_mode="recursive_programming")
+    roomy_losses = _train_parallel(roomy, batches, rank, world)
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
     full = {n: p.full_tensor() for n, p in params.items()}
     planned = net._planned
@@ -159,6 +163,8 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "stored_shards": sum(t.stored != t.planned for t in planned.trained),
                     "state_keys": sorted(state),
                     **pipelined,
+                    "roomy_losses": roomy_losses,
+                    "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
                 }
             )
         )
@@ -218,6 +224,13 @@ def test_recursive_programming_trains_as_one_process(four_ranks):
     assert got["all_dtensors"] and got["grad_cleared"]
     assert "planned for inputs" in got["wrong_shape"]
     assert got["state_keys"] == sorted(model.state_dict())
+
+
+def test_recursive_programming_with_replicas_trains_as_one_process(four_ranks):
+    _, got = four_ranks
+    model, batches = _gpt2()
+    assert got["roomy_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
+    assert got["roomy_mesh"].get("dp", 1) > 1  # the replicas' gradients are reduced
 
 
 def test_hsdp_level1_stores_large_weights_sharded(four_ranks):

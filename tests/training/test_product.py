@@ -1,6 +1,8 @@
-"""Every model at 2 and 4 devices on every mesh (dp, tp, dp x tp, 2 pipeline stages) with
-every sharding level the mesh has a data-parallel axis for (dp 4 alone without sharding): five AdamW steps give the losses
-single-process torch training gives (see test_training.py).
+"""Every model at 2 and 4 devices on every mesh (dp, tp, dp x tp, 2 pipeline stages), and every
+sharding level on the meshes with replicas: five AdamW steps give the losses single-process
+torch training gives (see test_training.py). A covering set, not the full product: each model
+meets every mesh and every level, and each (mesh with replicas, level) pair is met by one
+model (a Latin square over the models).
 
 One test class per model, so the test processes (pytest-xdist by scope) share them out."""
 
@@ -15,18 +17,19 @@ LEVELS = [
     ("optimizer_state_sharding", "gradient_sharding"),
     ("model_weight_sharding", "model_weight_prefetch"),
 ]
-MESHES = {2: [(1, 2, 1), (1, 1, 2), (2, 1, 1)], 4: [(1, 4, 1), (1, 1, 4), (1, 2, 2), (2, 2, 1)]}
+MODELS = ("llama", "gpt2", "mixtral")
+# (devices, pp, dp, tp): meshes without replicas run unsharded, those with them take levels
+MESHES = [(2, 1, 1, 2), (2, 2, 1, 1), (4, 1, 4, 1), (4, 1, 1, 4)]
+REPLICATED = [(2, 1, 2, 1), (4, 1, 2, 2), (4, 2, 2, 1)]
 
 
 def _product(name: str) -> list[tuple]:
-    return [
-        (name, devices, pp, dp, tp, sharding, False)
-        for devices, meshes in MESHES.items()
-        for pp, dp, tp in meshes
-        # every level where the mesh has replicas, but dp 4 alone: its levels run on dp 2,
-        # dp 2 x tp 2 and 2 stages x dp 2 (the suite's time is bounded)
-        for sharding in (LEVELS if dp > 1 and (dp, devices) != (4, 4) else LEVELS[:1])
-    ]
+    i = MODELS.index(name)
+    cases = [(name, devices, pp, dp, tp, (), False) for devices, pp, dp, tp in MESHES]
+    for j, level in enumerate(LEVELS):
+        devices, pp, dp, tp = REPLICATED[(i + j) % len(REPLICATED)]
+        cases.append((name, devices, pp, dp, tp, level, False))
+    return cases
 
 
 def _model_class(name: str) -> type:
@@ -45,6 +48,4 @@ def _model_class(name: str) -> type:
     return Product
 
 
-TestLlama = _model_class("llama")
-TestGpt2 = _model_class("gpt2")
-TestMixtral = _model_class("mixtral")
+TestLlama, TestGpt2, TestMixtral = (_model_class(name) for name in MODELS)

@@ -10,6 +10,10 @@ replicas, on the link that axis crosses; the fastest that fits is chosen. Every 
 and why one was set aside, goes into the plan for `inspect`. Shapes with pipeline stages are
 weighed only where no shape without them fits: a stage-replica does the same work as a replica
 holding every layer, plus the time its micro-batches wait while the stages fill and drain.
+
+A training step planned by `tessel.parallel.AutoParallel` weighs `dp x tp` shapes alike on one
+node too (`choose_data_parallel`): each replica's program on its share of the batch, plus the
+all-reduce of its gradients over the replicas.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 
 from tessel._torch import tree_leaves, tree_map
 from tessel.builder.stages import default_micro_batches, more_memory, pipeline_estimate
-from tessel.capture import CapturedModel, capture
+from tessel.capture import CapturedModel, capture, capture_training
+from tessel.capture.training import GradientOutputs, gradient_outputs, mark_gradients
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import ParallelDims, parallel_dims, tensor_axes
@@ -235,3 +240,53 @@ def first_devices(cluster: ClusterConfig, count: int) -> ClusterConfig:
         nodes.append(replace(node, devices=node.devices[:left]))
         left -= len(nodes[-1].devices)
     return replace(cluster, nodes=tuple(nodes))
+
+
+def choose_data_parallel(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    time_limit: float,
+    held_factor: float,
+) -> tuple[int, list[dict[str, Any]]]:
+    """The data-parallel size of the fastest `dp x tp` shape of a training step that fits, and
+    what was weighed: each shape's replica program is planned on its share of the batch and
+    timed with the all-reduce of its gradients over the replicas."""
+    world = cluster.world_size
+    rows = batch_rows(args, kwargs)
+    weighed: list[dict[str, Any]] = []
+    best: tuple[float, int] | None = None
+    for dp in (d for d in range(1, world + 1) if world % d == 0):
+        entry: dict[str, Any] = {"data_parallel": dp, "tensor_parallel": world // dp}
+        weighed.append(entry)
+        if rows % dp:
+            entry["set_aside"] = f"the batch of {rows} rows does not split into {dp} replicas"
+            continue
+        devices = first_devices(cluster, world // dp)
+        a, k = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
+        captured = capture_training(model, a, k, keep=has_rule)
+        graph = captured.program.graph_module.graph
+        names = gradient_outputs(graph).names
+        mark_gradients(graph, GradientOutputs(names, held_factor))
+        try:
+            plan = make_plan(captured, devices, policy, time_limit)
+        except PlanError:
+            entry["set_aside"] = "does not fit the devices' memory"
+            continue
+        seconds = plan.estimated_time
+        if dp > 1:
+            sized = replace(policy, data_parallel_size=dp, tensor_parallel_size=world // dp)
+            dims = parallel_dims(cluster, sized)
+            link = cost.Links(dims.axis("dp").bandwidth, cluster.soc.link_latency)
+            seconds += cost.all_reduce_time(plan.memory["weight_bytes"], dp, link)
+        entry["estimated_time_s"] = seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, dp)
+    if best is None:
+        reasons = "; ".join(f"dp {e['data_parallel']}: {e.get('set_aside')}" for e in weighed)
+        raise PlanError(f"no data-parallel size fits the training step ({reasons})")
+    for entry in weighed:
+        entry["chosen"] = entry["data_parallel"] == best[1]
+    return best[1], weighed

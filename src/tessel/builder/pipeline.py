@@ -154,7 +154,7 @@ def build(
             )
         stored = streamed_weights(model, weights)
         verify = False
-    cluster = _cluster(cluster, soc_version)
+    cluster = cluster_config(cluster, soc_version)
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
@@ -447,7 +447,9 @@ def plan_and_lower(
     )
 
 
-def _cluster(cluster: Any, soc_version: str) -> ClusterConfig:
+def cluster_config(cluster: Any, soc_version: str) -> ClusterConfig:
+    """The cluster `build` takes (a config file, its JSON, a ClusterConfig, a device count or
+    None: 4 local devices) as a ClusterConfig."""
     if cluster is None:
         return local_cluster(4, soc_version)
     if isinstance(cluster, ClusterConfig):

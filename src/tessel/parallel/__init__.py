@@ -1,9 +1,10 @@
-"""mindspore.parallel-style API for PyTorch: the public namespace over tessel.checkpoint.
+"""mindspore.parallel-style API for PyTorch.
 
-Layout, strategy files and checkpoint conversion are implemented in tessel.checkpoint; api.py
-holds the mindspore.parallel-compatible functions. The planner that parallelises a model is
-tessel.plan (reached through tessel.build). Names are imported on first use, so the command
-line can register `tessel ckpt` (and read a package's manifest) without importing torch.
+Checkpoints: Layout, strategy files and conversion live in tessel.checkpoint; api.py holds the
+mindspore.parallel-compatible functions. Training scripts: AutoParallel (auto_parallel.py, over
+planned.py: tessel's planner on the job's ranks), shard and reshard (annotate.py) and the
+wrappers of tessel.parallel.nn. Names are imported on first use, so the command line can
+register `tessel ckpt` (and read a package's manifest) without importing torch.
 """
 
 from __future__ import annotations

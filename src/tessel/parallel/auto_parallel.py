@@ -94,6 +94,12 @@ class AutoParallel(torch.nn.Module):
         self._planned: PlannedNetwork | None = None
         self._form: tuple | None = None
 
+    @property
+    def mesh(self) -> Any:
+        """The DeviceMesh the plan runs on (its dims named, `dp` first where there are
+        data-parallel replicas); None before the first call."""
+        return None if self._planned is None else self._planned.mesh
+
     # -- settings -----------------------------------------------------------------------
 
     def no_init_parameters_in_compile(self) -> None:

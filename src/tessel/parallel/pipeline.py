@@ -99,9 +99,19 @@ class Pipeline(torch.nn.Module):
                     f"Pipeline: an input of shape {tuple(x.shape)} does not cut into "
                     f"{self.micro_size} micro-batches along dim 0"
                 )
+        # the traced stages hold what the first call passed besides tensors (flags such as
+        # use_cache=False) and take the tensors in order: later calls pass the same form
+        spec = tree_flatten((args, kwargs))[1]
+        form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
         if self._stage is None:
             self._build(args, kwargs, tensors[0].device)
-        return self._step(args, kwargs)
+            self._form = form
+        if form != self._form:
+            raise ParallelError(
+                f"Pipeline: the stages were traced for a call of the form {self._form}; this "
+                f"call is {form}"
+            )
+        return self._step(tensors)
 
     def _build(self, args: tuple, kwargs: dict, device: torch.device) -> None:
         world = dist.get_world_size()
@@ -152,13 +162,13 @@ class Pipeline(torch.nn.Module):
         )
         sync_pipeline_shared_parameters(self)
 
-    def _step(self, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _step(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         pp, dp = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
         last = self.stage_index == self.stages - 1
         losses: list[torch.Tensor] = []
         target = torch.zeros(self.micro_size, device=self.mesh.device_type)
         if self.stage_index == 0:
-            self.schedule.step(*args, **kwargs, target=target if last else None, losses=losses)
+            self.schedule.step(*inputs, target=target if last else None, losses=losses)
         elif last:
             self.schedule.step(target=target, losses=losses)
         else:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from tessel._torch import tree_map
@@ -37,21 +37,38 @@ from tessel.runtime.worker import make_groups
 from tessel.sharding.geometry import mesh_coordinate, piece
 from tessel.sharding.placements import placement_from_str
 
+_TIME_LIMIT = 60.0  # seconds the solver may take for one plan
+
 
 class ParallelError(TesselError, RuntimeError):
     """The network could not be planned or run as asked."""
 
 
 def _build(model: torch.nn.Module, args: tuple, kwargs: dict, cluster: Any, path: str) -> str:
-    """In the child process: build the training package and write it to `path`."""
+    """In the child process: choose the data-parallel size, build the training package and
+    write it to `path`."""
     import tessel
+    from tessel.builder.mesh_choice import choose_data_parallel
+    from tessel.builder.pipeline import cluster_config
+    from tessel.config.parallel_option import ParallelOption
 
+    config = cluster_config(cluster, "cpu")
     trained = [p for p in model.parameters() if p.requires_grad]
     # the plan's memory model counts AdamW's two states per weight: the script's optimizer is
     # made after planning, and AdamW is what such scripts most often make
     optimizer = torch.optim.AdamW(trained)
+    dp, _ = choose_data_parallel(
+        model, args, kwargs, config, ParallelOption(), _TIME_LIMIT, held_factor=3.0
+    )
     built = tessel.build(
-        model, args, example_kwargs=kwargs, cluster=cluster, optimizer=optimizer, verify=False
+        model,
+        args,
+        example_kwargs=kwargs,
+        cluster=config,
+        policy=ParallelOption(data_parallel_size=dp, tensor_parallel_size=config.world_size // dp),
+        optimizer=optimizer,
+        time_limit=_TIME_LIMIT,
+        verify=False,
     )
     return str(built.save(path))
 
@@ -182,6 +199,10 @@ class PlannedNetwork:
         make_groups(manifest, manifest.world_size, groups)
         self.program, weights = load_rank(package, rank, device, groups)
         self.inputs = manifest.inputs
+        # ranks are (replica, tensor-parallel rank): each replica's program takes its rows
+        training = manifest.training
+        self.dp = training.data_parallel
+        self.replica = rank // training.tensor_parallel % self.dp
         sub = manifest.submodel(rank)
         self.order = list(sub.weight_order)
         self.tied = dict(sub.tied)
@@ -224,6 +245,7 @@ class PlannedNetwork:
             for i, (n, w) in enumerate(zip(self.order, weights))
             if n not in trained_names and n not in self.tied
         }
+        self.replicas = self.mesh["dp"].get_group() if self.dp > 1 else None
         self.comm_groups = sorted({g for s in manifest.submodels for g in s.comm_groups})
 
     def identical_ranks(self) -> list[int]:
@@ -266,17 +288,26 @@ class PlannedNetwork:
                 arguments.append(chunk.contiguous())
             else:
                 arguments.append(self.fixed[i])
+        if self.dp > 1:
+            flat_inputs = [x.chunk(self.dp)[self.replica] for x in flat_inputs]
         with torch.no_grad():
             loss, *grads = self.program(*arguments, *flat_inputs)
         trained = self.trained
+        # the replicas' gradients are partial sums of the whole batch's mean: reduced on the
+        # way to each weight's stored placement
+        summed = (Partial(),) if self.dp > 1 else ()
+        if self.dp > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.replicas)
+            loss /= self.dp
 
         def give(scale: torch.Tensor) -> list[torch.Tensor]:
             out = []
             for t, g in zip(trained, grads):
                 value = DTensor.from_local(
-                    (g * scale).to(t.parameter.dtype),
+                    (g * (scale / self.dp)).to(t.parameter.dtype),
                     self.mesh,
-                    t.planned,
+                    summed + t.planned[len(summed) :],
                     run_check=False,
                     shape=t.parameter.shape,
                     stride=t.parameter.stride(),

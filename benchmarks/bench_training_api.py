@@ -1,0 +1,177 @@
+"""tessel.parallel in a training script against the same model composed by hand from torch's
+parts, side by side in one run (the model and batch of bench_training.py: Llama, 4 layers,
+width 256, vocab 8192, seq 128, global batch 8, fp32, AdamW; gloo, one thread per rank).
+
+  - step time on 4 ranks: torch FSDP2 + TP on a 2 x 2 mesh (the Megatron plan on `tp`,
+    `fully_shard` over `dp`, as torchtitan composes them) against `AutoParallel(model,
+    "recursive_programming")`, the median of 10 steps after 3 warm-up steps, and the planning
+    time of AutoParallel's first call;
+  - the pipeline bubble: `nn.Pipeline` with 2 stages on 2 ranks and m micro-batches under
+    1F1B, its step time T against C, one process running the same micro-batches through the
+    whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1).
+
+    python benchmarks/bench_training_api.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_training import BATCH, LAYERS, WARMUP, _free_port, _megatron, adamw, batch, llama  # noqa: E402
+
+REPEAT = 10
+STAGES = {"model.embed_tokens": 0, f"model.layers.{LAYERS // 2}": 1}
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+
+
+def _timed(step, barrier) -> list[float]:
+    times = []
+    for i in range(WARMUP + REPEAT):
+        barrier()
+        t = time.perf_counter()
+        step()
+        barrier()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _join(rank, world, port)
+    model, data = llama(), batch()
+    result: dict = {}
+    if kind == "torch":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _megatron(model, mesh["tp"])
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        rows, replica = BATCH // 2, rank // 2
+        mine = {k: v[replica * rows : (replica + 1) * rows] for k, v in data.items()}
+        optimizer = adamw(model)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            model(**mine, use_cache=False).loss.backward()
+            optimizer.step()
+
+    else:
+        from tessel.parallel import AutoParallel
+        from tessel.parallel.nn import Pipeline
+
+        if kind == "tessel":
+            net = AutoParallel(model, "recursive_programming")
+            rows = BATCH // world
+            mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
+        else:  # pipeline: every rank of the one replica passes the whole batch
+            net = AutoParallel(Pipeline(model, micro, STAGES), "semi_auto")
+            net.pipeline(stages=2)
+            mine = data
+        t = time.perf_counter()
+        loss = net(**mine, use_cache=False)
+        result["first_call_s"] = time.perf_counter() - t
+        if kind == "tessel":  # the shape the planner chose
+            result["mesh"] = dict(zip(net.mesh.mesh_dim_names, net.mesh.shape))
+        optimizer = adamw(net)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+        def step() -> None:
+            optimizer.zero_grad()
+            net(**mine, use_cache=False).backward()
+            optimizer.step()
+
+    result["times"] = _timed(step, dist.barrier)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _whole_model(micro: int) -> float:
+    """C: one process running `micro` micro-batches of the batch through the whole model."""
+    torch.set_num_threads(1)
+    model, data = llama(), batch()
+    optimizer = adamw(model)
+    parts = [
+        {k: v for k, v in zip(data, values)}
+        for values in zip(*(v.chunk(micro) for v in data.values()))
+    ]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        for part in parts:
+            model(**part, use_cache=False).loss.backward()
+        optimizer.step()
+
+    return statistics.median(_timed(step, lambda: None))
+
+
+def _run(kind: str, world: int, micro: int = 1) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "result.json")
+        mp.start_processes(
+            _worker,
+            args=(kind, world, _free_port(), micro, out),
+            nprocs=world,
+            start_method="spawn",
+        )
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8])
+    args = parser.parse_args()
+    rows = []
+    for r in range(args.rounds):
+        torch_step = statistics.median(_run("torch", 4)["times"])
+        tessel = _run("tessel", 4)
+        tessel_step = statistics.median(tessel["times"])
+        rows.append(
+            f"round {r}: step on 4 ranks  torch FSDP2+TP {torch_step * 1e3:7.1f} ms  "
+            f"tessel AutoParallel {tessel_step * 1e3:7.1f} ms  ratio "
+            f"{tessel_step / torch_step:.2f}  (planning, first call: "
+            f"{tessel['first_call_s']:.1f} s, mesh {tessel['mesh']})"
+        )
+        print(rows[-1], flush=True)
+        for m in args.micro:
+            pipelined = statistics.median(_run("pipeline", 2, m)["times"])
+            whole = _whole_model(m)
+            bubble = 1 - whole / (2 * pipelined)
+            rows.append(
+                f"round {r}: pipeline 2 stages, {m} micro-batches  T {pipelined * 1e3:7.1f} ms  "
+                f"C {whole * 1e3:7.1f} ms  bubble {bubble:.2f}  (1F1B's (p-1)/(m+p-1): "
+                f"{1 / (m + 1):.2f})"
+            )
+            print(rows[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()
