@@ -341,6 +341,23 @@ def _two_ranks(rank: int, world: int, folder: str) -> None:
                     torch.equal(columns.full_tensor(), whole)],
         "replicated": reshard(whole, tp("None", "None")).placements == (Replicate(),),
     }  # fmt: skip
+    # parameter_broadcast: a replicated weight takes rank 0's values, sharded ones keep their own
+    from tessel.parallel import parameter_broadcast, save_strategy_file
+
+    linear = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        linear.weight.fill_(rank + 1)
+        linear.bias.fill_(rank + 1)
+    if rank == 0:
+        save_strategy_file(f"{folder}/broadcast.json", {
+            "weight": (tp("tp", "None"), (4, 4), "float32"),
+            "bias": (tp("None"), (4,), "float32"),
+        })  # fmt: skip
+    dist.barrier()
+    parameter_broadcast(linear, f"{folder}/broadcast.json", cur_rank=rank)
+    seen = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(seen, torch.stack([linear.weight[0, 0], linear.bias[0]]).detach())
+    out["broadcast"] = [t.tolist() for t in seen]
     errors = {}
     for key, call in {
         "unknown_parameter": lambda: shard(
@@ -381,6 +398,24 @@ def test_micro_batch_wrappers_sum_the_slices_losses(two_ranks, wrapper):
     model, batches = _llama()
     want = _train(model, batches, micro=2)
     assert two_ranks[wrapper] == pytest.approx(want, abs=1e-4)
+
+
+def test_parameter_broadcast_gives_each_slice_its_first_holder_s_values(two_ranks):
+    # (weight, bias) on each rank: the bias is one slice held by both, the weight two
+    assert two_ranks["broadcast"] == [[1.0, 1.0], [2.0, 1.0]]
+
+
+def test_parameter_broadcast_checks_its_arguments(one_rank, tmp_path):
+    from tessel.parallel import StrategyError, parameter_broadcast, save_strategy_file
+
+    path = tmp_path / "s.json"
+    save_strategy_file(path, {"other": (Layout((1,), ("tp",))("None"), (2,), "float32")})
+    with pytest.raises(TypeError, match="net must be an nn.Module"):
+        parameter_broadcast("net", path)
+    with pytest.raises(ValueError, match="cur_rank must be an int >= 0"):
+        parameter_broadcast(torch.nn.Linear(2, 2), path, cur_rank=-1)
+    with pytest.raises(StrategyError, match="does not have"):
+        parameter_broadcast(torch.nn.Linear(2, 2), path)
 
 
 def test_reshard_places_whole_tensors_and_moves_dtensors(two_ranks):

@@ -413,6 +413,62 @@ def restore_group_info_list(group_info_file_name: str | os.PathLike) -> list[int
     return read_group_info(raw, str(p))
 
 
+def parameter_broadcast(
+    net: torch.nn.Module,
+    layout: str | os.PathLike | Strategy,
+    cur_rank: int = 0,
+    initial_rank: int = 0,
+) -> None:
+    """Give every rank holding the same slice of a parameter the values of the first of them.
+
+    `layout` is a strategy file (or Strategy) naming the parameters of `net`; its ranks count
+    from `initial_rank` (the first rank of this pipeline stage), and `cur_rank` is this rank.
+    Every rank of the job calls it: the groups of ranks holding one slice are made on all of
+    them, in one order, and each parameter is broadcast within its group from its lowest rank
+    (a DTensor's local shard, a plain tensor whole).
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(net, torch.nn.Module):
+        raise TypeError(
+            f"parameter_broadcast: net must be an nn.Module, found {type(net).__name__}"
+        )
+    for name, value in (("cur_rank", cur_rank), ("initial_rank", initial_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"parameter_broadcast: {name} must be an int >= 0, found {value!r}")
+    strategy = layout if isinstance(layout, Strategy) else load_strategy(layout)
+    if not dist.is_initialized():
+        raise RuntimeError("parameter_broadcast needs torch.distributed initialised first")
+    params = dict(net.named_parameters())
+    unknown = sorted(set(strategy.params) - set(params))
+    if unknown:
+        raise StrategyError(
+            strategy.source,
+            unknown[0],
+            f"names parameters the network does not have: {unknown[:5]}",
+        )
+    # each parameter's groups: the ranks holding one box of it
+    groups: dict[str, list[tuple[int, ...]]] = {}
+    for name, p in strategy.params.items():
+        shape = tuple(params[name].shape)
+        boxes: dict[Box, list[int]] = {}
+        for rank, index in strategy.holders(name).items():
+            boxes.setdefault(device_box(p, index, shape), []).append(initial_rank + rank)
+        groups[name] = [tuple(sorted(r)) for r in boxes.values() if len(r) > 1]
+    made = {
+        ranks: dist.new_group(list(ranks))
+        for ranks in sorted({g for gs in groups.values() for g in gs})
+    }
+    with torch.no_grad():
+        for name, gs in groups.items():
+            for ranks in gs:
+                if cur_rank in ranks:
+                    value = params[name]
+                    local = value.to_local() if isinstance(value, DTensor) else value.data
+                    dist.broadcast(local, src=ranks[0], group=made[ranks])
+
+
 def load_segmented_checkpoints(
     ckpt_file_dir: str | os.PathLike,
     net: torch.nn.Module | None = None,

@@ -33,7 +33,7 @@ from tessel._torch import tree_map
 from tessel.errors import TesselError
 from tessel.package.format import Package
 from tessel.runtime.loader import load_rank
-from tessel.runtime.worker import make_groups
+from tessel.runtime.worker import die_with_parent, make_groups
 from tessel.sharding.geometry import mesh_coordinate, piece
 from tessel.sharding.placements import placement_from_str
 
@@ -44,15 +44,17 @@ class ParallelError(TesselError, RuntimeError):
     """The network could not be planned or run as asked."""
 
 
-def _build(model: torch.nn.Module, args: tuple, kwargs: dict, cluster: Any, path: str) -> str:
+def _build(
+    model: torch.nn.Module, args: tuple, kwargs: dict, cluster: Any, soc: str, path: str
+) -> str:
     """In the child process: choose the data-parallel size, build the training package and
-    write it to `path`."""
+    write it to `path`. `soc` names the devices of a cluster given as a device count."""
     import tessel
     from tessel.builder.mesh_choice import choose_data_parallel
     from tessel.builder.pipeline import cluster_config
     from tessel.config.parallel_option import ParallelOption
 
-    config = cluster_config(cluster, "cpu")
+    config = cluster_config(cluster, soc)
     trained = [p for p in model.parameters() if p.requires_grad]
     # the plan's memory model counts AdamW's two states per weight: the script's optimizer is
     # made after planning, and AdamW is what such scripts most often make
@@ -66,6 +68,7 @@ def _build(model: torch.nn.Module, args: tuple, kwargs: dict, cluster: Any, path
         example_kwargs=kwargs,
         cluster=config,
         policy=ParallelOption(data_parallel_size=dp, tensor_parallel_size=config.world_size // dp),
+        soc_version=soc,
         optimizer=optimizer,
         time_limit=_TIME_LIMIT,
         verify=False,
@@ -96,7 +99,9 @@ def planned_package(
             target = os.path.join(folder, "plan.tessel")
             try:
                 with ProcessPoolExecutor(
-                    1, mp_context=torch.multiprocessing.get_context("spawn")
+                    1,
+                    mp_context=torch.multiprocessing.get_context("spawn"),
+                    initializer=die_with_parent,  # it never outlives the rank that plans
                 ) as pool:
                     saved = pool.submit(
                         _build,
@@ -104,6 +109,7 @@ def planned_package(
                         tree_map(_cpu, args),
                         tree_map(_cpu, kwargs),
                         world if cluster is None else cluster,
+                        device.type,  # "cuda": tessel's profile of a GPU
                         target,
                     ).result()
                 with open(saved, "rb") as f:
@@ -295,19 +301,29 @@ class PlannedNetwork:
         trained = self.trained
         # the replicas' gradients are partial sums of the whole batch's mean: reduced on the
         # way to each weight's stored placement
-        summed = (Partial(),) if self.dp > 1 else ()
         if self.dp > 1:
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.replicas)
             loss /= self.dp
 
         def give(scale: torch.Tensor) -> list[torch.Tensor]:
+            local = [(g * (scale / self.dp)).to(t.parameter.dtype) for t, g in zip(trained, grads)]
+            # the gradients stored replicated over the replicas: summed in one all-reduce
+            whole = [i for i, t in enumerate(trained) if t.stored[:1] == t.planned[:1]]
+            if self.dp > 1 and whole:
+                flat = torch.cat([local[i].reshape(-1) for i in whole])
+                dist.all_reduce(flat, group=self.replicas)
+                for i, part in zip(whole, flat.split([local[i].numel() for i in whole])):
+                    local[i] = part.view(local[i].shape).to(local[i].dtype)
+            reduced = set(whole) if self.dp > 1 else set(range(len(trained)))
             out = []
-            for t, g in zip(trained, grads):
+            for i, (t, g) in enumerate(zip(trained, local)):
+                # the rest reach their stored placement (sharded over dp) by reduce-scatter
+                placements = t.planned if i in reduced else (Partial(), *t.planned[1:])
                 value = DTensor.from_local(
-                    (g * (scale / self.dp)).to(t.parameter.dtype),
+                    g,
                     self.mesh,
-                    summed + t.planned[len(summed) :],
+                    placements,
                     run_check=False,
                     shape=t.parameter.shape,
                     stride=t.parameter.stride(),

@@ -64,7 +64,7 @@ def collective_timeout_s(run_timeout_s: float) -> float:
 _STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS = 0, 1, 2, 3, 4, 5, 6
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel kills this worker when its parent dies; elsewhere a watchdog thread does."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):
@@ -231,7 +231,7 @@ def _fix_mmap_threshold() -> None:
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
-    _die_with_parent()
+    die_with_parent()
     if not spec.reuse_freed_memory:
         _fix_mmap_threshold()
     torch.set_num_threads(max(1, spec.threads))
