@@ -3,7 +3,9 @@ training a small transformers model for five AdamW steps, checked against one pr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -438,6 +440,45 @@ def test_reshard_places_whole_tensors_and_moves_dtensors(two_ranks):
 )
 def test_shard_and_reshard_refuse_bad_strategies(two_ranks, key, message):
     assert two_ranks["errors"][key].startswith(message)
+
+
+# -- the planning child -------------------------------------------------------------------
+
+
+def _plan_and_wait(folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
+    model, batches = _gpt2()
+    AutoParallel(model, "recursive_programming")(input_ids=batches[0], labels=batches[0])
+
+
+def test_the_planning_child_dies_with_its_rank(tmp_path):
+    import psutil
+    from tests.conftest import _is_resource_tracker
+
+    rank = mp.get_context("spawn").Process(target=_plan_and_wait, args=(str(tmp_path),))
+    rank.start()
+    parent = psutil.Process(rank.pid)
+    planning: list[psutil.Process] = []
+    deadline = time.monotonic() + 120
+    while not planning and time.monotonic() < deadline and rank.is_alive():
+        planning = [p for p in parent.children() if not _is_resource_tracker(p)]
+        rank.join(0.2)  # wakes early if the rank ends
+    assert planning, "rank 0 never started its planning child"
+    # kill the rank while its child is at work (well into importing and planning): the child
+    # goes with it, not when it next reads from the rank
+    child = planning[0]
+    while rank.is_alive() and child.is_running() and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            if child.cpu_times().user >= 3:
+                break
+        rank.join(0.2)
+    assert rank.is_alive() and child.is_running(), "the plan finished before the kill"
+    rank.kill()
+    rank.join()
+    _, alive = psutil.wait_procs(planning, timeout=3)
+    for p in alive:
+        p.kill()
+    assert not alive
 
 
 # -- argument checks, in this process -----------------------------------------------------
