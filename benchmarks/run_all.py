@@ -19,6 +19,8 @@ BENCHMARKS = [
     ["bench_memory.py"],
     ["bench_ckpt.py"],
     ["bench_dataflow.py"],
+    ["bench_training.py"],
+    ["bench_training_api.py"],
 ]
 
 if __name__ == "__main__":
