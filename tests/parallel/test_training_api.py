@@ -313,6 +313,21 @@ def _two_ranks(rank: int, world: int, folder: str) -> None:
     _megatron(model, world)
     out["semi_auto"] = _train_parallel(AutoParallel(model, "semi_auto"), batches, rank, world)
 
+    # sharding_propagation: the MLPs annotated, the planner decides the rest around them
+    model, batches = _llama()
+    tp = Layout((world,), ("tp",))
+    for layer in model.model.layers:
+        shard(layer.mlp, in_strategy=(tp("None", "None", "None"),), parameter_plan={
+            "gate_proj.weight": tp("tp", "None"), "down_proj.weight": tp("None", "tp"),
+        })  # fmt: skip
+    net = AutoParallel(model, "sharding_propagation")
+    out["propagation"] = _train_parallel(net, batches, rank, world)
+    out["propagation_kept"] = [
+        [str(p) for p in model.model.layers[i].mlp.gate_proj.weight.placements]
+        + [str(p) for p in model.model.layers[i].mlp.down_proj.weight.placements]
+        for i in range(2)
+    ]
+
     model, _ = _llama()
     mesh = init_device_mesh("cpu", (world,))
     column, row = ColwiseParallel(), RowwiseParallel()
@@ -393,6 +408,13 @@ def test_semi_auto_megatron_annotations_train_as_one_process_and_torch_tp(two_ra
     want = _train(model, batches)
     assert two_ranks["semi_auto"] == pytest.approx(want, abs=1e-4)
     assert two_ranks["semi_auto"] == pytest.approx(two_ranks["torch_tp"], abs=1e-4)
+
+
+def test_sharding_propagation_keeps_the_annotations_and_trains_as_one_process(two_ranks):
+    model, batches = _llama()
+    assert two_ranks["propagation"] == pytest.approx(_train(model, batches), abs=1e-4)
+    shard0, shard1 = "S(0)", "S(1)"
+    assert two_ranks["propagation_kept"] == [[shard0, shard1], [shard0, shard1]]
 
 
 @pytest.mark.parametrize("wrapper", ["GradAccumulation", "MicroBatchInterleaved"])
@@ -552,16 +574,17 @@ def test_auto_parallel_accepted_settings(one_rank):
     assert net.get_pipeline_stages() == 1
 
 
-def test_sharding_propagation_refuses_annotated_networks(one_rank):
+def test_annotations_are_refused_where_the_planner_cannot_keep_them(one_rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     linear = torch.nn.Linear(2, 2)
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
     linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh))
-    net = AutoParallel(linear, "sharding_propagation")
-    with pytest.raises(ParallelError, match="planning around `shard` annotations is not built"):
-        net(torch.ones(2, 2))
+    with pytest.raises(ParallelError, match="decides every placement: drop the `shard`"):
+        AutoParallel(linear, "recursive_programming")(torch.ones(2, 2))
+    with pytest.raises(ParallelError, match="annotated on a mesh of shape \\(1, 1\\)"):
+        AutoParallel(linear, "sharding_propagation")(torch.ones(2, 2))
 
 
 def test_shard_checks_its_arguments_before_anything_runs(one_rank):

@@ -43,6 +43,9 @@ class ParallelOption:
     model_weight_prefetch_buffer_size: int = 0
     tensor_sharding_given: bool = False  # the policy has a tensor_sharding section
     optimizer_offload: str | None = None  # optimizer_offload_option.offload: "cpu"
+    # weights whose placements on the tensor-parallel mesh are given, not solved: (FQN,
+    # placements as `S(d)`/`R`, one per mesh dim) pairs (tessel.parallel's annotations)
+    fixed_placements: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: str = "<default>"
 
     @property

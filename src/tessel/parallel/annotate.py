@@ -145,12 +145,45 @@ def shard(
     if dist.get_world_size() == 1:
         return fn
 
-    def enter(args: tuple, kwargs: dict, device_type: str) -> tuple[tuple, dict]:
+    annotation = _Annotation(in_strategy, out_strategy)
+    if isinstance(fn, torch.nn.Module):
+        device_type = _device_type(fn)
+        _distribute_parameters(fn, parameter_plan or {}, _default_mesh(in_strategy, device_type))
+        fn.register_forward_pre_hook(annotation.enter_module, with_kwargs=True)
+        fn.register_forward_hook(annotation.leave_module)
+        return fn
+
+    @functools.wraps(fn)
+    def sharded(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = annotation.enter(args, kwargs)
+        return annotation.leave(fn(*args, **kwargs))
+
+    return sharded
+
+
+class _Annotation:
+    """What `shard` does on the way into and out of a module or function. Outside a job (no
+    process group: a copy traced for planning) a module's hooks let everything pass."""
+
+    def __init__(self, in_strategy: tuple, out_strategy: tuple | None) -> None:
+        self.in_strategy = in_strategy
+        self.out_strategy = out_strategy
+
+    def enter_module(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        return self.enter(args, kwargs) if dist.is_initialized() else None
+
+    def leave_module(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        return self.leave(output) if dist.is_initialized() else None
+
+    def enter(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        in_strategy = self.in_strategy
         if len(args) > len(in_strategy):
             raise ValueError(
                 f"shard: in_strategy has {len(in_strategy)} entries; the call has {len(args)} "
                 "positional inputs"
             )
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        device_type = tensors[0].device.type if tensors else "cpu"
         placed_args = []
         for i, x in enumerate(args):
             if isinstance(x, torch.Tensor):
@@ -170,7 +203,8 @@ def shard(
         )
         return tuple(placed_args), kwargs
 
-    def leave(output: Any) -> Any:
+    def leave(self, output: Any) -> Any:
+        out_strategy = self.out_strategy
         leaves, spec = tree_flatten(output)
         out = []
         for i, v in enumerate(leaves):
@@ -193,24 +227,6 @@ def shard(
                     v = v.redistribute(mesh, placements)
             out.append(v)
         return tree_unflatten(out, spec)
-
-    if isinstance(fn, torch.nn.Module):
-        device_type = _device_type(fn)
-        _distribute_parameters(fn, parameter_plan or {}, _default_mesh(in_strategy, device_type))
-        fn.register_forward_pre_hook(
-            lambda module, args, kwargs: enter(args, kwargs, device_type), with_kwargs=True
-        )
-        fn.register_forward_hook(lambda module, args, output: leave(output))
-        return fn
-
-    @functools.wraps(fn)
-    def sharded(*args: Any, **kwargs: Any) -> Any:
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        device_type = tensors[0].device.type if tensors else "cpu"
-        args, kwargs = enter(args, kwargs, device_type)
-        return leave(fn(*args, **kwargs))
-
-    return sharded
 
 
 def _device_type(module: torch.nn.Module) -> str:

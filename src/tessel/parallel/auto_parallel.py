@@ -29,6 +29,7 @@ from tessel.checkpoint.strategy import Strategy, param_from_layout, write_strate
 from tessel.config.cluster import ClusterConfig
 from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
+from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 OPTIMIZER_LEVELS = ("level1", "level2", "level3")
@@ -52,8 +53,9 @@ def _int_argument(method: str, name: str, value: Any, low: int) -> int:
 class AutoParallel(torch.nn.Module):
     """`network` planned over the job's ranks on its first call (see the module docstring).
 
-    `parallel_mode`: "recursive_programming" (tessel's planner decides every placement), and
-    "sharding_propagation" (the same, for a network without `shard` annotations); "semi_auto"
+    `parallel_mode`: "recursive_programming" (tessel's planner decides every placement),
+    "sharding_propagation" (the planner keeps the parameters' `shard` annotations and decides
+    the rest); "semi_auto"
     runs the network with its `shard` annotations, DTensor carrying them out, and the rest of
     the network replicated on the whole batch. Communication must already be initialised.
     `cluster` (tessel's addition) is the cluster config the planner costs and fits the plan
@@ -275,16 +277,21 @@ class AutoParallel(torch.nn.Module):
         form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         if self._planned is None:
-            if _annotated(self.network):
+            fixed = (
+                _annotations(self.network) if self.parallel_mode == "sharding_propagation" else ()
+            )
+            if self.parallel_mode == "recursive_programming" and _annotated(self.network):
                 raise ParallelError(
-                    f"AutoParallel(parallel_mode={self.parallel_mode!r}): planning around "
-                    "`shard` annotations is not built; run them with 'semi_auto', or drop them "
-                    "for the planner to decide"
+                    "AutoParallel(parallel_mode='recursive_programming') decides every "
+                    "placement: drop the `shard` annotations, or plan around them with "
+                    "'sharding_propagation'"
                 )
             args, kwargs = tree_unflatten(leaves, spec)
             device = inputs[0].device if inputs else torch.device("cpu")
             threshold = None if self._hsdp is None else self._hsdp["threshold_bytes"]
-            with planned_package(self.network, args, kwargs, device, self.cluster) as package:
+            with planned_package(
+                self.network, args, kwargs, device, self.cluster, fixed
+            ) as package:
                 self._planned = PlannedNetwork(self.network, package, device, threshold)
             self._form = form
             if self._strategy_save is not None:
@@ -371,6 +378,24 @@ class AutoParallel(torch.nn.Module):
 def _annotated(network: torch.nn.Module) -> bool:
     """Whether `shard` placed any of the network's parameters."""
     return any(isinstance(p, DTensor) for p in network.parameters())
+
+
+def _annotations(network: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The placements `shard` gave the network's parameters, for the planner to keep: each
+    on a one-dimensional mesh of every rank (the plan's mesh without replicas)."""
+    fixed = []
+    world = dist.get_world_size()
+    for name, p in network.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        if p.device_mesh.ndim != 1 or p.device_mesh.size() != world:
+            raise ParallelError(
+                f"sharding_propagation: {name} is annotated on a mesh of shape "
+                f"{tuple(p.device_mesh.shape)}; the planner keeps annotations on one mesh "
+                f"dimension of all {world} ranks"
+            )
+        fixed.append((name, tuple(placement_str(x) for x in p.placements)))
+    return tuple(fixed)
 
 
 def _assemble(parts: list[torch.Tensor], counts: tuple[int, ...], dim: int = 0) -> torch.Tensor:

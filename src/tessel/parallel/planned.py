@@ -45,10 +45,17 @@ class ParallelError(TesselError, RuntimeError):
 
 
 def _build(
-    model: torch.nn.Module, args: tuple, kwargs: dict, cluster: Any, soc: str, path: str
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cluster: Any,
+    soc: str,
+    fixed: tuple[tuple[str, tuple[str, ...]], ...],
+    path: str,
 ) -> str:
     """In the child process: choose the data-parallel size, build the training package and
-    write it to `path`. `soc` names the devices of a cluster given as a device count."""
+    write it to `path`. `soc` names the devices of a cluster given as a device count; `fixed`
+    gives weights their placements over all the ranks (annotations: no replicas then)."""
     import tessel
     from tessel.builder.mesh_choice import choose_data_parallel
     from tessel.builder.pipeline import cluster_config
@@ -59,15 +66,21 @@ def _build(
     # the plan's memory model counts AdamW's two states per weight: the script's optimizer is
     # made after planning, and AdamW is what such scripts most often make
     optimizer = torch.optim.AdamW(trained)
-    dp, _ = choose_data_parallel(
-        model, args, kwargs, config, ParallelOption(), _TIME_LIMIT, held_factor=3.0
-    )
+    dp = 1
+    if not fixed:
+        dp, _ = choose_data_parallel(
+            model, args, kwargs, config, ParallelOption(), _TIME_LIMIT, held_factor=3.0
+        )
     built = tessel.build(
         model,
         args,
         example_kwargs=kwargs,
         cluster=config,
-        policy=ParallelOption(data_parallel_size=dp, tensor_parallel_size=config.world_size // dp),
+        policy=ParallelOption(
+            data_parallel_size=dp,
+            tensor_parallel_size=config.world_size // dp,
+            fixed_placements=fixed,
+        ),
         soc_version=soc,
         optimizer=optimizer,
         time_limit=_TIME_LIMIT,
@@ -87,35 +100,16 @@ def planned_package(
     kwargs: dict,
     device: torch.device,
     cluster: Any = None,
+    fixed: tuple[tuple[str, tuple[str, ...]], ...] = (),
 ) -> Iterator[Package]:
     """Every rank's copy of the package rank 0 built for this job (see the module docstring),
-    open while the context lasts."""
+    open while the context lasts. `fixed`: weights' placements given, not planned."""
     rank, world = dist.get_rank(), dist.get_world_size()
     data = b""
     failure = ""
-    if rank == 0:
-        model = network if _on_cpu(network) else copy.deepcopy(network).cpu()
-        with tempfile.TemporaryDirectory(prefix="tessel-plan-") as folder:
-            target = os.path.join(folder, "plan.tessel")
-            try:
-                with ProcessPoolExecutor(
-                    1,
-                    mp_context=torch.multiprocessing.get_context("spawn"),
-                    initializer=die_with_parent,  # it never outlives the rank that plans
-                ) as pool:
-                    saved = pool.submit(
-                        _build,
-                        model,
-                        tree_map(_cpu, args),
-                        tree_map(_cpu, kwargs),
-                        world if cluster is None else cluster,
-                        device.type,  # "cuda": tessel's profile of a GPU
-                        target,
-                    ).result()
-                with open(saved, "rb") as f:
-                    data = f.read()
-            except Exception as exc:  # every rank must hear of it, or they wait forever
-                failure = f"planning failed on rank 0: {type(exc).__name__}: {exc}"
+    with _whole_parameters(network):
+        if rank == 0:
+            data, failure = _plan_on_rank0(network, args, kwargs, device, cluster, fixed, world)
     failure = _broadcast_bytes(failure.encode(), device).decode()
     if failure:
         raise ParallelError(failure)
@@ -129,6 +123,61 @@ def planned_package(
         yield package
     finally:
         os.unlink(path)
+
+
+@contextlib.contextmanager
+def _whole_parameters(network: torch.nn.Module) -> Iterator[None]:
+    """The network with each DTensor parameter (a `shard` annotation's) replaced by its whole
+    tensor while the context lasts, for planning: every rank takes part in the gathers."""
+    swapped: dict[int, torch.nn.Parameter] = {}
+    owners = []
+    for name, p in network.named_parameters(remove_duplicate=False):
+        if isinstance(p, DTensor):
+            if id(p) not in swapped:
+                swapped[id(p)] = torch.nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+            owner, _, leaf = name.rpartition(".")
+            owners.append((network.get_submodule(owner), leaf, p))
+    for module, leaf, p in owners:
+        setattr(module, leaf, swapped[id(p)])
+    try:
+        yield
+    finally:
+        for module, leaf, p in owners:
+            setattr(module, leaf, p)
+
+
+def _plan_on_rank0(
+    network: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    cluster: Any,
+    fixed: tuple,
+    world: int,
+) -> tuple[bytes, str]:
+    """The package's bytes, or why planning failed."""
+    model = network if _on_cpu(network) else copy.deepcopy(network).cpu()
+    with tempfile.TemporaryDirectory(prefix="tessel-plan-") as folder:
+        try:
+            with ProcessPoolExecutor(
+                1,
+                mp_context=torch.multiprocessing.get_context("spawn"),
+                initializer=die_with_parent,  # it never outlives the rank that plans
+            ) as pool:
+                saved = pool.submit(
+                    _build,
+                    model,
+                    tree_map(_cpu, args),
+                    tree_map(_cpu, kwargs),
+                    world if cluster is None else cluster,
+                    device.type,  # "cuda": tessel's profile of a GPU
+                    fixed,
+                    os.path.join(folder, "plan.tessel"),
+                ).result()
+            with open(saved, "rb") as f:
+                return f.read(), ""
+        except Exception as exc:  # every rank must hear of it, or they wait forever
+            return b"", f"planning failed on rank 0: {type(exc).__name__}: {exc}"
 
 
 def _on_cpu(network: torch.nn.Module) -> bool:

@@ -60,13 +60,15 @@ def enumerate_candidates(
     param_names: set[str],
     templates: dict[fx.Node, fx.Node],
     banned: dict[str, set[str]] | None = None,
+    fixed: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[fx.Node, NodeChoices]:
     """Strategies per node; nodes of repeated layers reuse their template's list.
 
-    `banned` names, per node, strategies that lowering found it cannot run (`strategy_key`).
+    `banned` names, per node, strategies that lowering found it cannot run (`strategy_key`);
+    `fixed` gives weights (by placeholder name) their one placement (`S(d)`/`R` per mesh dim).
     """
     with rules_without_costs():  # the planner prices resharding itself
-        return _enumerate(graph, mesh, param_names, templates, banned)
+        return _enumerate(graph, mesh, param_names, templates, banned, fixed or {})
 
 
 def _enumerate(
@@ -75,6 +77,7 @@ def _enumerate(
     param_names: set[str],
     templates: dict[fx.Node, fx.Node],
     banned: dict[str, set[str]] | None,
+    fixed: dict[str, tuple[str, ...]],
 ) -> dict[fx.Node, NodeChoices]:
     choices: dict[fx.Node, NodeChoices] = {}
     for n in graph.nodes:
@@ -90,7 +93,10 @@ def _enumerate(
             if not isinstance(val, torch.Tensor):
                 choices[n] = NodeChoices(n, "const", [Strategy(None, ())])
             elif n.name in param_names:
-                choices[n] = NodeChoices(n, "param", placement_strategies(mesh, val))
+                strategies = placement_strategies(mesh, val)
+                if n.name in fixed:
+                    strategies = _fixed(n, strategies, fixed[n.name])
+                choices[n] = NodeChoices(n, "param", strategies)
             else:
                 choices[n] = NodeChoices(n, "input", placement_strategies(mesh, val, True))
             continue
@@ -130,6 +136,23 @@ def _enumerate(
             continue
         choices[n] = _op_choices(n, args, mesh, choices, (banned or {}).get(n.name, set()))
     return choices
+
+
+def _fixed(n: fx.Node, strategies: list[Strategy], wanted: tuple[str, ...]) -> list[Strategy]:
+    """The one strategy placing weight `n` as `wanted` says."""
+    from tessel.plan.planner import PlanError
+    from tessel.sharding.placements import placement_str
+
+    found = [
+        s for s in strategies if tuple(placement_str(p) for p in s.output.placements) == wanted
+    ]
+    if not found:
+        allowed = sorted({tuple(placement_str(p) for p in s.output.placements) for s in strategies})
+        raise PlanError(
+            f"weight {n.name}: the placement {list(wanted)} given for it is not one of the "
+            f"mesh's ({[list(a) for a in allowed]})"
+        )
+    return found
 
 
 def _op_choices(

@@ -108,7 +108,8 @@ def make_plan(
     graph = captured.program.graph_module.graph
     axes = tensor_axes(cluster)
     mesh = mesh_for(tuple(a.size for a in axes), tuple(a.name for a in axes))
-    param_targets, weight_tensors, families, choices = _candidates(captured, mesh, banned)
+    fixed = dict(option.fixed_placements)
+    param_targets, weight_tensors, families, choices = _candidates(captured, mesh, banned, fixed)
     timings["strategies"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -155,11 +156,15 @@ def make_plan(
 
 
 def _candidates(
-    captured: CapturedModel, mesh: DeviceMesh, banned: dict[str, set[str]] | None = None
+    captured: CapturedModel,
+    mesh: DeviceMesh,
+    banned: dict[str, set[str]] | None = None,
+    fixed: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[dict[str, str], dict[str, torch.Tensor], dict[str, list[int]], dict]:
     """Each node's candidate strategies on `mesh`, identical layers and tied weights sharing
-    one decision. Returns the weight FQNs, the weight tensors (both by placeholder name), the
-    repeated layer families and the candidates."""
+    one decision, weights whose placement is `fixed` (by FQN) with that one. Returns the weight
+    FQNs, the weight tensors (both by placeholder name), the repeated layer families and the
+    candidates."""
     ep = captured.program
     graph = ep.graph_module.graph
     param_targets = _weight_targets(ep)
@@ -169,7 +174,25 @@ def _candidates(
     templates, families = template_map(graph)
     _map_layer_params(templates, params)
     _map_tied_weights(templates, graph, weight_tensors)
-    choices = enumerate_candidates(graph, mesh, params, templates, banned)
+    fixed = fixed or {}
+    unknown = sorted(set(fixed) - set(param_targets.values()))
+    if unknown:
+        raise PlanError(f"placements are given for weights the model does not have: {unknown[:5]}")
+    by_placeholder = {name: fixed[fqn] for name, fqn in param_targets.items() if fqn in fixed}
+    # identical layers share their first one's decision: a placement given for a weight of any
+    # of them places that weight in all of them, and two different ones are refused
+    for node, template in templates.items():
+        if node.op != "placeholder" or template is node or node.name not in by_placeholder:
+            continue
+        wanted, given = by_placeholder[node.name], by_placeholder.get(template.name)
+        if given is not None and given != wanted:
+            raise PlanError(
+                f"{param_targets[node.name]} is placed {list(wanted)} and the same weight of "
+                f"an identical layer, {param_targets[template.name]}, {list(given)}: identical "
+                "layers are placed alike"
+            )
+        by_placeholder[template.name] = wanted
+    choices = enumerate_candidates(graph, mesh, params, templates, banned, by_placeholder)
     return param_targets, weight_tensors, families, choices
 
 
