@@ -143,3 +143,39 @@ def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypa
     (memory,) = [r for r in plan.replanned if r["node"] == "(memory)"]
     kept = int(memory["strategy"].removeprefix("keep ").removesuffix(" bytes free"))
     assert 1000 <= kept <= device  # past the overflow, at most all the program holds
+
+
+def test_fixed_placements_are_kept_and_the_rest_planned_around_them():
+    model = small_llama(layers=2, hidden=HIDDEN, heads=4)
+    captured = capture(model, (token_ids(BATCH, SEQ),), keep=has_rule)
+    cluster = cluster_from_dict(local_cluster_dict(N), "c.json")
+    down = "lm.model.layers.0.mlp.down_proj.weight"
+    plan = make_plan(captured, cluster, ParallelOption(fixed_placements=((down, ("S(0)",)),)))
+    placed = {fqn: tuple(map(str, p)) for fqn, p in plan.param_placements().items()}
+    assert placed[down] == ("S(0)",)
+    # identical layers are placed alike: the second layer's weight follows the first's
+    assert placed["lm.model.layers.1.mlp.down_proj.weight"] == ("S(0)",)
+    free = make_plan(captured, cluster, ParallelOption())
+    assert tuple(map(str, free.param_placements()[down])) != ("S(0)",)  # the pin changed it
+
+
+@pytest.mark.parametrize(
+    "fixed, match",
+    [
+        ((("lm.model.layers.0.mlp.nope", ("R",)),), "weights the model does not have"),
+        ((("lm.model.layers.0.mlp.down_proj.weight", ("S(2)",)),), "is not one of the mesh's"),
+        (
+            (
+                ("lm.model.layers.0.mlp.down_proj.weight", ("S(0)",)),
+                ("lm.model.layers.1.mlp.down_proj.weight", ("S(1)",)),
+            ),
+            "identical layers are placed alike",
+        ),
+    ],
+)
+def test_fixed_placements_the_planner_cannot_keep_are_refused(fixed, match):
+    model = small_llama(layers=2, hidden=HIDDEN, heads=4)
+    captured = capture(model, (token_ids(BATCH, SEQ),), keep=has_rule)
+    cluster = cluster_from_dict(local_cluster_dict(N), "c.json")
+    with pytest.raises(PlanError, match=match):
+        make_plan(captured, cluster, ParallelOption(fixed_placements=fixed))
