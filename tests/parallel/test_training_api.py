@@ -321,7 +321,16 @@ def _two_ranks(rank: int, world: int, folder: str) -> None:
             "gate_proj.weight": tp("tp", "None"), "down_proj.weight": tp("None", "tp"),
         })  # fmt: skip
     net = AutoParallel(model, "sharding_propagation")
+    net.save_param_strategy_file(f"{folder}/propagation_{rank}.json")
     out["propagation"] = _train_parallel(net, batches, rank, world)
+    # a plan made again from the strategy file that run saved: every layout kept
+    model, batches = _llama()
+    again = AutoParallel(model, "sharding_propagation")
+    again.load_param_strategy_file(f"{folder}/propagation_{rank}.json")
+    out["loaded"] = _train_parallel(again, batches, rank, world)
+    out["loaded_same"] = {n: str(p.placements) for n, p in again.named_parameters()} == {
+        n: str(p.placements) for n, p in net.named_parameters()
+    }
     out["propagation_kept"] = [
         [str(p) for p in model.model.layers[i].mlp.gate_proj.weight.placements]
         + [str(p) for p in model.model.layers[i].mlp.down_proj.weight.placements]
@@ -412,7 +421,11 @@ def test_semi_auto_megatron_annotations_train_as_one_process_and_torch_tp(two_ra
 
 def test_sharding_propagation_keeps_the_annotations_and_trains_as_one_process(two_ranks):
     model, batches = _llama()
-    assert two_ranks["propagation"] == pytest.approx(_train(model, batches), abs=1e-4)
+    want = _train(model, batches)
+    assert two_ranks["propagation"] == pytest.approx(want, abs=1e-4)
+    # and a plan from the strategy file it saved places every parameter alike
+    assert two_ranks["loaded"] == pytest.approx(want, abs=1e-4)
+    assert two_ranks["loaded_same"]
     shard0, shard1 = "S(0)", "S(1)"
     assert two_ranks["propagation_kept"] == [[shard0, shard1], [shard0, shard1]]
 
@@ -545,7 +558,6 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.save_param_strategy_file(3), TypeError, "file_path must be a str"),
         (lambda n: n.set_group_ckpt_save_file(None), TypeError, "file_path must be a str"),
         (lambda n: n.load_param_strategy_file(3), TypeError, "file_path must be a str"),
-        (lambda n: n.load_param_strategy_file("s.json"), ParallelError, "is not built"),
         (lambda n: n.comm_fusion("on"), TypeError, "config must be a dict"),
         (lambda n: n.comm_fusion({"openstate": True}), ParallelError, "fusing them"),
         (lambda n: n.disable_loss_repeated_mean(), ParallelError, "not built"),
@@ -585,6 +597,23 @@ def test_annotations_are_refused_where_the_planner_cannot_keep_them(one_rank):
         AutoParallel(linear, "recursive_programming")(torch.ones(2, 2))
     with pytest.raises(ParallelError, match="annotated on a mesh of shape \\(1, 1\\)"):
         AutoParallel(linear, "sharding_propagation")(torch.ones(2, 2))
+
+
+def test_load_param_strategy_file_refuses_what_it_cannot_keep(one_rank, tmp_path):
+    from tessel.parallel import StrategyError, save_strategy_file
+
+    with pytest.raises(ParallelError, match="semi_auto runs the network's own"):
+        AutoParallel(torch.nn.Linear(2, 2), "semi_auto").load_param_strategy_file("s.json")
+    for params, match in [
+        ({"other": (Layout((1,), ("tp",))("None"), (2,), "float32")}, "does not have"),
+        ({"weight": (Layout((2,), ("tp",))("tp", "None"), (2, 2), "float32")}, "not one dim"),
+    ]:
+        path = tmp_path / "s.json"
+        save_strategy_file(path, params)
+        net = AutoParallel(torch.nn.Linear(2, 2), "sharding_propagation")
+        net.load_param_strategy_file(path)
+        with pytest.raises(StrategyError, match=match):
+            net(torch.ones(2, 2))
 
 
 def test_shard_checks_its_arguments_before_anything_runs(one_rank):

@@ -13,6 +13,7 @@ name with the reason. The network returns its loss (a scalar, or an output with 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ from torch.distributed.tensor import DTensor
 from tessel._torch import tree_flatten, tree_unflatten
 from tessel.atomic import replace_atomically
 from tessel.checkpoint.dtensor import layout_from_dtensor
+from tessel.checkpoint.errors import StrategyError
 from tessel.checkpoint.mindspore_proto import strategy_to_protobuf, write_group_info
-from tessel.checkpoint.strategy import Strategy, param_from_layout, write_strategy
+from tessel.checkpoint.strategy import Strategy, load_strategy, param_from_layout, write_strategy
 from tessel.config.cluster import ClusterConfig
 from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
@@ -92,6 +94,7 @@ class AutoParallel(torch.nn.Module):
         self._hsdp: dict | None = None
         self._stages = 1
         self._strategy_save: str | None = None
+        self._strategy_load: str | None = None
         self._group_save: str | None = None
         self._planned: PlannedNetwork | None = None
         self._form: tuple | None = None
@@ -108,11 +111,16 @@ class AutoParallel(torch.nn.Module):
         """Accepted: the plan's weights come from rank 0's network, whatever the others hold."""
 
     def load_param_strategy_file(self, file_path: str) -> None:
-        _path_argument("load_param_strategy_file", file_path)
-        raise ParallelError(
-            "load_param_strategy_file: planning from a saved strategy is not built; tessel "
-            "plans on the first call (recursive_programming)"
-        )
+        """Plan with the parameters' layouts from a strategy file (tessel JSON, MindSpore JSON
+        or protobuf) kept as given, the rest decided around them (not semi_auto). The layouts
+        must split over one mesh dimension of all ranks, as a plan without replicas saves."""
+        path = _path_argument("load_param_strategy_file", file_path)
+        if self.parallel_mode == "semi_auto":
+            raise ParallelError(
+                "load_param_strategy_file: semi_auto runs the network's own `shard` "
+                "annotations; load a strategy with 'sharding_propagation'"
+            )
+        self._strategy_load = path
 
     def save_param_strategy_file(self, file_path: str) -> None:
         """Write the trained parameters' layouts on the first call: tessel JSON for a `.json`
@@ -280,6 +288,8 @@ class AutoParallel(torch.nn.Module):
             fixed = (
                 _annotations(self.network) if self.parallel_mode == "sharding_propagation" else ()
             )
+            if self._strategy_load is not None:
+                fixed = _merged(fixed, _loaded(self._strategy_load, self.network))
             if self.parallel_mode == "recursive_programming" and _annotated(self.network):
                 raise ParallelError(
                     "AutoParallel(parallel_mode='recursive_programming') decides every "
@@ -396,6 +406,47 @@ def _annotations(network: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...]],
             )
         fixed.append((name, tuple(placement_str(x) for x in p.placements)))
     return tuple(fixed)
+
+
+def _loaded(path: str, network: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The placements a strategy file gives the network's parameters, on one mesh dimension
+    of every rank."""
+    strategy = load_strategy(path)
+    world = dist.get_world_size()
+    names = {n for n, _ in network.named_parameters()}
+    unknown = sorted(set(strategy.params) - names)
+    if unknown:
+        raise StrategyError(
+            path, unknown[0], f"names parameters the network does not have: {unknown[:5]}"
+        )
+    fixed = []
+    for name, p in strategy.params.items():
+        dev = p.dev_matrix
+        split = [i for i, n in enumerate(dev) if n > 1]
+        if math.prod(dev) != world or len(split) > 1:
+            raise StrategyError(
+                path,
+                name,
+                f"the device matrix {list(dev)} is not one dimension of all {world} ranks: "
+                "tessel keeps layouts of plans without replicas",
+            )
+        axis = len(dev) - 1 - split[0] if split else None
+        dims = [d for d, axes in enumerate(p.tensor_map) if axis in axes]
+        fixed.append((name, (f"S({dims[0]})",) if dims else ("R",)))
+    return tuple(fixed)
+
+
+def _merged(annotated: tuple, loaded: tuple) -> tuple:
+    """Annotations and loaded layouts together; a parameter given two placements is refused."""
+    given = dict(annotated)
+    for name, placements in loaded:
+        if given.get(name, placements) != placements:
+            raise ParallelError(
+                f"{name}: annotated {list(given[name])} and loaded {list(placements)} from the "
+                "strategy file"
+            )
+        given[name] = placements
+    return tuple(given.items())
 
 
 def _assemble(parts: list[torch.Tensor], counts: tuple[int, ...], dim: int = 0) -> torch.Tensor:
