@@ -144,6 +144,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     # with memory to spare the planner weighs data-parallel replicas too
     model, batches = _gpt2()
     roomy = AutoParallel(model, parallel_mode="recursive_programming")
+    roomy.hsdp(threshold=0, optimizer_level="level2")  # gradients reduce-scattered over dp
     roomy_losses = _train_parallel(roomy, batches, rank, world)
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
     full = {n: p.full_tensor() for n, p in params.items()}
@@ -167,6 +168,9 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     **pipelined,
                     "roomy_losses": roomy_losses,
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
+                    "roomy_sharded_over_dp": sum(
+                        isinstance(t.stored[0], Shard) for t in roomy._planned.trained
+                    ),
                 }
             )
         )
@@ -228,11 +232,12 @@ def test_recursive_programming_trains_as_one_process(four_ranks):
     assert got["state_keys"] == sorted(model.state_dict())
 
 
-def test_recursive_programming_with_replicas_trains_as_one_process(four_ranks):
+def test_recursive_programming_with_replicas_and_hsdp_level2_trains_as_one_process(four_ranks):
     _, got = four_ranks
     model, batches = _gpt2()
     assert got["roomy_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
     assert got["roomy_mesh"].get("dp", 1) > 1  # the replicas' gradients are reduced
+    assert got["roomy_sharded_over_dp"] > 0  # hsdp level2: and reduce-scattered
 
 
 def test_hsdp_level1_stores_large_weights_sharded(four_ranks):
@@ -543,7 +548,6 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.hsdp(shard_size=3), ValueError, "shard_size must be -1 or the 1 ranks"),
         (lambda n: n.hsdp(threshold=-1), ValueError, "threshold must be at least 0"),
         (lambda n: n.hsdp(optimizer_level="level9"), ValueError, "optimizer_level must be one"),
-        (lambda n: n.hsdp(optimizer_level="level2"), ParallelError, "'level2' is not built"),
         (lambda n: n.hsdp(optimizer_level="level3"), ParallelError, "'level3' is not built"),
         (lambda n: n.pipeline(stages=0), ValueError, "stages must be at least 1"),
         (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),

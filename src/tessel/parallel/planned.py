@@ -241,9 +241,13 @@ class PlannedNetwork:
         package: Package,
         device: torch.device,
         shard_replicated: int | None = None,
+        shard_gradients: bool = False,
     ) -> None:
         """`shard_replicated`: store weights of at least this many bytes sharded on dim 0
-        over the mesh dims the plan replicates them on (hsdp); None keeps them as planned."""
+        over the mesh dims the plan replicates them on (hsdp); None keeps them as planned.
+        `shard_gradients`: their gradients are reduce-scattered over the replicas, not reduced
+        whole and sliced."""
+        self.shard_gradients = shard_gradients
         manifest = package.manifest
         rank = dist.get_rank()
         if manifest.world_size != dist.get_world_size():
@@ -357,8 +361,13 @@ class PlannedNetwork:
 
         def give(scale: torch.Tensor) -> list[torch.Tensor]:
             local = [(g * (scale / self.dp)).to(t.parameter.dtype) for t, g in zip(trained, grads)]
-            # the gradients stored replicated over the replicas: summed in one all-reduce
-            whole = [i for i, t in enumerate(trained) if t.stored[:1] == t.planned[:1]]
+            # the gradients reduced whole over the replicas, in one all-reduce: those of weights
+            # stored replicated over them, and (unless gradients are sharded) the others too
+            whole = [
+                i
+                for i, t in enumerate(trained)
+                if t.stored[:1] == t.planned[:1] or not self.shard_gradients
+            ]
             if self.dp > 1 and whole:
                 flat = torch.cat([local[i].reshape(-1) for i in whole])
                 dist.all_reduce(flat, group=self.replicas)
