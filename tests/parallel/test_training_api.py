@@ -146,6 +146,12 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     roomy = AutoParallel(model, parallel_mode="recursive_programming")
     roomy.hsdp(threshold=0, optimizer_level="level2")  # gradients reduce-scattered over dp
     roomy_losses = _train_parallel(roomy, batches, rank, world)
+    # hsdp level3: the program gathers each sharded weight where it reads it, forward and back
+    model, batches = _gpt2()
+    gathering = AutoParallel(model, parallel_mode="recursive_programming")
+    gathering.hsdp(threshold=0, optimizer_level="level3")
+    level3_losses = _train_parallel(gathering, batches, rank, world)
+    in_program = gathering._planned
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
     full = {n: p.full_tensor() for n, p in params.items()}
     planned = net._planned
@@ -168,6 +174,8 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     **pipelined,
                     "roomy_losses": roomy_losses,
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
+                    "level3_losses": level3_losses,
+                    "level3_gathers": [in_program.trained[u].name for u in in_program.gathers],
                     "roomy_sharded_over_dp": sum(
                         isinstance(t.stored[0], Shard) for t in roomy._planned.trained
                     ),
@@ -238,6 +246,16 @@ def test_recursive_programming_with_replicas_and_hsdp_level2_trains_as_one_proce
     assert got["roomy_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
     assert got["roomy_mesh"].get("dp", 1) > 1  # the replicas' gradients are reduced
     assert got["roomy_sharded_over_dp"] > 0  # hsdp level2: and reduce-scattered
+
+
+def test_hsdp_level3_gathers_weights_in_the_program_and_trains_as_one_process(four_ranks):
+    _, got = four_ranks
+    model, batches = _gpt2()
+    assert got["level3_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
+    # a matrix of the first layer is gathered for the forward pass and again for the backward
+    # (which reads it after every later layer), not held between
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight"):
+        assert got["level3_gathers"].count(name) == 2, name
 
 
 def test_hsdp_level1_stores_large_weights_sharded(four_ranks):
@@ -548,7 +566,6 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.hsdp(shard_size=3), ValueError, "shard_size must be -1 or the 1 ranks"),
         (lambda n: n.hsdp(threshold=-1), ValueError, "threshold must be at least 0"),
         (lambda n: n.hsdp(optimizer_level="level9"), ValueError, "optimizer_level must be one"),
-        (lambda n: n.hsdp(optimizer_level="level3"), ParallelError, "'level3' is not built"),
         (lambda n: n.pipeline(stages=0), ValueError, "stages must be at least 1"),
         (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),
         (lambda n: n.pipeline(scheduler="zb"), ValueError, "scheduler must be one of"),

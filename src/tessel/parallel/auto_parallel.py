@@ -178,8 +178,9 @@ class AutoParallel(torch.nn.Module):
         """Store every weight of at least `threshold` KB sharded on dim 0 over the ranks the
         plan replicates it on, its optimizer states with it. level1: its gradient is reduced
         whole, then sliced; level2: reduce-scattered over the data-parallel replicas (over the
-        tensor-parallel ranks a gradient leaves the program whole, and is sliced). level3 is
-        refused: the program runs forward and backward in one pass, the weights gathered once."""
+        tensor-parallel ranks a gradient leaves the program whole, and is sliced); level3: as
+        level2, and the program gathers each such weight just before the nodes that read it,
+        in the forward pass and again in the backward, freeing it between."""
         if isinstance(shard_size, bool) or not isinstance(shard_size, int):
             raise TypeError(f"hsdp: shard_size must be an int, found {type(shard_size).__name__}")
         world = dist.get_world_size()
@@ -193,11 +194,6 @@ class AutoParallel(torch.nn.Module):
             raise ValueError(
                 f"hsdp: optimizer_level must be one of {list(OPTIMIZER_LEVELS)}, found "
                 f"{optimizer_level!r}"
-            )
-        if optimizer_level == "level3":
-            raise ParallelError(
-                "hsdp: optimizer_level 'level3' is not built: tessel runs the forward and "
-                "backward as one program, the weights gathered once for both"
             )
         self._hsdp = {"threshold_bytes": threshold * 1024, "level": optimizer_level}
 
@@ -299,11 +295,18 @@ class AutoParallel(torch.nn.Module):
             args, kwargs = tree_unflatten(leaves, spec)
             device = inputs[0].device if inputs else torch.device("cpu")
             threshold = None if self._hsdp is None else self._hsdp["threshold_bytes"]
-            level2 = self._hsdp is not None and self._hsdp["level"] == "level2"
+            level = None if self._hsdp is None else self._hsdp["level"]
             with planned_package(
                 self.network, args, kwargs, device, self.cluster, fixed
             ) as package:
-                self._planned = PlannedNetwork(self.network, package, device, threshold, level2)
+                self._planned = PlannedNetwork(
+                    self.network,
+                    package,
+                    device,
+                    threshold,
+                    shard_gradients=level in ("level2", "level3"),
+                    gather_in_program=level == "level3",
+                )
             self._form = form
             if self._strategy_save is not None:
                 self._save_strategy()

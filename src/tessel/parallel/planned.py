@@ -33,11 +33,15 @@ from tessel._torch import tree_map
 from tessel.errors import TesselError
 from tessel.package.format import Package
 from tessel.runtime.loader import load_rank
+from tessel.runtime.step_program import gather_weights
 from tessel.runtime.worker import die_with_parent, make_groups
 from tessel.sharding.geometry import mesh_coordinate, piece
 from tessel.sharding.placements import placement_from_str
 
 _TIME_LIMIT = 60.0  # seconds the solver may take for one plan
+
+
+_UNUSED = torch.empty(0)  # what a program input it no longer reads is given
 
 
 class ParallelError(TesselError, RuntimeError):
@@ -242,11 +246,14 @@ class PlannedNetwork:
         device: torch.device,
         shard_replicated: int | None = None,
         shard_gradients: bool = False,
+        gather_in_program: bool = False,
     ) -> None:
         """`shard_replicated`: store weights of at least this many bytes sharded on dim 0
         over the mesh dims the plan replicates them on (hsdp); None keeps them as planned.
         `shard_gradients`: their gradients are reduce-scattered over the replicas, not reduced
-        whole and sliced."""
+        whole and sliced. `gather_in_program`: the program gathers each of them just before the
+        nodes that read it, in the forward pass and again in the backward, and frees it after
+        (hsdp level3), instead of once for the whole step."""
         self.shard_gradients = shard_gradients
         manifest = package.manifest
         rank = dist.get_rank()
@@ -306,6 +313,17 @@ class PlannedNetwork:
         }
         self.replicas = self.mesh["dp"].get_group() if self.dp > 1 else None
         self.comm_groups = sorted({g for s in manifest.submodels for g in s.comm_groups})
+        # level3: the program's reads of a sharded weight (or a tied alias of one) gather it
+        self.gathered_in_program: set[str] = set()
+        if gather_in_program:
+            unit = {t.name: u for u, t in enumerate(self.trained) if t.stored != t.planned}
+            inputs = {
+                i: (unit[self.tied[n].source if n in self.tied else n], n)
+                for i, n in enumerate(self.order)
+                if (self.tied[n].source if n in self.tied else n) in unit
+            }
+            self.gathers = gather_weights(self.program, inputs, self._gather, self._view)
+            self.gathered_in_program = {n for _, n in inputs.values()}
 
     def identical_ranks(self) -> list[int]:
         """The ranks holding the same shard of every trained weight as this rank: any of
@@ -323,10 +341,27 @@ class PlannedNetwork:
             )
         ]
 
+    def _gather(self, index: int) -> torch.Tensor:
+        """The weight of the program's `index`-th gather, placed as planned."""
+        t = self.trained[self.gathers[index]]
+        return t.parameter.detach().redistribute(self.mesh, t.planned).to_local()
+
+    def _view(self, gathered: torch.Tensor, name: str) -> torch.Tensor:
+        """Weight `name` from its gathered unit: itself, or a tied alias's chunk of it."""
+        if name not in self.tied:
+            return gathered
+        for dim, count, index in self.tied[name].chunks:
+            gathered = piece(gathered, dim, count, index)
+        return gathered.contiguous()
+
     def _locals(self) -> dict[str, torch.Tensor]:
-        """Each trained weight's local shard as the plan places it (hsdp: gathered)."""
+        """Each trained weight's local shard as the plan places it (hsdp: gathered), but those
+        the program gathers itself."""
         out = {}
         for t in self.trained:
+            if t.name in self.gathered_in_program:
+                out[t.name] = _UNUSED
+                continue
             value = t.parameter.detach()
             if t.stored != t.planned:
                 value = value.redistribute(self.mesh, t.planned)
@@ -339,12 +374,10 @@ class PlannedNetwork:
         for i, name in enumerate(self.order):
             if name in locals_:
                 arguments.append(locals_[name])
+            elif name in self.gathered_in_program:
+                arguments.append(_UNUSED)
             elif name in self.tied:
-                tie = self.tied[name]
-                chunk = locals_[tie.source]
-                for dim, count, index in tie.chunks:
-                    chunk = piece(chunk, dim, count, index)
-                arguments.append(chunk.contiguous())
+                arguments.append(self._view(locals_[self.tied[name].source], name))
             else:
                 arguments.append(self.fixed[i])
         if self.dp > 1:
