@@ -189,16 +189,22 @@ STAGES = {"transformer.wte": 0, "transformer.h.0": 0, "transformer.h.1": 1, "lm_
 
 
 def _pipelines(rank: int, world: int, folder: str) -> dict:
-    """Two stages x two data-parallel replicas, under each schedule: losses, and the copies of
+    """Two stages x two data-parallel replicas, under each schedule, and under 1F1B with each
+    replica's batch accumulated over two calls (GradAccumulation): losses, and the copies of
     the tied embedding each stage holds."""
     from tessel.parallel import sync_pipeline_shared_parameters
 
     out = {}
     dp = world // 2
-    for scheduler in ("1f1b", "gpipe"):
+    for run, scheduler, accumulate in (
+        ("1f1b", "1f1b", False),
+        ("gpipe", "gpipe", False),
+        ("accumulated", "1f1b", True),
+    ):
         model, batches = _gpt2()
-        net = AutoParallel(Pipeline(model, MICRO, STAGES), "semi_auto")
-        net.pipeline(stages=2, scheduler=scheduler)
+        pipelined = AutoParallel(Pipeline(model, MICRO, STAGES), "semi_auto")
+        pipelined.pipeline(stages=2, scheduler=scheduler)
+        net = GradAccumulation(pipelined, 2) if accumulate else pipelined
         optimizer = None
         losses = []
         for batch in batches:
@@ -210,10 +216,10 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
             optimizer.zero_grad()
             losses.append(loss.item())
         sync_pipeline_shared_parameters(net)
-        state = net.state_dict()
+        state = pipelined.state_dict()
         tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
-        save_file(tied, f"{folder}/tied_{scheduler}_{rank}.safetensors")
-        out[f"pipeline_{scheduler}"] = losses
+        save_file(tied, f"{folder}/tied_{run}_{rank}.safetensors")
+        out[f"pipeline_{run}"] = losses
     try:
         model, batches = _gpt2()
         Pipeline(model, 1, STAGES)(input_ids=batches[0], labels=batches[0])
@@ -277,27 +283,28 @@ def test_saved_strategy_drives_checkpoint_conversion(four_ranks, tmp_path):
         assert torch.equal(whole[name], value), name
 
 
-@pytest.mark.parametrize("scheduler", ["1f1b", "gpipe"])
-def test_pipeline_stages_with_data_parallel_train_as_one_process(four_ranks, scheduler):
+@pytest.mark.parametrize("run", ["1f1b", "gpipe", "accumulated"])
+def test_pipeline_stages_with_data_parallel_train_as_one_process(four_ranks, run):
     folder, got = four_ranks
     model, batches = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    parts = MICRO * (2 if run == "accumulated" else 1)  # each replica's batch cut this many ways
     want = []
     for batch in batches:
         # each of 2 replicas sums its micro-batches' losses; the replicas are averaged
-        parts = [x for replica in batch.chunk(2) for x in replica.chunk(MICRO)]
-        loss = sum(model(input_ids=x, labels=x).loss for x in parts) / 2
+        pieces = [x for replica in batch.chunk(2) for x in replica.chunk(parts)]
+        loss = sum(model(input_ids=x, labels=x).loss for x in pieces) / 2
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         want.append(loss.item())
-    assert got[f"pipeline_{scheduler}"] == pytest.approx(want, abs=1e-4)
+    assert got[f"pipeline_{run}"] == pytest.approx(want, abs=1e-4)
     # every stage's copy of the tied embedding stays equal to the one process's
     embedding = model.transformer.wte.weight.detach()
     copies = [
         t
         for rank in range(4)
-        for t in load_file(str(folder / f"tied_{scheduler}_{rank}.safetensors")).values()
+        for t in load_file(str(folder / f"tied_{run}_{rank}.safetensors")).values()
     ]
     assert len(copies) >= 4  # both stages of both replicas hold one
     for copy in copies:
