@@ -4,7 +4,8 @@ Inside a running torchrun job the first call plans: rank 0 builds a training pac
 network for the job's ranks in a child process (lowering traces every rank under a fake
 process group, which a process already in the job cannot open), and broadcasts it; every rank
 then loads its own program and weight shards from it, so all ranks run one plan, on rank 0's
-weights. The network's trained parameters become DTensors placed as the plan places them.
+weights. The network's trained parameters become DTensors placed as the plan places them
+(`dp` first where the plan has data-parallel replicas, each running the program on its rows).
 
 Each call runs the rank's program: the joint forward and backward graph, which returns the
 loss and every trained weight's gradient placed like the weight. The loss comes back through a
@@ -39,9 +40,7 @@ from tessel.sharding.geometry import mesh_coordinate, piece
 from tessel.sharding.placements import placement_from_str
 
 _TIME_LIMIT = 60.0  # seconds the solver may take for one plan
-
-
-_UNUSED = torch.empty(0)  # what a program input it no longer reads is given
+_UNUSED = torch.empty(0)  # given for a program input the program no longer reads
 
 
 class ParallelError(TesselError, RuntimeError):
@@ -205,8 +204,8 @@ def _broadcast_bytes(data: bytes, device: torch.device) -> bytes:
 
 @dataclass(frozen=True)
 class _Trained:
-    """A trained weight: its parameter, its placements in the plan and as stored (hsdp shards
-    the dims the plan replicates), and its global shape."""
+    """A trained weight: its parameter, and its placements in the plan and as stored (hsdp
+    shards the dims the plan replicates)."""
 
     name: str
     parameter: torch.nn.Parameter
