@@ -144,7 +144,10 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     # with memory to spare the planner weighs data-parallel replicas too
     model, batches = _gpt2()
     roomy = AutoParallel(model, parallel_mode="recursive_programming")
-    roomy.hsdp(threshold=0, optimizer_level="level2")  # gradients reduce-scattered over dp
+    # weights of 1 KB and more stored sharded, their gradients reduce-scattered over dp; the
+    # others' gradients all-reduced in buckets of 512 bytes
+    roomy.hsdp(threshold=1, optimizer_level="level2")
+    roomy.comm_fusion({"allreduce": {"mode": "size", "config": 512 / 2**20}})
     roomy_losses = _train_parallel(roomy, batches, rank, world)
     # hsdp level3: the program gathers each sharded weight where it reads it, forward and back
     model, batches = _gpt2()
@@ -587,7 +590,16 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.set_group_ckpt_save_file(None), TypeError, "file_path must be a str"),
         (lambda n: n.load_param_strategy_file(3), TypeError, "file_path must be a str"),
         (lambda n: n.comm_fusion("on"), TypeError, "config must be a dict"),
-        (lambda n: n.comm_fusion({"openstate": True}), ParallelError, "fusing them"),
+        (lambda n: n.comm_fusion({"fuse": True}), KeyError, "unknown keys \\['fuse'\\]"),
+        (lambda n: n.comm_fusion({"allgather": {}}), ParallelError, "'allgather' is not built"),
+        (lambda n: n.comm_fusion({"openstate": 1}), TypeError, "openstate must be a bool"),
+        (lambda n: n.comm_fusion({"allreduce": {"mode": "x"}}), ValueError, "mode is one of"),
+        (lambda n: n.comm_fusion({"allreduce": {"mode": "size"}}), ValueError, "MB > 0"),
+        (
+            lambda n: n.comm_fusion({"allreduce": {"mode": "index", "config": [-1]}}),
+            ValueError,
+            "list of parameter indices",
+        ),  # fmt: skip
         (lambda n: n.disable_loss_repeated_mean(), ParallelError, "not built"),
         (
             lambda n: n.network.to(torch.bfloat16) and n.enable_fp32_communication(),
@@ -600,6 +612,27 @@ def test_auto_parallel_methods_refuse_by_name(one_rank, call, error, match):
     net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")
     with pytest.raises(error, match=match):
         call(net)
+
+
+def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
+    from tessel.parallel.planned import fusion_buckets
+
+    grads = [torch.zeros(2**18) for _ in range(5)]  # 1 MB each
+    net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")
+    plans = {}
+    for name, config in {
+        "default": None,
+        "size": {"allreduce": {"mode": "size", "config": 2}},
+        "index": {"allreduce": {"mode": "index", "config": [0, 3]}},
+        "off": {"openstate": False},
+    }.items():
+        if config is not None:
+            net.comm_fusion(config)
+        plans[name] = fusion_buckets(net._fusion, [0, 1, 2, 3, 4], grads)
+    assert plans["default"] == [[0, 1, 2, 3, 4]]
+    assert plans["size"] == [[0, 1], [2, 3], [4]]
+    assert plans["index"] == [[0, 1, 2], [3, 4]]
+    assert plans["off"] == [[0], [1], [2], [3], [4]]
 
 
 def test_auto_parallel_accepted_settings(one_rank):

@@ -36,6 +36,7 @@ from tessel.sharding.placements import placement_str
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 OPTIMIZER_LEVELS = ("level1", "level2", "level3")
 SCHEDULERS = ("1f1b", "gpipe")
+FUSION_MODES = ("auto", "size", "index")
 
 
 def _path_argument(method: str, file_path: Any) -> str:
@@ -95,6 +96,7 @@ class AutoParallel(torch.nn.Module):
         self._stages = 1
         self._strategy_save: str | None = None
         self._strategy_load: str | None = None
+        self._fusion: tuple[str, Any] = ("size", 64.0)
         self._group_save: str | None = None
         self._planned: PlannedNetwork | None = None
         self._form: tuple | None = None
@@ -248,12 +250,53 @@ class AutoParallel(torch.nn.Module):
         )
 
     def comm_fusion(self, config: dict) -> None:
+        """How the replicas' gradient all-reduce is fused: `{"openstate": False}` reduces each
+        gradient alone; `{"allreduce": {"mode": "auto"}}` in buckets of 64 MB (the default),
+        `"size"` with `"config"` MB, `"index"` with `"config"` the parameter indices where
+        buckets start. The program's own collectives, and hsdp's gathers and reduce-scatters
+        (one per weight), are not fused: `allgather` and `reducescatter` are refused."""
         if not isinstance(config, dict):
             raise TypeError(f"comm_fusion: config must be a dict, found {type(config).__name__}")
-        raise ParallelError(
-            "comm_fusion: the program issues one collective per tensor the plan moves; fusing "
-            "them by size or index is not built"
-        )
+        unknown = sorted(set(config) - {"openstate", "allreduce", "allgather", "reducescatter"})
+        if unknown:
+            raise KeyError(
+                f"comm_fusion: unknown keys {unknown}; allowed: openstate, allreduce, "
+                "allgather, reducescatter"
+            )
+        for key in ("allgather", "reducescatter"):
+            if key in config:
+                raise ParallelError(
+                    f"comm_fusion: {key!r} is not built: hsdp's gathers and reduce-scatters "
+                    "run one per weight"
+                )
+        openstate = config.get("openstate", True)
+        if not isinstance(openstate, bool):
+            raise TypeError(f"comm_fusion: openstate must be a bool, found {openstate!r}")
+        allreduce = config.get("allreduce", {"mode": "auto"})
+        if not isinstance(allreduce, dict) or allreduce.get("mode") not in FUSION_MODES:
+            raise ValueError(
+                f"comm_fusion: allreduce must be a dict whose mode is one of "
+                f"{list(FUSION_MODES)}, found {allreduce!r}"
+            )
+        mode, value = allreduce["mode"], allreduce.get("config")
+        if mode == "size" and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        ):
+            raise ValueError(f"comm_fusion: allreduce size config must be MB > 0, found {value!r}")
+        if mode == "index" and (
+            not isinstance(value, (list, tuple))
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+        ):
+            raise ValueError(
+                f"comm_fusion: allreduce index config must be a list of parameter indices, "
+                f"found {value!r}"
+            )
+        if not openstate:
+            self._fusion = ("each", None)  # every gradient alone
+        elif mode == "auto":
+            self._fusion = ("size", 64.0)
+        else:
+            self._fusion = (mode, value)
 
     def enable_fp32_communication(self) -> None:
         if any(p.dtype != torch.float32 for p in self.network.parameters()):
@@ -306,6 +349,7 @@ class AutoParallel(torch.nn.Module):
                     threshold,
                     shard_gradients=level in ("level2", "level3"),
                     gather_in_program=level == "level3",
+                    fusion=self._fusion,
                 )
             self._form = form
             if self._strategy_save is not None:

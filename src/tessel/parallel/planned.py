@@ -227,6 +227,33 @@ class _Step(torch.autograd.Function):
         return (None, None, *ctx.give(grad))
 
 
+def fusion_buckets(
+    fusion: tuple[str, Any], indices: list[int], grads: list[torch.Tensor]
+) -> list[list[int]]:
+    """The gradients `indices` in the all-reduce buckets `fusion` gives: ("size", MB) each up
+    to that size, ("index", starts) each starting at one of those indices, ("each", None) one
+    per gradient."""
+    mode, value = fusion
+    if mode == "each":
+        return [[i] for i in indices]
+    out: list[list[int]] = []
+    if mode == "index":
+        for i in indices:
+            if not out or i in value:
+                out.append([])
+            out[-1].append(i)
+        return out
+    limit, size = value * 2**20, 0.0
+    for i in indices:
+        nbytes = grads[i].numel() * grads[i].element_size()
+        if not out or (size + nbytes > limit and out[-1]):
+            out.append([])
+            size = 0.0
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
 def loss_with_gradients(
     loss: torch.Tensor, parameters: Sequence[torch.Tensor], give: Any
 ) -> torch.Tensor:
@@ -246,13 +273,17 @@ class PlannedNetwork:
         shard_replicated: int | None = None,
         shard_gradients: bool = False,
         gather_in_program: bool = False,
+        fusion: tuple[str, Any] = ("size", 64.0),
     ) -> None:
         """`shard_replicated`: store weights of at least this many bytes sharded on dim 0
         over the mesh dims the plan replicates them on (hsdp); None keeps them as planned.
         `shard_gradients`: their gradients are reduce-scattered over the replicas, not reduced
         whole and sliced. `gather_in_program`: the program gathers each of them just before the
         nodes that read it, in the forward pass and again in the backward, and frees it after
-        (hsdp level3), instead of once for the whole step."""
+        (hsdp level3), instead of once for the whole step. `fusion`: the gradient all-reduce
+        over the replicas in buckets of ("size", MB), or starting at ("index", [parameter
+        indices]), or ("each", None): one per gradient."""
+        self.fusion = fusion
         self.shard_gradients = shard_gradients
         manifest = package.manifest
         rank = dist.get_rank()
@@ -400,11 +431,12 @@ class PlannedNetwork:
                 for i, t in enumerate(trained)
                 if t.stored[:1] == t.planned[:1] or not self.shard_gradients
             ]
-            if self.dp > 1 and whole:
-                flat = torch.cat([local[i].reshape(-1) for i in whole])
-                dist.all_reduce(flat, group=self.replicas)
-                for i, part in zip(whole, flat.split([local[i].numel() for i in whole])):
-                    local[i] = part.view(local[i].shape).to(local[i].dtype)
+            if self.dp > 1:
+                for bucket in fusion_buckets(self.fusion, whole, local):
+                    flat = torch.cat([local[i].reshape(-1) for i in bucket])
+                    dist.all_reduce(flat, group=self.replicas)
+                    for i, part in zip(bucket, flat.split([local[i].numel() for i in bucket])):
+                        local[i] = part.view(local[i].shape).to(local[i].dtype)
             reduced = set(whole) if self.dp > 1 else set(range(len(trained)))
             out = []
             for i, (t, g) in enumerate(zip(trained, local)):
