@@ -92,6 +92,21 @@ def _megatron(model: torch.nn.Module, tp_mesh) -> None:
         layer.self_attn.config.num_key_value_heads //= tp_mesh.size()
 
 
+def fsdp2_tp(model: torch.nn.Module, data: dict, rank: int) -> dict:
+    """Compose `model` as torchtitan does on a dp 2 x tp 2 mesh (the Megatron plan on `tp`,
+    `fully_shard` over `dp`); returns the rows of `data` this rank's replica takes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    _megatron(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    rows, replica = BATCH // 2, rank // 2
+    return {k: v[replica * rows : (replica + 1) * rows] for k, v in data.items()}
+
+
 def _torch_worker(rank: int, kind: str, port: int, threads: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -117,16 +132,8 @@ def _torch_worker(rank: int, kind: str, port: int, threads: int, out: str) -> No
         fully_shard(model, mesh=mesh)
         rows = BATCH // WORLD
         mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
-    else:  # fsdp2 + tp on dp 2 x tp 2
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        _megatron(model, mesh["tp"])
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        rows, replica = BATCH // 2, rank // 2
-        mine = {k: v[replica * rows : (replica + 1) * rows] for k, v in data.items()}
+    else:
+        mine = fsdp2_tp(model, data, rank)
     opt = adamw(model)
     times = []
     for i in range(WARMUP + REPEAT):

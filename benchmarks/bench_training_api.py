@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_training import BATCH, LAYERS, WARMUP, _free_port, _megatron, adamw, batch, llama  # noqa: E402
+from bench_training import BATCH, LAYERS, WARMUP, _free_port, adamw, batch, fsdp2_tp, llama  # noqa: E402
 
 REPEAT = 10
 # the output layer (8192 x 256) costs about 2.6 decoder layers: the last layer and it make the
@@ -58,21 +58,12 @@ def _timed(step, barrier) -> list[float]:
 
 def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     _join(rank, world, port)
     model, data = llama(), batch()
     result: dict = {}
     if kind == "torch":
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        _megatron(model, mesh["tp"])
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        rows, replica = BATCH // 2, rank // 2
-        mine = {k: v[replica * rows : (replica + 1) * rows] for k, v in data.items()}
+        mine = fsdp2_tp(model, data, rank)
         optimizer = adamw(model)
 
         def step() -> None:

@@ -55,34 +55,30 @@ def _loss(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _train(net, batches, micro: int = 1) -> list[float]:
-    """Losses of five AdamW steps; `micro` > 1 sums the loss over that many slices of each
-    batch (what GradAccumulation and MicroBatchInterleaved compute), written out by hand."""
+def _steps(net, batches, rows) -> list[float]:
+    """Losses of five AdamW steps, each the sum of the network's losses on `rows(batch)`; the
+    optimizer is made after the first call (a planned network's parameters change then)."""
     optimizer = None
     losses = []
     for batch in batches:
-        loss = sum(_loss(net(input_ids=x, labels=x, use_cache=False)) for x in batch.chunk(micro))
+        loss = sum(_loss(net(input_ids=x, labels=x, use_cache=False)) for x in rows(batch))
         optimizer = optimizer or torch.optim.AdamW(net.parameters(), lr=LR)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _train(net, batches, micro: int = 1) -> list[float]:
+    """One process: `micro` > 1 sums the loss over that many slices of each batch (what
+    GradAccumulation and MicroBatchInterleaved compute), written out by hand."""
+    return _steps(net, batches, lambda batch: batch.chunk(micro))
 
 
 def _train_parallel(net, batches, rank: int, world: int) -> list[float]:
     """The same steps through a wrapped network, each rank calling it on its rows."""
-    optimizer = None
-    losses = []
-    for batch in batches:
-        mine = batch.chunk(world)[rank]
-        loss = _loss(net(input_ids=mine, labels=mine, use_cache=False))
-        optimizer = optimizer or torch.optim.AdamW(net.parameters(), lr=LR)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _steps(net, batches, lambda batch: [batch.chunk(world)[rank]])
 
 
 def _spawn(fn, world: int, folder: Path) -> dict:
@@ -208,16 +204,8 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
         pipelined = AutoParallel(Pipeline(model, MICRO, STAGES), "semi_auto")
         pipelined.pipeline(stages=2, scheduler=scheduler)
         net = GradAccumulation(pipelined, 2) if accumulate else pipelined
-        optimizer = None
-        losses = []
-        for batch in batches:
-            mine = batch.chunk(dp)[rank % dp]  # the ranks of a replica pass its batch
-            loss = net(input_ids=mine, labels=mine)
-            optimizer = optimizer or torch.optim.AdamW(net.parameters(), lr=LR)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        # the ranks of a replica pass its batch
+        losses = _steps(net, batches, lambda batch: [batch.chunk(dp)[rank % dp]])
         sync_pipeline_shared_parameters(net)
         state = pipelined.state_dict()
         tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}

@@ -43,9 +43,10 @@ class _MicroBatches(torch.nn.Module):
                     f"{owner}: an input of shape {tuple(x.shape)} does not cut into "
                     f"{self.slices} equal slices along dim 0"
                 )
+        slices = [x.chunk(self.slices) if isinstance(x, torch.Tensor) else None for x in leaves]
         total = None
         for i in range(self.slices):
-            part = [x.chunk(self.slices)[i] if isinstance(x, torch.Tensor) else x for x in leaves]
+            part = [x if cut is None else cut[i] for x, cut in zip(leaves, slices)]
             a, k = tree_unflatten(part, spec)
             out = _tensor_output(self.network(*a, **k), owner)
             total = out if total is None else total + out

@@ -23,7 +23,7 @@ from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
-from tessel._torch import tree_flatten, tree_unflatten
+from tessel._torch import tree_flatten, tree_map
 from tessel.parallel.micro_batches import _count, _tensor_output
 from tessel.parallel.planned import ParallelError, loss_with_gradients
 
@@ -34,9 +34,8 @@ def _loss_forward(forward: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The network's loss as a 1-element tensor (torch's schedule concatenates the
     micro-batches' outputs). Every input is copied first, inside the first stage, so that an
     input only the last stage reads (labels) travels there with the activations."""
-    args, kwargs = tree_unflatten(
-        [x.clone() if isinstance(x, torch.Tensor) else x for x in tree_flatten((args, kwargs))[0]],
-        tree_flatten((args, kwargs))[1],
+    args, kwargs = tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs)
     )
     return _tensor_output(forward(*args, **kwargs), "Pipeline").reshape(1)
 
@@ -89,7 +88,7 @@ class Pipeline(torch.nn.Module):
         self._stage: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors:
             raise TypeError("Pipeline: the network needs tensor inputs to cut into micro-batches")
@@ -101,7 +100,6 @@ class Pipeline(torch.nn.Module):
                 )
         # the traced stages hold what the first call passed besides tensors (flags such as
         # use_cache=False) and take the tensors in order: later calls pass the same form
-        spec = tree_flatten((args, kwargs))[1]
         form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
         if self._stage is None:
             self._build(args, kwargs, tensors[0].device)
@@ -129,11 +127,10 @@ class Pipeline(torch.nn.Module):
         self.stage_index = dist.get_rank() // dp
         network = self.network
         shared = _shared_names(network)
-        micro = [
-            x.chunk(self.micro_size)[0] if isinstance(x, torch.Tensor) else x
-            for x in tree_flatten((args, kwargs))[0]
-        ]
-        micro_args, micro_kwargs = tree_unflatten(micro, tree_flatten((args, kwargs))[1])
+        micro_args, micro_kwargs = tree_map(
+            lambda x: x.chunk(self.micro_size)[0] if isinstance(x, torch.Tensor) else x,
+            (args, kwargs),
+        )
         network.forward = functools.partial(_loss_forward, network.forward)
         try:
             pipe = pipeline(
@@ -195,7 +192,7 @@ class Pipeline(torch.nn.Module):
         pp = self.mesh["pp"].get_group()
         for names in self.shared:
             mine = [n for n in names if n in grads]
-            shape = _shape_of(self.shared_shapes, names)
+            shape = self.shared_shapes[names[0]]
             total = torch.zeros(shape, device=self.mesh.device_type)
             for n in mine:
                 total += grads[n]
@@ -270,9 +267,7 @@ def sync_pipeline_shared_parameters(net: torch.nn.Module) -> None:
         dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
         first = int(holder.item())
         value = (
-            params[held[0]].detach().clone()
-            if held
-            else torch.zeros(_shape_of(pipe.shared_shapes, names))
+            params[held[0]].detach().clone() if held else torch.zeros(pipe.shared_shapes[names[0]])
         )
         dist.broadcast(value, src=ranks[first], group=group)
         with torch.no_grad():
@@ -294,10 +289,6 @@ def _gather_shapes(pipe: Pipeline, params: dict[str, torch.Tensor]) -> dict[str,
         dist.all_reduce(dims, op=dist.ReduceOp.MAX, group=group)
         shapes[names[0]] = tuple(int(d) for d in dims[1 : 1 + int(dims[0])])
     return shapes
-
-
-def _shape_of(shapes: dict[str, tuple], names: tuple[str, ...]) -> tuple:
-    return shapes[names[0]]
 
 
 def _find_pipeline(net: torch.nn.Module) -> Pipeline | None:
