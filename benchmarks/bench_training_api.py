@@ -8,7 +8,9 @@ width 256, vocab 8192, seq 128, global batch 8, fp32, AdamW; gloo, one thread pe
     time of AutoParallel's first call;
   - the pipeline bubble: `nn.Pipeline` with 2 stages on 2 ranks and m micro-batches under
     1F1B, its step time T against C, one process running the same micro-batches through the
-    whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1).
+    whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1);
+    and interleaved: 4 stages looped over the 2 ranks (v = 2 each) under interleaved 1F1B,
+    against (p - 1) / (v m + p - 1).
 
     python benchmarks/bench_training_api.py [--rounds 2]
 """
@@ -33,6 +35,14 @@ REPEAT = 10
 # the output layer (8192 x 256) costs about 2.6 decoder layers: the last layer and it make the
 # second stage, so the stages are near even and the bubble is the schedule's
 STAGES = {"model.embed_tokens": 0, f"model.layers.{LAYERS - 1}": 1}
+# four stages, two per rank: layers 0-1, 2, 3, and the output layer; the ranks hold about 3
+# and 3.6 decoder layers' work
+LOOPED = {
+    "model.embed_tokens": 0,
+    f"model.layers.{LAYERS - 2}": 1,
+    f"model.layers.{LAYERS - 1}": 2,
+    "model.norm": 3,
+}
 
 
 def _join(rank: int, world: int, port: int) -> None:
@@ -80,8 +90,9 @@ def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -
             rows = BATCH // world
             mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
         else:  # pipeline: every rank of the one replica passes the whole batch
-            net = AutoParallel(Pipeline(model, micro, STAGES), "semi_auto")
-            net.pipeline(stages=2)
+            looped = kind == "interleaved"
+            net = AutoParallel(Pipeline(model, micro, LOOPED if looped else STAGES), "semi_auto")
+            net.pipeline(stages=2, interleave=looped)
             mine = data
         t = time.perf_counter()
         loss = net(**mine, use_cache=False)
@@ -162,6 +173,14 @@ def main() -> None:
                 f"round {r}: pipeline 2 stages, {m} micro-batches  T {pipelined * 1e3:7.1f} ms  "
                 f"C {whole * 1e3:7.1f} ms  bubble {bubble:.2f}  (1F1B's (p-1)/(m+p-1): "
                 f"{1 / (m + 1):.2f})"
+            )
+            print(rows[-1], flush=True)
+            looped = statistics.median(_run("interleaved", 2, m)["times"])
+            bubble = 1 - whole / (2 * looped)
+            rows.append(
+                f"round {r}: pipeline 4 stages interleaved on 2 ranks, {m} micro-batches  "
+                f"T {looped * 1e3:7.1f} ms  bubble {bubble:.2f}  (interleaved 1F1B's "
+                f"(p-1)/(vm+p-1): {1 / (2 * m + 1):.2f})"
             )
             print(rows[-1], flush=True)
 

@@ -28,15 +28,15 @@ LR = 1e-3
 MICRO = 2
 
 
-def _gpt2():
+def _gpt2(rows: int = 8, inner: int | None = None):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, n_inner=inner,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    return GPT2LMHeadModel(config), torch.randint(0, 128, (STEPS, 8, 16))
+    return GPT2LMHeadModel(config), torch.randint(0, 128, (STEPS, rows, 16))
 
 
 def _llama():
@@ -46,7 +46,6 @@ def _llama():
     config = LlamaConfig(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
-        attn_implementation="eager",  # DTensor has no rule for CPU flash attention
     )  # fmt: skip
     return LlamaForCausalLM(config), torch.randint(0, 128, (STEPS, 4, 16))
 
@@ -106,6 +105,33 @@ def _megatron(model, world: int) -> None:
         })  # fmt: skip
 
 
+def _semi_auto_gpt2(rank: int, world: int, layout, inner: int | None = None, rows: int = 8):
+    """GPT-2 under semi_auto with its MLPs annotated on `layout` (split `tp`): losses, and what
+    ran data parallel. The rest (attention on CPU flash attention, norms, the tied embedding)
+    carries no annotation."""
+    model, batches = _gpt2(rows, inner)
+    for block in model.transformer.h:
+        shard(block.mlp, in_strategy=(layout("dp", "None", "None"),), parameter_plan={
+            "c_fc.weight": layout("None", "tp"), "c_fc.bias": layout("tp"),
+            "c_proj.weight": layout("tp", "None"),
+        })  # fmt: skip
+    seen = []
+    model.transformer.ln_f.register_forward_pre_hook(lambda _, a: seen.append(a[0]))
+    net = AutoParallel(model, "semi_auto")
+    # one backward, to see the gradients' placements before the steps clear them
+    x = batches[0].chunk(world)[rank]
+    net(input_ids=x, labels=x, use_cache=False).loss.backward()
+    grads_placed = all(p.grad.placements == p.placements for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    return {
+        "losses": _train_parallel(net, batches, rank, world),
+        "rest_data_parallel": [str(seen[0].placements), list(seen[0].to_local().shape)],
+        "grads_placed": grads_placed,
+        "tied": model.lm_head.weight is model.transformer.wte.weight,
+        "embedding": str(model.transformer.wte.weight.placements),
+    }
+
+
 # -- four ranks: the planner decides ------------------------------------------------------
 
 
@@ -137,6 +163,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     params = dict(net.named_parameters())
     state = net.state_dict()
     pipelined = _pipelines(rank, world, folder)
+    semi_auto = _semi_auto_gpt2(rank, world, Layout((2, world // 2), ("dp", "tp")))
     # with memory to spare the planner weighs data-parallel replicas too
     model, batches = _gpt2()
     roomy = AutoParallel(model, parallel_mode="recursive_programming")
@@ -171,6 +198,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "stored_shards": sum(t.stored != t.planned for t in planned.trained),
                     "state_keys": sorted(state),
                     **pipelined,
+                    "semi_auto": semi_auto,
                     "roomy_losses": roomy_losses,
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
                     "level3_losses": level3_losses,
@@ -185,28 +213,35 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
 
 
 STAGES = {"transformer.wte": 0, "transformer.h.0": 0, "transformer.h.1": 1, "lm_head": 1}
+# four stages on two pipeline ranks: each rank runs two (0 and 2, 1 and 3)
+LOOPED = {"transformer.wte": 0, "transformer.h.0": 1, "transformer.h.1": 2, "transformer.ln_f": 3}
 
 
 def _pipelines(rank: int, world: int, folder: str) -> dict:
     """Two stages x two data-parallel replicas, under each schedule, and under 1F1B with each
-    replica's batch accumulated over two calls (GradAccumulation): losses, and the copies of
-    the tied embedding each stage holds."""
+    replica's batch accumulated over two calls (GradAccumulation); four stages interleaved on
+    the two pipeline ranks under each schedule: losses, and the copies of the tied embedding
+    each stage holds."""
     from tessel.parallel import sync_pipeline_shared_parameters
 
     out = {}
     dp = world // 2
-    for run, scheduler, accumulate in (
-        ("1f1b", "1f1b", False),
-        ("gpipe", "gpipe", False),
-        ("accumulated", "1f1b", True),
+    for run, scheduler, accumulate, interleave in (
+        ("1f1b", "1f1b", False, False),
+        ("gpipe", "gpipe", False, False),
+        ("accumulated", "1f1b", True, False),
+        ("interleaved", "1f1b", False, True),
+        ("looped", "gpipe", False, True),
     ):
         model, batches = _gpt2()
-        pipelined = AutoParallel(Pipeline(model, MICRO, STAGES), "semi_auto")
-        pipelined.pipeline(stages=2, scheduler=scheduler)
+        stage_config = LOOPED if interleave else STAGES
+        pipelined = AutoParallel(Pipeline(model, MICRO, stage_config), "semi_auto")
+        pipelined.pipeline(stages=2, scheduler=scheduler, interleave=interleave)
         net = GradAccumulation(pipelined, 2) if accumulate else pipelined
         # the ranks of a replica pass its batch
         losses = _steps(net, batches, lambda batch: [batch.chunk(dp)[rank % dp]])
         sync_pipeline_shared_parameters(net)
+        out[f"schedule_{run}"] = type(pipelined.network.schedule).__name__
         state = pipelined.state_dict()
         tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
         save_file(tied, f"{folder}/tied_{run}_{rank}.safetensors")
@@ -224,6 +259,48 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
 def four_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("four_ranks")
     return folder, _spawn(_four_ranks, 4, folder)
+
+
+def test_semi_auto_runs_the_unannotated_rest_data_parallel(four_ranks):
+    """MLPs split on a dp x tp layout, the rest (attention, norms, the tied embedding and output
+    layer) data parallel over all four ranks: one process's losses, each rank holding its
+    rows where nothing is annotated, every gradient reduced to its parameter's placement."""
+    got = four_ranks[1]["semi_auto"]
+    assert got["losses"] == pytest.approx(_train(*_gpt2()), abs=1e-4)
+    assert got["rest_data_parallel"] == ["(Shard(dim=0),)", [2, 16, 64]]
+    assert got["grads_placed"] and got["tied"]
+    assert got["embedding"] == "(Replicate(),)"
+
+
+def _three_ranks(rank: int, world: int, folder: str) -> None:
+    _join(world, folder, rank)
+    got = _semi_auto_gpt2(rank, world, Layout((1, world), ("dp", "tp")), inner=192, rows=6)
+    # every rank passing the whole batch ("full_batch"): each still runs its rows
+    model, batches = _gpt2(6)
+    net = AutoParallel(model, "semi_auto")
+    net.dataset_strategy("full_batch")
+    got["full_batch"] = _train(net, batches)
+    # rows that torch.chunk would not cut so: refused on every rank alike
+    try:
+        rows = batches[0][: rank + 1]
+        AutoParallel(model, "semi_auto")(input_ids=rows, labels=rows)
+        got["uneven"] = "accepted"
+    except ParallelError as exc:
+        got["uneven"] = str(exc)
+    if rank == 0:
+        Path(folder, "results.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_semi_auto_at_three_ranks(tmp_path):
+    """An odd rank count: the MLPs split three ways, the rest data parallel, 6 rows as 3 x 2;
+    and the whole batch on every rank, each running its rows."""
+    got = _spawn(_three_ranks, 3, tmp_path)
+    assert got["losses"] == pytest.approx(_train(*_gpt2(6, 192)), abs=1e-4)
+    assert got["rest_data_parallel"] == ["(Shard(dim=0),)", [2, 16, 64]]
+    assert got["grads_placed"] and got["tied"]
+    assert got["full_batch"] == pytest.approx(_train(*_gpt2(6)), abs=1e-4)
+    assert got["uneven"].startswith("AutoParallel: input 0 has [1, 2, 3] rows on the ranks")
 
 
 def test_recursive_programming_trains_as_one_process(four_ranks):
@@ -274,9 +351,19 @@ def test_saved_strategy_drives_checkpoint_conversion(four_ranks, tmp_path):
         assert torch.equal(whole[name], value), name
 
 
-@pytest.mark.parametrize("run", ["1f1b", "gpipe", "accumulated"])
-def test_pipeline_stages_with_data_parallel_train_as_one_process(four_ranks, run):
+@pytest.mark.parametrize(
+    "run, schedule",
+    [
+        ("1f1b", "Schedule1F1B"),
+        ("gpipe", "ScheduleGPipe"),
+        ("accumulated", "Schedule1F1B"),
+        ("interleaved", "ScheduleInterleaved1F1B"),
+        ("looped", "ScheduleLoopedBFS"),
+    ],
+)
+def test_pipeline_stages_with_data_parallel_train_as_one_process(four_ranks, run, schedule):
     folder, got = four_ranks
+    assert got[f"schedule_{run}"] == schedule
     model, batches = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     parts = MICRO * (2 if run == "accumulated" else 1)  # each replica's batch cut this many ways
@@ -568,7 +655,7 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),
         (lambda n: n.pipeline(scheduler="zb"), ValueError, "scheduler must be one of"),
         (lambda n: n.pipeline(stages=2), ParallelError, "run a tessel.parallel.nn.Pipeline"),
-        (lambda n: n.pipeline(interleave=True), ParallelError, "interleave is not built"),
+        (lambda n: n.pipeline(interleave=True), ParallelError, "run a tessel.parallel.nn.Pipeline"),
         (lambda n: n.dataset_strategy(None), ValueError, "config must not be None"),
         (lambda n: n.dataset_strategy(3), TypeError, "config must be 'data_parallel'"),
         (lambda n: n.dataset_strategy("rows"), ValueError, "must be 'data_parallel' or"),
@@ -715,6 +802,17 @@ def test_pipeline_checks_its_arguments():
         Pipeline(model, 2, {"transformer.h.0": 0, "transformer.h.1": 2})
     with pytest.raises(ValueError, match="must be an int >= 0"):
         Pipeline(model, 2, {"transformer.h.0": -1})
+
+
+def test_pipeline_ranks_must_match_the_stages_or_loop_over_them(one_rank):
+    model, _ = _gpt2()
+    net = AutoParallel(Pipeline(model, 2, LOOPED), "semi_auto")  # four stages
+    with pytest.raises(ValueError, match=r"gives 4 \(several stages per rank need interleave"):
+        net.pipeline(stages=2)
+    with pytest.raises(ValueError, match="4 is not a multiple of stages=3"):
+        net.pipeline(stages=3, interleave=True)
+    net.pipeline(stages=2, interleave=True)
+    assert net.get_pipeline_stages() == 2 and net.network.pipeline_ranks == 2
 
 
 def test_pipeline_grad_reducer_scales_the_accumulated_gradients():

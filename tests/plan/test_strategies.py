@@ -179,3 +179,57 @@ def test_attention_shards_heads_only_where_keys_have_as_many_heads():
     args = (_replicated(q), _replicated(kv), _replicated(kv))
     got = [describe_strategy(s) for s in op_strategies(SDPA, args, {}, q, MESH)]
     assert got == ["R, R, R -> R", "S(0), S(0), S(0) -> S(0)"]
+
+
+CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _cpu_attention(q_shape, kv_heads=None, mask_shape=None, backward=False):
+    b, h, s, e = q_shape
+    q, kv = torch.empty(q_shape), torch.empty(b, kv_heads or h, s, e)
+    lse = torch.empty(b, h, s)
+    kwargs = {}
+    if mask_shape is not None:
+        kwargs["attn_mask"] = _replicated(torch.empty(mask_shape))
+    if backward:  # grad_out, q, k, v, out, logsumexp -> grads of q, k, v
+        op, tensors, out = CPU_ATTENTION_BACKWARD, (q, q, kv, kv, q, lse), (q, kv, kv)
+    else:  # q, k, v -> out, logsumexp
+        op, tensors, out = CPU_ATTENTION, (q, kv, kv), (q, lse)
+    args = (*(_replicated(t) for t in tensors), 0.0, True)
+    return [describe_strategy(s) for s in op_strategies(op, args, kwargs, out, MESH)]
+
+
+def test_cpu_flash_attention_shards_rows_or_heads_forward_and_backward():
+    """DTensor has no rule for CPU flash attention; tessel's splits rows or whole heads of every
+    tensor (the logsumexp too), so a network on DTensors runs it and the planner shards it."""
+    assert has_rule(CPU_ATTENTION) and has_rule(CPU_ATTENTION_BACKWARD)
+    assert _cpu_attention((2, 4, 8, 4)) == [
+        "R, R, R -> (R, R)",
+        "S(0), S(0), S(0) -> (S(0), S(0))",
+        "S(1), S(1), S(1) -> (S(1), S(1))",
+    ]
+    assert _cpu_attention((2, 4, 8, 4), backward=True) == [
+        "R, R, R, R, R, R -> (R, R, R)",
+        "S(0), S(0), S(0), S(0), S(0), S(0) -> (S(0), S(0), S(0))",
+        "S(1), S(1), S(1), S(1), S(1), S(1) -> (S(1), S(1), S(1))",
+    ]
+
+
+def test_cpu_flash_attention_splits_grouped_heads_evenly_and_keeps_broadcast_masks_whole():
+    # grouped key/value heads: split with the queries' where both halve (each device keeps the
+    # key/value heads its query heads read); one key/value head cannot be split
+    assert _cpu_attention((2, 4, 8, 4), kv_heads=2)[2] == "S(1), S(1), S(1) -> (S(1), S(1))"
+    assert _cpu_attention((2, 4, 8, 4), kv_heads=1) == [
+        "R, R, R -> (R, R)",
+        "S(0), S(0), S(0) -> (S(0), S(0))",
+    ]
+    # a mask of one row follows neither split; a mask of every head follows the head split
+    assert _cpu_attention((2, 4, 8, 4), mask_shape=(1, 4, 8, 8)) == [
+        "R, R, R, R -> (R, R)",
+        "S(0), S(0), S(0), R -> (S(0), S(0))",
+        "S(1), S(1), S(1), S(1) -> (S(1), S(1))",
+    ]
+    assert _cpu_attention((2, 4, 8, 4), mask_shape=(2, 1, 8, 8), backward=True)[2] == (
+        "S(1), S(1), S(1), S(1), S(1), S(1), R -> (S(1), S(1), S(1))"
+    )

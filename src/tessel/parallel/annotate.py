@@ -7,28 +7,42 @@ parameters DTensors placed as asked, and runs the module on DTensors: its positi
 placed by `in_strategy` (a plain tensor is taken as the whole tensor, held by every rank),
 other tensor inputs replicated; its outputs leave whole, or as DTensors placed by
 `out_strategy` where one is given. DTensor inserts the communication, forward and backward.
+
+Inside `data_parallel(mesh)` (AutoParallel's semi_auto) the rest of the network runs data
+parallel: its inputs and an annotated region's outputs are DTensors with dim 0 split over every
+rank, its other parameters replicated DTensors, and plain tensors it makes are taken as
+replicated (DTensor's `implicit_replication`), so DTensor's own rules keep every unannotated
+operator data parallel and reduce the replicated parameters' gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from tessel._torch import tree_flatten, tree_map, tree_unflatten
 from tessel.checkpoint.dtensor import layout_to_dtensor
 from tessel.checkpoint.layout import Layout
+from tessel.plan import cpu_attention  # noqa: F401  (DTensor learns CPU attention)
 
 _MESHES: dict[tuple, DeviceMesh] = {}
+# the mesh the unannotated rest of the network runs data parallel on, inside `data_parallel`
+_ROWS_MESH: contextvars.ContextVar[DeviceMesh | None] = contextvars.ContextVar(
+    "tessel_rows_mesh", default=None
+)
 
 
-def _world_mesh(device_type: str) -> DeviceMesh:
+def world_mesh(device_type: str) -> DeviceMesh:
     key = (device_type, "world")
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
@@ -90,7 +104,7 @@ def placed(strategy: Any, ndim: int, shape: tuple[int, ...], device_type: str, w
                 f"{where}: split counts {strategy} are not built: split one dim over all "
                 f"{world} ranks, or give a Layout"
             )
-        mesh = _world_mesh(device_type)
+        mesh = world_mesh(device_type)
         placements = [Shard(split[0])] if split else [Replicate()]
     for p, n in zip(placements, mesh.shape):
         if isinstance(p, Shard) and shape[p.dim] % n:
@@ -111,9 +125,112 @@ def _check_kinds(strategies: list, where: str) -> None:
 
 def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placements: list) -> DTensor:
     if isinstance(x, DTensor):
-        return x.redistribute(mesh, placements)
+        return _onto(x, mesh, placements).redistribute(mesh, placements)
     whole = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, placements)
+
+
+def _onto(x: DTensor, mesh: DeviceMesh, placements: list) -> DTensor:
+    """`x` on `mesh`, a mesh of the same ranks in the same (row-major) order as its own, with
+    the same values, on the way to `placements` there. A placement every mesh dim shares
+    (replicated, partial sums, or one tensor dim split evenly over all ranks) reads the same
+    on any such mesh; any other is first redistributed to one: the target's where it is one,
+    else replicated."""
+    if x.device_mesh == mesh:
+        return x
+    if x.device_mesh.mesh.flatten().tolist() != mesh.mesh.flatten().tolist():
+        raise ValueError(
+            f"shard: a tensor on the ranks {x.device_mesh.mesh.tolist()} meets a layout on "
+            f"{mesh.mesh.tolist()}; layouts over different ranks are not built"
+        )
+
+    def shared(found: Any) -> Any:
+        """The placement every mesh dim of `found` has, where it reads the same on any mesh."""
+        kinds = set(found)
+        p = kinds.pop() if len(kinds) == 1 else None
+        if (
+            isinstance(p, Replicate)
+            or (isinstance(p, Partial) and p.reduce_op == "sum")
+            or (type(p) is Shard and x.shape[p.dim] % mesh.size() == 0)
+        ):
+            return p
+        return None
+
+    placement = shared(x.placements)
+    if placement is None:
+        target = shared(placements)
+        placement = Replicate() if target is None or isinstance(target, Partial) else target
+        x = x.redistribute(x.device_mesh, [placement] * x.device_mesh.ndim)
+    return DTensor.from_local(
+        x.to_local(),
+        mesh,
+        [placement] * mesh.ndim,
+        run_check=False,
+        shape=x.shape,
+        stride=x.stride(),
+    )
+
+
+@contextlib.contextmanager
+def data_parallel(mesh: DeviceMesh) -> Iterator[None]:
+    """Run the unannotated part of a network data parallel on `mesh` (see the module
+    docstring): annotated regions hand their outputs back split by rows."""
+    token = _ROWS_MESH.set(mesh)
+    try:
+        with implicit_replication():
+            yield
+    finally:
+        _ROWS_MESH.reset(token)
+
+
+def whole(output: Any, after_backward: Callable[[], None]) -> Any:
+    """The DTensors in a `data_parallel` run's output as whole plain tensors; `after_backward`
+    runs when their backward pass has filled the gradients.
+
+    That backward must take plain tensors as replicated, as the forward did (autograd saved
+    some, such as index tensors the network made, for DTensor operators it runs then), and
+    autograd runs a backward pass under the settings of the thread that started it. So the
+    outputs come back cut from their graph, and the backward of the cut runs that graph's own
+    backward pass with implicit replication on (as reentrant activation checkpointing does).
+    """
+    leaves, spec = tree_flatten(output)
+    leaves = [v.full_tensor() if isinstance(v, DTensor) else v for v in leaves]
+    trained = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
+    if trained:
+        anchor = torch.empty(0, requires_grad=True)
+        cut = _ReplicatedBackward.apply(anchor, [leaves[i] for i in trained], after_backward)
+        for i, v in zip(trained, cut):
+            leaves[i] = v
+    return tree_unflatten(leaves, spec)
+
+
+class _ReplicatedBackward(torch.autograd.Function):
+    """`outputs` detached; its backward runs theirs under implicit replication, then
+    `after_backward`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, anchor: torch.Tensor, outputs: list, after_backward: Callable[[], None]
+    ) -> tuple:
+        ctx.outputs, ctx.after_backward = outputs, after_backward
+        return tuple(v.detach() for v in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:
+        pairs = [(v, g) for v, g in zip(ctx.outputs, grads) if g is not None]
+        ctx.outputs = None
+        if pairs:
+            with implicit_replication():
+                torch.autograd.backward([v for v, _ in pairs], [g for _, g in pairs])
+            ctx.after_backward()
+        return None, None, None
+
+
+def rows(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """`x` (a DTensor, or a whole tensor every rank holds) on the 1-D `mesh` with dim 0 split
+    over its ranks, or replicated where dim 0 does not divide among them."""
+    split = x.dim() > 0 and x.shape[0] % mesh.size() == 0
+    return _as_dtensor(x, mesh, [Shard(0) if split else Replicate()])
 
 
 def shard(
@@ -148,7 +265,7 @@ def shard(
     annotation = _Annotation(in_strategy, out_strategy)
     if isinstance(fn, torch.nn.Module):
         device_type = _device_type(fn)
-        _distribute_parameters(fn, parameter_plan or {}, _default_mesh(in_strategy, device_type))
+        distribute_parameters(fn, parameter_plan or {}, _default_mesh(in_strategy, device_type))
         fn.register_forward_pre_hook(annotation.enter_module, with_kwargs=True)
         fn.register_forward_hook(annotation.leave_module)
         return fn
@@ -210,7 +327,8 @@ class _Annotation:
         for i, v in enumerate(leaves):
             if isinstance(v, DTensor):
                 if out_strategy is None:
-                    v = v.full_tensor()
+                    rows_mesh = _ROWS_MESH.get()
+                    v = v.full_tensor() if rows_mesh is None else rows(v, rows_mesh)
                 else:
                     if i >= len(out_strategy):
                         raise ValueError(
@@ -240,14 +358,15 @@ def _default_mesh(strategies: tuple, device_type: str) -> DeviceMesh:
     for s in strategies:
         if isinstance(s, Layout):
             return _layout_mesh(s, device_type)[0]
-    return _world_mesh(device_type)
+    return world_mesh(device_type)
 
 
-def _distribute_parameters(
+def distribute_parameters(
     module: torch.nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh
 ) -> None:
-    """Every parameter of `module` a DTensor: placed by `plan`, or replicated."""
-    names = dict(module.named_parameters())
+    """Every parameter of `module` a DTensor: placed by `plan`, or replicated. A parameter
+    shared under several names (tied weights) stays one parameter under all of them."""
+    names = dict(module.named_parameters(remove_duplicate=False))
     wanted = {}
     for key, strategy in plan.items():
         name = key.removeprefix("self.")
@@ -256,12 +375,22 @@ def _distribute_parameters(
                 f"shard: parameter_plan names {key!r}; the module's parameters are {sorted(names)}"
             )
         wanted[name] = strategy
+    aliases: dict[int, list[str]] = {}
     for name, parameter in names.items():
-        if isinstance(parameter, DTensor):
-            continue
-        if name in wanted:
+        if not isinstance(parameter, DTensor):
+            aliases.setdefault(id(parameter), []).append(name)
+    for group in aliases.values():
+        parameter = names[group[0]]
+        planned = [(name, wanted[name]) for name in group if name in wanted]
+        if any(strategy != planned[0][1] for _, strategy in planned):
+            raise ValueError(
+                f"shard: parameter_plan places the tied parameters {[n for n, _ in planned]} "
+                "differently; they are one tensor"
+            )
+        if planned:
+            name, strategy = planned[0]
             p_mesh, placements = placed(
-                wanted[name],
+                strategy,
                 parameter.dim(),
                 tuple(parameter.shape),
                 parameter.device.type,
@@ -274,13 +403,13 @@ def _distribute_parameters(
                 )
         else:
             placements = [Replicate()] * mesh.ndim
-        value = distribute_tensor(parameter.detach(), mesh, placements)
-        owner, _, leaf = name.rpartition(".")
-        setattr(
-            module.get_submodule(owner),
-            leaf,
-            torch.nn.Parameter(value, requires_grad=parameter.requires_grad),
+        value = torch.nn.Parameter(
+            distribute_tensor(parameter.detach(), mesh, placements),
+            requires_grad=parameter.requires_grad,
         )
+        for name in group:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, value)
 
 
 def reshard(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from tessel._torch import tree_flatten, tree_unflatten
 from tessel.atomic import replace_atomically
@@ -29,8 +29,16 @@ from tessel.checkpoint.errors import StrategyError
 from tessel.checkpoint.mindspore_proto import strategy_to_protobuf, write_group_info
 from tessel.checkpoint.strategy import Strategy, load_strategy, param_from_layout, write_strategy
 from tessel.config.cluster import ClusterConfig
+from tessel.parallel.annotate import (
+    data_parallel,
+    distribute_parameters,
+    rows,
+    whole,
+    world_mesh,
+)
 from tessel.parallel.pipeline import Pipeline
-from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
+from tessel.parallel.planned import ParallelError, PlannedNetwork, fusion_buckets, planned_package
+from tessel.sharding import chunk_range
 from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -58,9 +66,9 @@ class AutoParallel(torch.nn.Module):
 
     `parallel_mode`: "recursive_programming" (tessel's planner decides every placement),
     "sharding_propagation" (the planner keeps the parameters' `shard` annotations and decides
-    the rest); "semi_auto"
-    runs the network with its `shard` annotations, DTensor carrying them out, and the rest of
-    the network replicated on the whole batch. Communication must already be initialised.
+    the rest); "semi_auto" runs the network with its `shard` annotations, DTensor carrying
+    them out, and the rest of the network data parallel over every rank
+    (`annotate.data_parallel`). Communication must already be initialised.
     `cluster` (tessel's addition) is the cluster config the planner costs and fits the plan
     on: a path, its JSON as a dict, or a ClusterConfig; by default local devices of the job's
     device type, one per rank.
@@ -206,32 +214,36 @@ class AutoParallel(torch.nn.Module):
         interleave: bool = False,
         scheduler: str = "1f1b",
     ) -> None:
-        """Run a `Pipeline` network of `stages` stages under `scheduler` (semi_auto). Its loss
-        reaches every stage whatever `output_broadcast` says; `interleave` (several stages
-        per rank) is refused: Pipeline's stage_config gives each rank one stage."""
+        """Run a `Pipeline` network on `stages` pipeline ranks under `scheduler` (semi_auto).
+        Its loss reaches every stage whatever `output_broadcast` says. With `interleave`, the
+        Pipeline's stage_config may give a multiple of `stages` stages: pipeline rank r runs
+        stages r, r + stages, ... under 1F1B interleaved ("1f1b") or looped breadth-first
+        ("gpipe")."""
         _int_argument("pipeline", "stages", stages, 1)
         if scheduler not in SCHEDULERS:
             raise ValueError(
                 f"pipeline: scheduler must be one of {list(SCHEDULERS)}, found {scheduler!r}"
             )
-        if interleave:
-            raise ParallelError(
-                "pipeline: interleave is not built: Pipeline's stage_config gives each rank "
-                "one stage, and interleaving needs several"
-            )
-        if stages > 1:
+        if stages > 1 or interleave:
             if self.parallel_mode != "semi_auto" or not isinstance(self.network, Pipeline):
                 raise ParallelError(
                     "pipeline: stages in AutoParallel run a tessel.parallel.nn.Pipeline "
                     "network in 'semi_auto' mode; tessel's planner does not cut stages here "
                     "(tessel.build does, with the policy's pipe_stage_num)"
                 )
-            if self.network.stages != stages:
+            cut = self.network.stages
+            if interleave and cut % stages:
                 raise ValueError(
-                    f"pipeline: stages={stages}, but the Pipeline's stage_config gives "
-                    f"{self.network.stages}"
+                    f"pipeline: interleave runs the Pipeline's {cut} stages (its stage_config) "
+                    f"looped over the pipeline ranks; {cut} is not a multiple of stages={stages}"
+                )
+            if not interleave and cut != stages:
+                raise ValueError(
+                    f"pipeline: stages={stages}, but the Pipeline's stage_config gives {cut} "
+                    "(several stages per rank need interleave=True)"
                 )
             self.network.scheduler = scheduler
+            self.network.pipeline_ranks = stages
         self._stages = stages
 
     def get_pipeline_stages(self) -> int:
@@ -313,12 +325,11 @@ class AutoParallel(torch.nn.Module):
         if self.parallel_mode == "semi_auto" and isinstance(self.network, Pipeline):
             return self.network(*args, **kwargs)  # each rank passes its replica's batch
         leaves, spec = tree_flatten((args, kwargs))
+        if self.parallel_mode == "semi_auto":
+            return self._data_parallel(leaves, spec)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         whole = iter([self._whole_batch(i, x) for i, x in enumerate(tensors)])
         leaves = [next(whole) if isinstance(x, torch.Tensor) else x for x in leaves]
-        if self.parallel_mode == "semi_auto":
-            args, kwargs = tree_unflatten(leaves, spec)
-            return self.network(*args, **kwargs)
         # the program holds what the first call passed besides tensors (flags such as
         # use_cache=False): later calls must pass the same
         form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
@@ -369,6 +380,94 @@ class AutoParallel(torch.nn.Module):
                 f"this call gives {found}"
             )
         return self._planned(inputs)
+
+    def _data_parallel(self, leaves: list, spec: Any) -> Any:
+        """semi_auto: the network run on DTensors, its annotated regions as `shard` placed
+        them, the rest data parallel over every rank (`annotate.data_parallel`). Its outputs
+        come back whole."""
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        device_type = tensors[0].device.type if tensors else "cpu"
+        mesh = world_mesh(device_type)
+        distribute_parameters(self.network, {}, mesh)  # the unannotated ones, replicated
+        if self._dataset == "data_parallel":
+            placed = self._rows_of_ranks(tensors, mesh)
+        else:
+            placed = [rows(self._whole_batch(i, x), mesh) for i, x in enumerate(tensors)]
+        placed_iter = iter(placed)
+        leaves = [next(placed_iter) if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = tree_unflatten(leaves, spec)
+        with data_parallel(mesh):
+            out = self.network(*args, **kwargs)
+        return whole(out, self._reduce_gradients)
+
+    @staticmethod
+    def _rows_of_ranks(tensors: list[torch.Tensor], mesh: Any) -> list[DTensor]:
+        """Each rank's inputs as its rows of the whole batch's (rank order, cut as torch.chunk
+        cuts: checked, all inputs in one gather of their row counts)."""
+        world = mesh.size()
+        if any(x.dim() == 0 for x in tensors):
+            raise ParallelError(
+                "AutoParallel: dataset_strategy 'data_parallel' splits every input's dim 0; "
+                "the call has a 0-dim tensor (pass it as a Python number, or use 'full_batch')"
+            )
+        counts = torch.tensor([x.shape[0] for x in tensors], device=tensors[0].device)
+        seen = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(seen, counts)
+        placed = []
+        for i, x in enumerate(tensors):
+            held = [int(c[i]) for c in seen]
+            total = sum(held)
+            cut = [hi - lo for lo, hi in (chunk_range(total, world, r) for r in range(world))]
+            if held != cut:
+                raise ParallelError(
+                    f"AutoParallel: input {i} has {held} rows on the ranks; data_parallel "
+                    f"needs the whole batch's {total} rows cut as torch.chunk cuts them: {cut}"
+                )
+            shape = (total, *x.shape[1:])
+            placed.append(
+                DTensor.from_local(
+                    x.contiguous(),
+                    mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size(shape),
+                    stride=torch.empty(shape, device="meta").stride(),
+                )
+            )
+        return placed
+
+    def _reduce_gradients(self) -> None:
+        """semi_auto: each gradient brought to its parameter's placement. Those left as partial
+        sums over the ranks (replicated weights the data-parallel part reads) are summed in
+        the all-reduce buckets `comm_fusion` sets; any other is redistributed alone."""
+        partial: dict[Any, list[torch.nn.Parameter]] = {}
+        for p in self.network.parameters():
+            g = p.grad
+            if not isinstance(g, DTensor) or g.placements == p.placements:
+                continue
+            if (
+                g.device_mesh == p.device_mesh
+                and p.placements == (Replicate(),)
+                and g.placements == (Partial(),)
+            ):
+                partial.setdefault(p.device_mesh, []).append(p)
+            else:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        for mesh, params in partial.items():
+            local = [p.grad.to_local() for p in params]
+            for bucket in fusion_buckets(self._fusion, list(range(len(params))), local):
+                flat = torch.cat([local[i].reshape(-1) for i in bucket])
+                dist.all_reduce(flat, group=mesh.get_group())
+                for i, part in zip(bucket, flat.split([local[i].numel() for i in bucket])):
+                    p = params[i]
+                    p.grad = DTensor.from_local(
+                        part.view(local[i].shape).to(local[i].dtype),
+                        mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )
 
     def _whole_batch(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Input `index` of the whole batch, from this rank's part of it."""

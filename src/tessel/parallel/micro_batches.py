@@ -1,9 +1,9 @@
 """A network run on micro-batches of its inputs: GradAccumulation, MicroBatchInterleaved.
 
 Each cuts every tensor input into equal slices along dim 0 and sums the network's outputs over
-them, as MindSpore's do: `GradAccumulation` (a step's gradients accumulated over `micro_size`
-micro-batches) and `MicroBatchInterleaved` (slices whose communication and computation can
-overlap). Parameter names are the wrapped network's (`network.` prefixed, as a submodule).
+them, as MindSpore's do (where the batch is split over the ranks, each rank cuts its own rows):
+`GradAccumulation` (a step's gradients accumulated over `micro_size` micro-batches) and
+`MicroBatchInterleaved` (slices whose communication and computation can overlap). Parameter names are the wrapped network's (`network.` prefixed, as a submodule).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from tessel._torch import tree_flatten, tree_unflatten
 
@@ -38,12 +39,13 @@ class _MicroBatches(torch.nn.Module):
         owner = type(self).__name__
         leaves, spec = tree_flatten((args, kwargs))
         for x in leaves:
-            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % self.slices):
+            rows = _rows(x) if isinstance(x, torch.Tensor) else None
+            if rows is not None and (rows.dim() == 0 or rows.shape[0] % self.slices):
                 raise ValueError(
-                    f"{owner}: an input of shape {tuple(x.shape)} does not cut into "
-                    f"{self.slices} equal slices along dim 0"
+                    f"{owner}: an input of shape {tuple(rows.shape)} (on this rank) does not "
+                    f"cut into {self.slices} equal slices along dim 0"
                 )
-        slices = [x.chunk(self.slices) if isinstance(x, torch.Tensor) else None for x in leaves]
+        slices = [_cut(x, self.slices) if isinstance(x, torch.Tensor) else None for x in leaves]
         total = None
         for i in range(self.slices):
             part = [x if cut is None else cut[i] for x, cut in zip(leaves, slices)]
@@ -51,6 +53,29 @@ class _MicroBatches(torch.nn.Module):
             out = _tensor_output(self.network(*a, **k), owner)
             total = out if total is None else total + out
         return total
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """The rows of `x` this rank cuts: its own where its rows are split over the ranks."""
+    return x.to_local() if _split_by_rows(x) else x
+
+
+def _split_by_rows(x: torch.Tensor) -> bool:
+    return isinstance(x, DTensor) and x.placements == (Shard(0),)
+
+
+def _cut(x: torch.Tensor, slices: int) -> list[torch.Tensor]:
+    """`x` in `slices` dim-0 slices. Rows split over the ranks (a data-parallel input) are cut
+    on each rank, as each rank cuts its own batch: slice i holds every rank's i-th part."""
+    if not _split_by_rows(x):
+        return list(x.chunk(slices))
+    shape = torch.Size((x.shape[0] // slices, *x.shape[1:]))
+    return [
+        DTensor.from_local(
+            part, x.device_mesh, x.placements, run_check=False, shape=shape, stride=part.stride()
+        )
+        for part in x.to_local().chunk(slices)
+    ]
 
 
 def _tensor_output(out: Any, owner: str) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """`Pipeline`: a network cut into stages by `stage_config`, run on torch.distributed.pipelining.
 
-The ranks are (stage, data-parallel replica), stage outermost: rank = stage * dp + replica. On
-the first call the network is traced once (`torch.distributed.pipelining.pipeline`), cut
-before the first module of each stage, and each rank keeps its stage's module; every call then
-runs the batch through the stages as `micro_size` micro-batches under torch's schedule (1F1B or
-GPipe). As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
+The ranks are (pipeline rank, data-parallel replica), pipeline rank outermost: rank = pp_rank *
+dp + replica. There are as many pipeline ranks as stages, or, interleaved, a divisor of the
+stage count: pipeline rank r then holds stages r, r + pp, r + 2 pp, ... (the looped placement
+torch's interleaved schedules run). On the first call the network is traced once
+(`torch.distributed.pipelining.pipeline`), cut before the first module of each stage, and each
+rank keeps its stages' modules; every call then runs the batch through the stages as
+`micro_size` micro-batches under torch's schedule (1F1B or GPipe; interleaved, 1F1B or looped
+breadth-first). As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
 mean over the data-parallel replicas, each calling with its own batch); `loss.backward()` hands
 the stage's parameters the gradients the schedule computed, so the optimizer is made after the
 first call, over the stage's parameters. Parameters several stages hold (tied embeddings) get
@@ -14,6 +17,7 @@ the sum of their copies' gradients, so the copies stay equal.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,13 +25,22 @@ import torch
 import torch.distributed as dist
 from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    SplitPoint,
+    pipeline,
+)
 
 from tessel._torch import tree_flatten, tree_map
 from tessel.parallel.micro_batches import _count, _tensor_output
 from tessel.parallel.planned import ParallelError, loss_with_gradients
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+# several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages
+INTERLEAVED_SCHEDULES = {"1f1b": ScheduleInterleaved1F1B, "gpipe": ScheduleLoopedBFS}
 
 
 def _loss_forward(forward: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -84,8 +97,9 @@ class Pipeline(torch.nn.Module):
         # each stage after the first starts at its first module
         self.cuts = {s: n for n, s in reversed(list(zip(order, stages))) if s > 0}
         self.scheduler = "1f1b"
+        self.pipeline_ranks = self.stages  # fewer where interleaved (AutoParallel.pipeline)
         self.network = network
-        self._stage: Any = None
+        self._stages: list | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         leaves, spec = tree_flatten((args, kwargs))
@@ -101,7 +115,7 @@ class Pipeline(torch.nn.Module):
         # the traced stages hold what the first call passed besides tensors (flags such as
         # use_cache=False) and take the tensors in order: later calls pass the same form
         form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
-        if self._stage is None:
+        if self._stages is None:
             self._build(args, kwargs, tensors[0].device)
             self._form = form
         if form != self._form:
@@ -113,18 +127,17 @@ class Pipeline(torch.nn.Module):
 
     def _build(self, args: tuple, kwargs: dict, device: torch.device) -> None:
         world = dist.get_world_size()
-        if world % self.stages:
-            raise ParallelError(
-                f"Pipeline: {self.stages} stages do not divide the job's {world} ranks"
-            )
-        if self.micro_size < self.stages:
+        pp = self.pipeline_ranks
+        if world % pp:
+            raise ParallelError(f"Pipeline: {pp} pipeline ranks do not divide the job's {world}")
+        if self.micro_size < pp:
             raise ValueError(
-                f"Pipeline: micro_size ({self.micro_size}) must be >= the stage count "
-                f"({self.stages})"
+                f"Pipeline: micro_size ({self.micro_size}) must be >= the stage count ({pp})"
             )
-        dp = world // self.stages
-        self.mesh = init_device_mesh(device.type, (self.stages, dp), mesh_dim_names=("pp", "dp"))
-        self.stage_index = dist.get_rank() // dp
+        dp = world // pp
+        self.mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+        self.pp_rank = dist.get_rank() // dp
+        self.stage_indices = list(range(self.pp_rank, self.stages, pp))
         network = self.network
         shared = _shared_names(network)
         micro_args, micro_kwargs = tree_map(
@@ -141,30 +154,42 @@ class Pipeline(torch.nn.Module):
             )
         finally:
             del network.forward
+        if self.stages > pp:
+            _adjacent_only(pipe, self.stages)
         _contiguous_boundaries(pipe, self.stages)
-        stage = pipe.build_stage(self.stage_index, device, group=self.mesh["pp"].get_group())
-        self.schedule = SCHEDULES[self.scheduler](
-            stage,
-            self.micro_size,
+        group = self.mesh["pp"].get_group()
+        stages = [pipe.build_stage(i, device, group=group) for i in self.stage_indices]
+        options = dict(
             loss_fn=lambda output, target: output.sum(),
             scale_grads=False,  # the loss is the micro-batches' sum, as its gradients are
         )
-        # this rank trains its stage's module: the whole network is no longer held here
+        if self.stages > pp:
+            schedule = INTERLEAVED_SCHEDULES[self.scheduler](stages, self.micro_size, **options)
+        else:
+            schedule = SCHEDULES[self.scheduler](stages[0], self.micro_size, **options)
+        self.schedule = schedule
+        # this rank trains its stages' modules: the whole network is no longer held here
         del self.network
-        self.stage_module = stage.submod
-        self._stage = stage
+        self.stage_modules = torch.nn.ModuleList([stage.submod for stage in stages])
+        self._stages = stages
         self.shared = shared
-        self.shared_shapes = _gather_shapes(
-            self, dict(self.stage_module.named_parameters(remove_duplicate=False))
-        )
+        self.shared_shapes = _gather_shapes(self, self._named_parameters())
         sync_pipeline_shared_parameters(self)
+
+    def _named_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters under the network's names."""
+        return {
+            name: p
+            for module in self.stage_modules
+            for name, p in module.named_parameters(remove_duplicate=False)
+        }
 
     def _step(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         pp, dp = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
-        last = self.stage_index == self.stages - 1
+        last = self.stages - 1 in self.stage_indices
         losses: list[torch.Tensor] = []
         target = torch.zeros(self.micro_size, device=self.mesh.device_type)
-        if self.stage_index == 0:
+        if 0 in self.stage_indices:
             self.schedule.step(*inputs, target=target if last else None, losses=losses)
         elif last:
             self.schedule.step(target=target, losses=losses)
@@ -174,9 +199,11 @@ class Pipeline(torch.nn.Module):
         loss = loss.to(torch.float32)
         # the last stage's loss on every stage, then the mean over the replicas
         dist.all_reduce(loss, group=pp)
-        parameters = [p for p in self.stage_module.parameters() if p.requires_grad]
+        named = {n: p for n, p in self._named_parameters().items() if p.requires_grad}
+        unique = {id(p): n for n, p in named.items()}
+        parameters = [named[n] for n in unique.values()]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        self._sum_shared(dict(zip(_names_of(self.stage_module, parameters), grads)))
+        self._sum_shared(dict(zip(unique.values(), grads)))
         if self.mesh["dp"].size() > 1:
             dist.all_reduce(loss, group=dp)
             loss /= self.mesh["dp"].size()
@@ -201,10 +228,14 @@ class Pipeline(torch.nn.Module):
                 grads[n].copy_(total)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's stage's state under the network's names (the whole network's before the
-        first call)."""
-        module = self.network if self._stage is None else self.stage_module
-        return module.state_dict(*args, **kwargs)
+        """This rank's stages' state under the network's names (the whole network's before
+        the first call)."""
+        if self._stages is None:
+            return self.network.state_dict(*args, **kwargs)
+        state: dict[str, Any] = {}
+        for module in self.stage_modules:
+            state.update(module.state_dict(*args, **kwargs))
+        return state
 
 
 class PipelineCell(Pipeline):
@@ -219,9 +250,72 @@ def _shared_names(network: torch.nn.Module) -> list[tuple[str, ...]]:
     return [tuple(names) for names in by_id.values() if len(names) > 1]
 
 
-def _names_of(module: torch.nn.Module, parameters: Sequence[torch.Tensor]) -> list[str]:
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [names[id(p)] for p in parameters]
+def _adjacent_only(pipe: Any, stages: int) -> None:
+    """Pass every value a stage reads from a stage more than one before it through the stages
+    between, each handing it on unchanged: torch's multi-stage schedules send only to the next
+    stage, and a network's masks, position tables and copied labels are made in the first."""
+    graph: fx.Graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    if any(c.kwargs for c in calls):
+        raise ParallelError("Pipeline: a traced stage takes keyword inputs; not built")
+
+    def stage_of(value: Any) -> int | None:
+        """The stage that makes `value` (a stage's output, or one item of it)."""
+        if not isinstance(value, fx.Node):
+            return None
+        if value.op == "call_function" and value.target is operator.getitem:
+            value = value.args[0]
+        return calls.index(value) if value in calls else None
+
+    for m in range(1, stages - 1):
+        call, later = calls[m], calls[m + 1 :]
+        passing = []  # made before stage m, read after it
+        val = {}  # what each is, as the stage reading it saw it traced (its buffers' shapes)
+        for c in later:
+            reading = [n for n in pipe.split_gm.get_submodule(c.target).graph.nodes]
+            reading = [n for n in reading if n.op == "placeholder"]
+            for a, placeholder in zip(c.args, reading):
+                made = stage_of(a)
+                if made is not None and made < m and a not in passing:
+                    passing.append(a)
+                    val[a] = placeholder.meta.get("val")
+        if not passing:
+            continue
+        module = pipe.split_gm.get_submodule(call.target)
+        sub: fx.Graph = module.graph
+        inputs = [n for n in sub.nodes if n.op == "placeholder"]
+        # a value the stage already reads is handed on from its own input; others come in new
+        new = [a for a in passing if a not in call.args]
+        anchor = inputs[-1]
+        for i, value in enumerate(new):
+            with sub.inserting_after(anchor):
+                anchor = sub.placeholder(f"passed_{i}")
+            anchor.meta["val"] = val[value]
+        inputs = [n for n in sub.nodes if n.op == "placeholder"]
+        args = (*call.args, *new)
+        output = next(n for n in sub.nodes if n.op == "output")
+        single = not isinstance(output.args[0], (tuple, list))
+        made_here = (output.args[0],) if single else tuple(output.args[0])
+        output.args = ((*made_here, *(inputs[args.index(a)] for a in passing)),)
+        module.recompile()
+        call.args = args
+        if "val" in call.meta:
+            own = (call.meta["val"],) if single else tuple(call.meta["val"])
+            call.meta["val"] = (*own, *(val[a] for a in passing))
+        with graph.inserting_before(later[0]):
+            if single:
+                first = graph.call_function(operator.getitem, (call, 0))
+                first.meta = {"val": own[0]} if "val" in call.meta else {}
+                call.replace_all_uses_with(first, delete_user_cb=lambda u, f=first: u is not f)
+            handed = [
+                graph.call_function(operator.getitem, (call, len(made_here) + i))
+                for i in range(len(passing))
+            ]
+        for value, out in zip(passing, handed):
+            out.meta = {**value.meta, "val": val[value]}
+            for c in later:
+                c.args = tuple(out if a is value else a for a in c.args)
+    pipe.split_gm.recompile()
 
 
 def _contiguous_boundaries(pipe: Any, stages: int) -> None:
@@ -256,16 +350,21 @@ def sync_pipeline_shared_parameters(net: torch.nn.Module) -> None:
     """Copy each parameter several pipeline stages hold (tied embeddings) from the first
     stage holding it to the others. A network with fewer than 2 stages is left as it is."""
     pipe = _find_pipeline(net)
-    if pipe is None or pipe._stage is None or pipe.stages < 2:
+    if pipe is None or pipe._stages is None or pipe.stages < 2:
         return
     group = pipe.mesh["pp"].get_group()
     ranks = dist.get_process_group_ranks(group)
-    params = dict(pipe.stage_module.named_parameters(remove_duplicate=False))
+    params = pipe._named_parameters()
+    held_by_stage = [
+        (i, dict(m.named_parameters(remove_duplicate=False)))
+        for i, m in zip(pipe.stage_indices, pipe.stage_modules)
+    ]
     for names in pipe.shared:
         held = [n for n in names if n in params]
-        holder = torch.tensor([pipe.stage_index if held else pipe.stages])
+        mine = [i for i, named in held_by_stage if any(n in named for n in names)]
+        holder = torch.tensor([min(mine, default=pipe.stages)])
         dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
-        first = int(holder.item())
+        first = int(holder.item()) % pipe.pipeline_ranks  # the pipeline rank holding it first
         value = (
             params[held[0]].detach().clone() if held else torch.zeros(pipe.shared_shapes[names[0]])
         )

@@ -27,6 +27,7 @@ from tessel._torch import (
     insert_single_dim_replication_strategy,
     sharding_propagator,
 )
+from tessel.plan import cpu_attention  # noqa: F401  (DTensor learns CPU attention)
 
 __all__ = [
     "DTensorSpec",
