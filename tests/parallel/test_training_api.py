@@ -164,6 +164,15 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     state = net.state_dict()
     pipelined = _pipelines(rank, world, folder)
     semi_auto = _semi_auto_gpt2(rank, world, Layout((2, world // 2), ("dp", "tp")))
+    # the inputs placed by Layouts: rows split over dp, the tp ranks of a dp group alike
+    model, batches = _gpt2()
+    grid = Layout((2, world // 2), ("dp", "tp"))
+    laid_out = AutoParallel(model, "semi_auto")
+    laid_out.dataset_strategy((grid("dp", "None"), grid("dp", "None")))
+    semi_auto["laid_out"] = _steps(laid_out, batches, lambda b: [b.chunk(2)[rank // 2]])
+    semi_auto["laid_out_whole"] = torch.equal(
+        laid_out._whole_batch(0, batches[0].chunk(2)[rank // 2]), batches[0]
+    )
     # with memory to spare the planner weighs data-parallel replicas too
     model, batches = _gpt2()
     roomy = AutoParallel(model, parallel_mode="recursive_programming")
@@ -172,10 +181,11 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     roomy.hsdp(threshold=1, optimizer_level="level2")
     roomy.comm_fusion({"allreduce": {"mode": "size", "config": 512 / 2**20}})
     roomy_losses = _train_parallel(roomy, batches, rank, world)
-    # hsdp level3: the program gathers each sharded weight where it reads it, forward and back
+    # hsdp level3: the program gathers each sharded weight where it reads it, forward and back;
+    # each weight's shards held by 2 ranks (of the 4 or 2 replicating it)
     model, batches = _gpt2()
     gathering = AutoParallel(model, parallel_mode="recursive_programming")
-    gathering.hsdp(threshold=0, optimizer_level="level3")
+    gathering.hsdp(shard_size=2, threshold=0, optimizer_level="level3")
     level3_losses = _train_parallel(gathering, batches, rank, world)
     in_program = gathering._planned
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
@@ -203,6 +213,10 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
                     "level3_losses": level3_losses,
                     "level3_gathers": [in_program.trained[u].name for u in in_program.gathers],
+                    "level3_mesh": list(in_program.mesh.shape),
+                    "level3_stored": sorted(
+                        {(str(t.planned), str(t.stored)) for t in in_program.trained}
+                    ),
                     "roomy_sharded_over_dp": sum(
                         isinstance(t.stored[0], Shard) for t in roomy._planned.trained
                     ),
@@ -270,6 +284,9 @@ def test_semi_auto_runs_the_unannotated_rest_data_parallel(four_ranks):
     assert got["rest_data_parallel"] == ["(Shard(dim=0),)", [2, 16, 64]]
     assert got["grads_placed"] and got["tied"]
     assert got["embedding"] == "(Replicate(),)"
+    # and from inputs a dataset_strategy of Layouts places (gathered whole where planned)
+    assert got["laid_out"] == pytest.approx(_train(*_gpt2()), abs=1e-4)
+    assert got["laid_out_whole"]
 
 
 def _three_ranks(rank: int, world: int, folder: str) -> None:
@@ -330,6 +347,29 @@ def test_hsdp_level3_gathers_weights_in_the_program_and_trains_as_one_process(fo
     # (which reads it after every later layer), not held between
     for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight"):
         assert got["level3_gathers"].count(name) == 2, name
+    # shard_size=2 on a 2 x 2 mesh: each weight's shards split over one mesh dim of 2 ranks
+    assert got["level3_mesh"] == [2, 2]
+    for planned, stored in got["level3_stored"]:
+        assert stored.count("Shard(dim=0)") == planned.count("Shard(dim=0)") + 1, stored
+
+
+def test_hsdp_shard_size_picks_the_mesh_dims_whose_ranks_hold_the_shards():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tessel._torch import detached_mesh
+    from tessel.parallel.planned import shard_dims
+
+    mesh = detached_mesh(torch.arange(8).reshape(2, 2, 2), ("dp", "cp", "tp"))
+    whole, columns = (Replicate(),) * 3, (Replicate(), Replicate(), Shard(0))
+    assert shard_dims(whole, mesh, -1, "w") == {0, 1, 2}
+    assert shard_dims(whole, mesh, 8, "w") == {0, 1, 2}
+    assert shard_dims(whole, mesh, 2, "w") == {2}  # neighbouring ranks first
+    assert shard_dims(whole, mesh, 4, "w") == {1, 2}
+    assert shard_dims(columns, mesh, 2, "w") == {1}
+    assert shard_dims(columns, mesh, 4, "w") == {0, 1}  # all that replicate it
+    assert shard_dims(whole, mesh, 1, "w") == set()
+    with pytest.raises(ParallelError, match="shard_size 3 is no product .* 'w'"):
+        shard_dims(whole, mesh, 3, "w")
 
 
 def test_hsdp_level1_stores_large_weights_sharded(four_ranks):
@@ -648,7 +688,8 @@ def test_auto_parallel_refuses_bad_construction():
     "call, error, match",
     [
         (lambda n: n.hsdp(shard_size="all"), TypeError, "shard_size must be an int"),
-        (lambda n: n.hsdp(shard_size=3), ValueError, "shard_size must be -1 or the 1 ranks"),
+        (lambda n: n.hsdp(shard_size=3), ValueError, r"shard_size must be -1 .* in \(0, 1\]"),
+        (lambda n: n.hsdp(shard_size=0), ValueError, r"shard_size must be -1 .* in \(0, 1\]"),
         (lambda n: n.hsdp(threshold=-1), ValueError, "threshold must be at least 0"),
         (lambda n: n.hsdp(optimizer_level="level9"), ValueError, "optimizer_level must be one"),
         (lambda n: n.pipeline(stages=0), ValueError, "stages must be at least 1"),
@@ -660,7 +701,22 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.dataset_strategy(3), TypeError, "config must be 'data_parallel'"),
         (lambda n: n.dataset_strategy("rows"), ValueError, "must be 'data_parallel' or"),
         (lambda n: n.dataset_strategy(((1, 2),)), ValueError, "splits an input 2 ways"),
-        (lambda n: n.dataset_strategy((Layout((1,), ("dp",)),)), TypeError, "split counts"),
+        (lambda n: n.dataset_strategy((Layout((1,), ("dp",)),)), ValueError, "needs a tensor map"),
+        (
+            lambda n: n.dataset_strategy((Layout((2,), ("dp",))("dp"),)),
+            ValueError,
+            "covers 2 ranks",
+        ),
+        (
+            lambda n: n.dataset_strategy(((1,), Layout((1,), ("dp",))("dp"))),
+            TypeError,
+            "consistent",
+        ),
+        (
+            lambda n: n.dataset_strategy(("rows",)),
+            TypeError,
+            "tuple of split counts .* or a Layout",
+        ),
         (lambda n: n.save_param_strategy_file(3), TypeError, "file_path must be a str"),
         (lambda n: n.set_group_ckpt_save_file(None), TypeError, "file_path must be a str"),
         (lambda n: n.load_param_strategy_file(3), TypeError, "file_path must be a str"),

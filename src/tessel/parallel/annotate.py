@@ -68,22 +68,28 @@ def _layout_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, list]:
     return layout_to_dtensor(layout, device_type, _MESHES[key])
 
 
-def placed(strategy: Any, ndim: int, shape: tuple[int, ...], device_type: str, where: str):
-    """(mesh, placements) of a strategy for a tensor of `shape`; `where` names it in errors."""
+def check_layout(layout: Layout, world: int, where: str) -> None:
+    """A Layout usable as a strategy: called with its tensor map, over the job's ranks."""
+    if layout.tensor_map is None:
+        raise ValueError(f"{where}: the Layout needs a tensor map (call it: layout('dp', 'None'))")
+    if math.prod(layout.device_matrix) != world:
+        raise ValueError(
+            f"{where}: the Layout's device matrix {tuple(layout.device_matrix)} covers "
+            f"{math.prod(layout.device_matrix)} ranks; the job has {world}"
+        )
+
+
+def placed(
+    strategy: Any, ndim: int, shape: tuple[int, ...] | None, device_type: str, where: str
+) -> tuple[DeviceMesh, list]:
+    """(mesh, placements) of a strategy for a tensor of `shape` (None: a shard of unknown
+    whole, not checked for even splits); `where` names it in errors."""
     world = dist.get_world_size()
     if isinstance(strategy, Layout):
-        if strategy.tensor_map is None:
-            raise ValueError(
-                f"{where}: the Layout needs a tensor map (call it: layout('dp', 'None'))"
-            )
+        check_layout(strategy, world, where)
         if len(strategy.tensor_map) != ndim:
             raise ValueError(
                 f"{where}: the Layout maps {len(strategy.tensor_map)} dims; the tensor has {ndim}"
-            )
-        if math.prod(strategy.device_matrix) != world:
-            raise ValueError(
-                f"{where}: the Layout's device matrix {tuple(strategy.device_matrix)} covers "
-                f"{math.prod(strategy.device_matrix)} ranks; the job has {world}"
             )
         mesh, placements = _layout_mesh(strategy, device_type)
     else:
@@ -107,14 +113,20 @@ def placed(strategy: Any, ndim: int, shape: tuple[int, ...], device_type: str, w
         mesh = world_mesh(device_type)
         placements = [Shard(split[0])] if split else [Replicate()]
     for p, n in zip(placements, mesh.shape):
-        if isinstance(p, Shard) and shape[p.dim] % n:
+        if shape is not None and isinstance(p, Shard) and shape[p.dim] % n:
             raise ValueError(
                 f"{where}: dim {p.dim} of shape {tuple(shape)} does not divide into {n} shards"
             )
     return mesh, list(placements)
 
 
-def _check_kinds(strategies: list, where: str) -> None:
+def shard_of(x: torch.Tensor, layout: Layout, where: str) -> DTensor:
+    """The DTensor whose part on this rank is `x`, placed as `layout` says (even splits)."""
+    mesh, placements = placed(layout, x.dim(), None, x.device.type, where)
+    return DTensor.from_local(x.contiguous(), mesh, placements, run_check=False)
+
+
+def check_kinds(strategies: list, where: str) -> None:
     kinds = {isinstance(s, Layout) for s in strategies if s is not None}
     if len(kinds) > 1:
         raise TypeError(
@@ -252,9 +264,9 @@ def shard(
         )
     if level not in (0, 1, 2):
         raise ValueError(f"shard: level must be 0, 1 or 2, found {level!r}")
-    _check_kinds(list(in_strategy), "shard: in_strategy")
+    check_kinds(list(in_strategy), "shard: in_strategy")
     if out_strategy is not None:
-        _check_kinds(list(out_strategy), "shard: out_strategy")
+        check_kinds(list(out_strategy), "shard: out_strategy")
     if parameter_plan is not None and not isinstance(fn, torch.nn.Module):
         raise TypeError("shard: parameter_plan needs fn to be an nn.Module")
     if not dist.is_initialized():

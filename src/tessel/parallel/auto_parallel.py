@@ -26,13 +26,17 @@ from tessel._torch import tree_flatten, tree_unflatten
 from tessel.atomic import replace_atomically
 from tessel.checkpoint.dtensor import layout_from_dtensor
 from tessel.checkpoint.errors import StrategyError
+from tessel.checkpoint.layout import Layout
 from tessel.checkpoint.mindspore_proto import strategy_to_protobuf, write_group_info
 from tessel.checkpoint.strategy import Strategy, load_strategy, param_from_layout, write_strategy
 from tessel.config.cluster import ClusterConfig
 from tessel.parallel.annotate import (
+    check_kinds,
+    check_layout,
     data_parallel,
     distribute_parameters,
     rows,
+    shard_of,
     whole,
     world_mesh,
 )
@@ -148,7 +152,9 @@ class AutoParallel(torch.nn.Module):
     def dataset_strategy(self, config: str | tuple) -> None:
         """ "data_parallel": each rank's call holds its slice of the batch, rank order;
         "full_batch": every rank's call holds the whole batch; a tuple of per-input split
-        counts (one tuple per input, each splitting it over every rank or none)."""
+        counts (one tuple per input, each splitting it over every rank or none), or of
+        `Layout`s (called with a tensor map: each rank's part of each input, ranks along a
+        dim the layout does not split holding the same part)."""
         if config is None:
             raise ValueError("dataset_strategy: config must not be None")
         if isinstance(config, str):
@@ -159,13 +165,17 @@ class AutoParallel(torch.nn.Module):
                 )
         elif isinstance(config, tuple):
             world = dist.get_world_size()
+            check_kinds(list(config), "dataset_strategy: config")
             for i, entry in enumerate(config):
+                if isinstance(entry, Layout):
+                    check_layout(entry, world, f"dataset_strategy: entry {i}")
+                    continue
                 if not isinstance(entry, tuple) or not all(
                     isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in entry
                 ):
                     raise TypeError(
                         f"dataset_strategy: entry {i} must be a tuple of split counts (ints "
-                        f">= 1), found {entry!r} (a tuple of Layout is not built)"
+                        f">= 1) or a Layout, found {entry!r}"
                     )
                 count = 1
                 for c in entry:
@@ -178,7 +188,7 @@ class AutoParallel(torch.nn.Module):
         else:
             raise TypeError(
                 "dataset_strategy: config must be 'data_parallel', 'full_batch' or a tuple of "
-                f"split counts, found {type(config).__name__}"
+                f"split counts or of Layouts, found {type(config).__name__}"
             )
         self._dataset = config
 
@@ -186,7 +196,8 @@ class AutoParallel(torch.nn.Module):
         self, shard_size: int = -1, threshold: int = 64, optimizer_level: str = "level1"
     ) -> None:
         """Store every weight of at least `threshold` KB sharded on dim 0 over the ranks the
-        plan replicates it on, its optimizer states with it. level1: its gradient is reduced
+        plan replicates it on (`shard_size` of them: the mesh dims whose ranks number that,
+        neighbouring ranks first; -1: all), its optimizer states with it. level1: its gradient is reduced
         whole, then sliced; level2: reduce-scattered over the data-parallel replicas (over the
         tensor-parallel ranks a gradient leaves the program whole, and is sliced); level3: as
         level2, and the program gathers each such weight just before the nodes that read it,
@@ -194,10 +205,10 @@ class AutoParallel(torch.nn.Module):
         if isinstance(shard_size, bool) or not isinstance(shard_size, int):
             raise TypeError(f"hsdp: shard_size must be an int, found {type(shard_size).__name__}")
         world = dist.get_world_size()
-        if shard_size not in (-1, world):
+        if shard_size != -1 and not 0 < shard_size <= world:
             raise ValueError(
-                f"hsdp: shard_size must be -1 or the {world} ranks the plan replicates over, "
-                f"found {shard_size} (smaller shard groups are not built)"
+                f"hsdp: shard_size must be -1 (every rank replicating a weight) or in "
+                f"(0, {world}], found {shard_size}"
             )
         _int_argument("hsdp", "threshold", threshold, 0)
         if optimizer_level not in OPTIMIZER_LEVELS:
@@ -205,7 +216,11 @@ class AutoParallel(torch.nn.Module):
                 f"hsdp: optimizer_level must be one of {list(OPTIMIZER_LEVELS)}, found "
                 f"{optimizer_level!r}"
             )
-        self._hsdp = {"threshold_bytes": threshold * 1024, "level": optimizer_level}
+        self._hsdp = {
+            "threshold_bytes": threshold * 1024,
+            "level": optimizer_level,
+            "shard_size": shard_size,
+        }
 
     def pipeline(
         self,
@@ -348,8 +363,8 @@ class AutoParallel(torch.nn.Module):
                 )
             args, kwargs = tree_unflatten(leaves, spec)
             device = inputs[0].device if inputs else torch.device("cpu")
-            threshold = None if self._hsdp is None else self._hsdp["threshold_bytes"]
-            level = None if self._hsdp is None else self._hsdp["level"]
+            hsdp = self._hsdp or {"threshold_bytes": None, "level": None, "shard_size": -1}
+            level = hsdp["level"]
             with planned_package(
                 self.network, args, kwargs, device, self.cluster, fixed
             ) as package:
@@ -357,7 +372,8 @@ class AutoParallel(torch.nn.Module):
                     self.network,
                     package,
                     device,
-                    threshold,
+                    hsdp["threshold_bytes"],
+                    shard_size=hsdp["shard_size"],
                     shard_gradients=level in ("level2", "level3"),
                     gather_in_program=level == "level3",
                     fusion=self._fusion,
@@ -392,7 +408,7 @@ class AutoParallel(torch.nn.Module):
         if self._dataset == "data_parallel":
             placed = self._rows_of_ranks(tensors, mesh)
         else:
-            placed = [rows(self._whole_batch(i, x), mesh) for i, x in enumerate(tensors)]
+            placed = [rows(self._batch_part(i, x), mesh) for i, x in enumerate(tensors)]
         placed_iter = iter(placed)
         leaves = [next(placed_iter) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = tree_unflatten(leaves, spec)
@@ -471,6 +487,12 @@ class AutoParallel(torch.nn.Module):
 
     def _whole_batch(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Input `index` of the whole batch, from this rank's part of it."""
+        whole = self._batch_part(index, x)
+        return whole.full_tensor() if isinstance(whole, DTensor) else whole
+
+    def _batch_part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Input `index` from this rank's part of it: a DTensor where a Layout places it, else
+        the whole batch."""
         world = dist.get_world_size()
         config = self._dataset
         if config == "full_batch" or world == 1:
@@ -480,9 +502,11 @@ class AutoParallel(torch.nn.Module):
         else:
             if index >= len(config):
                 raise ParallelError(
-                    f"dataset_strategy gives {len(config)} inputs' split counts; the call has "
+                    f"dataset_strategy gives {len(config)} inputs' strategies; the call has "
                     f"input {index} too"
                 )
+            if isinstance(config[index], Layout):
+                return shard_of(x, config[index], f"dataset_strategy: entry {index}")
             counts = config[index]
             if all(c == 1 for c in counts):
                 return x

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import math
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -262,6 +264,29 @@ def loss_with_gradients(
     return _Step.apply(loss, give, *parameters)
 
 
+def shard_dims(planned: tuple, mesh: DeviceMesh, shard_size: int, name: str) -> set[int]:
+    """The mesh dims a weight placed `planned` is stored sharded over (hsdp): of the dims that
+    replicate it, all (shard_size -1, or at least as many ranks as they hold), else the ones
+    whose ranks number `shard_size`, innermost (neighbouring ranks) first."""
+    replicated = [d for d, p in enumerate(planned) if isinstance(p, Replicate)]
+    if shard_size == -1 or shard_size >= math.prod(mesh.shape[d] for d in replicated):
+        return set(replicated)
+    subsets = [
+        set(c)
+        for k in range(len(replicated) + 1)
+        for c in itertools.combinations(replicated, k)
+        if math.prod(mesh.shape[d] for d in c) == shard_size
+    ]
+    if not subsets:
+        sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        raise ParallelError(
+            f"hsdp: shard_size {shard_size} is no product of the sizes of the mesh dims that "
+            f"replicate {name!r} (mesh {sizes}, replicated on dims {replicated}); groups that "
+            "split a mesh dim are not built"
+        )
+    return max(subsets, key=lambda c: sorted(c, reverse=True))
+
+
 class PlannedNetwork:
     """One rank's program and the network's parameters as DTensors on the plan's mesh."""
 
@@ -271,12 +296,14 @@ class PlannedNetwork:
         package: Package,
         device: torch.device,
         shard_replicated: int | None = None,
+        shard_size: int = -1,
         shard_gradients: bool = False,
         gather_in_program: bool = False,
         fusion: tuple[str, Any] = ("size", 64.0),
     ) -> None:
         """`shard_replicated`: store weights of at least this many bytes sharded on dim 0
         over the mesh dims the plan replicates them on (hsdp); None keeps them as planned.
+        `shard_size`: how many ranks share one weight's shards (-1: all that replicate it).
         `shard_gradients`: their gradients are reduce-scattered over the replicas, not reduced
         whole and sliced. `gather_in_program`: the program gathers each of them just before the
         nodes that read it, in the forward pass and again in the backward, and frees it after
@@ -319,7 +346,8 @@ class PlannedNetwork:
                 shard_replicated is not None
                 and old.numel() * old.element_size() >= shard_replicated
             ):
-                stored = tuple(Shard(0) if isinstance(p, Replicate) else p for p in planned)
+                over = shard_dims(planned, self.mesh, shard_size, name)
+                stored = tuple(Shard(0) if d in over else p for d, p in enumerate(planned))
             local = weights[position[name]].to(old.dtype)
             value = DTensor.from_local(
                 local, self.mesh, planned, run_check=False, shape=old.shape, stride=old.stride()
