@@ -188,6 +188,18 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     gathering.hsdp(shard_size=2, threshold=0, optimizer_level="level3")
     level3_losses = _train_parallel(gathering, batches, rank, world)
     in_program = gathering._planned
+    # sharding_propagation around MLPs annotated on a dp x tp layout: the plan keeps 2 replicas
+    # and the annotated placements on tp
+    model, batches = _gpt2()
+    grid = Layout((2, world // 2), ("dp", "tp"))
+    for block in model.transformer.h:
+        shard(block.mlp, in_strategy=(grid("dp", "None", "None"),), parameter_plan={
+            "c_fc.weight": grid("None", "tp"), "c_proj.weight": grid("tp", "None"),
+        })  # fmt: skip
+    kept = AutoParallel(model, "sharding_propagation")
+    kept_losses = _train_parallel(kept, batches, rank, world)
+    mlp = model.transformer.h[1].mlp
+    kept_placements = [str(mlp.c_fc.weight.placements), str(mlp.c_proj.weight.placements)]
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
     full = {n: p.full_tensor() for n, p in params.items()}
     planned = net._planned
@@ -212,6 +224,9 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "roomy_losses": roomy_losses,
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
                     "level3_losses": level3_losses,
+                    "kept_losses": kept_losses,
+                    "kept_mesh": dict(zip(kept.mesh.mesh_dim_names, kept.mesh.shape)),
+                    "kept_placements": kept_placements,
                     "level3_gathers": [in_program.trained[u].name for u in in_program.gathers],
                     "level3_mesh": list(in_program.mesh.shape),
                     "level3_stored": sorted(
@@ -370,6 +385,18 @@ def test_hsdp_shard_size_picks_the_mesh_dims_whose_ranks_hold_the_shards():
     assert shard_dims(whole, mesh, 1, "w") == set()
     with pytest.raises(ParallelError, match="shard_size 3 is no product .* 'w'"):
         shard_dims(whole, mesh, 3, "w")
+
+
+def test_sharding_propagation_keeps_a_dp_x_tp_layout(four_ranks):
+    """Annotations on a 2 x 2 (dp, tp) layout: the plan has the layout's 2 replicas and keeps
+    the annotated placements on tp; the rest is planned around them."""
+    _, got = four_ranks
+    assert got["kept_losses"] == pytest.approx(_train(*_gpt2()), abs=1e-4)
+    assert got["kept_mesh"] == {"dp": 2, "tp": 2}
+    assert got["kept_placements"] == [
+        "(Replicate(), Shard(dim=1))",
+        "(Replicate(), Shard(dim=0))",
+    ]
 
 
 def test_hsdp_level1_stores_large_weights_sharded(four_ranks):
@@ -780,15 +807,25 @@ def test_auto_parallel_accepted_settings(one_rank):
 
 def test_annotations_are_refused_where_the_planner_cannot_keep_them(one_rank):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    linear = torch.nn.Linear(2, 2)
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
-    linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh))
+    def annotated(shape: tuple, placements: list) -> torch.nn.Module:
+        linear = torch.nn.Linear(2, 2)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("a", "b", "c")[: len(shape)])
+        value = distribute_tensor(linear.weight.detach(), mesh, placements)
+        linear.weight = torch.nn.Parameter(value)
+        return linear
+
     with pytest.raises(ParallelError, match="decides every placement: drop the `shard`"):
-        AutoParallel(linear, "recursive_programming")(torch.ones(2, 2))
-    with pytest.raises(ParallelError, match="annotated on a mesh of shape \\(1, 1\\)"):
-        AutoParallel(linear, "sharding_propagation")(torch.ones(2, 2))
+        AutoParallel(annotated((1, 1), [Replicate()] * 2), "recursive_programming")(
+            torch.ones(2, 2)
+        )
+    with pytest.raises(ParallelError, match="annotated on a mesh of shape \\(1, 1, 1\\)"):
+        net = AutoParallel(annotated((1, 1, 1), [Replicate()] * 3), "sharding_propagation")
+        net(torch.ones(2, 2))
+    with pytest.raises(ParallelError, match="split over the first dim of its layout \\(S\\(0\\)"):
+        net = AutoParallel(annotated((1, 1), [Shard(0), Replicate()]), "sharding_propagation")
+        net(torch.ones(2, 2))
 
 
 def test_load_param_strategy_file_refuses_what_it_cannot_keep(one_rank, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,9 @@ class AutoParallel(torch.nn.Module):
 
     def load_param_strategy_file(self, file_path: str) -> None:
         """Plan with the parameters' layouts from a strategy file (tessel JSON, MindSpore JSON
-        or protobuf) kept as given, the rest decided around them (not semi_auto). The layouts
-        must split over one mesh dimension of all ranks, as a plan without replicas saves."""
+        or protobuf) kept as given, the rest decided around them (not semi_auto). Each layout
+        splits over one device-matrix dim of all ranks, or is a dp x tp matrix whose dp splits
+        nothing (its size becomes the plan's replica count), as AutoParallel's plans save."""
         path = _path_argument("load_param_strategy_file", file_path)
         if self.parallel_mode == "semi_auto":
             raise ParallelError(
@@ -350,11 +352,13 @@ class AutoParallel(torch.nn.Module):
         form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         if self._planned is None:
-            fixed = (
-                _annotations(self.network) if self.parallel_mode == "sharding_propagation" else ()
+            kept = (
+                _annotations(self.network)
+                if self.parallel_mode == "sharding_propagation"
+                else _Kept()
             )
             if self._strategy_load is not None:
-                fixed = _merged(fixed, _loaded(self._strategy_load, self.network))
+                kept = kept.merged(_loaded(self._strategy_load, self.network))
             if self.parallel_mode == "recursive_programming" and _annotated(self.network):
                 raise ParallelError(
                     "AutoParallel(parallel_mode='recursive_programming') decides every "
@@ -366,7 +370,7 @@ class AutoParallel(torch.nn.Module):
             hsdp = self._hsdp or {"threshold_bytes": None, "level": None, "shard_size": -1}
             level = hsdp["level"]
             with planned_package(
-                self.network, args, kwargs, device, self.cluster, fixed
+                self.network, args, kwargs, device, self.cluster, kept.placements, kept.replicas
             ) as package:
                 self._planned = PlannedNetwork(
                     self.network,
@@ -561,27 +565,80 @@ def _annotated(network: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in network.parameters())
 
 
-def _annotations(network: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The placements `shard` gave the network's parameters, for the planner to keep: each
-    on a one-dimensional mesh of every rank (the plan's mesh without replicas)."""
-    fixed = []
+@dataclass(frozen=True)
+class _Kept:
+    """Placements given to weights (by annotations, or a loaded strategy file), for the
+    planner to keep: each on the tensor-parallel mesh dim of a plan with `replicas`
+    data-parallel replicas (None: the planner chooses)."""
+
+    placements: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    replicas: int | None = None
+
+    def merged(self, other: _Kept) -> _Kept:
+        """Both together; a weight given two placements, or two replica counts, is refused."""
+        given = dict(self.placements)
+        for name, placements in other.placements:
+            if given.get(name, placements) != placements:
+                raise ParallelError(
+                    f"{name}: annotated {list(given[name])} and loaded {list(placements)} from "
+                    "the strategy file"
+                )
+            given[name] = placements
+        replicas = {r for r in (self.replicas, other.replicas) if r is not None}
+        if len(replicas) > 1:
+            raise ParallelError(
+                f"the annotations and the strategy file give {sorted(replicas)} data-parallel "
+                "replicas; the plan has one count"
+            )
+        return _Kept(tuple(given.items()), replicas.pop() if replicas else None)
+
+
+def _replicas_of(found: dict[str, int], where: str) -> int | None:
+    """The one data-parallel size that every weight's layout in `found` gives."""
+    sizes = sorted(set(found.values()))
+    if len(sizes) > 1:
+        example = {size: next(n for n, s in found.items() if s == size) for size in sizes}
+        raise ParallelError(
+            f"{where}: the layouts give different data-parallel sizes ({example}); the plan has one"
+        )
+    return sizes[0] if sizes else None
+
+
+def _annotations(network: torch.nn.Module) -> _Kept:
+    """The placements `shard` gave the network's parameters, for the planner to keep: on a
+    mesh of every rank in order, of one dim (no replicas) or two (`dp` x `tp`, the weights
+    replicated over the first: its size is the plan's replica count)."""
+    fixed, replicas = [], {}
     world = dist.get_world_size()
     for name, p in network.named_parameters():
         if not isinstance(p, DTensor):
             continue
-        if p.device_mesh.ndim != 1 or p.device_mesh.size() != world:
+        mesh = p.device_mesh
+        in_order = mesh.mesh.flatten().tolist() == list(range(world))
+        if mesh.ndim > 2 or not in_order:
             raise ParallelError(
                 f"sharding_propagation: {name} is annotated on a mesh of shape "
-                f"{tuple(p.device_mesh.shape)}; the planner keeps annotations on one mesh "
-                f"dimension of all {world} ranks"
+                f"{tuple(mesh.shape)} over ranks {mesh.mesh.tolist()}; the planner keeps "
+                f"annotations on all {world} ranks in order, over one mesh dim or two (dp x tp)"
             )
-        fixed.append((name, tuple(placement_str(x) for x in p.placements)))
-    return tuple(fixed)
+        placements = p.placements
+        if mesh.ndim == 2:
+            if not isinstance(placements[0], Replicate):
+                raise ParallelError(
+                    f"sharding_propagation: {name} is split over the first dim of its layout "
+                    f"({placement_str(placements[0])}); the planner's replicas each hold the "
+                    "whole of a weight's tensor-parallel shards"
+                )
+            replicas[name], placements = mesh.shape[0], placements[1:]
+        else:
+            replicas[name] = 1
+        fixed.append((name, tuple(placement_str(x) for x in placements)))
+    return _Kept(tuple(fixed), _replicas_of(replicas, "sharding_propagation"))
 
 
-def _loaded(path: str, network: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The placements a strategy file gives the network's parameters, on one mesh dimension
-    of every rank."""
+def _loaded(path: str, network: torch.nn.Module) -> _Kept:
+    """The placements a strategy file gives the network's parameters, each layout over one
+    device-matrix dim of every rank, or two whose outer one (the replicas) splits nothing."""
     strategy = load_strategy(path)
     world = dist.get_world_size()
     names = {n for n, _ in network.named_parameters()}
@@ -590,34 +647,25 @@ def _loaded(path: str, network: torch.nn.Module) -> tuple[tuple[str, tuple[str, 
         raise StrategyError(
             path, unknown[0], f"names parameters the network does not have: {unknown[:5]}"
         )
-    fixed = []
+    fixed, replicas = [], {}
     for name, p in strategy.params.items():
         dev = p.dev_matrix
         split = [i for i, n in enumerate(dev) if n > 1]
-        if math.prod(dev) != world or len(split) > 1:
+        # tensor-map axes count from the device matrix's last dim
+        used = {a for axes in p.tensor_map for a in axes}
+        outer_unused = len(split) == 2 and len(dev) - 1 - split[0] not in used
+        if math.prod(dev) != world or len(split) > 2 or (len(split) == 2 and not outer_unused):
             raise StrategyError(
                 path,
                 name,
-                f"the device matrix {list(dev)} is not one dimension of all {world} ranks: "
-                "tessel keeps layouts of plans without replicas",
+                f"the device matrix {list(dev)} (tensor map {list(p.tensor_map)}) is not one "
+                f"dimension of all {world} ranks, or a dp x tp matrix whose dp splits nothing",
             )
-        axis = len(dev) - 1 - split[0] if split else None
+        replicas[name] = dev[split[0]] if len(split) == 2 else 1
+        axis = len(dev) - 1 - split[-1] if split else None
         dims = [d for d, axes in enumerate(p.tensor_map) if axis in axes]
         fixed.append((name, (f"S({dims[0]})",) if dims else ("R",)))
-    return tuple(fixed)
-
-
-def _merged(annotated: tuple, loaded: tuple) -> tuple:
-    """Annotations and loaded layouts together; a parameter given two placements is refused."""
-    given = dict(annotated)
-    for name, placements in loaded:
-        if given.get(name, placements) != placements:
-            raise ParallelError(
-                f"{name}: annotated {list(given[name])} and loaded {list(placements)} from the "
-                "strategy file"
-            )
-        given[name] = placements
-    return tuple(given.items())
+    return _Kept(tuple(fixed), _replicas_of(replicas, path))
 
 
 def _assemble(parts: list[torch.Tensor], counts: tuple[int, ...], dim: int = 0) -> torch.Tensor:

@@ -56,11 +56,13 @@ def _build(
     cluster: Any,
     soc: str,
     fixed: tuple[tuple[str, tuple[str, ...]], ...],
+    replicas: int | None,
     path: str,
 ) -> str:
-    """In the child process: choose the data-parallel size, build the training package and
-    write it to `path`. `soc` names the devices of a cluster given as a device count; `fixed`
-    gives weights their placements over all the ranks (annotations: no replicas then)."""
+    """In the child process: choose the data-parallel size (unless `replicas` gives it),
+    build the training package and write it to `path`. `soc` names the devices of a cluster
+    given as a device count; `fixed` gives weights their placements on the tensor-parallel
+    mesh dim."""
     import tessel
     from tessel.builder.mesh_choice import choose_data_parallel
     from tessel.builder.pipeline import cluster_config
@@ -71,8 +73,8 @@ def _build(
     # the plan's memory model counts AdamW's two states per weight: the script's optimizer is
     # made after planning, and AdamW is what such scripts most often make
     optimizer = torch.optim.AdamW(trained)
-    dp = 1
-    if not fixed:
+    dp = replicas
+    if dp is None:
         dp, _ = choose_data_parallel(
             model, args, kwargs, config, ParallelOption(), _TIME_LIMIT, held_factor=3.0
         )
@@ -106,15 +108,19 @@ def planned_package(
     device: torch.device,
     cluster: Any = None,
     fixed: tuple[tuple[str, tuple[str, ...]], ...] = (),
+    replicas: int | None = None,
 ) -> Iterator[Package]:
     """Every rank's copy of the package rank 0 built for this job (see the module docstring),
-    open while the context lasts. `fixed`: weights' placements given, not planned."""
+    open while the context lasts. `fixed`: weights' placements on the tensor-parallel dim,
+    given, not planned; `replicas`: the data-parallel size, given (None: chosen)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     data = b""
     failure = ""
     with _whole_parameters(network):
         if rank == 0:
-            data, failure = _plan_on_rank0(network, args, kwargs, device, cluster, fixed, world)
+            data, failure = _plan_on_rank0(
+                network, args, kwargs, device, cluster, fixed, replicas, world
+            )
     failure = _broadcast_bytes(failure.encode(), device).decode()
     if failure:
         raise ParallelError(failure)
@@ -158,6 +164,7 @@ def _plan_on_rank0(
     device: torch.device,
     cluster: Any,
     fixed: tuple,
+    replicas: int | None,
     world: int,
 ) -> tuple[bytes, str]:
     """The package's bytes, or why planning failed."""
@@ -177,6 +184,7 @@ def _plan_on_rank0(
                     world if cluster is None else cluster,
                     device.type,  # "cuda": tessel's profile of a GPU
                     fixed,
+                    replicas,
                     os.path.join(folder, "plan.tessel"),
                 ).result()
             with open(saved, "rb") as f:
