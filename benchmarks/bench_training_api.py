@@ -2,10 +2,11 @@
 parts, side by side in one run (the model and batch of bench_training.py: Llama, 4 layers,
 width 256, vocab 8192, seq 128, global batch 8, fp32, AdamW; gloo, one thread per rank).
 
-  - step time on 4 ranks: torch FSDP2 + TP on a 2 x 2 mesh (the Megatron plan on `tp`,
-    `fully_shard` over `dp`, as torchtitan composes them) against `AutoParallel(model,
-    "recursive_programming")`, the median of 10 steps after 3 warm-up steps, and the planning
-    time of AutoParallel's first call;
+  - step time on 4 ranks: torch's compositions as torchtitan makes them, FSDP2 + TP on a
+    2 x 2 mesh (the Megatron plan on `tp`, `fully_shard` over `dp`) and pipelining x FSDP2 on
+    a pp 2 x dp 2 mesh (the stages cut as below, 1F1B over 2 micro-batches), against
+    `AutoParallel(model, "recursive_programming")`, the median of 10 steps after 3 warm-up
+    steps, and the planning time of AutoParallel's first call;
   - the pipeline bubble: `nn.Pipeline` with 2 stages on 2 ranks and m micro-batches under
     1F1B, its step time T against C, one process running the same micro-batches through the
     whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1);
@@ -81,6 +82,9 @@ def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -
             model(**mine, use_cache=False).loss.backward()
             optimizer.step()
 
+    elif kind == "torch_pp":
+        step = _pp_fsdp2(model, data, rank, micro)
+
     else:
         from tessel.parallel import AutoParallel
         from tessel.parallel.nn import Pipeline
@@ -114,6 +118,56 @@ def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -
         with open(out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+
+
+class _Logits(torch.nn.Module):
+    """The model's logits: what torchtitan's pipeline stages carry to a loss on the last."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def _causal_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()
+    )
+
+
+def _pp_fsdp2(model: torch.nn.Module, data: dict, rank: int, micro: int):
+    """torchtitan's composition on a pp 2 x dp 2 mesh: the model cut into 2 stages as STAGES
+    cuts it (torch.distributed.pipelining's tracer), each stage `fully_shard` over `dp`, the
+    replicas' batches through Schedule1F1B in `micro` micro-batches; returns one step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_index, replica, rows = rank // 2, rank % 2, BATCH // 2
+    ids = data["input_ids"][replica * rows : (replica + 1) * rows]
+    cut = next(name for name, stage in STAGES.items() if stage == 1)
+    pipe = pipeline(
+        _Logits(model),
+        mb_args=(ids.chunk(micro)[0],),
+        split_spec={f"model.{cut}": SplitPoint.BEGINNING},
+    )
+    stage = pipe.build_stage(stage_index, torch.device("cpu"), group=mesh["pp"].get_group())
+    fully_shard(stage.submod, mesh=mesh["dp"])
+    schedule = Schedule1F1B(stage, micro, loss_fn=_causal_loss)
+    optimizer = adamw(stage.submod)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        if stage_index == 0:
+            schedule.step(ids)
+        else:
+            schedule.step(target=ids)
+        optimizer.step()
+
+    return step
 
 
 def _whole_model(micro: int) -> float:
@@ -156,12 +210,14 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         torch_step = statistics.median(_run("torch", 4)["times"])
+        torch_pp_step = statistics.median(_run("torch_pp", 4, 2)["times"])
         tessel = _run("tessel", 4)
         tessel_step = statistics.median(tessel["times"])
         rows.append(
             f"round {r}: step on 4 ranks  torch FSDP2+TP {torch_step * 1e3:7.1f} ms  "
-            f"tessel AutoParallel {tessel_step * 1e3:7.1f} ms  ratio "
-            f"{tessel_step / torch_step:.2f}  (planning, first call: "
+            f"torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  tessel AutoParallel "
+            f"{tessel_step * 1e3:7.1f} ms  ratios {tessel_step / torch_step:.2f} and "
+            f"{tessel_step / torch_pp_step:.2f}  (planning, first call: "
             f"{tessel['first_call_s']:.1f} s, mesh {tessel['mesh']})"
         )
         print(rows[-1], flush=True)
