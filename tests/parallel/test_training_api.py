@@ -319,15 +319,31 @@ def _three_ranks(rank: int, world: int, folder: str) -> None:
         got["uneven"] = "accepted"
     except ParallelError as exc:
         got["uneven"] = str(exc)
+    # three pipeline stages, one per rank, the batch in three micro-batches (the labels go
+    # from the first stage straight to the last)
+    model, batches = _gpt2(6)
+    stages = {"transformer.wte": 0, "transformer.h.0": 1, "transformer.h.1": 2}
+    pipelined = AutoParallel(Pipeline(model, 3, stages), "semi_auto")
+    pipelined.pipeline(stages=3)
+    got["pipeline"] = _steps(pipelined, batches, lambda batch: [batch])
     if rank == 0:
         Path(folder, "results.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 
 
-def test_semi_auto_at_three_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    return _spawn(_three_ranks, 3, tmp_path_factory.mktemp("three_ranks"))
+
+
+def test_pipeline_of_three_stages_on_three_ranks(three_ranks):
+    assert three_ranks["pipeline"] == pytest.approx(_train(*_gpt2(6), micro=3), abs=1e-4)
+
+
+def test_semi_auto_at_three_ranks(three_ranks):
     """An odd rank count: the MLPs split three ways, the rest data parallel, 6 rows as 3 x 2;
     and the whole batch on every rank, each running its rows."""
-    got = _spawn(_three_ranks, 3, tmp_path)
+    got = three_ranks
     assert got["losses"] == pytest.approx(_train(*_gpt2(6, 192)), abs=1e-4)
     assert got["rest_data_parallel"] == ["(Shard(dim=0),)", [2, 16, 64]]
     assert got["grads_placed"] and got["tied"]
