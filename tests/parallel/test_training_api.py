@@ -197,9 +197,18 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
             "c_fc.weight": grid("None", "tp"), "c_proj.weight": grid("tp", "None"),
         })  # fmt: skip
     kept = AutoParallel(model, "sharding_propagation")
+    kept.save_param_strategy_file(f"{folder}/kept_{rank}.json")
     kept_losses = _train_parallel(kept, batches, rank, world)
     mlp = model.transformer.h[1].mlp
     kept_placements = [str(mlp.c_fc.weight.placements), str(mlp.c_proj.weight.placements)]
+    # planned again from the dp x tp strategy file that run saved: the same mesh and layouts
+    model, batches = _gpt2()
+    reloaded = AutoParallel(model, "sharding_propagation")
+    reloaded.load_param_strategy_file(f"{folder}/kept_{rank}.json")
+    reloaded_losses = _train_parallel(reloaded, batches, rank, world)
+    reloaded_same = {n: str(p.placements) for n, p in reloaded.named_parameters()} == {
+        n: str(p.placements) for n, p in kept.named_parameters()
+    }
     dcp_save(state, checkpoint_id=f"{folder}/dcp")
     full = {n: p.full_tensor() for n, p in params.items()}
     planned = net._planned
@@ -227,6 +236,9 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "kept_losses": kept_losses,
                     "kept_mesh": dict(zip(kept.mesh.mesh_dim_names, kept.mesh.shape)),
                     "kept_placements": kept_placements,
+                    "reloaded_losses": reloaded_losses,
+                    "reloaded_mesh": dict(zip(reloaded.mesh.mesh_dim_names, reloaded.mesh.shape)),
+                    "reloaded_same": reloaded_same,
                     "level3_gathers": [in_program.trained[u].name for u in in_program.gathers],
                     "level3_mesh": list(in_program.mesh.shape),
                     "level3_stored": sorted(
@@ -413,6 +425,9 @@ def test_sharding_propagation_keeps_a_dp_x_tp_layout(four_ranks):
         "(Replicate(), Shard(dim=1))",
         "(Replicate(), Shard(dim=0))",
     ]
+    # and a plan made from the strategy file that run saved keeps its mesh and every layout
+    assert got["reloaded_losses"] == pytest.approx(_train(*_gpt2()), abs=1e-4)
+    assert got["reloaded_mesh"] == {"dp": 2, "tp": 2} and got["reloaded_same"]
 
 
 def test_hsdp_level1_stores_large_weights_sharded(four_ranks):
