@@ -324,7 +324,7 @@ def _three_ranks(rank: int, world: int, folder: str) -> None:
     net = AutoParallel(model, "semi_auto")
     net.dataset_strategy("full_batch")
     got["full_batch"] = _train(net, batches)
-    # rows that torch.chunk would not cut so: refused on every rank alike
+    # ranks holding different row counts: refused on every rank alike
     try:
         rows = batches[0][: rank + 1]
         AutoParallel(model, "semi_auto")(input_ids=rows, labels=rows)
@@ -360,7 +360,10 @@ def test_semi_auto_at_three_ranks(three_ranks):
     assert got["rest_data_parallel"] == ["(Shard(dim=0),)", [2, 16, 64]]
     assert got["grads_placed"] and got["tied"]
     assert got["full_batch"] == pytest.approx(_train(*_gpt2(6)), abs=1e-4)
-    assert got["uneven"].startswith("AutoParallel: input 0 has [1, 2, 3] rows on the ranks")
+    assert got["uneven"] == (
+        "AutoParallel: input 0 has [1, 2, 3] rows on the ranks; data_parallel needs as many on "
+        "every rank"
+    )
 
 
 def test_recursive_programming_trains_as_one_process(four_ranks):

@@ -43,7 +43,6 @@ from tessel.parallel.annotate import (
 )
 from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import ParallelError, PlannedNetwork, fusion_buckets, planned_package
-from tessel.sharding import chunk_range
 from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -422,9 +421,11 @@ class AutoParallel(torch.nn.Module):
 
     @staticmethod
     def _rows_of_ranks(tensors: list[torch.Tensor], mesh: Any) -> list[DTensor]:
-        """Each rank's inputs as its rows of the whole batch's (rank order, cut as torch.chunk
-        cuts: checked, all inputs in one gather of their row counts)."""
+        """Each rank's inputs as its rows of the whole batch's, in rank order (every rank
+        holding as many rows: checked, all inputs in one gather of their row counts)."""
         world = mesh.size()
+        if not tensors:
+            return []
         if any(x.dim() == 0 for x in tensors):
             raise ParallelError(
                 "AutoParallel: dataset_strategy 'data_parallel' splits every input's dim 0; "
@@ -436,14 +437,12 @@ class AutoParallel(torch.nn.Module):
         placed = []
         for i, x in enumerate(tensors):
             held = [int(c[i]) for c in seen]
-            total = sum(held)
-            cut = [hi - lo for lo, hi in (chunk_range(total, world, r) for r in range(world))]
-            if held != cut:
+            if len(set(held)) > 1:
                 raise ParallelError(
                     f"AutoParallel: input {i} has {held} rows on the ranks; data_parallel "
-                    f"needs the whole batch's {total} rows cut as torch.chunk cuts them: {cut}"
+                    "needs as many on every rank"
                 )
-            shape = (total, *x.shape[1:])
+            shape = (sum(held), *x.shape[1:])
             placed.append(
                 DTensor.from_local(
                     x.contiguous(),
