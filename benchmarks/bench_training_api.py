@@ -222,23 +222,21 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
         for m in args.micro:
-            pipelined = statistics.median(_run("pipeline", 2, m)["times"])
             whole = _whole_model(m)
-            bubble = 1 - whole / (2 * pipelined)
-            rows.append(
-                f"round {r}: pipeline 2 stages, {m} micro-batches  T {pipelined * 1e3:7.1f} ms  "
-                f"C {whole * 1e3:7.1f} ms  bubble {bubble:.2f}  (1F1B's (p-1)/(m+p-1): "
-                f"{1 / (m + 1):.2f})"
-            )
-            print(rows[-1], flush=True)
-            looped = statistics.median(_run("interleaved", 2, m)["times"])
-            bubble = 1 - whole / (2 * looped)
-            rows.append(
-                f"round {r}: pipeline 4 stages interleaved on 2 ranks, {m} micro-batches  "
-                f"T {looped * 1e3:7.1f} ms  bubble {bubble:.2f}  (interleaved 1F1B's "
-                f"(p-1)/(vm+p-1): {1 / (2 * m + 1):.2f})"
-            )
-            print(rows[-1], flush=True)
+            for kind, label, theory in (
+                ("pipeline", "2 stages", f"1F1B's (p-1)/(m+p-1): {1 / (m + 1):.2f}"),
+                (
+                    "interleaved",
+                    "4 stages interleaved on 2 ranks",
+                    f"interleaved 1F1B's (p-1)/(vm+p-1): {1 / (2 * m + 1):.2f}",
+                ),
+            ):
+                step = statistics.median(_run(kind, 2, m)["times"])
+                rows.append(
+                    f"round {r}: pipeline {label}, {m} micro-batches  T {step * 1e3:7.1f} ms  "
+                    f"C {whole * 1e3:7.1f} ms  bubble {1 - whole / (2 * step):.2f}  ({theory})"
+                )
+                print(rows[-1], flush=True)
 
 
 if __name__ == "__main__":

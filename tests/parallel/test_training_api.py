@@ -105,16 +105,22 @@ def _megatron(model, world: int) -> None:
         })  # fmt: skip
 
 
-def _semi_auto_gpt2(rank: int, world: int, layout, inner: int | None = None, rows: int = 8):
-    """GPT-2 under semi_auto with its MLPs annotated on `layout` (split `tp`): losses, and what
-    ran data parallel. The rest (attention on CPU flash attention, norms, the tied embedding)
-    carries no annotation."""
-    model, batches = _gpt2(rows, inner)
+def _megatron_mlps(model, layout) -> None:
+    """GPT-2's MLPs annotated on `layout`: split over `tp` as Megatron splits them (Conv1D
+    weights are (in, out)), their input rows over `dp`."""
     for block in model.transformer.h:
         shard(block.mlp, in_strategy=(layout("dp", "None", "None"),), parameter_plan={
             "c_fc.weight": layout("None", "tp"), "c_fc.bias": layout("tp"),
             "c_proj.weight": layout("tp", "None"),
         })  # fmt: skip
+
+
+def _semi_auto_gpt2(rank: int, world: int, layout, inner: int | None = None, rows: int = 8):
+    """GPT-2 under semi_auto with its MLPs annotated on `layout`: losses, and what ran data
+    parallel. The rest (attention on CPU flash attention, norms, the tied embedding) carries
+    no annotation."""
+    model, batches = _gpt2(rows, inner)
+    _megatron_mlps(model, layout)
     seen = []
     model.transformer.ln_f.register_forward_pre_hook(lambda _, a: seen.append(a[0]))
     net = AutoParallel(model, "semi_auto")
@@ -191,11 +197,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     # sharding_propagation around MLPs annotated on a dp x tp layout: the plan keeps 2 replicas
     # and the annotated placements on tp
     model, batches = _gpt2()
-    grid = Layout((2, world // 2), ("dp", "tp"))
-    for block in model.transformer.h:
-        shard(block.mlp, in_strategy=(grid("dp", "None", "None"),), parameter_plan={
-            "c_fc.weight": grid("None", "tp"), "c_proj.weight": grid("tp", "None"),
-        })  # fmt: skip
+    _megatron_mlps(model, Layout((2, world // 2), ("dp", "tp")))
     kept = AutoParallel(model, "sharding_propagation")
     kept.save_param_strategy_file(f"{folder}/kept_{rank}.json")
     kept_losses = _train_parallel(kept, batches, rank, world)

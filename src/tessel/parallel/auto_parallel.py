@@ -42,7 +42,12 @@ from tessel.parallel.annotate import (
     world_mesh,
 )
 from tessel.parallel.pipeline import Pipeline
-from tessel.parallel.planned import ParallelError, PlannedNetwork, fusion_buckets, planned_package
+from tessel.parallel.planned import (
+    ParallelError,
+    PlannedNetwork,
+    all_reduce_in_buckets,
+    planned_package,
+)
 from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -474,19 +479,11 @@ class AutoParallel(torch.nn.Module):
                 p.grad = g.redistribute(p.device_mesh, p.placements)
         for mesh, params in partial.items():
             local = [p.grad.to_local() for p in params]
-            for bucket in fusion_buckets(self._fusion, list(range(len(params))), local):
-                flat = torch.cat([local[i].reshape(-1) for i in bucket])
-                dist.all_reduce(flat, group=mesh.get_group())
-                for i, part in zip(bucket, flat.split([local[i].numel() for i in bucket])):
-                    p = params[i]
-                    p.grad = DTensor.from_local(
-                        part.view(local[i].shape).to(local[i].dtype),
-                        mesh,
-                        p.placements,
-                        run_check=False,
-                        shape=p.shape,
-                        stride=p.stride(),
-                    )
+            all_reduce_in_buckets(self._fusion, local, list(range(len(params))), mesh.get_group())
+            for p, summed in zip(params, local):
+                p.grad = DTensor.from_local(
+                    summed, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
 
     def _whole_batch(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Input `index` of the whole batch, from this rank's part of it."""

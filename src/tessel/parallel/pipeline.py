@@ -269,16 +269,16 @@ def _adjacent_only(pipe: Any, stages: int) -> None:
 
     for m in range(1, stages - 1):
         call, later = calls[m], calls[m + 1 :]
-        passing = []  # made before stage m, read after it
-        val = {}  # what each is, as the stage reading it saw it traced (its buffers' shapes)
+        # made before stage m and read after it, each with its value as the stage reading it
+        # saw it traced (the shape its receive buffer is made from)
+        passing: dict[fx.Node, Any] = {}
         for c in later:
-            reading = [n for n in pipe.split_gm.get_submodule(c.target).graph.nodes]
-            reading = [n for n in reading if n.op == "placeholder"]
+            graph_c = pipe.split_gm.get_submodule(c.target).graph
+            reading = [n for n in graph_c.nodes if n.op == "placeholder"]
             for a, placeholder in zip(c.args, reading):
                 made = stage_of(a)
-                if made is not None and made < m and a not in passing:
-                    passing.append(a)
-                    val[a] = placeholder.meta.get("val")
+                if made is not None and made < m:
+                    passing.setdefault(a, placeholder.meta.get("val"))
         if not passing:
             continue
         module = pipe.split_gm.get_submodule(call.target)
@@ -290,7 +290,7 @@ def _adjacent_only(pipe: Any, stages: int) -> None:
         for i, value in enumerate(new):
             with sub.inserting_after(anchor):
                 anchor = sub.placeholder(f"passed_{i}")
-            anchor.meta["val"] = val[value]
+            anchor.meta["val"] = passing[value]
         inputs = [n for n in sub.nodes if n.op == "placeholder"]
         args = (*call.args, *new)
         output = next(n for n in sub.nodes if n.op == "output")
@@ -301,7 +301,7 @@ def _adjacent_only(pipe: Any, stages: int) -> None:
         call.args = args
         if "val" in call.meta:
             own = (call.meta["val"],) if single else tuple(call.meta["val"])
-            call.meta["val"] = (*own, *(val[a] for a in passing))
+            call.meta["val"] = (*own, *passing.values())
         with graph.inserting_before(later[0]):
             if single:
                 first = graph.call_function(operator.getitem, (call, 0))
@@ -312,7 +312,7 @@ def _adjacent_only(pipe: Any, stages: int) -> None:
                 for i in range(len(passing))
             ]
         for value, out in zip(passing, handed):
-            out.meta = {**value.meta, "val": val[value]}
+            out.meta = {**value.meta, "val": passing[value]}
             for c in later:
                 c.args = tuple(out if a is value else a for a in c.args)
     pipe.split_gm.recompile()

@@ -264,6 +264,18 @@ def fusion_buckets(
     return out
 
 
+def all_reduce_in_buckets(
+    fusion: tuple[str, Any], tensors: list[torch.Tensor], indices: list[int], group: Any
+) -> None:
+    """Sum `tensors[i]` for i in `indices` over `group`, one all-reduce per bucket `fusion`
+    gives (see `fusion_buckets`); each tensor is replaced by its sum."""
+    for bucket in fusion_buckets(fusion, indices, tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        dist.all_reduce(flat, group=group)
+        for i, part in zip(bucket, flat.split([tensors[i].numel() for i in bucket])):
+            tensors[i] = part.view(tensors[i].shape).to(tensors[i].dtype)
+
+
 def loss_with_gradients(
     loss: torch.Tensor, parameters: Sequence[torch.Tensor], give: Any
 ) -> torch.Tensor:
@@ -468,11 +480,7 @@ class PlannedNetwork:
                 if t.stored[:1] == t.planned[:1] or not self.shard_gradients
             ]
             if self.dp > 1:
-                for bucket in fusion_buckets(self.fusion, whole, local):
-                    flat = torch.cat([local[i].reshape(-1) for i in bucket])
-                    dist.all_reduce(flat, group=self.replicas)
-                    for i, part in zip(bucket, flat.split([local[i].numel() for i in bucket])):
-                        local[i] = part.view(local[i].shape).to(local[i].dtype)
+                all_reduce_in_buckets(self.fusion, local, whole, self.replicas)
             reduced = set(whole) if self.dp > 1 else set(range(len(trained)))
             out = []
             for i, (t, g) in enumerate(zip(trained, local)):
