@@ -157,32 +157,47 @@ def check_trainable(model: torch.nn.Module) -> None:
 
 
 def attribute_gradients_to_layers(graph: fx.Graph) -> int:
-    """Give each backward node the layer of the forward values it reads, so identical layers
-    share decisions in the backward pass too (a joint graph's backward nodes are traced
-    outside any module). Returns how many nodes got a layer.
+    """Give each backward node a layer, so identical layers share decisions in the backward
+    pass too and are lowered once (a joint graph's backward nodes are traced outside any
+    module). Returns how many nodes got a layer.
 
-    A backward node reading values a layer's forward computed belongs to the latest such
-    layer; one reading only gradients belongs to the layer of the gradient it reads. The
-    labels repeat layer by layer, so the planner's comparison of layers finds the repeats
-    (the first and last layer, whose neighbours differ, stay on their own).
+    A backward node reading values a layer's forward computed is of the latest such layer; one
+    reading only gradients is of the layer of the gradient it reads. Those labels interleave
+    where layers meet (the gradient of a residual sum is read by the layer below), so each
+    layer's backward is then made one contiguous block: from the first node of that layer to
+    the first node of the next one the backward reaches, every node between included. The
+    blocks repeat layer by layer, so the planner's comparison of layers finds the repeats (the
+    first and last layer, whose neighbours differ, stay on their own).
     """
     from tessel.plan.layers import layer_of
 
-    backward = {n for n in graph.nodes if _traced_by_grad(n)}
+    backward = [n for n in graph.nodes if _traced_by_grad(n)]
+    read_by_grad = set(backward)
     labels: dict[fx.Node, tuple[str, int]] = {}
-    for n in graph.nodes:
-        if n not in backward or layer_of(n) is not None:
+    for n in backward:
+        own = layer_of(n)
+        if own is not None:
+            labels[n] = own
             continue
-        read = [layer_of(a) for a in n.all_input_nodes if a not in backward and layer_of(a)]
+        read = [layer_of(a) for a in n.all_input_nodes if a not in read_by_grad and layer_of(a)]
         if not read:
             read = [labels[a] for a in n.all_input_nodes if a in labels]
         if read:
             labels[n] = max(read, key=lambda key: key[1])
-    for n, (family, index) in labels.items():
-        stack = dict(n.meta.get("nn_module_stack") or {})
-        stack["tessel_layer"] = (family.replace("*", str(index)), "")
-        n.meta["nn_module_stack"] = stack
-    return len(labels)
+    blocks: dict[fx.Node, tuple[str, int]] = {}
+    labelled = [i for i, n in enumerate(backward) if n in labels]
+    if labelled:
+        seen: set[tuple[str, int]] = set()
+        block = None
+        for n in backward[labelled[0] : labelled[-1] + 1]:
+            if n in labels and labels[n] not in seen:
+                seen.add(labels[n])
+                block = labels[n]
+            blocks[n] = block
+    for n, (family, index) in blocks.items():
+        stack = {"tessel_layer": (family.replace("*", str(index)), "")}
+        n.meta["nn_module_stack"] = {**stack, **(n.meta.get("nn_module_stack") or {})}
+    return len(blocks)
 
 
 def _traced_by_grad(n: fx.Node) -> bool:

@@ -96,6 +96,11 @@ class Stitcher:
     def before(self, n: fx.Node) -> None:
         for run in self.runs:
             if n is run.layers[1][0]:
+                # values of skipped layers it reads (a backward layer reads its forward's)
+                # are stood in for before its program starts, so they are its inputs
+                for a in run.external[1]:
+                    if a in self.skipped:
+                        self.env[a]
                 run.span = (_traced_length(), run.span[1])
 
     def after(self, n: fx.Node) -> None:

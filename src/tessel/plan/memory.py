@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,27 +121,50 @@ def peak_points(live: list[Storage], also: set[int] = frozenset()) -> list[list[
     death step is contained in it unless something was born in between, so only steps after a
     birth are kept. Steps in `also` (where a node allocates buffers of its own) are always kept.
     """
-    return [moment for _, moment in _moments(live, also)]
+    alive: dict[Storage, None] = {}
+    out = []
+    for _, started, stopped in _sweep(live, also):
+        alive.update(dict.fromkeys(started))
+        for s in stopped:
+            del alive[s]
+        out.append(list(alive))
+    return out
 
 
-def _moments(live: list[Storage], also: set[int]) -> list[tuple[int, list[Storage]]]:
-    by_birth = sorted(live, key=lambda s: s.born)
+def _peak_steps(live: list[Storage], also: set[int]) -> list[int]:
+    """The steps `peak_points` takes a set at."""
+    births = sorted(s.born for s in live)
     deaths = {s.dies for s in live}
-    out: list[tuple[int, list[Storage]]] = []
-    alive: list[Storage] = []
-    i = 0
-    born_since = False
+    out: list[int] = []
+    i, born_since = 0, False
     for t in sorted(deaths | set(also)):
-        while i < len(by_birth) and by_birth[i].born <= t:
-            alive.append(by_birth[i])
-            born_since = True
-            i += 1
-        alive = [s for s in alive if s.dies >= t]
+        while i < len(births) and births[i] <= t:
+            born_since, i = True, i + 1
         if t in also or (t in deaths and (born_since or not out)):
-            out.append((t, list(alive)))
+            out.append(t)
         if t in deaths:
             born_since = False
     return out
+
+
+def _sweep(
+    live: list[Storage], also: set[int]
+) -> Iterator[tuple[int, list[Storage], list[Storage]]]:
+    """Each step memory can peak at, with the storages born and freed since the step before:
+    the sets alive at those steps as changes, so a sum over them is kept in time linear in the
+    storages rather than in the steps times the storages alive at each."""
+    by_birth = sorted(live, key=lambda s: s.born)
+    by_death = sorted(live, key=lambda s: s.dies)
+    i = j = 0
+    for t in _peak_steps(live, also):
+        started, stopped = [], []
+        while i < len(by_birth) and by_birth[i].born <= t:
+            started.append(by_birth[i])
+            i += 1
+        while j < len(by_death) and by_death[j].dies < t:
+            stopped.append(by_death[j])
+            j += 1
+        yield t, started, stopped
 
 
 @dataclass
@@ -214,24 +239,39 @@ def footprint(
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
     buffers = _resharding_buffers(graph, choices, mesh_shape, like or {})
-    starts = {b.start for b in buffers}
-    rows: dict[bytes, MemoryRow] = {}
-    for t, moment in _moments(storages(graph, set(weight_tensors)), starts):
-        row = MemoryRow(dict(weights))
-        for s in moment:
-            if s.node not in choices:
-                continue
+    by_start = sorted(buffers, key=lambda b: b.start)
+    by_end = sorted(buffers, key=lambda b: b.end)
+    now = _HeldNow(weights)
+
+    def storage(s: Storage, sign: int) -> None:
+        if s.node in choices:
             v = owner(s.node)
-            row.linear[v] = row.linear.get(v, 0) + sizes(v, s.node, s.value, s.index)
-        for b in buffers:
-            if not b.start <= t <= b.end:
-                continue
-            vp, vc = b.pair
-            if vp is vc:
-                row.linear[vp] = row.linear.get(vp, 0) + np.diag(b.bytes)
-            else:
-                row.pairs[b.pair] = row.pairs.get(b.pair, 0) + b.bytes
-        rows.setdefault(_row_key(row), row)
+            now.change(v, sizes(v, s.node, s.value, s.index), sign)
+
+    def buffer(b: _Buffer, sign: int) -> None:
+        vp, vc = b.pair
+        if vp is vc:
+            now.change(vp, np.diag(b.bytes), sign)
+        else:
+            now.change(b.pair, b.bytes, sign)
+
+    rows: dict[frozenset, MemoryRow] = {}
+    i = j = 0
+    live = storages(graph, set(weight_tensors))
+    for t, started, stopped in _sweep(live, {b.start for b in buffers}):
+        for s in started:
+            storage(s, 1)
+        while i < len(by_start) and by_start[i].start <= t:
+            buffer(by_start[i], 1)
+            i += 1
+        for s in stopped:
+            storage(s, -1)
+        while j < len(by_end) and by_end[j].end < t:
+            buffer(by_end[j], -1)
+            j += 1
+        key = now.key()
+        if key not in rows:
+            rows[key] = now.row()
     return Footprint(list(rows.values()), weights, fixed)
 
 
@@ -367,13 +407,43 @@ def _buffer_bytes(
     return float(total)
 
 
-def _row_key(row: MemoryRow) -> bytes:
-    parts = [v.name.encode() + b"=" + row.linear[v].tobytes() for v in row.linear]
-    parts += [
-        a.name.encode() + b"," + b.name.encode() + b"=" + m.tobytes()
-        for (a, b), m in row.pairs.items()
-    ]
-    return b"|".join(sorted(parts))
+class _HeldNow:
+    """What one device holds at the current moment, kept up to date as values come and go:
+    bytes per decision (or decision pair, for a buffer), with how many values make up each.
+    Byte counts are whole numbers, so adding and taking away is exact."""
+
+    def __init__(self, weights: dict[fx.Node, np.ndarray]) -> None:
+        self.weights = weights
+        self.held: dict[object, np.ndarray] = dict(weights)
+        self.makers: Counter = Counter()
+        self.parts = {v: _key_part(v, b) for v, b in weights.items()}
+
+    def change(self, d: object, add: np.ndarray, sign: int) -> None:
+        """Add (`sign` 1) or take away (-1) one value's bytes for decision or pair `d`."""
+        self.makers[d] += sign
+        if self.makers[d]:
+            self.held[d] = self.held.get(d, 0) + sign * add
+        elif d in self.weights:
+            self.held[d] = self.weights[d]
+        else:
+            del self.held[d], self.parts[d]
+            return
+        self.parts[d] = _key_part(d, self.held[d])
+
+    def key(self) -> frozenset:
+        """What identifies the row of this moment: two moments with one key are one row."""
+        return frozenset(self.parts.values())
+
+    def row(self) -> MemoryRow:
+        linear = {d: b for d, b in self.held.items() if not isinstance(d, tuple)}
+        pairs = {d: b for d, b in self.held.items() if isinstance(d, tuple)}
+        return MemoryRow(linear, pairs)
+
+
+def _key_part(d: object, held: np.ndarray) -> bytes:
+    """One decision's (or pair's) part of a memory row's identity: its name and its bytes."""
+    name = b",".join(n.name.encode() for n in d) if isinstance(d, tuple) else d.name.encode()
+    return name + b"=" + held.tobytes()
 
 
 def _placements(spec: object) -> tuple[Placement, ...] | None:
@@ -398,6 +468,8 @@ def program_peak_bytes(
         for n in graph.nodes
         if (n.op == "placeholder" and n.name in weights) or n.op == "get_attr"
     )
-    moments = peak_points(storages(graph, weights | aliases))
-    peak = max((sum(size(s.value) for s in moment) for moment in moments), default=0)
+    now = peak = 0
+    for _, started, stopped in _sweep(storages(graph, weights | aliases), frozenset()):
+        now += sum(size(s.value) for s in started) - sum(size(s.value) for s in stopped)
+        peak = max(peak, now)
     return held, held + peak

@@ -172,7 +172,7 @@ def _candidates(
     state = {**ep.state_dict, **ep.constants}
     weight_tensors = {name: state[fqn] for name, fqn in param_targets.items() if fqn in state}
     templates, families = template_map(graph)
-    _map_layer_params(templates, params)
+    _map_layer_params(templates, params, graph)
     _map_tied_weights(templates, graph, weight_tensors)
     fixed = fixed or {}
     unknown = sorted(set(fixed) - set(param_targets.values()))
@@ -264,9 +264,20 @@ def _weight_targets(ep: torch.export.ExportedProgram) -> dict[str, str]:
     }
 
 
-def _map_layer_params(templates: dict[fx.Node, fx.Node], weight_names: set[str]) -> None:
-    """Weights of repeated layers share their template layer's weight decision."""
-    for n, t in list(templates.items()):
+def _map_layer_params(
+    templates: dict[fx.Node, fx.Node], weight_names: set[str], graph: fx.Graph
+) -> None:
+    """Weights of repeated layers share one weight decision: weights read at the same place by
+    nodes that share a decision are tied, and each tied set takes the decision of its first
+    placeholder in graph order (the one whose decision is made first)."""
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def root(x: fx.Node) -> fx.Node:
+        while parent.get(x, x) is not x:
+            x = parent[x]
+        return x
+
+    for n, t in templates.items():
         if n is t:
             continue
         for a, b in zip(_flat_nodes(n), _flat_nodes(t)):
@@ -279,8 +290,16 @@ def _map_layer_params(templates: dict[fx.Node, fx.Node], weight_names: set[str])
                 and a.meta["val"].shape == b.meta["val"].shape
                 and a.meta["val"].dtype == b.meta["val"].dtype
             ):
-                templates.setdefault(a, b)
-                templates.setdefault(b, b)
+                ra, rb = root(a), root(b)
+                if ra is not rb:
+                    parent[ra] = rb
+    tied = set(parent) | set(parent.values())
+    first: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        if n in tied:
+            first.setdefault(root(n), n)
+    for n in tied:
+        templates[n] = first[root(n)]
 
 
 def _flat_nodes(n: fx.Node) -> list[fx.Node]:
