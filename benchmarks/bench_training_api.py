@@ -5,8 +5,10 @@ width 256, vocab 8192, seq 128, global batch 8, fp32, AdamW; gloo, one thread pe
   - step time on 4 ranks: torch's compositions as torchtitan makes them, FSDP2 + TP on a
     2 x 2 mesh (the Megatron plan on `tp`, `fully_shard` over `dp`) and pipelining x FSDP2 on
     a pp 2 x dp 2 mesh (the stages cut as below, 1F1B over 2 micro-batches), against
-    `AutoParallel(model, "recursive_programming")`, the median of 10 steps after 3 warm-up
-    steps, and the planning time of AutoParallel's first call;
+    `AutoParallel(model, "recursive_programming")` (the planner's choice) and against the same
+    pp 2 x dp 2 composition made with tessel.parallel (`nn.Pipeline` with the same stages and
+    micro-batches, `pipeline(stages=2)`, data parallel over the rest), the median of 10 steps
+    after 3 warm-up steps, and the planning time of AutoParallel's first call;
   - the pipeline bubble: `nn.Pipeline` with 2 stages on 2 ranks and m micro-batches under
     1F1B, its step time T against C, one process running the same micro-batches through the
     whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1);
@@ -93,6 +95,11 @@ def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -
             net = AutoParallel(model, "recursive_programming")
             rows = BATCH // world
             mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
+        elif kind == "tessel_pp":  # pp 2 x dp 2: the ranks of a replica pass its rows
+            net = AutoParallel(Pipeline(model, micro, STAGES), "semi_auto")
+            net.pipeline(stages=2)
+            dp = world // 2
+            mine = {k: v.chunk(dp)[rank % dp] for k, v in data.items()}
         else:  # pipeline: every rank of the one replica passes the whole batch
             looped = kind == "interleaved"
             net = AutoParallel(Pipeline(model, micro, LOOPED if looped else STAGES), "semi_auto")
@@ -213,12 +220,19 @@ def main() -> None:
         torch_pp_step = statistics.median(_run("torch_pp", 4, 2)["times"])
         tessel = _run("tessel", 4)
         tessel_step = statistics.median(tessel["times"])
+        tessel_pp_step = statistics.median(_run("tessel_pp", 4, 2)["times"])
         rows.append(
             f"round {r}: step on 4 ranks  torch FSDP2+TP {torch_step * 1e3:7.1f} ms  "
             f"torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  tessel AutoParallel "
             f"{tessel_step * 1e3:7.1f} ms  ratios {tessel_step / torch_step:.2f} and "
             f"{tessel_step / torch_pp_step:.2f}  (planning, first call: "
             f"{tessel['first_call_s']:.1f} s, mesh {tessel['mesh']})"
+        )
+        print(rows[-1], flush=True)
+        rows.append(
+            f"round {r}: pp 2 x dp 2 on 4 ranks  torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  "
+            f"tessel Pipeline x data parallel {tessel_pp_step * 1e3:7.1f} ms  ratio "
+            f"{tessel_pp_step / torch_pp_step:.2f}"
         )
         print(rows[-1], flush=True)
         for m in args.micro:
