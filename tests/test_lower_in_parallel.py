@@ -26,6 +26,10 @@ def spare_cores(monkeypatch):
     monkeypatch.setattr(in_parallel, "_spare_cores", lambda: 2)
 
 
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
 def _by_pid(rank: int) -> RankProgram:
     """A program that says which process lowered it."""
     constants = {"c": torch.arange(rank + 1, dtype=torch.float32)}
@@ -62,17 +66,18 @@ def test_the_error_is_the_one_lowering_here_raises_and_no_child_is_left():
             raise ValueError("rank 2 cannot be lowered")
         return _by_pid(rank)
 
+    before = _children()
     with pytest.raises(ValueError, match="rank 2 cannot be lowered"):
         lower_ranks(fails_at_two, [0, 1, 2])
-    assert not psutil.Process().children()
+    assert _children() == before
 
 
 def test_children_are_stopped_when_this_process_fails_first():
-    started = []
+    before, started = _children(), set()
 
     def slow_children(rank: int) -> RankProgram:
         if rank == 0:
-            started.extend(p.pid for p in psutil.Process().children())
+            started.update(_children() - before)
             raise KeyboardInterrupt  # as Ctrl-C arrives while this process lowers its rank
         os.pause()  # until stopped
         return _by_pid(rank)
@@ -80,7 +85,24 @@ def test_children_are_stopped_when_this_process_fails_first():
     with pytest.raises(KeyboardInterrupt):
         lower_ranks(slow_children, [0, 1, 2])
     assert len(started) == 2
-    assert not psutil.Process().children()
+    assert _children() == before
+
+
+def test_a_child_that_never_finishes_is_stopped_and_its_rank_lowered_here(monkeypatch):
+    # a child stuck on a lock another thread held at the fork: after the patience it is
+    # stopped, and its rank lowered here
+    monkeypatch.setattr(in_parallel, "PATIENCE_FLOOR_S", 0.0)
+    monkeypatch.setattr(in_parallel, "PATIENCE_FACTOR", 0.0)
+    parent, before = os.getpid(), _children()
+
+    def stuck_in_children(rank: int) -> RankProgram:
+        if os.getpid() != parent:
+            os.pause()
+        return _by_pid(rank)
+
+    got = lower_ranks(stuck_in_children, [0, 1])
+    assert [p.program["pid"] for p in got] == [parent, parent]
+    assert _children() == before
 
 
 def test_one_core_lowers_every_rank_here(monkeypatch):
@@ -100,3 +122,15 @@ def test_a_traced_program_from_a_child_equals_the_one_traced_here():
         assert a.constants.keys() == b.constants.keys()
         for k in a.constants:
             assert torch.equal(a.constants[k], b.constants[k])
+
+
+def test_a_child_runs_torch_after_this_process_ran_it_on_several_threads():
+    # the OpenMP team this process started is not in the child: the child must not wait for it
+    torch.ones(1 << 22).mul_(2)  # big enough to run on every intra-op thread
+
+    def big_copy(rank: int) -> RankProgram:
+        torch.ones(1 << 22).t().contiguous().clone().add_(1)
+        return _by_pid(rank)
+
+    got = lower_ranks(big_copy, [0, 1])
+    assert got[1].program["pid"] != os.getpid()  # the child finished on its own

@@ -5,8 +5,13 @@ independent of one another, so on Linux each rank past the first is traced in a 
 (copy-on-write: it sees the captured model and the plan without copying them) while this
 process traces the first. A child hands its program back through a safetensors file: tensors
 and JSON, nothing that runs code. A child that fails is not trusted to say why: its rank is
-traced again here, so the error raised is the one a serial build raises. Children die with
-this process, and every one is reaped before `lower_ranks` returns or raises.
+traced again here, so the error raised is the one a serial build raises.
+
+A forked child holds only the thread that forked it, so it runs torch on one thread (an
+OpenMP team the parent had would wait forever for threads the child does not have), and one
+that does not finish long after this process traced its own rank (a lock another thread held
+at the fork) is stopped and its rank traced here. Children die with this process, and every
+one is reaped before `lower_ranks` returns or raises.
 """
 
 from __future__ import annotations
@@ -14,16 +19,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
+import select
 import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from tessel.lower.trace import RankProgram
+
+log = logging.getLogger(__name__)
+
+# how long a child may take beyond this process's own trace, as a multiple of it plus a floor
+PATIENCE_FACTOR, PATIENCE_FLOOR_S = 4.0, 60.0
 
 
 def lower_ranks(lower: Callable[[int], RankProgram], ranks: Sequence[int]) -> list[RankProgram]:
@@ -39,10 +53,12 @@ def lower_ranks(lower: Callable[[int], RankProgram], ranks: Sequence[int]) -> li
     try:
         while waiting and len(running) < spare:
             running.append(_start(lower, waiting.pop(0)))
+        start = time.perf_counter()
         done[ranks[0]] = lower(ranks[0])
+        patience = PATIENCE_FLOOR_S + PATIENCE_FACTOR * (time.perf_counter() - start)
         while running:
             pid, rank, path = running.pop(0)
-            done[rank] = _finish(pid, path)
+            done[rank] = _finish(pid, rank, path, patience)
             if waiting:
                 running.append(_start(lower, waiting.pop(0)))
     finally:
@@ -69,6 +85,7 @@ def _start(lower: Callable[[int], RankProgram], rank: int) -> tuple[int, int, st
         status = 1
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+            torch.set_num_threads(1)
             with contextlib.suppress(OSError, AttributeError):
                 ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PDEATHSIG
             _write(lower(rank), path)
@@ -78,8 +95,18 @@ def _start(lower: Callable[[int], RankProgram], rank: int) -> tuple[int, int, st
     return pid, rank, path
 
 
-def _finish(pid: int, path: str) -> RankProgram | None:
-    """The child's program, once it has exited; None if it failed."""
+def _finish(pid: int, rank: int, path: str, patience: float) -> RankProgram | None:
+    """The child's program, once it has exited; None if it failed or took `patience` seconds
+    more (it is then stopped)."""
+    exited = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([exited], [], [], patience)
+    finally:
+        os.close(exited)
+    if not ready:
+        log.warning("rank %d: its forked trace did not finish; tracing it here", rank)
+        _stop(pid, path)
+        return None
     try:
         _, status = os.waitpid(pid, 0)
         return _read(path) if os.waitstatus_to_exitcode(status) == 0 else None
