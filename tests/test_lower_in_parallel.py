@@ -5,6 +5,7 @@ left behind, whichever side fails."""
 from __future__ import annotations
 
 import os
+import threading
 
 import psutil
 import pytest
@@ -18,6 +19,8 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.lower.in_parallel import lower_ranks
 from tessel.lower.trace import RankProgram, lower_rank
 from tessel.plan import has_rule, make_plan
+
+SPARE_CORES = in_parallel._spare_cores
 
 
 @pytest.fixture(autouse=True)
@@ -134,3 +137,17 @@ def test_a_child_runs_torch_after_this_process_ran_it_on_several_threads():
 
     got = lower_ranks(big_copy, [0, 1])
     assert got[1].program["pid"] != os.getpid()  # the child finished on its own
+
+
+def test_no_child_is_forked_while_another_thread_runs():
+    # the other thread might hold a lock at the fork that the child would wait on for ever
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert SPARE_CORES() == 0
+    finally:
+        release.set()
+        other.join()
+    if threading.active_count() == 1:  # not under a test runner's own threads
+        assert SPARE_CORES() == len(os.sched_getaffinity(0)) - 1

@@ -7,10 +7,10 @@ process traces the first. A child hands its program back through a safetensors f
 and JSON, nothing that runs code. A child that fails is not trusted to say why: its rank is
 traced again here, so the error raised is the one a serial build raises.
 
-A forked child holds only the thread that forked it, so it runs torch on one thread (an
-OpenMP team the parent had would wait forever for threads the child does not have), and one
-that does not finish long after this process traced its own rank (a lock another thread held
-at the fork) is stopped and its rank traced here. Children die with this process, and every
+A forked child holds only the thread that forked it, so children are forked only from a
+process with no other Python thread, and a child runs torch on one thread (an OpenMP team the
+parent had would wait for ever for threads the child does not have); one that still does not
+finish long after this process traced its own rank is stopped and its rank traced here. Children die with this process, and every
 one is reaped before `lower_ranks` returns or raises.
 """
 
@@ -68,11 +68,10 @@ def lower_ranks(lower: Callable[[int], RankProgram], ranks: Sequence[int]) -> li
 
 
 def _spare_cores() -> int:
-    """Cores beyond this process's own, where forking is safe: Linux, the main thread."""
-    if (
-        not sys.platform.startswith("linux")
-        or threading.current_thread() is not threading.main_thread()
-    ):
+    """Cores beyond this process's own, where forking is safe: on Linux, from a process whose
+    only Python thread is this one (another thread may hold a lock the child then waits on for
+    ever: DTensor's sharding cache, a stream's buffer)."""
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
         return 0
     return len(os.sched_getaffinity(0)) - 1
 
