@@ -344,6 +344,7 @@ class AutoParallel(torch.nn.Module):
         """The loss of the whole batch (recursive_programming, sharding_propagation), or the
         network's output (semi_auto)."""
         if self.parallel_mode == "semi_auto" and isinstance(self.network, Pipeline):
+            self.network.fusion = self._fusion  # its replicas' gradients, in these buckets
             return self.network(*args, **kwargs)  # each rank passes its replica's batch
         leaves, spec = tree_flatten((args, kwargs))
         if self.parallel_mode == "semi_auto":

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import (
 
 from tessel._torch import tree_flatten, tree_map
 from tessel.parallel.micro_batches import _count, _tensor_output
-from tessel.parallel.planned import ParallelError, loss_with_gradients
+from tessel.parallel.planned import ParallelError, all_reduce_in_buckets, loss_with_gradients
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages
@@ -98,6 +98,11 @@ class Pipeline(torch.nn.Module):
         self.cuts = {s: n for n, s in reversed(list(zip(order, stages))) if s > 0}
         self.scheduler = "1f1b"
         self.pipeline_ranks = self.stages  # fewer where interleaved (AutoParallel.pipeline)
+        self.fusion: tuple[str, Any] = (
+            "size",
+            64.0,
+        )  # the replicas' gradient buckets (comm_fusion)
+        self.parameter_index = {n: i for i, (n, _) in enumerate(network.named_parameters())}
         self.network = network
         self._stages: list | None = None
 
@@ -207,9 +212,15 @@ class Pipeline(torch.nn.Module):
         if self.mesh["dp"].size() > 1:
             dist.all_reduce(loss, group=dp)
             loss /= self.mesh["dp"].size()
-            for g in grads:
-                dist.all_reduce(g, group=dp)
-                g /= self.mesh["dp"].size()
+            fusion = self.fusion
+            if fusion[0] == "index":  # buckets start at the network's parameter indices
+                names = list(unique.values())
+                fusion = (
+                    "index",
+                    {j for j, n in enumerate(names) if self.parameter_index.get(n) in fusion[1]},
+                )
+            all_reduce_in_buckets(fusion, grads, list(range(len(grads))), dp)
+            grads = [g / self.mesh["dp"].size() for g in grads]
         for p in parameters:
             p.grad = None
         return loss_with_gradients(loss, parameters, lambda scale: [g * scale for g in grads])
