@@ -23,9 +23,9 @@ from tessel.plan.memory import (
     footprint,
     is_view,
     local_bytes,
-    peak_points,
     program_peak_bytes,
     storages,
+    sweep,
 )
 from tessel.plan.planner import least_memory_plan
 
@@ -122,6 +122,18 @@ def test_storages_have_hand_counted_live_ranges():
     # the weight is not an activation; the graph's other inputs are
     assert "w" not in {s.node.name for s in live}
     assert [(s.node.name, s.born) for s in storages(_hand_graph(), set())][0] == ("w", 0)
+
+
+def peak_points(live: list, also: set[int] = frozenset()) -> list[list]:
+    """The sets of storages alive at each step `sweep` takes, from its changes."""
+    alive: dict = {}
+    out = []
+    for _, started, stopped in sweep(live, also):
+        alive.update(dict.fromkeys(started))
+        for s in stopped:
+            del alive[s]
+        out.append(list(alive))
+    return out
 
 
 def test_peak_points_are_taken_where_something_dies_after_a_birth():

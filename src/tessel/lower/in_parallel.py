@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tessel.lower.trace import RankProgram
@@ -64,7 +65,7 @@ def lower_ranks(lower: Callable[[int], RankProgram], ranks: Sequence[int]) -> li
     finally:
         for pid, _, path in running:
             _stop(pid, path)
-    return [done[r] if done.get(r) is not None else lower(r) for r in ranks]
+    return [done.get(r) or lower(r) for r in ranks]
 
 
 def _spare_cores() -> int:
@@ -135,8 +136,6 @@ def _write(program: RankProgram, path: str) -> None:
 
 
 def _read(path: str) -> RankProgram:
-    from safetensors import safe_open
-
     with safe_open(path, "pt") as f:
         about = json.loads(f.metadata()["rank_program"])
     return RankProgram(

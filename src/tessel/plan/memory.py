@@ -113,26 +113,14 @@ def storages(graph: fx.Graph, weights: set[str]) -> list[Storage]:
     return out
 
 
-def peak_points(live: list[Storage], also: set[int] = frozenset()) -> list[list[Storage]]:
-    """The sets of storages alive together at the moments memory can peak.
-
-    Memory can peak only just before something is freed, so a set is taken at each step where a
-    storage dies. The set at a death step holds everything alive then; the set at the next
-    death step is contained in it unless something was born in between, so only steps after a
-    birth are kept. Steps in `also` (where a node allocates buffers of its own) are always kept.
-    """
-    alive: dict[Storage, None] = {}
-    out = []
-    for _, started, stopped in _sweep(live, also):
-        alive.update(dict.fromkeys(started))
-        for s in stopped:
-            del alive[s]
-        out.append(list(alive))
-    return out
-
-
 def _peak_steps(live: list[Storage], also: set[int]) -> list[int]:
-    """The steps `peak_points` takes a set at."""
+    """The steps at which memory can peak.
+
+    Memory can peak only just before something is freed, so a step where a storage dies is
+    taken. What is alive there holds what is alive at the next death step, unless something
+    was born in between, so only death steps after a birth are kept. Steps in `also` (where a
+    node allocates buffers of its own) are always kept.
+    """
     births = sorted(s.born for s in live)
     deaths = {s.dies for s in live}
     out: list[int] = []
@@ -147,7 +135,7 @@ def _peak_steps(live: list[Storage], also: set[int]) -> list[int]:
     return out
 
 
-def _sweep(
+def sweep(
     live: list[Storage], also: set[int]
 ) -> Iterator[tuple[int, list[Storage], list[Storage]]]:
     """Each step memory can peak at, with the storages born and freed since the step before:
@@ -258,7 +246,7 @@ def footprint(
     rows: dict[frozenset, MemoryRow] = {}
     i = j = 0
     live = storages(graph, set(weight_tensors))
-    for t, started, stopped in _sweep(live, {b.start for b in buffers}):
+    for t, started, stopped in sweep(live, {b.start for b in buffers}):
         for s in started:
             storage(s, 1)
         while i < len(by_start) and by_start[i].start <= t:
@@ -469,7 +457,7 @@ def program_peak_bytes(
         if (n.op == "placeholder" and n.name in weights) or n.op == "get_attr"
     )
     now = peak = 0
-    for _, started, stopped in _sweep(storages(graph, weights | aliases), frozenset()):
+    for _, started, stopped in sweep(storages(graph, weights | aliases), frozenset()):
         now += sum(size(s.value) for s in started) - sum(size(s.value) for s in stopped)
         peak = max(peak, now)
     return held, held + peak
