@@ -11,14 +11,18 @@ CPU processes. Side by side in one run, every setting afresh in each of `--round
     torchtitan composes them) against tessel with data_parallel_size 2 x tensor_parallel_size 2.
 Each figure is the median step time of 10 steps after 3 warm-up steps (torch: rank 0 between
 barriers, so the slowest rank's; tessel: `Session.run_graph`, which also hands the batch to the
-workers). tessel runs with `tessel.reuse_freed_memory` (glibc's own allocator policy, as torch's
-processes run) and with its memory-honest default.
+workers). tessel runs with its default CPU allocation (the block cache of
+`tessel.runtime.cpu_cache`: freed blocks reused, never more held than the program's peak in
+use), and with `tessel.reuse_freed_memory` (glibc's own policy, as torch's processes run).
 
-Memory: each worker's peak RSS over three steps (VmHWM, less the peak of a process importing
-what a worker imports) against ZeRO's formula for the level plus the plan's activations: none
-16P, optimizer state sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp, + weight sharding
-16P/dp plus the largest gathered layer and the prefetch buffer (fp32 AdamW, P the parameters a
-rank holds: all of them over tp). Workers run with their memory-honest default.
+Memory: each worker's peak of anonymous memory over steps 2 and 3 (VmHWM, reset after the first
+step, less the file-backed pages resident when it was reset: shared library code is not what a
+rank holds), less the anonymous memory of a process that does what every torch training
+process does without a model (imports what a worker imports, joins a one-rank gloo group, and
+steps torch's AdamW over one weight), against ZeRO's formula for the level plus the plan's
+activations: none 16P, optimizer state sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp,
++ weight sharding 16P/dp plus the largest gathered layer and the prefetch buffer (fp32 AdamW,
+P the parameters a rank holds: all of them over tp). Workers run with tessel's default.
 
 Weight prefetch: ZeRO-3 step time without prefetch, with the default buffer (the largest
 layer) and with a buffer of three layers, and the most prefetched bytes a rank held at once
@@ -184,14 +188,14 @@ def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...], buffer_mb: int 
     return str(built.save(os.path.join(tmp, f"train_{name}")))
 
 
-def tessel_step_ms(path: str, threads: int, reuse: bool) -> tuple[float, dict]:
+def tessel_step_ms(path: str, threads: int, glibc: bool) -> tuple[float, dict]:
     import tessel
 
     data = batch()
     tessel.initialize({"ge.graphRunMode": "1"})
     try:
         with tessel.Session() as session:
-            options = {"tessel.threads_per_worker": threads, "tessel.reuse_freed_memory": reuse}
+            options = {"tessel.threads_per_worker": threads, "tessel.reuse_freed_memory": glibc}
             session.load_graph(0, options, path)
             times = []
             for i in range(WARMUP + REPEAT):
@@ -205,30 +209,40 @@ def tessel_step_ms(path: str, threads: int, reuse: bool) -> tuple[float, dict]:
     return 1e3 * statistics.median(times), stats
 
 
-def _peak_rss(pid: int) -> int:
-    """A process's peak resident set (VmHWM), in bytes."""
+def _status(pid: int | str, *keys: str) -> list[int]:
+    """Lines of /proc/<pid>/status, in bytes."""
+    found = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
+            key, _, value = line.partition(":")
+            if key in keys:
+                found[key] = int(value.split()[0]) * 1024
+    return [found[k] for k in keys]
 
 
-def baseline_rss() -> int:
-    """Peak RSS of a process that imports what a worker imports and nothing more."""
+def baseline_anonymous() -> int:
+    """Anonymous memory of a process that does what every torch training process does, without
+    a model: imports what a worker imports, joins a one-rank gloo group, steps torch's AdamW."""
     import subprocess
     import sys
 
     code = (
-        "import torch, torch.distributed, tessel.runtime.worker, resource;"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+        "import torch, torch.distributed as dist, tessel.runtime.worker;"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{_free_port()}',"
+        " rank=0, world_size=1);"
+        "w = torch.nn.Parameter(torch.zeros(1)); opt = torch.optim.AdamW([w]);"
+        "w.grad = torch.zeros(1); opt.step();"
+        "print(open('/proc/self/status').read())"
     )
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              check=True).stdout)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
 
 
 def measured_peaks(path: str, threads: int, steps: int = 3) -> list[int]:
-    """Each worker's peak RSS after `steps` steps, with the workers' memory-honest default."""
+    """Each worker's peak of anonymous memory over steps 2 to `steps`, with tessel's default:
+    the peak resident set from the first step's end on, less the file-backed pages resident
+    then (they only grow, so this bounds the anonymous peak from above)."""
     import tessel
 
     data = batch()
@@ -236,10 +250,16 @@ def measured_peaks(path: str, threads: int, steps: int = 3) -> list[int]:
     try:
         with tessel.Session() as session:
             session.load_graph(0, {"tessel.threads_per_worker": threads}, path)
-            for _ in range(steps):
-                session.run_graph(0, data)
+            session.run_graph(0, data)
             procs = session._graphs[0].workers.procs
-            return [_peak_rss(p.pid) for p in procs]
+            files = []
+            for p in procs:
+                with open(f"/proc/{p.pid}/clear_refs", "w") as f:
+                    f.write("5")  # resets VmHWM to the resident set now
+                files.append(_status(p.pid, "RssFile")[0])
+            for _ in range(steps - 1):
+                session.run_graph(0, data)
+            return [_status(p.pid, "VmHWM")[0] - f for p, f in zip(procs, files)]
     finally:
         tessel.finalize()
 
@@ -303,7 +323,7 @@ def prefetch_figure(tmp: str, threads: int, rounds: int) -> None:
     stats: dict[str, dict] = {}
     for _ in range(rounds):
         for name, path in variants.items():
-            ms, stats[name] = tessel_step_ms(path, threads, True)
+            ms, stats[name] = tessel_step_ms(path, threads, False)
             times[name].append(ms)
     print()
     print("weight prefetch (dp 4 zero3): step time, ms (median over rounds), and the most")
@@ -346,7 +366,7 @@ def main() -> None:
         "dp 4, + weight sharding, prefetch": (4, 1, ZERO3),
         "dp 2 x tp 2, + gradient sharding": (2, 2, ZERO2),
     }
-    base = baseline_rss()
+    base = baseline_anonymous()
     global LAYERS, HIDDEN, VOCAB
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
@@ -357,25 +377,23 @@ def main() -> None:
         for r in range(0 if args.memory_only else args.rounds):
             peers: dict[str, float] = {}
             for kind, name, setting in settings:
-                row = rows.setdefault(setting, {"torch": [], "reused": [], "returned": []})
+                row = rows.setdefault(setting, {"torch": [], "default": [], "glibc": []})
                 if kind not in peers:
                     peers[kind] = torch_step_ms(kind, threads)
                 row["torch"].append(peers[kind])
-                row["reused"].append(tessel_step_ms(paths[setting], threads, True)[0])
-                row["returned"].append(tessel_step_ms(paths[setting], threads, False)[0])
+                row["default"].append(tessel_step_ms(paths[setting], threads, False)[0])
+                row["glibc"].append(tessel_step_ms(paths[setting], threads, True)[0])
                 print(
                     f"round {r + 1}: {name}: torch {row['torch'][-1]:.1f} ms, tessel "
-                    f"{_describe(setting)} {row['reused'][-1]:.1f} ms (reused) / "
-                    f"{row['returned'][-1]:.1f} ms (returned)"
+                    f"{_describe(setting)} {row['default'][-1]:.1f} ms (default) / "
+                    f"{row['glibc'][-1]:.1f} ms (glibc's policy)"
                 )
         print()
         print("step time, ms (median over rounds; ratio tessel/torch, range over rounds)")
-        print(
-            f"{'peer':16} {'torch':>8} {'tessel mesh':24} {'freed memory':12} {'tessel':>8}  ratio"
-        )
+        print(f"{'peer':16} {'torch':>8} {'tessel mesh':24} {'allocation':12} {'tessel':>8}  ratio")
         for _, name, setting in settings if rows else ():
             row = rows[setting]
-            for mode in ("reused", "returned"):
+            for mode in ("default", "glibc"):
                 ratios = [a / b for a, b in zip(row[mode], row["torch"])]
                 print(
                     f"{name:16} {statistics.median(row['torch']):8.1f} {_describe(setting):24} "
@@ -387,10 +405,11 @@ def main() -> None:
         print()
         if args.memory_model:
             LAYERS, HIDDEN, VOCAB = args.memory_model
-        print(f"Llama {LAYERS} layers, width {HIDDEN}, vocab {VOCAB}: peak RSS per rank against "
-              "ZeRO's formula (fp32 AdamW) plus the plan's activations")  # fmt: skip
+        print(f"Llama {LAYERS} layers, width {HIDDEN}, vocab {VOCAB}: peak anonymous memory per "
+              "rank against ZeRO's formula (fp32 AdamW) plus the plan's activations")  # fmt: skip
         print(
-            f"(a worker's peak less the {base / 2**20:.0f} MiB of a process that imports what it does)"
+            f"(a worker's peak less the {base / 2**20:.0f} MiB of a torch training process without "
+            "a model)"
         )
         header = f"{'tessel':36} {'P/rank':>9} {'ZeRO MiB':>9} {'+ act.':>7} {'measured':>9}  ratio"
         print(header)

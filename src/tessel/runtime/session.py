@@ -28,6 +28,7 @@ from tessel.config.errors import ConfigError
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import TensorSpec
+from tessel.runtime import cpu_cache
 from tessel.runtime.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -234,8 +235,9 @@ class Session:
     Options (also per `load_graph`): `tessel.node_id`, `tessel.master_port`,
     `tessel.threads_per_worker`, `tessel.load_timeout_s`, `tessel.run_timeout_s`,
     `tessel.reuse_workers` (default true), and `tessel.reuse_freed_memory` (default false: a
-    CPU worker returns each large activation's memory when it is freed, so it holds what its
-    program holds; true keeps freed memory for the next run, faster, at up to a third more).
+    CPU worker keeps large freed blocks for the next request of their size, but never holds
+    more than the most its program had in use at once; see `tessel.runtime.cpu_cache`. True
+    leaves freed memory to glibc's heap, as torch's own processes run, at up to half more).
 
     Workers are reused: `remove_graph` keeps the graph's workers, idle, and the next
     `load_graph` whose workers would be the same (same local devices and ranks, world size,
@@ -423,7 +425,9 @@ class Session:
     def training_stats(self, graph_id: int) -> dict[str, int]:
         """What a training graph's steps measured, the largest over its ranks:
         `prefetch_peak_bytes`, the most gathered weights fetched ahead and held at once, and
-        `prefetch_bytes`, the buffer that bounds them (0: no prefetch)."""
+        `prefetch_bytes`, the buffer that bounds them (0: no prefetch); on CPU workers with
+        their block cache, its counts (`cpu_cache_hits`, `cpu_cache_misses`, ...: see
+        `tessel.runtime.cpu_cache.counts`)."""
         graph = self._graph(graph_id)
         if graph.package.manifest.training is None:
             raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
@@ -542,6 +546,9 @@ def _start_workers(
 ) -> _Workers:
     manifest = package.manifest
     ctx = mp.get_context("spawn")
+    cache = ""
+    if manifest.device_type == "cpu" and not reuse_memory:
+        cache = cpu_cache.library() or ""
     procs, conns, ranks = [], [], []
     for device in local:
         parent, child = ctx.Pipe()
@@ -558,6 +565,7 @@ def _start_workers(
             timeout_s=run_timeout,
             distributed=distributed,
             reuse_freed_memory=reuse_memory,
+            cpu_cache=cache,
             resume=resume,
         )
         proc = ctx.Process(

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
+from tessel.runtime import cpu_cache
 from tessel.runtime.loader import load_rank
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
@@ -41,6 +42,7 @@ class WorkerSpec:
     timeout_s: float  # the session's run deadline
     distributed: bool
     reuse_freed_memory: bool = False  # keep glibc's own heap policy (see `_fix_mmap_threshold`)
+    cpu_cache: str = ""  # the compiled block cache to allocate CPU tensors with (`cpu_cache`)
     resume: str = ""  # a training checkpoint in the package's layout to start from
 
     @property
@@ -202,6 +204,7 @@ def _largest_over_ranks(spec: WorkerSpec, stats: dict[str, int], device: torch.d
 def _release_memory(device: torch.device) -> None:
     """Give an unloaded model's memory back: glibc and accelerator caches keep it otherwise."""
     gc.collect()
+    cpu_cache.release()
     if device.type != "cpu":
         with contextlib.suppress(Exception):
             getattr(torch, device.type).empty_cache()
@@ -212,10 +215,11 @@ def _release_memory(device: torch.device) -> None:
 
 # glibc's default mmap threshold rises to the largest block a process frees, so after the first
 # run every activation below 32 MiB comes from the heap, which keeps and fragments what they free:
-# a worker then holds up to a third more than its program does. A fixed threshold maps each large
-# activation when made and returns it when freed, so a worker holds what its program holds; the
-# price is a page fault per page of every large activation on every run (about a tenth of a
-# small model's run on CPU). `tessel.reuse_freed_memory` keeps glibc's policy instead.
+# a worker then holds up to a half more than its program does. A fixed threshold maps each large
+# block when made and returns it when freed, so a worker holds what its program holds. Tensors
+# of CPU workers come from the block cache (`cpu_cache`), which reuses them within that bound;
+# without it, every large activation is faulted in afresh on every run (a third of a small
+# model's step on CPU). `tessel.reuse_freed_memory` keeps glibc's policy instead.
 _MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number
 
@@ -234,6 +238,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     die_with_parent()
     if not spec.reuse_freed_memory:
         _fix_mmap_threshold()
+    if spec.cpu_cache:
+        cpu_cache.install(spec.cpu_cache)
     torch.set_num_threads(max(1, spec.threads))
     try:
         device = _device(spec)
@@ -361,7 +367,8 @@ def _serve(
         if command == _STATS:
             if loaded is None or loaded.step is None:
                 raise RuntimeError("asked for step statistics with no training model loaded")
-            stats = _largest_over_ranks(spec, loaded.step.stats(), device)
+            stats = {**loaded.step.stats(), **cpu_cache.counts()}
+            stats = _largest_over_ranks(spec, stats, device)
             if leader:
                 conn.send(("stats", spec.rank, stats))
             continue
