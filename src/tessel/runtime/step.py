@@ -43,7 +43,9 @@ from tessel.runtime.step_program import gather_weights, hand_over_gradients
 from tessel.sharding.geometry import piece
 
 # exchanges of units' gradients in flight at once: enough to overlap the backward pass, few
-# enough that their buffers never add up to the whole gradients
+# enough that their buffers never add up to the whole gradients. Reduce-scattered buffers in
+# flight also stay within the largest unit's size, so the gradient outputs and activations the
+# memory model counts are joined by one unit's worth of exchange buffers at most.
 _IN_FLIGHT = 2
 
 
@@ -187,6 +189,9 @@ class TrainingStep:
         )
         # exchanges started and not yet waited on, with the buffer each reads
         self.pending: list[tuple[dist.Work, torch.Tensor | None]] = []
+        self.largest = max(
+            (layout.padded(u) * self.grad.element_size() for u in layout.units), default=0
+        )
 
         # the program, rewritten to hand over gradients and (sharded weights) gather units
         index = {n: i for i, n in enumerate(self.names)}
@@ -252,16 +257,17 @@ class TrainingStep:
         """A unit's gradients, as the program makes them: into the gradient buffer, and the
         exchange over the replicas started."""
         u = self.layout.units[unit]
-        self._settle(_IN_FLIGHT - 1)  # a unit's buffer is freed once it is exchanged
+        size = self.layout.padded(u)
+        # a unit's buffer is freed once it is exchanged
+        self._settle(_IN_FLIGHT - 1, room=size * self.grad.element_size())
         if not self.shard_gradients:
-            target = self.grad[u.start : u.start + self.layout.padded(u)]
+            target = self.grad[u.start : u.start + size]
             self._fill(target, u.names, grads)
             if self.dp > 1:
                 self.pending.append(
                     (dist.all_reduce(target, group=self.group, async_op=True), None)
                 )
             return
-        size = self.layout.padded(u)
         made = grads[0] if len(grads) == 1 else None
         if made is not None and made.numel() == size and made.dtype == self.grad.dtype:
             whole = made.reshape(-1)  # one weight, no padding: reduced where the program left it
@@ -272,9 +278,13 @@ class TrainingStep:
         work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
         self.pending.append((work, whole))  # kept until the exchange is done
 
-    def _settle(self, keep: int) -> None:
-        """Wait for the oldest exchanges until at most `keep` are in flight."""
-        while len(self.pending) > keep:
+    def _settle(self, keep: int, room: int = 0) -> None:
+        """Wait for the oldest exchanges until at most `keep` are in flight, and their buffers
+        leave `room` bytes within the largest unit's size."""
+        held = sum(b.numel() * b.element_size() for _, b in self.pending if b is not None)
+        while self.pending and (len(self.pending) > keep or held + room > self.largest):
+            if self.pending[0][1] is not None:
+                held -= self.pending[0][1].numel() * self.pending[0][1].element_size()
             work, _ = self.pending.pop(0)
             work.wait()
 
