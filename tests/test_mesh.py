@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import small_llama, token_ids
+from tests.conftest import hf_llama, small_llama, token_ids
 
 import tessel
 from tessel.capture import capture
@@ -179,3 +179,22 @@ def test_auto_sets_aside_shapes_the_batch_cannot_split():
     built = tessel.build(small_llama(), (token_ids(2),), cluster=two_nodes(2), policy=policy())
     choices = {tuple(c["shape"]): c for c in built.manifest["plan"]["mesh_choices"]}
     assert "divisible by 4" in choices[(4, 1)]["set_aside"]
+
+
+def test_the_data_parallel_choice_prices_exchanging_gradients_not_optimizer_states():
+    from tessel.builder.mesh_choice import choose_data_parallel
+    from tessel.config.cluster import local_cluster
+    from tessel.config.parallel_option import ParallelOption
+
+    model = hf_llama().train()
+    ids = token_ids(4)
+    estimates = {}
+    for held in (1.0, 3.0):  # weights alone; weights with Adam's two moments beside them
+        _, weighed = choose_data_parallel(
+            model, (), {"input_ids": ids, "labels": ids}, local_cluster(2), ParallelOption(),
+            30.0, held_factor=held,
+        )  # fmt: skip
+        estimates[held] = {e["data_parallel"]: e["estimated_time_s"] for e in weighed}
+    # the replicas all-reduce their gradients, placed like the weights; the states stay put
+    assert estimates[1.0] == pytest.approx(estimates[3.0], rel=1e-9)
+    assert estimates[3.0][2] > 0

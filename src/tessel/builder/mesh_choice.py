@@ -280,7 +280,10 @@ def choose_data_parallel(
             sized = replace(policy, data_parallel_size=dp, tensor_parallel_size=world // dp)
             dims = parallel_dims(cluster, sized)
             link = cost.Links(dims.axis("dp").bandwidth, cluster.soc.link_latency)
-            seconds += cost.all_reduce_time(plan.memory["weight_bytes"], dp, link)
+            # gradients are placed like their weights; the plan's weight bytes also hold each
+            # weight's optimizer states (`held_factor` in all), which are not exchanged
+            gradient_bytes = plan.memory["weight_bytes"] / held_factor
+            seconds += cost.all_reduce_time(gradient_bytes, dp, link)
         entry["estimated_time_s"] = seconds
         if best is None or seconds < best[0]:
             best = (seconds, dp)
