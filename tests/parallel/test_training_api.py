@@ -187,6 +187,15 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     roomy.hsdp(threshold=1, optimizer_level="level2")
     roomy.comm_fusion({"allreduce": {"mode": "size", "config": 512 / 2**20}})
     roomy_losses = _train_parallel(roomy, batches, rank, world)
+    # one more backward, of the loss times each replica's own factor
+    rows = batches[0].chunk(world)[rank]
+    (
+        _loss(roomy(input_ids=rows, labels=rows, use_cache=False)) * (roomy._planned.replica + 1)
+    ).backward()
+    scaled = {}
+    for name, p in roomy.named_parameters():
+        grad = p.grad.full_tensor().double()
+        scaled[name.removeprefix("network.")] = [grad.sum().item(), grad.norm().item()]
     # hsdp level3: the program gathers each sharded weight where it reads it, forward and back;
     # each weight's shards held by 2 ranks (of the 4 or 2 replicating it)
     model, batches = _gpt2()
@@ -234,6 +243,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "semi_auto": semi_auto,
                     "roomy_losses": roomy_losses,
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
+                    "roomy_scaled_grads": scaled,
                     "level3_losses": level3_losses,
                     "kept_losses": kept_losses,
                     "kept_mesh": dict(zip(kept.mesh.mesh_dim_names, kept.mesh.shape)),
@@ -385,6 +395,29 @@ def test_recursive_programming_with_replicas_and_hsdp_level2_trains_as_one_proce
     assert got["roomy_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
     assert got["roomy_mesh"].get("dp", 1) > 1  # the replicas' gradients are reduced
     assert got["roomy_sharded_over_dp"] > 0  # hsdp level2: and reduce-scattered
+
+
+def test_a_loss_scaled_differently_on_each_replica_weighs_its_gradients_so(four_ranks):
+    # each replica's gradients are scaled by its own loss's incoming gradient before they are
+    # summed over the replicas, as one process's weighted sum of the replicas' losses
+    _, got = four_ranks
+    model, batches = _gpt2()
+    _train(model, batches)  # the five steps the run took before
+    dp = got["roomy_mesh"]["dp"]
+    rows = batches[0].chunk(dp)
+    total = sum(
+        (r + 1) * model(input_ids=x, labels=x, use_cache=False).loss for r, x in enumerate(rows)
+    )
+    (total / dp).backward()
+    want = {
+        n: [p.grad.double().sum().item(), p.grad.double().norm().item()]
+        for n, p in model.named_parameters()
+    }
+    assert set(got["roomy_scaled_grads"]) == set(want)
+    for name, (total_sum, norm) in want.items():
+        assert got["roomy_scaled_grads"][name] == pytest.approx(
+            [total_sum, norm], rel=1e-3, abs=1e-5
+        ), name
 
 
 def test_hsdp_level3_gathers_weights_in_the_program_and_trains_as_one_process(four_ranks):
