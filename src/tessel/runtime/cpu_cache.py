@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,15 +71,19 @@ def _reason(exc: BaseException) -> str:
 
 
 def _build() -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    # $CXX may carry a launcher or flags ("ccache g++"), as make's does
+    compiler = shlex.split(os.environ.get("CXX", ""))
     if not compiler:
-        raise OSError("no C++ compiler found (c++, g++ or $CXX)")
+        found = shutil.which("c++") or shutil.which("g++")
+        if found is None:
+            raise OSError("no C++ compiler found (c++, g++ or $CXX)")
+        compiler = [found]
     root = Path(torch.__file__).parent
     if not (root / "include" / "c10" / "core" / "Allocator.h").exists():
         raise OSError(f"torch at {root} has no C++ headers")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, torch.__version__.encode(), compiler.encode(), str(root).encode()])
+        b"\0".join([source, torch.__version__.encode(), *map(str.encode, compiler), bytes(root)])
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_cache-{key}.so"
     if target.exists():
@@ -90,7 +95,7 @@ def _build() -> Path:
     try:
         subprocess.run(
             [
-                compiler,
+                *compiler,
                 "-O2",
                 "-shared",
                 "-fPIC",
