@@ -46,6 +46,12 @@ class BlockCache {
       drop_oldest();
     }
     void* block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (block == MAP_FAILED && !age_.empty()) {  // short of memory: return what is kept, retry
+      while (!age_.empty()) {
+        drop_oldest();
+      }
+      block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
     TORCH_CHECK_WITH(OutOfMemoryError, block != MAP_FAILED, "tessel's CPU block cache: could not map ",
                      size, " bytes (", used_bytes_, " in use)");
     size_of_[block] = size;
