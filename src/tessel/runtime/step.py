@@ -281,12 +281,11 @@ class TrainingStep:
     def _settle(self, keep: int, room: int = 0) -> None:
         """Wait for the oldest exchanges until at most `keep` are in flight, and their buffers
         leave `room` bytes within the largest unit's size."""
-        held = sum(b.numel() * b.element_size() for _, b in self.pending if b is not None)
+        held = sum(b.nbytes for _, b in self.pending if b is not None)
         while self.pending and (len(self.pending) > keep or held + room > self.largest):
-            if self.pending[0][1] is not None:
-                held -= self.pending[0][1].numel() * self.pending[0][1].element_size()
-            work, _ = self.pending.pop(0)
+            work, buffer = self.pending.pop(0)
             work.wait()
+            held -= buffer.nbytes if buffer is not None else 0
 
     def _fill(self, target: torch.Tensor, names: Sequence[str], grads) -> None:
         offset = 0
