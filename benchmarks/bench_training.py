@@ -209,15 +209,15 @@ def tessel_step_ms(path: str, threads: int, glibc: bool) -> tuple[float, dict]:
     return 1e3 * statistics.median(times), stats
 
 
-def _status(pid: int | str, *keys: str) -> list[int]:
-    """Lines of /proc/<pid>/status, in bytes."""
-    found = {}
+def _status(text: str, key: str) -> int:
+    """A memory line of a /proc/<pid>/status `text`, in bytes."""
+    line = next(x for x in text.splitlines() if x.startswith(f"{key}:"))
+    return int(line.split()[1]) * 1024
+
+
+def _status_of(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in keys:
-                found[key] = int(value.split()[0]) * 1024
-    return [found[k] for k in keys]
+        return _status(f.read(), key)
 
 
 def baseline_anonymous() -> int:
@@ -235,8 +235,7 @@ def baseline_anonymous() -> int:
         "print(open('/proc/self/status').read())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RssAnon:"))
-    return int(line.split()[1]) * 1024
+    return _status(out.stdout, "RssAnon")
 
 
 def measured_peaks(path: str, threads: int, steps: int = 3) -> list[int]:
@@ -256,10 +255,10 @@ def measured_peaks(path: str, threads: int, steps: int = 3) -> list[int]:
             for p in procs:
                 with open(f"/proc/{p.pid}/clear_refs", "w") as f:
                     f.write("5")  # resets VmHWM to the resident set now
-                files.append(_status(p.pid, "RssFile")[0])
+                files.append(_status_of(p.pid, "RssFile"))
             for _ in range(steps - 1):
                 session.run_graph(0, data)
-            return [_status(p.pid, "VmHWM")[0] - f for p, f in zip(procs, files)]
+            return [_status_of(p.pid, "VmHWM") - f for p, f in zip(procs, files)]
     finally:
         tessel.finalize()
 

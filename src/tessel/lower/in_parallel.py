@@ -10,8 +10,8 @@ traced again here, so the error raised is the one a serial build raises.
 A forked child holds only the thread that forked it, so children are forked only from a
 process with no other Python thread, and a child runs torch on one thread (an OpenMP team the
 parent had would wait for ever for threads the child does not have); one that still does not
-finish long after this process traced its own rank is stopped and its rank traced here. Children die with this process, and every
-one is reaped before `lower_ranks` returns or raises.
+finish long after this process traced its own rank is stopped and its rank traced here.
+Children die with this process, and every one is reaped before `lower_ranks` returns or raises.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from tessel.parallel.annotate import (
 )
 from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import (
+    DEFAULT_FUSION,
     ParallelError,
     PlannedNetwork,
     all_reduce_in_buckets,
@@ -113,7 +114,7 @@ class AutoParallel(torch.nn.Module):
         self._stages = 1
         self._strategy_save: str | None = None
         self._strategy_load: str | None = None
-        self._fusion: tuple[str, Any] = ("size", 64.0)
+        self._fusion: tuple[str, Any] = DEFAULT_FUSION
         self._group_save: str | None = None
         self._planned: PlannedNetwork | None = None
         self._form: tuple | None = None
@@ -327,7 +328,7 @@ class AutoParallel(torch.nn.Module):
         if not openstate:
             self._fusion = ("each", None)  # every gradient alone
         elif mode == "auto":
-            self._fusion = ("size", 64.0)
+            self._fusion = DEFAULT_FUSION
         else:
             self._fusion = (mode, value)
 

@@ -36,7 +36,12 @@ from torch.distributed.pipelining import (
 
 from tessel._torch import tree_flatten, tree_map
 from tessel.parallel.micro_batches import _count, _tensor_output
-from tessel.parallel.planned import ParallelError, all_reduce_in_buckets, loss_with_gradients
+from tessel.parallel.planned import (
+    DEFAULT_FUSION,
+    ParallelError,
+    all_reduce_in_buckets,
+    loss_with_gradients,
+)
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages
@@ -98,10 +103,8 @@ class Pipeline(torch.nn.Module):
         self.cuts = {s: n for n, s in reversed(list(zip(order, stages))) if s > 0}
         self.scheduler = "1f1b"
         self.pipeline_ranks = self.stages  # fewer where interleaved (AutoParallel.pipeline)
-        self.fusion: tuple[str, Any] = (
-            "size",
-            64.0,
-        )  # the replicas' gradient buckets (comm_fusion)
+        # the replicas' gradient buckets (AutoParallel's comm_fusion)
+        self.fusion: tuple[str, Any] = DEFAULT_FUSION
         self.parameter_index = {n: i for i, (n, _) in enumerate(network.named_parameters())}
         self.network = network
         self._stages: list | None = None

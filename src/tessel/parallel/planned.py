@@ -237,6 +237,10 @@ class _Step(torch.autograd.Function):
         return (None, None, *ctx.give(grad))
 
 
+# the replicas' gradient all-reduce buckets where `comm_fusion` sets none: up to 64 MB each
+DEFAULT_FUSION: tuple[str, Any] = ("size", 64.0)
+
+
 def fusion_buckets(
     fusion: tuple[str, Any], indices: list[int], grads: list[torch.Tensor]
 ) -> list[list[int]]:
@@ -319,7 +323,7 @@ class PlannedNetwork:
         shard_size: int = -1,
         shard_gradients: bool = False,
         gather_in_program: bool = False,
-        fusion: tuple[str, Any] = ("size", 64.0),
+        fusion: tuple[str, Any] = DEFAULT_FUSION,
     ) -> None:
         """`shard_replicated`: store weights of at least this many bytes sharded on dim 0
         over the mesh dims the plan replicates them on (hsdp); None keeps them as planned.
