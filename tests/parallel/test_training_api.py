@@ -842,7 +842,7 @@ def test_auto_parallel_methods_refuse_by_name(one_rank, call, error, match):
 
 
 def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
-    from tessel.parallel.planned import fusion_buckets
+    from tessel.parallel.buckets import fusion_buckets
 
     grads = [torch.zeros(2**18) for _ in range(5)]  # 1 MB each
     net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")
@@ -860,6 +860,21 @@ def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
     assert plans["size"] == [[0, 1], [2, 3], [4]]
     assert plans["index"] == [[0, 1, 2], [3, 4]]
     assert plans["off"] == [[0], [1], [2], [3], [4]]
+
+
+def test_gradient_buckets_follow_the_order_the_program_makes_gradients():
+    from torch import fx
+
+    from tessel.runtime.step_program import made_order
+
+    def program(w0, w1, w2, x):
+        h = x * w0
+        loss = (h * w1).sum()
+        g1 = h * 2  # made first
+        g0 = g1 * x
+        return loss, g0, g1, w2  # w2's gradient passed through from an input
+
+    assert made_order(fx.symbolic_trace(program)) == [2, 1, 0]
 
 
 def test_auto_parallel_accepted_settings(one_rank):

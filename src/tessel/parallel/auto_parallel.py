@@ -41,14 +41,9 @@ from tessel.parallel.annotate import (
     whole,
     world_mesh,
 )
+from tessel.parallel.buckets import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.parallel.pipeline import Pipeline
-from tessel.parallel.planned import (
-    DEFAULT_FUSION,
-    ParallelError,
-    PlannedNetwork,
-    all_reduce_in_buckets,
-    planned_package,
-)
+from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
 from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -285,10 +280,13 @@ class AutoParallel(torch.nn.Module):
 
     def comm_fusion(self, config: dict) -> None:
         """How the replicas' gradient all-reduce is fused: `{"openstate": False}` reduces each
-        gradient alone; `{"allreduce": {"mode": "auto"}}` in buckets of 64 MB (the default),
+        gradient alone; `{"allreduce": {"mode": "auto"}}` in buckets of 25 MB (the default),
         `"size"` with `"config"` MB, `"index"` with `"config"` the parameter indices where
-        buckets start. The program's own collectives, and hsdp's gathers and reduce-scatters
-        (one per weight), are not fused: `allgather` and `reducescatter` are refused."""
+        buckets start. A planned network starts each bucket's all-reduce as soon as its
+        program has made the bucket's gradients, while the backward pass goes on ("size"
+        buckets gather gradients in the order they are made, as DDP's do). The program's own
+        collectives, and hsdp's gathers and reduce-scatters (one per weight), are not fused:
+        `allgather` and `reducescatter` are refused."""
         if not isinstance(config, dict):
             raise TypeError(f"comm_fusion: config must be a dict, found {type(config).__name__}")
         unknown = sorted(set(config) - {"openstate", "allreduce", "allgather", "reducescatter"})

@@ -35,13 +35,9 @@ from torch.distributed.pipelining import (
 )
 
 from tessel._torch import tree_flatten, tree_map
+from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, fusion_buckets
 from tessel.parallel.micro_batches import _count, _tensor_output
-from tessel.parallel.planned import (
-    DEFAULT_FUSION,
-    ParallelError,
-    all_reduce_in_buckets,
-    loss_with_gradients,
-)
+from tessel.parallel.planned import ParallelError, loss_with_gradients
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages
@@ -108,6 +104,9 @@ class Pipeline(torch.nn.Module):
         self.parameter_index = {n: i for i, (n, _) in enumerate(network.named_parameters())}
         self.network = network
         self._stages: list | None = None
+        self._bucketed: tuple[tuple[str, Any], list[list[int]]] | None = None
+        self._flight: InFlight | None = None  # the step's replicas' all-reduce
+        self._accumulated: list[int] = []  # passes of the step's backward per parameter
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         leaves, spec = tree_flatten((args, kwargs))
@@ -194,39 +193,79 @@ class Pipeline(torch.nn.Module):
 
     def _step(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         pp, dp = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
+        replicas = self.mesh["dp"].size()
         last = self.stages - 1 in self.stage_indices
         losses: list[torch.Tensor] = []
         target = torch.zeros(self.micro_size, device=self.mesh.device_type)
-        if 0 in self.stage_indices:
-            self.schedule.step(*inputs, target=target if last else None, losses=losses)
-        elif last:
-            self.schedule.step(target=target, losses=losses)
-        else:
-            self.schedule.step()
+        named = {n: p for n, p in self._named_parameters().items() if p.requires_grad}
+        unique = {id(p): n for n, p in named.items()}
+        names = list(unique.values())
+        parameters = [named[n] for n in names]
+        flight = None
+        if replicas > 1:  # the replicas' sums start as the last micro-batch makes gradients
+            flight = self._flight = InFlight(self._buckets(names, parameters), dp)
+            self._accumulated = [0] * len(parameters)
+        try:
+            if 0 in self.stage_indices:
+                self.schedule.step(*inputs, target=target if last else None, losses=losses)
+            elif last:
+                self.schedule.step(target=target, losses=losses)
+            else:
+                self.schedule.step()
+        finally:
+            self._flight = None
         loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=target.device)
         loss = loss.to(torch.float32)
         # the last stage's loss on every stage, then the mean over the replicas
         dist.all_reduce(loss, group=pp)
-        named = {n: p for n, p in self._named_parameters().items() if p.requires_grad}
-        unique = {id(p): n for n, p in named.items()}
-        parameters = [named[n] for n in unique.values()]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        self._sum_shared(dict(zip(unique.values(), grads)))
-        if self.mesh["dp"].size() > 1:
+        if flight is not None:
+            summed = flight.sums(grads.__getitem__)
+            grads = [summed[i].div_(replicas) for i in range(len(grads))]
             dist.all_reduce(loss, group=dp)
-            loss /= self.mesh["dp"].size()
-            fusion = self.fusion
-            if fusion[0] == "index":  # buckets start at the network's parameter indices
-                names = list(unique.values())
-                fusion = (
-                    "index",
-                    {j for j, n in enumerate(names) if self.parameter_index.get(n) in fusion[1]},
-                )
-            all_reduce_in_buckets(fusion, grads, list(range(len(grads))), dp)
-            grads = [g / self.mesh["dp"].size() for g in grads]
+            loss /= replicas
+        self._sum_shared(dict(zip(names, grads)))
         for p in parameters:
             p.grad = None
         return loss_with_gradients(loss, parameters, lambda scale: [g * scale for g in grads])
+
+    def _buckets(self, names: list[str], parameters: list[torch.Tensor]) -> list[list[int]]:
+        """The replicas' all-reduce buckets of this rank's trained parameters: `fusion`'s
+        ("size": consecutive from the last parameter back, about the order the backward pass
+        makes them in; "index": starting at the network's parameter indices given). Hooks
+        hand each parameter's gradient to the step's all-reduce once the last micro-batch's
+        backward pass has accumulated it."""
+        fusion = self.fusion
+        if self._bucketed is not None and self._bucketed[0] == fusion:
+            return self._bucketed[1]
+        order = list(range(len(parameters)))
+        if fusion[0] == "size":
+            order.reverse()
+        if fusion[0] == "index":  # buckets start at the network's parameter indices
+            fusion = (
+                "index",
+                {j for j, n in enumerate(names) if self.parameter_index.get(n) in fusion[1]},
+            )
+        buckets = fusion_buckets(fusion, order, parameters)
+        if self._bucketed is None:
+            # a parameter several of this rank's stages hold accumulates once for each
+            holders = [
+                sum(any(q is p for q in m.parameters()) for m in self.stage_modules)
+                for p in parameters
+            ]
+            for i, (p, held) in enumerate(zip(parameters, holders)):
+                p.register_post_accumulate_grad_hook(
+                    functools.partial(self._accumulate, i, held * self.micro_size)
+                )
+        self._bucketed = (self.fusion, buckets)
+        return buckets
+
+    def _accumulate(self, index: int, passes: int, parameter: torch.Tensor) -> None:
+        if self._flight is None:
+            return
+        self._accumulated[index] += 1
+        if self._accumulated[index] == passes:
+            self._flight.give(index, parameter.grad)
 
     def _sum_shared(self, grads: dict[str, torch.Tensor]) -> None:
         """Give every copy of a shared parameter the sum of all copies' gradients."""

@@ -10,7 +10,12 @@ weights. The network's trained parameters become DTensors placed as the plan pla
 Each call runs the rank's program: the joint forward and backward graph, which returns the
 loss and every trained weight's gradient placed like the weight. The loss comes back through a
 custom autograd function whose backward hands those gradients to the DTensor parameters, so
-`loss.backward()`, `torch.optim` and gradient clipping work on them unchanged.
+`loss.backward()`, `torch.optim` and gradient clipping work on them unchanged. With
+data-parallel replicas, the program hands over each bucket of gradients as soon as the backward
+pass has made it, and the bucket's all-reduce over the replicas starts while the pass goes on;
+the loss's backward scales the sums by its incoming gradient once every replica is found to
+scale its loss alike (replicas that scale theirs differently get their scaled gradients summed
+again, as the weighted sum that is then the gradient).
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from torch.distributed.tensor.placement_types import Placement
 from tessel._torch import tree_map
 from tessel.errors import TesselError
 from tessel.package.format import Package
+from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, all_reduce_in_buckets, fusion_buckets
 from tessel.runtime.loader import load_rank
-from tessel.runtime.step_program import gather_weights
+from tessel.runtime.step_program import gather_weights, hand_over_gradients, made_order
 from tessel.runtime.worker import die_with_parent, make_groups
 from tessel.sharding.geometry import mesh_coordinate, piece
 from tessel.sharding.placements import placement_from_str
@@ -237,49 +243,6 @@ class _Step(torch.autograd.Function):
         return (None, None, *ctx.give(grad))
 
 
-# the replicas' gradient all-reduce buckets where `comm_fusion` sets none: up to 64 MB each
-DEFAULT_FUSION: tuple[str, Any] = ("size", 64.0)
-
-
-def fusion_buckets(
-    fusion: tuple[str, Any], indices: list[int], grads: list[torch.Tensor]
-) -> list[list[int]]:
-    """The gradients `indices` in the all-reduce buckets `fusion` gives: ("size", MB) each up
-    to that size, ("index", starts) each starting at one of those indices, ("each", None) one
-    per gradient."""
-    mode, value = fusion
-    if mode == "each":
-        return [[i] for i in indices]
-    out: list[list[int]] = []
-    if mode == "index":
-        for i in indices:
-            if not out or i in value:
-                out.append([])
-            out[-1].append(i)
-        return out
-    limit, size = value * 2**20, 0.0
-    for i in indices:
-        nbytes = grads[i].numel() * grads[i].element_size()
-        if not out or (size + nbytes > limit and out[-1]):
-            out.append([])
-            size = 0.0
-        out[-1].append(i)
-        size += nbytes
-    return out
-
-
-def all_reduce_in_buckets(
-    fusion: tuple[str, Any], tensors: list[torch.Tensor], indices: list[int], group: Any
-) -> None:
-    """Sum `tensors[i]` for i in `indices` over `group`, one all-reduce per bucket `fusion`
-    gives (see `fusion_buckets`); each tensor is replaced by its sum."""
-    for bucket in fusion_buckets(fusion, indices, tensors):
-        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
-        dist.all_reduce(flat, group=group)
-        for i, part in zip(bucket, flat.split([tensors[i].numel() for i in bucket])):
-            tensors[i] = part.view(tensors[i].shape).to(tensors[i].dtype)
-
-
 def loss_with_gradients(
     loss: torch.Tensor, parameters: Sequence[torch.Tensor], give: Any
 ) -> torch.Tensor:
@@ -394,6 +357,35 @@ class PlannedNetwork:
             if n not in trained_names and n not in self.tied
         }
         self.replicas = self.mesh["dp"].get_group() if self.dp > 1 else None
+        # gradients reduced whole over the replicas: those of weights stored replicated over
+        # them, and (unless gradients are sharded) the others too; their all-reduce starts in
+        # `fusion`'s buckets as the backward pass makes them ("size": consecutive in the order
+        # they are made, as DDP forms them)
+        self.whole = [
+            i
+            for i, t in enumerate(self.trained)
+            if t.stored[:1] == t.planned[:1] or not shard_gradients
+        ]
+        self.units: list[list[int]] = []
+        self.buckets = 0
+        # the call running: the gradients its program has handed over, and their all-reduce
+        self._handed: tuple[dict[int, torch.Tensor], InFlight] | None = None
+        if self.dp > 1:
+            grads = [
+                torch.empty(weights[position[t.name]].shape, dtype=t.parameter.dtype, device="meta")
+                for t in self.trained
+            ]
+            whole = set(self.whole)
+            made = made_order(self.program)
+            when = {i: k for k, i in enumerate(made)}
+            given = [i for i in made if i in whole] if fusion[0] == "size" else self.whole
+            # buckets in the order the program completes them, so each starts when made
+            self.units = sorted(
+                fusion_buckets(fusion, given, grads), key=lambda b: max(when[i] for i in b)
+            )
+            self.buckets = len(self.units)
+            self.units += [[i] for i in range(len(self.trained)) if i not in whole]
+            hand_over_gradients(self.program, self.units, self._take)
         self.comm_groups = sorted({g for s in manifest.submodels for g in s.comm_groups})
         # level3: the program's reads of a sharded weight (or a tied alias of one) gather it
         self.gathered_in_program: set[str] = set()
@@ -422,6 +414,22 @@ class PlannedNetwork:
                 if isinstance(p, Shard)
             )
         ]
+
+    def _take(self, unit: int, *grads: torch.Tensor) -> None:
+        """A unit's gradients, as the program makes them: kept, and a bucket's all-reduce
+        over the replicas started (unscaled: see `_same_on_replicas`)."""
+        assert self._handed is not None
+        handed, flight = self._handed
+        for i, g in zip(self.units[unit], grads):
+            handed[i] = g
+            if unit < self.buckets:
+                flight.give(i, g)
+
+    def _same_on_replicas(self, scale: torch.Tensor) -> bool:
+        """Whether every replica's loss has this incoming gradient `scale`."""
+        probe = torch.stack([scale, -scale]).reshape(2).to(torch.float32)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.replicas)
+        return bool(probe[0] == -probe[1])
 
     def _gather(self, index: int) -> torch.Tensor:
         """The weight of the program's `index`-th gather, placed as planned."""
@@ -462,36 +470,51 @@ class PlannedNetwork:
                 arguments.append(self._view(locals_[self.tied[name].source], name))
             else:
                 arguments.append(self.fixed[i])
+        trained = self.trained
         if self.dp > 1:
             flat_inputs = [x.chunk(self.dp)[self.replica] for x in flat_inputs]
-        with torch.no_grad():
-            loss, *grads = self.program(*arguments, *flat_inputs)
-        trained = self.trained
-        # the replicas' gradients are partial sums of the whole batch's mean: reduced on the
-        # way to each weight's stored placement
-        if self.dp > 1:
+            handed: dict[int, torch.Tensor] = {}
+            flight = InFlight(self.units[: self.buckets], self.replicas)
+            self._handed = (handed, flight)
+            try:
+                with torch.no_grad():
+                    (loss,) = self.program(*arguments, *flat_inputs)
+            finally:
+                self._handed = None
+            grads = [handed[i] for i in range(len(trained))]
+            # the replicas' losses are partial sums of the whole batch's mean
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.replicas)
             loss /= self.dp
+        else:
+            with torch.no_grad():
+                loss, *grads = self.program(*arguments, *flat_inputs)
 
         def give(scale: torch.Tensor) -> list[torch.Tensor]:
-            local = [(g * (scale / self.dp)).to(t.parameter.dtype) for t, g in zip(trained, grads)]
-            # the gradients reduced whole over the replicas, in one all-reduce: those of weights
-            # stored replicated over them, and (unless gradients are sharded) the others too
-            whole = [
-                i
-                for i, t in enumerate(trained)
-                if t.stored[:1] == t.planned[:1] or not self.shard_gradients
-            ]
+            factor = scale / self.dp
+            local: dict[int, torch.Tensor] = {}
             if self.dp > 1:
-                all_reduce_in_buckets(self.fusion, local, whole, self.replicas)
-            reduced = set(whole) if self.dp > 1 else set(range(len(trained)))
+                summed = flight.sums(grads.__getitem__)
+                if self._same_on_replicas(scale):  # the sums made in flight, scaled
+                    for i, g in summed.items():
+                        local[i] = g.mul_(factor).to(trained[i].parameter.dtype)
+            # the other gradients scaled here; where the replicas scaled their losses unlike,
+            # the whole ones are summed over the replicas again, scaled
+            unsummed = [i for i in self.whole if i not in local]
+            for i, (t, g) in enumerate(zip(trained, grads)):
+                if i not in local:
+                    local[i] = (g * factor).to(t.parameter.dtype)
+            if self.dp > 1 and unsummed:
+                summed = [local[i] for i in range(len(trained))]
+                all_reduce_in_buckets(self.fusion, summed, unsummed, self.replicas)
+                local.update((i, summed[i]) for i in unsummed)
             out = []
-            for i, (t, g) in enumerate(zip(trained, local)):
+            for i, t in enumerate(trained):
                 # the rest reach their stored placement (sharded over dp) by reduce-scatter
-                placements = t.planned if i in reduced else (Partial(), *t.planned[1:])
+                reduced = self.dp == 1 or i in self.whole
+                placements = t.planned if reduced else (Partial(), *t.planned[1:])
                 value = DTensor.from_local(
-                    g,
+                    local[i],
                     self.mesh,
                     placements,
                     run_check=False,

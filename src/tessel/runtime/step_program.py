@@ -67,6 +67,20 @@ def hand_over_gradients(
     gm.recompile()
 
 
+def made_order(gm: fx.GraphModule) -> list[int]:
+    """The program's gradient outputs (indices of the outputs after the loss) in the order its
+    nodes make them; those it passes through from an input come first."""
+    graph = gm.graph
+    outputs = list(graph.output_node().args[0])[1:]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def made_at(i: int) -> int:
+        g = outputs[i]
+        return order[g] if isinstance(g, fx.Node) else -1
+
+    return sorted(range(len(outputs)), key=made_at)
+
+
 def gather_weights(
     gm: fx.GraphModule,
     inputs: Mapping[int, tuple[int, str]],
