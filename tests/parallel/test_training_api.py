@@ -196,6 +196,16 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     for name, p in roomy.named_parameters():
         grad = p.grad.full_tensor().double()
         scaled[name.removeprefix("network.")] = [grad.sum().item(), grad.norm().item()]
+    # one loss's backward twice, scaled by 2 and then by 1: the gradients of 3 times the loss
+    for p in roomy.parameters():
+        p.grad = None
+    again = _loss(roomy(input_ids=rows, labels=rows, use_cache=False))
+    (again * 2).backward(retain_graph=True)
+    again.backward()
+    thrice = {}
+    for name, p in roomy.named_parameters():
+        grad = p.grad.full_tensor().double()
+        thrice[name.removeprefix("network.")] = [grad.sum().item(), grad.norm().item()]
     # hsdp level3: the program gathers each sharded weight where it reads it, forward and back;
     # each weight's shards held by 2 ranks (of the 4 or 2 replicating it)
     model, batches = _gpt2()
@@ -244,6 +254,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
                     "roomy_losses": roomy_losses,
                     "roomy_mesh": dict(zip(roomy.mesh.mesh_dim_names, roomy.mesh.shape)),
                     "roomy_scaled_grads": scaled,
+                    "roomy_thrice_grads": thrice,
                     "level3_losses": level3_losses,
                     "kept_losses": kept_losses,
                     "kept_mesh": dict(zip(kept.mesh.mesh_dim_names, kept.mesh.shape)),
@@ -418,6 +429,21 @@ def test_a_loss_scaled_differently_on_each_replica_weighs_its_gradients_so(four_
         assert got["roomy_scaled_grads"][name] == pytest.approx(
             [total_sum, norm], rel=1e-3, abs=1e-5
         ), name
+
+
+def test_a_second_backward_of_one_loss_adds_its_gradients_again(four_ranks):
+    # the first backward scales the sums made while the program ran; the second sums again
+    _, got = four_ranks
+    model, batches = _gpt2()
+    _train(model, batches)
+    dp = got["roomy_mesh"]["dp"]
+    rows = batches[0].chunk(dp)
+    loss = sum(model(input_ids=x, labels=x, use_cache=False).loss for x in rows) / dp
+    (3 * loss).backward()
+    assert set(got["roomy_thrice_grads"]) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        want = [p.grad.double().sum().item(), p.grad.double().norm().item()]
+        assert got["roomy_thrice_grads"][name] == pytest.approx(want, rel=1e-3, abs=1e-5), name
 
 
 def test_hsdp_level3_gathers_weights_in_the_program_and_trains_as_one_process(four_ranks):

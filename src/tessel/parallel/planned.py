@@ -490,12 +490,15 @@ class PlannedNetwork:
             with torch.no_grad():
                 loss, *grads = self.program(*arguments, *flat_inputs)
 
+        backwards: list[None] = []  # the loss's backward passes so far
+
         def give(scale: torch.Tensor) -> list[torch.Tensor]:
             factor = scale / self.dp
             local: dict[int, torch.Tensor] = {}
-            if self.dp > 1:
+            if self.dp > 1 and not backwards:
                 summed = flight.sums(grads.__getitem__)
-                if self._same_on_replicas(scale):  # the sums made in flight, scaled
+                # the sums made in flight, scaled in place (so only in the first backward)
+                if self._same_on_replicas(scale):
                     for i, g in summed.items():
                         local[i] = g.mul_(factor).to(trained[i].parameter.dtype)
             # the other gradients scaled here; where the replicas scaled their losses unlike,
@@ -504,6 +507,7 @@ class PlannedNetwork:
             for i, (t, g) in enumerate(zip(trained, grads)):
                 if i not in local:
                     local[i] = (g * factor).to(t.parameter.dtype)
+            backwards.append(None)
             if self.dp > 1 and unsummed:
                 summed = [local[i] for i in range(len(trained))]
                 all_reduce_in_buckets(self.fusion, summed, unsummed, self.replicas)
