@@ -116,6 +116,23 @@ def test_plan_reports_an_op_without_a_rule_as_a_fallback():
     assert plan["fallback_ops"] == {"aten.searchsorted.Tensor": 1}
 
 
+class _SumOfAll(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        # an empty dim list sums every dim; DTensor's rule keeps the input's Shard for it
+        return torch.ops.aten.sum.dim_IntList(h, []) * h
+
+
+def test_a_strategy_sharding_a_dim_its_value_lacks_is_not_planned():
+    torch.manual_seed(0)
+    built = tessel.build(_SumOfAll().eval(), (torch.randn(4, 8),), cluster=2)  # checks eager
+    assert built.manifest["plan"]["fallbacks"] == []
+
+
 def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypatch):
     """A lowered program that holds more than its device (buffers the memory model does not
     see) makes the planner keep memory free and plan again; the plan says so."""

@@ -15,6 +15,7 @@ from tessel.plan import cost
 from tessel.plan.strategies import (
     DTensorSpec,
     Replicate,
+    Shard,
     Strategy,
     as_op_strategy,
     op_strategies,
@@ -183,12 +184,35 @@ def _op_choices(
             )
     if found is None:
         return _replicated(n, mesh, "fallback", "no DTensor sharding rule")
-    found = [s for s in found if len(s.inputs) == len(args) and strategy_key(s) not in banned]
+    found = [
+        s
+        for s in found
+        if len(s.inputs) == len(args)
+        and strategy_key(s) not in banned
+        and _shards_dims_it_has(s, n, args)
+    ]
     # on an axis of one device every placement is the whole tensor: Replicate stands for all
     found = [s for s in found if _replicated_on_single_axes(s, mesh)] or found
     if not found:
         return _replicated(n, mesh, "fallback", "rule gave no strategy for these arguments")
     return NodeChoices(n, "op", found, args)
+
+
+def _shards_dims_it_has(s: Strategy, n: fx.Node, args: list[fx.Node]) -> bool:
+    """Whether each value the strategy shards has the dim it shards: a rule may give a
+    result it reduces to 0 dims its input's Shard (sum over an empty dim list, which sums
+    every dim), and that placement places nothing."""
+    val = n.meta.get("val")
+    outputs = s.output if isinstance(s.output, tuple) else (s.output,)
+    values = tuple(val) if isinstance(val, (tuple, list)) else (val,)
+    pairs = [*zip(outputs, values), *zip(s.inputs, (a.meta.get("val") for a in args))]
+    return all(
+        p.dim < v.dim()
+        for spec, v in pairs
+        if spec is not None and isinstance(v, torch.Tensor)
+        for p in spec.placements
+        if isinstance(p, Shard)
+    )
 
 
 def _replicated_on_single_axes(s: Strategy, mesh: DeviceMesh) -> bool:
