@@ -115,15 +115,20 @@ def _megatron_mlps(model, layout) -> None:
         })  # fmt: skip
 
 
-def _semi_auto_gpt2(rank: int, world: int, layout, inner: int | None = None, rows: int = 8):
+def _semi_auto_gpt2(
+    rank: int, world: int, layout, inner: int | None = None, rows: int = 8, folder=None
+):
     """GPT-2 under semi_auto with its MLPs annotated on `layout`: losses, and what ran data
     parallel. The rest (attention on CPU flash attention, norms, the tied embedding) carries
-    no annotation."""
+    no annotation. With `folder`, its strategy and group files are saved there."""
     model, batches = _gpt2(rows, inner)
     _megatron_mlps(model, layout)
     seen = []
     model.transformer.ln_f.register_forward_pre_hook(lambda _, a: seen.append(a[0]))
     net = AutoParallel(model, "semi_auto")
+    if folder is not None:
+        net.save_param_strategy_file(f"{folder}/semi_auto_{rank}.json")
+        net.set_group_ckpt_save_file(f"{folder}/semi_auto_groups_{rank}.pb")
     # one backward, to see the gradients' placements before the steps clear them
     x = batches[0].chunk(world)[rank]
     net(input_ids=x, labels=x, use_cache=False).loss.backward()
@@ -169,7 +174,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     params = dict(net.named_parameters())
     state = net.state_dict()
     pipelined = _pipelines(rank, world, folder)
-    semi_auto = _semi_auto_gpt2(rank, world, Layout((2, world // 2), ("dp", "tp")))
+    semi_auto = _semi_auto_gpt2(rank, world, Layout((2, world // 2), ("dp", "tp")), folder=folder)
     # the inputs placed by Layouts: rows split over dp, the tp ranks of a dp group alike
     model, batches = _gpt2()
     grid = Layout((2, world // 2), ("dp", "tp"))
@@ -565,6 +570,28 @@ def test_group_file_lists_the_ranks_that_hold_the_same_shards(four_ranks):
         assert restore_group_info_list(str(folder / f"groups_{rank}.pb")) == [rank]
 
 
+def test_semi_auto_saves_the_layouts_its_parameters_run_with(four_ranks):
+    from tessel.checkpoint.strategy import load_strategy
+    from tessel.parallel import restore_group_info_list
+
+    folder, _ = four_ranks
+    model, _ = _gpt2()
+    for rank in range(4):
+        strategy = load_strategy(str(folder / f"semi_auto_{rank}.json"))
+        # every trained parameter (the tied embedding once), on the (dp, tp) = (2, 2) layout
+        # where annotated, replicated over the four ranks elsewhere
+        assert set(strategy.params) == {n for n, _ in model.named_parameters()}
+        c_fc = strategy.params["transformer.h.0.mlp.c_fc.weight"]
+        assert list(c_fc.dev_matrix) == [2, 2]
+        assert [list(axes) for axes in c_fc.tensor_map] == [[], [0]]  # columns over tp
+        wte = strategy.params["transformer.wte.weight"]
+        assert all(not axes for axes in wte.tensor_map)
+        # the MLPs split over tp: a rank's dp partner (same tp coordinate) holds its shards
+        assert restore_group_info_list(str(folder / f"semi_auto_groups_{rank}.pb")) == sorted(
+            {rank, rank ^ 2}
+        )
+
+
 # -- two ranks: shard annotations ---------------------------------------------------------
 
 
@@ -864,6 +891,21 @@ def test_auto_parallel_refuses_bad_construction():
 def test_auto_parallel_methods_refuse_by_name(one_rank, call, error, match):
     net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")
     with pytest.raises(error, match=match):
+        call(net)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda n: n.save_param_strategy_file("strategy.json"),
+        lambda n: n.set_group_ckpt_save_file("groups.pb"),
+    ],
+)
+def test_files_of_layouts_are_refused_for_pipeline_stages(one_rank, call):
+    net = AutoParallel(
+        Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), 1, {"0": 0}), "semi_auto"
+    )
+    with pytest.raises(ParallelError, match="not built for pipeline stages"):
         call(net)
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from tessel._torch import tree_flatten, tree_unflatten
@@ -113,6 +115,7 @@ class AutoParallel(torch.nn.Module):
         self._group_save: str | None = None
         self._planned: PlannedNetwork | None = None
         self._form: tuple | None = None
+        self._placed = False  # the parameters are placed: the first call has run
 
     @property
     def mesh(self) -> Any:
@@ -141,15 +144,29 @@ class AutoParallel(torch.nn.Module):
     def save_param_strategy_file(self, file_path: str) -> None:
         """Write the trained parameters' layouts on the first call: tessel JSON for a `.json`
         path, MindSpore's protobuf otherwise; `tessel ckpt` reads both."""
-        self._strategy_save = _path_argument("save_param_strategy_file", file_path)
-        if self._planned is not None:
+        path = _path_argument("save_param_strategy_file", file_path)
+        self._refuse_for_stages("save_param_strategy_file")
+        self._strategy_save = path
+        if self._placed:
             self._save_strategy()
 
     def set_group_ckpt_save_file(self, file_path: str) -> None:
-        """Write the communication groups (MindSpore's group-info protobuf) on the first call."""
-        self._group_save = _path_argument("set_group_ckpt_save_file", file_path)
-        if self._planned is not None:
+        """Write the communication groups (MindSpore's group-info protobuf) on the first call:
+        the groups of the plan's program, or (semi_auto) of each mesh dim the parameters are
+        placed on, and the ranks holding the same shards as this one."""
+        path = _path_argument("set_group_ckpt_save_file", file_path)
+        self._refuse_for_stages("set_group_ckpt_save_file")
+        self._group_save = path
+        if self._placed:
             self._save_groups()
+
+    def _refuse_for_stages(self, method: str) -> None:
+        if isinstance(self.network, Pipeline):
+            raise ParallelError(
+                f"{method}: a Pipeline network's ranks each hold their stages' parameters as "
+                "plain tensors, which no layout over the job's ranks describes; not built for "
+                "pipeline stages"
+            )
 
     def dataset_strategy(self, config: str | tuple) -> None:
         """ "data_parallel": each rank's call holds its slice of the batch, rank order;
@@ -387,10 +404,7 @@ class AutoParallel(torch.nn.Module):
                     fusion=self._fusion,
                 )
             self._form = form
-            if self._strategy_save is not None:
-                self._save_strategy()
-            if self._group_save is not None:
-                self._save_groups()
+            self._first_call_done()
         if form != self._form:
             raise ParallelError(
                 f"AutoParallel: the network was planned for a call of the form {self._form}; "
@@ -420,9 +434,19 @@ class AutoParallel(torch.nn.Module):
         placed_iter = iter(placed)
         leaves = [next(placed_iter) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = tree_unflatten(leaves, spec)
+        if not self._placed:
+            self._first_call_done()
         with data_parallel(mesh):
             out = self.network(*args, **kwargs)
         return whole(out, self._reduce_gradients)
+
+    def _first_call_done(self) -> None:
+        """The parameters are placed: the files asked for are written."""
+        self._placed = True
+        if self._strategy_save is not None:
+            self._save_strategy()
+        if self._group_save is not None:
+            self._save_groups()
 
     @staticmethod
     def _rows_of_ranks(tensors: list[torch.Tensor], mesh: Any) -> list[DTensor]:
@@ -524,15 +548,22 @@ class AutoParallel(torch.nn.Module):
 
     # -- files --------------------------------------------------------------------------
 
+    def _trained(self) -> list[tuple[str, DTensor]]:
+        """The trained parameters, each a DTensor on its mesh, under the network's names."""
+        if self._planned is not None:
+            return [(t.name, t.parameter) for t in self._planned.trained]
+        return [
+            (name, p)
+            for name, p in self.network.named_parameters()
+            if isinstance(p, DTensor) and p.requires_grad
+        ]
+
     def _strategy(self) -> Strategy:
-        assert self._planned is not None
         params = {}
-        mesh = self._planned.mesh
-        for t in self._planned.trained:
-            value = t.parameter
-            layout = layout_from_dtensor(mesh, value.placements, value.dim())
-            params[t.name] = param_from_layout(
-                t.name, layout, tuple(value.shape), value.dtype, 0, 0, 0, "AutoParallel"
+        for name, value in self._trained():
+            layout = layout_from_dtensor(value.device_mesh, value.placements, value.dim())
+            params[name] = param_from_layout(
+                name, layout, tuple(value.shape), value.dtype, 0, 0, 0, "AutoParallel"
             )
         return Strategy(params, "AutoParallel", {"world_size": dist.get_world_size()})
 
@@ -549,11 +580,44 @@ class AutoParallel(torch.nn.Module):
 
     def _save_groups(self) -> None:
         path = self._group_save
-        assert self._planned is not None and path is not None
-        groups = {f"group_{i}": list(g) for i, g in enumerate(self._planned.comm_groups)}
-        data = write_group_info(groups, self._planned.identical_ranks())
+        assert path is not None
+        trained = [p for _, p in self._trained()]
+        if self._planned is not None:
+            comm_groups = self._planned.comm_groups
+        else:
+            comm_groups = mesh_dim_groups(p.device_mesh for p in trained)
+        groups = {f"group_{i}": list(g) for i, g in enumerate(comm_groups)}
+        data = write_group_info(groups, identical_ranks(trained, dist.get_rank()))
         with replace_atomically(path) as tmp:
             tmp.write_bytes(data)
+
+
+def mesh_dim_groups(meshes: Iterable[DeviceMesh]) -> list[tuple[int, ...]]:
+    """The groups of ranks along each dim of several ranks of `meshes`, in order."""
+    found = set()
+    for mesh in meshes:
+        for d, size in enumerate(mesh.shape):
+            if size > 1:
+                along = mesh.mesh.movedim(d, -1).reshape(-1, size)
+                found.update(tuple(int(r) for r in row) for row in along)
+    return sorted(found)
+
+
+def identical_ranks(parameters: Sequence[DTensor], rank: int) -> list[int]:
+    """The ranks holding the same shard of every parameter as `rank`: any of their
+    checkpoints stands in for its."""
+
+    def coordinate(mesh: DeviceMesh, r: int) -> tuple[int, ...] | None:
+        found = (mesh.mesh == r).nonzero()
+        return tuple(found[0].tolist()) if len(found) else None
+
+    def same_shard(p: DTensor, r: int) -> bool:
+        mine, theirs = coordinate(p.device_mesh, rank), coordinate(p.device_mesh, r)
+        if mine is None or theirs is None:
+            return mine == theirs  # neither holds any of it
+        return all(a == b for x, a, b in zip(p.placements, mine, theirs) if isinstance(x, Shard))
+
+    return [r for r in range(dist.get_world_size()) if all(same_shard(p, r) for p in parameters)]
 
 
 def _annotated(network: torch.nn.Module) -> bool:

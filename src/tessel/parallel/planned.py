@@ -44,7 +44,7 @@ from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, all_reduce_in_buck
 from tessel.runtime.loader import load_rank
 from tessel.runtime.step_program import gather_weights, hand_over_gradients, made_order
 from tessel.runtime.worker import die_with_parent, make_groups
-from tessel.sharding.geometry import mesh_coordinate, piece
+from tessel.sharding.geometry import piece
 from tessel.sharding.placements import placement_from_str
 
 _TIME_LIMIT = 60.0  # seconds the solver may take for one plan
@@ -398,22 +398,6 @@ class PlannedNetwork:
             }
             self.gathers = gather_weights(self.program, inputs, self._gather, self._view)
             self.gathered_in_program = {n for _, n in inputs.values()}
-
-    def identical_ranks(self) -> list[int]:
-        """The ranks holding the same shard of every trained weight as this rank: any of
-        their checkpoints stands in for this rank's."""
-        rank, shape = dist.get_rank(), self.mesh.shape
-        mine = mesh_coordinate(rank, shape)
-        return [
-            r
-            for r in range(self.mesh.size())
-            if all(
-                a == b
-                for t in self.trained
-                for p, a, b in zip(t.stored, mine, mesh_coordinate(r, shape))
-                if isinstance(p, Shard)
-            )
-        ]
 
     def _take(self, unit: int, *grads: torch.Tensor) -> None:
         """A unit's gradients, as the program makes them: kept, and a bucket's all-reduce
