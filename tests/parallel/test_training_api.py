@@ -315,6 +315,16 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
         tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
         save_file(tied, f"{folder}/tied_{run}_{rank}.safetensors")
         out[f"pipeline_{run}"] = losses
+    # recursive_programming in 2 stages: the planner cuts GPT-2 itself, each rank passing its
+    # rows of the batch as without stages
+    model, batches = _gpt2()
+    cut = AutoParallel(model, "recursive_programming")
+    cut.pipeline(stages=2)
+    out["planner_cut_losses"] = _train_parallel(cut, batches, rank, world)
+    out["planner_cut"] = [cut.network.cuts, cut.network.micro_size, cut.get_pipeline_stages()]
+    state = cut.state_dict()
+    tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
+    save_file(tied, f"{folder}/tied_planner_cut_{rank}.safetensors")
     try:
         model, batches = _gpt2()
         Pipeline(model, 1, STAGES)(input_ids=batches[0], labels=batches[0])
@@ -554,6 +564,45 @@ def test_pipeline_stages_with_data_parallel_train_as_one_process(four_ranks, run
     assert len(copies) >= 4  # both stages of both replicas hold one
     for copy in copies:
         torch.testing.assert_close(copy, embedding, atol=1e-6, rtol=0)
+
+
+def test_recursive_programming_cuts_pipeline_stages_and_trains_as_one_process(four_ranks):
+    folder, got = four_ranks
+    model, batches = _gpt2()
+    assert got["planner_cut_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
+    # GPT-2's two blocks, one per stage; each replica's 4 rows in 2 micro-batches
+    assert got["planner_cut"] == [{"1": "transformer.h.1"}, 2, 2]
+    embedding = model.transformer.wte.weight.detach()
+    for rank in range(4):
+        for copy in load_file(str(folder / f"tied_planner_cut_{rank}.safetensors")).values():
+            torch.testing.assert_close(copy, embedding, atol=1e-6, rtol=0)
+
+
+def test_the_planners_stage_cut_weighs_each_block_and_the_output_layer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tessel.parallel.stage_cuts import _least_largest, balanced_stage_config
+
+    assert _least_largest([1, 1, 1, 1], 2) == [2]
+    assert _least_largest([1, 1, 1, 5], 2) == [3]
+    assert _least_largest([3, 1, 1, 1, 1, 4], 3) == [1, 5]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=4096,
+    )  # fmt: skip
+    ids = torch.randint(0, 4096, (1, 16))
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    # the output layer (64 x 4096) outweighs the four layers together: a stage of its own
+    got = balanced_stage_config(LlamaForCausalLM(config), (), inputs, 2)
+    assert got == {"model.embed_tokens": 0, "model.norm": 1}
+    config.vocab_size = 64  # now the layers weigh most: two each
+    ids = ids % 64
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    got = balanced_stage_config(LlamaForCausalLM(config), (), inputs, 2)
+    assert got == {"model.embed_tokens": 0, "model.layers.2": 1}
+    with pytest.raises(ParallelError, match="4 repeated blocks .* into 5 stages"):
+        balanced_stage_config(LlamaForCausalLM(config), (), inputs, 5)
 
 
 def test_pipeline_micro_size_must_cover_the_stages(four_ranks):
@@ -844,8 +893,7 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.pipeline(stages=0), ValueError, "stages must be at least 1"),
         (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),
         (lambda n: n.pipeline(scheduler="zb"), ValueError, "scheduler must be one of"),
-        (lambda n: n.pipeline(stages=2), ParallelError, "run a tessel.parallel.nn.Pipeline"),
-        (lambda n: n.pipeline(interleave=True), ParallelError, "run a tessel.parallel.nn.Pipeline"),
+        (lambda n: n.pipeline(stages=2, interleave=True), ParallelError, "planner cuts one"),
         (lambda n: n.dataset_strategy(None), ValueError, "config must not be None"),
         (lambda n: n.dataset_strategy(3), TypeError, "config must be 'data_parallel'"),
         (lambda n: n.dataset_strategy("rows"), ValueError, "must be 'data_parallel' or"),
@@ -907,6 +955,13 @@ def test_files_of_layouts_are_refused_for_pipeline_stages(one_rank, call):
     )
     with pytest.raises(ParallelError, match="not built for pipeline stages"):
         call(net)
+
+
+def test_stages_of_a_plain_network_are_cut_only_by_the_planner(one_rank):
+    for mode in ("semi_auto", "sharding_propagation"):
+        net = AutoParallel(torch.nn.Linear(2, 2), mode)
+        with pytest.raises(ParallelError, match="run a tessel.parallel.nn.Pipeline"):
+            net.pipeline(stages=2)
 
 
 def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):

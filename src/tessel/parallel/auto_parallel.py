@@ -13,6 +13,7 @@ name with the reason. The network returns its loss (a scalar, or an output with 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from tessel._torch import tree_flatten, tree_unflatten
+from tessel._torch import tree_flatten, tree_map, tree_unflatten
 from tessel.atomic import replace_atomically
 from tessel.checkpoint.dtensor import layout_from_dtensor
 from tessel.checkpoint.errors import StrategyError
@@ -45,7 +46,13 @@ from tessel.parallel.annotate import (
 )
 from tessel.parallel.buckets import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.parallel.pipeline import Pipeline
-from tessel.parallel.planned import ParallelError, PlannedNetwork, planned_package
+from tessel.parallel.planned import (
+    ParallelError,
+    PlannedNetwork,
+    broadcast_bytes,
+    planned_package,
+)
+from tessel.parallel.stage_cuts import balanced_stage_config, micro_batches_for
 from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
@@ -116,6 +123,7 @@ class AutoParallel(torch.nn.Module):
         self._planned: PlannedNetwork | None = None
         self._form: tuple | None = None
         self._placed = False  # the parameters are placed: the first call has run
+        self._scheduler = "1f1b"  # of the stages the planner cuts
 
     @property
     def mesh(self) -> Any:
@@ -161,11 +169,11 @@ class AutoParallel(torch.nn.Module):
             self._save_groups()
 
     def _refuse_for_stages(self, method: str) -> None:
-        if isinstance(self.network, Pipeline):
+        if isinstance(self.network, Pipeline) or self._stages > 1:
             raise ParallelError(
-                f"{method}: a Pipeline network's ranks each hold their stages' parameters as "
-                "plain tensors, which no layout over the job's ranks describes; not built for "
-                "pipeline stages"
+                f"{method}: in pipeline stages each rank holds its stages' parameters as "
+                "plain tensors, which no layout over the job's ranks describes; strategy and "
+                "group files are not built for pipeline stages"
             )
 
     def dataset_strategy(self, config: str | tuple) -> None:
@@ -248,22 +256,38 @@ class AutoParallel(torch.nn.Module):
         interleave: bool = False,
         scheduler: str = "1f1b",
     ) -> None:
-        """Run a `Pipeline` network on `stages` pipeline ranks under `scheduler` (semi_auto).
-        Its loss reaches every stage whatever `output_broadcast` says. With `interleave`, the
-        Pipeline's stage_config may give a multiple of `stages` stages: pipeline rank r runs
-        stages r, r + stages, ... under 1F1B interleaved ("1f1b") or looped breadth-first
-        ("gpipe")."""
+        """Run the network in `stages` pipeline stages under `scheduler`, data parallel over
+        the rest of the ranks. semi_auto: a `Pipeline` network, cut by its stage_config; with
+        `interleave`, that may give a multiple of `stages` stages: pipeline rank r runs stages
+        r, r + stages, ... under 1F1B interleaved ("1f1b") or looped breadth-first ("gpipe").
+        recursive_programming: a plain network, which the first call cuts into stages of
+        about equal work (`stage_cuts`), in as few micro-batches as cover the stages; it then
+        returns the whole batch's mean loss, and the optimizer is made over this rank's
+        stage's parameters after it. The loss reaches every stage whatever
+        `output_broadcast` says."""
         _int_argument("pipeline", "stages", stages, 1)
         if scheduler not in SCHEDULERS:
             raise ValueError(
                 f"pipeline: scheduler must be one of {list(SCHEDULERS)}, found {scheduler!r}"
             )
-        if stages > 1 or interleave:
+        planner_cuts = self.parallel_mode == "recursive_programming" and not isinstance(
+            self.network, Pipeline
+        )
+        if planner_cuts and interleave:
+            raise ParallelError(
+                "pipeline: the planner cuts one stage per pipeline rank; for interleaved "
+                "stages give a Pipeline network a stage_config, in 'semi_auto'"
+            )
+        if planner_cuts and stages > 1:
+            if self._planned is not None:
+                raise ParallelError("pipeline: the network is already planned without stages")
+            self._scheduler = scheduler
+        elif stages > 1 or interleave:
             if self.parallel_mode != "semi_auto" or not isinstance(self.network, Pipeline):
                 raise ParallelError(
                     "pipeline: stages in AutoParallel run a tessel.parallel.nn.Pipeline "
-                    "network in 'semi_auto' mode; tessel's planner does not cut stages here "
-                    "(tessel.build does, with the policy's pipe_stage_num)"
+                    "network in 'semi_auto' mode, or a plain network the planner cuts in "
+                    "'recursive_programming'"
                 )
             cut = self.network.stages
             if interleave and cut % stages:
@@ -278,6 +302,8 @@ class AutoParallel(torch.nn.Module):
                 )
             self.network.scheduler = scheduler
             self.network.pipeline_ranks = stages
+        if stages > 1 and (self._strategy_save or self._group_save):
+            self._refuse_for_stages("pipeline")
         self._stages = stages
 
     def get_pipeline_stages(self) -> int:
@@ -365,6 +391,8 @@ class AutoParallel(torch.nn.Module):
         leaves, spec = tree_flatten((args, kwargs))
         if self.parallel_mode == "semi_auto":
             return self._data_parallel(leaves, spec)
+        if self._stages > 1:
+            return self._in_stages(leaves, spec)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         whole = iter([self._whole_batch(i, x) for i, x in enumerate(tensors)])
         leaves = [next(whole) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -418,6 +446,63 @@ class AutoParallel(torch.nn.Module):
                 f"this call gives {found}"
             )
         return self._planned(inputs)
+
+    def _in_stages(self, leaves: list, spec: Any) -> torch.Tensor:
+        """recursive_programming in pipeline stages: the first call cuts the network (rank 0
+        weighs it, every rank takes its cut) and runs it as a `Pipeline` on the pipeline
+        ranks, data parallel over the rest; each replica passes its rows of the whole batch.
+        Returns the whole batch's mean loss (the mean of the micro-batches' losses)."""
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        whole = [self._whole_batch(i, x) for i, x in enumerate(tensors)]
+        world = dist.get_world_size()
+        if world % self._stages:
+            raise ParallelError(f"pipeline: {self._stages} stages do not divide the {world} ranks")
+        dp = world // self._stages
+        if not whole or any(x.dim() == 0 or x.shape[0] % dp for x in whole):
+            raise ParallelError(
+                f"AutoParallel: pipeline stages give each of {dp} data-parallel replicas its "
+                f"rows of the whole batch; the inputs {[tuple(x.shape) for x in whole]} do "
+                "not split so"
+            )
+        mine = iter([x.chunk(dp)[dist.get_rank() % dp] for x in whole])
+        args, kwargs = tree_unflatten(
+            [next(mine) if isinstance(x, torch.Tensor) else x for x in leaves], spec
+        )
+        if not isinstance(self.network, Pipeline):
+            for asked, method in (
+                (self._hsdp, "hsdp"),
+                (self._strategy_load, "load_param_strategy_file"),
+            ):
+                if asked is not None:
+                    raise ParallelError(
+                        f"{method}: not built for the pipeline stages the planner cuts (they "
+                        "run data parallel, each rank holding its stages' whole parameters)"
+                    )
+            micro = micro_batches_for(whole[0].shape[0] // dp, self._stages)
+            config = self._stage_config(args, kwargs, micro, tensors[0].device)
+            pipeline = Pipeline(self.network, micro, config)
+            pipeline.scheduler = self._scheduler
+            pipeline.pipeline_ranks = self._stages
+            self.network = pipeline  # what this rank trains: its stage's modules
+        self.network.fusion = self._fusion
+        return self.network(*args, **kwargs) / self.network.micro_size
+
+    def _stage_config(self, args: tuple, kwargs: dict, micro: int, device: torch.device) -> dict:
+        """Rank 0's balanced cut of the network, on one micro-batch, on every rank."""
+        config, failure = {}, ""
+        if dist.get_rank() == 0:
+            one = tree_map(
+                lambda x: x.chunk(micro)[0] if isinstance(x, torch.Tensor) else x, (args, kwargs)
+            )
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    config = balanced_stage_config(self.network, *one, self._stages)
+            except ParallelError as exc:  # every rank must hear of it
+                failure = str(exc)
+        failure = broadcast_bytes(failure.encode(), device).decode()
+        if failure:
+            raise ParallelError(failure)
+        return json.loads(broadcast_bytes(json.dumps(config).encode(), device))
 
     def _data_parallel(self, leaves: list, spec: Any) -> Any:
         """semi_auto: the network run on DTensors, its annotated regions as `shard` placed

@@ -127,10 +127,10 @@ def planned_package(
             data, failure = _plan_on_rank0(
                 network, args, kwargs, device, cluster, fixed, replicas, world
             )
-    failure = _broadcast_bytes(failure.encode(), device).decode()
+    failure = broadcast_bytes(failure.encode(), device).decode()
     if failure:
         raise ParallelError(failure)
-    data = _broadcast_bytes(data, device)
+    data = broadcast_bytes(data, device)
     handle, path = tempfile.mkstemp(prefix="tessel-plan-", suffix=".tessel")
     try:
         with os.fdopen(handle, "wb") as f:
@@ -203,7 +203,7 @@ def _on_cpu(network: torch.nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in (*network.parameters(), *network.buffers()))
 
 
-def _broadcast_bytes(data: bytes, device: torch.device) -> bytes:
+def broadcast_bytes(data: bytes, device: torch.device) -> bytes:
     """Rank 0's `data` on every rank."""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
