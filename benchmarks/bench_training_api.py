@@ -5,10 +5,12 @@ width 256, vocab 8192, seq 128, global batch 8, fp32, AdamW; gloo, one thread pe
   - step time on 4 ranks: torch's compositions as torchtitan makes them, FSDP2 + TP on a
     2 x 2 mesh (the Megatron plan on `tp`, `fully_shard` over `dp`) and pipelining x FSDP2 on
     a pp 2 x dp 2 mesh (the stages cut as below, 1F1B over 2 micro-batches), against
-    `AutoParallel(model, "recursive_programming")` (the planner's choice) and against the same
+    `AutoParallel(model, "recursive_programming")` (the planner's choice), against the same
     pp 2 x dp 2 composition made with tessel.parallel (`nn.Pipeline` with the same stages and
-    micro-batches, `pipeline(stages=2)`, data parallel over the rest), the median of 10 steps
-    after 3 warm-up steps, and the planning time of AutoParallel's first call;
+    micro-batches, `pipeline(stages=2)`, data parallel over the rest), and against
+    `AutoParallel(model, "recursive_programming")` with `pipeline(stages=2)` (the planner
+    cutting the stages), the median of 10 steps after 3 warm-up steps, and the planning time
+    of AutoParallel's first call;
   - the pipeline bubble: `nn.Pipeline` with 2 stages on 2 ranks and m micro-batches under
     1F1B, its step time T against C, one process running the same micro-batches through the
     whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1);
@@ -91,8 +93,10 @@ def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -
         from tessel.parallel import AutoParallel
         from tessel.parallel.nn import Pipeline
 
-        if kind == "tessel":
+        if kind in ("tessel", "tessel_cut"):
             net = AutoParallel(model, "recursive_programming")
+            if kind == "tessel_cut":  # the planner cuts 2 stages
+                net.pipeline(stages=2)
             rows = BATCH // world
             mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in data.items()}
         elif kind == "tessel_pp":  # pp 2 x dp 2: the ranks of a replica pass its rows
@@ -110,6 +114,8 @@ def _worker(rank: int, kind: str, world: int, port: int, micro: int, out: str) -
         result["first_call_s"] = time.perf_counter() - t
         if kind == "tessel":  # the shape the planner chose
             result["mesh"] = dict(zip(net.mesh.mesh_dim_names, net.mesh.shape))
+        if kind == "tessel_cut":  # where it cut
+            result["cut"] = net.network.cuts
         optimizer = adamw(net)
         loss.backward()
         optimizer.step()
@@ -221,6 +227,8 @@ def main() -> None:
         tessel = _run("tessel", 4)
         tessel_step = statistics.median(tessel["times"])
         tessel_pp_step = statistics.median(_run("tessel_pp", 4, 2)["times"])
+        cut = _run("tessel_cut", 4)
+        cut_step = statistics.median(cut["times"])
         rows.append(
             f"round {r}: step on 4 ranks  torch FSDP2+TP {torch_step * 1e3:7.1f} ms  "
             f"torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  tessel AutoParallel "
@@ -233,6 +241,13 @@ def main() -> None:
             f"round {r}: pp 2 x dp 2 on 4 ranks  torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  "
             f"tessel Pipeline x data parallel {tessel_pp_step * 1e3:7.1f} ms  ratio "
             f"{tessel_pp_step / torch_pp_step:.2f}"
+        )
+        print(rows[-1], flush=True)
+        rows.append(
+            f"round {r}: pp 2 x dp 2 on 4 ranks  torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  "
+            f"tessel AutoParallel, stages cut by the planner {cut_step * 1e3:7.1f} ms  ratio "
+            f"{cut_step / torch_pp_step:.2f}  (cut before {cut['cut']}, first call "
+            f"{cut['first_call_s']:.1f} s)"
         )
         print(rows[-1], flush=True)
         for m in args.micro:
