@@ -601,8 +601,11 @@ def test_the_planners_stage_cut_weighs_each_block_and_the_output_layer():
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     got = balanced_stage_config(LlamaForCausalLM(config), (), inputs, 2)
     assert got == {"model.embed_tokens": 0, "model.layers.2": 1}
-    with pytest.raises(ParallelError, match="4 repeated blocks .* into 5 stages"):
-        balanced_stage_config(LlamaForCausalLM(config), (), inputs, 5)
+    # four layers, the norm and the output layer: six places a stage can start
+    with pytest.raises(ParallelError, match="has 6 places to start a stage .* into 7 stages"):
+        balanced_stage_config(LlamaForCausalLM(config), (), inputs, 7)
+    with pytest.raises(ParallelError, match="runs no repeated blocks"):
+        balanced_stage_config(torch.nn.Linear(2, 1), (torch.ones(1, 2),), {}, 2)
 
 
 def test_pipeline_micro_size_must_cover_the_stages(four_ranks):

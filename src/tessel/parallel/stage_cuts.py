@@ -63,15 +63,14 @@ def balanced_stage_config(
 ) -> dict[str, int]:
     """A `stage_config` cutting `network` (called on one micro-batch `args`, `kwargs`) into
     `stages` stages of about equal work (see the module docstring)."""
-    blocks = _blocks(network)
-    if len(blocks) < stages:
-        raise ParallelError(
-            f"pipeline: the network has {len(blocks)} repeated blocks (members of its module "
-            f"lists) to cut into {stages} stages; give a Pipeline network a stage_config"
-        )
     flops, order = _work(network, args, kwargs)
-    chosen = set(blocks)
+    chosen = set(_blocks(network))
     called = [b for b in order if b in chosen]
+    if not called:
+        raise ParallelError(
+            "pipeline: the network runs no repeated blocks (members of its module lists) to "
+            "cut into stages; give a Pipeline network a stage_config"
+        )
     inside = tuple(f"{b}." for b in called)
     holding = {b.rsplit(".", k)[0] for b in called for k in range(1, b.count(".") + 1)} | {""}
     # the outermost modules outside the blocks, before the first block or after the last
@@ -86,6 +85,12 @@ def balanced_stage_config(
     before = [n for n in tops if order.index(n) < order.index(called[0])]
     after = [n for n in tops if order.index(n) > order.index(called[-1])]
     items = called + after  # a stage starts at one of these
+    if len(items) < stages:
+        raise ParallelError(
+            f"pipeline: the network has {len(items)} places to start a stage (its repeated "
+            f"blocks and the modules after them) to cut into {stages} stages; give a Pipeline "
+            "network a stage_config"
+        )
     work = [float(flops.get(n, 0)) for n in items]
     work[0] += sum(flops.get(n, 0) for n in before)
     counted = sum(flops.get(n, 0) for n in (*before, *items))
