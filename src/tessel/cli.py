@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from tessel.config.errors import ConfigError
@@ -288,6 +289,10 @@ def _configure_logging(value: str) -> None:
     )
     if level is None:
         logging.disable(logging.CRITICAL)
+    if level is None or level > logging.DEBUG:
+        # the workers' torch (C++) keeps its warnings to itself: a worker still joining its
+        # group when another fails warns of the reset connection, and the failure is one line
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def main(argv: list[str] | None = None) -> int:

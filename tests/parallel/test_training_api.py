@@ -750,15 +750,36 @@ def _two_ranks(rank: int, world: int, folder: str) -> None:
         except (KeyError, ValueError, TypeError) as exc:
             errors[key] = f"{type(exc).__name__}: {exc}"
     out["errors"] = errors
+    # a network the planner cannot cut: every rank hears why from rank 0, none waits
+    net = AutoParallel(_Summed(), "recursive_programming")
+    net.pipeline(stages=2)
+    try:
+        net(torch.ones(2, 4))
+        out["uncut"] = "accepted"
+    except ParallelError as exc:
+        out["uncut"] = str(exc)
     if rank == 0:
         Path(folder, "results.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+class _Summed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two_ranks")
     return _spawn(_two_ranks, 2, folder)
+
+
+def test_a_network_the_planner_cannot_cut_is_refused_on_every_rank(two_ranks):
+    assert two_ranks["uncut"].startswith("pipeline: the network runs no repeated blocks")
 
 
 def test_semi_auto_megatron_annotations_train_as_one_process_and_torch_tp(two_ranks):

@@ -497,8 +497,10 @@ class AutoParallel(torch.nn.Module):
             try:
                 with torch.random.fork_rng(devices=[]):
                     config = balanced_stage_config(self.network, *one, self._stages)
-            except ParallelError as exc:  # every rank must hear of it
-                failure = str(exc)
+            except Exception as exc:  # every rank must hear of it, or they wait forever
+                failure = (
+                    str(exc) if isinstance(exc, ParallelError) else f"{type(exc).__name__}: {exc}"
+                )
         failure = broadcast_bytes(failure.encode(), device).decode()
         if failure:
             raise ParallelError(failure)
