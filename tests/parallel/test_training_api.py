@@ -39,15 +39,15 @@ def _gpt2(rows: int = 8, inner: int | None = None):
     return GPT2LMHeadModel(config), torch.randint(0, 128, (STEPS, rows, 16))
 
 
-def _llama():
+def _llama(rows: int = 4, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
     )  # fmt: skip
-    return LlamaForCausalLM(config), torch.randint(0, 128, (STEPS, 4, 16))
+    return LlamaForCausalLM(config), torch.randint(0, 128, (STEPS, rows, 16))
 
 
 def _loss(out) -> torch.Tensor:
@@ -376,6 +376,13 @@ def _three_ranks(rank: int, world: int, folder: str) -> None:
     pipelined = AutoParallel(Pipeline(model, 3, stages), "semi_auto")
     pipelined.pipeline(stages=3)
     got["pipeline"] = _steps(pipelined, batches, lambda batch: [batch])
+    # the planner cuts a Llama into three stages, one per rank: the rotary tables and the mask
+    # its first stage makes for every layer travel on stage by stage
+    model, batches = _llama(6, layers=3)
+    cut = AutoParallel(model, "recursive_programming")
+    cut.pipeline(stages=3)
+    got["planner_cut"] = _train_parallel(cut, batches, rank, world)
+    got["planner_cuts"] = cut.network.cuts
     if rank == 0:
         Path(folder, "results.json").write_text(json.dumps(got))
     dist.destroy_process_group()
@@ -388,6 +395,11 @@ def three_ranks(tmp_path_factory):
 
 def test_pipeline_of_three_stages_on_three_ranks(three_ranks):
     assert three_ranks["pipeline"] == pytest.approx(_train(*_gpt2(6), micro=3), abs=1e-4)
+
+
+def test_the_planner_cuts_three_stages_on_three_ranks(three_ranks):
+    assert three_ranks["planner_cut"] == pytest.approx(_train(*_llama(6, layers=3)), abs=1e-4)
+    assert three_ranks["planner_cuts"] == {"1": "model.layers.1", "2": "model.layers.2"}
 
 
 def test_semi_auto_at_three_ranks(three_ranks):

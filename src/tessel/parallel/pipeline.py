@@ -161,8 +161,7 @@ class Pipeline(torch.nn.Module):
             )
         finally:
             del network.forward
-        if self.stages > pp:
-            _adjacent_only(pipe, self.stages)
+        _adjacent_only(pipe, self.stages)
         _contiguous_boundaries(pipe, self.stages)
         group = self.mesh["pp"].get_group()
         stages = [pipe.build_stage(i, device, group=group) for i in self.stage_indices]
@@ -305,8 +304,8 @@ def _shared_names(network: torch.nn.Module) -> list[tuple[str, ...]]:
 
 def _adjacent_only(pipe: Any, stages: int) -> None:
     """Pass every value a stage reads from a stage more than one before it through the stages
-    between, each handing it on unchanged: torch's multi-stage schedules send only to the next
-    stage, and a network's masks, position tables and copied labels are made in the first."""
+    between, each handing it on unchanged: torch's schedules send only to the next stage, and
+    a network's masks, position tables and copied labels are made in the first."""
     graph: fx.Graph = pipe.split_gm.graph
     calls = [n for n in graph.nodes if n.op == "call_module"]
     if any(c.kwargs for c in calls):
