@@ -321,7 +321,12 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
     cut = AutoParallel(model, "recursive_programming")
     cut.pipeline(stages=2)
     out["planner_cut_losses"] = _train_parallel(cut, batches, rank, world)
-    out["planner_cut"] = [cut.network.cuts, cut.network.micro_size, cut.get_pipeline_stages()]
+    out["planner_cut"] = [
+        cut.network.cuts,
+        cut.network.micro_size,
+        cut.get_pipeline_stages(),
+        dict(zip(cut.mesh.mesh_dim_names, cut.mesh.shape)),
+    ]
     state = cut.state_dict()
     tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
     save_file(tied, f"{folder}/tied_planner_cut_{rank}.safetensors")
@@ -583,7 +588,7 @@ def test_recursive_programming_cuts_pipeline_stages_and_trains_as_one_process(fo
     model, batches = _gpt2()
     assert got["planner_cut_losses"] == pytest.approx(_train(model, batches), abs=1e-4)
     # GPT-2's two blocks, one per stage; each replica's 4 rows in 2 micro-batches
-    assert got["planner_cut"] == [{"1": "transformer.h.1"}, 2, 2]
+    assert got["planner_cut"] == [{"1": "transformer.h.1"}, 2, 2, {"pp": 2, "dp": 2}]
     embedding = model.transformer.wte.weight.detach()
     for rank in range(4):
         for copy in load_file(str(folder / f"tied_planner_cut_{rank}.safetensors")).values():

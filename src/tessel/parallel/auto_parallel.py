@@ -128,8 +128,11 @@ class AutoParallel(torch.nn.Module):
     @property
     def mesh(self) -> Any:
         """The DeviceMesh the plan runs on (its dims named, `dp` first where there are
-        data-parallel replicas); None before the first call."""
-        return None if self._planned is None else self._planned.mesh
+        data-parallel replicas; `pp` x `dp` for pipeline stages); None before the first call,
+        and in semi_auto without stages (each parameter's DTensor carries its own)."""
+        if self._planned is not None:
+            return self._planned.mesh
+        return getattr(self.network, "mesh", None) if isinstance(self.network, Pipeline) else None
 
     # -- settings -----------------------------------------------------------------------
 
