@@ -935,6 +935,11 @@ def test_auto_parallel_refuses_bad_construction():
         (lambda n: n.pipeline(stages="2"), TypeError, "stages must be an int"),
         (lambda n: n.pipeline(scheduler="zb"), ValueError, "scheduler must be one of"),
         (lambda n: n.pipeline(stages=2, interleave=True), ParallelError, "planner cuts one"),
+        (
+            lambda n: (n.save_param_strategy_file("s.json"), n.pipeline(stages=2)),
+            ParallelError,
+            "not built for pipeline stages",
+        ),
         (lambda n: n.dataset_strategy(None), ValueError, "config must not be None"),
         (lambda n: n.dataset_strategy(3), TypeError, "config must be 'data_parallel'"),
         (lambda n: n.dataset_strategy("rows"), ValueError, "must be 'data_parallel' or"),

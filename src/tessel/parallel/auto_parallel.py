@@ -171,8 +171,9 @@ class AutoParallel(torch.nn.Module):
         if self._placed:
             self._save_groups()
 
-    def _refuse_for_stages(self, method: str) -> None:
-        if isinstance(self.network, Pipeline) or self._stages > 1:
+    def _refuse_for_stages(self, method: str, stages: int | None = None) -> None:
+        """Strategy and group files with pipeline stages (`stages`, or those set)."""
+        if isinstance(self.network, Pipeline) or (stages or self._stages) > 1:
             raise ParallelError(
                 f"{method}: in pipeline stages each rank holds its stages' parameters as "
                 "plain tensors, which no layout over the job's ranks describes; strategy and "
@@ -305,8 +306,8 @@ class AutoParallel(torch.nn.Module):
                 )
             self.network.scheduler = scheduler
             self.network.pipeline_ranks = stages
-        if stages > 1 and (self._strategy_save or self._group_save):
-            self._refuse_for_stages("pipeline")
+        if self._strategy_save or self._group_save:
+            self._refuse_for_stages("pipeline", stages)
         self._stages = stages
 
     def get_pipeline_stages(self) -> int:
@@ -701,13 +702,15 @@ def identical_ranks(parameters: Sequence[DTensor], rank: int) -> list[int]:
         found = (mesh.mesh == r).nonzero()
         return tuple(found[0].tolist()) if len(found) else None
 
-    def same_shard(p: DTensor, r: int) -> bool:
-        mine, theirs = coordinate(p.device_mesh, rank), coordinate(p.device_mesh, r)
+    held = [(p, coordinate(p.device_mesh, rank)) for p in parameters]
+
+    def same_shard(p: DTensor, mine: tuple[int, ...] | None, r: int) -> bool:
+        theirs = coordinate(p.device_mesh, r)
         if mine is None or theirs is None:
             return mine == theirs  # neither holds any of it
         return all(a == b for x, a, b in zip(p.placements, mine, theirs) if isinstance(x, Shard))
 
-    return [r for r in range(dist.get_world_size()) if all(same_shard(p, r) for p in parameters)]
+    return [r for r in range(dist.get_world_size()) if all(same_shard(p, m, r) for p, m in held)]
 
 
 def _annotated(network: torch.nn.Module) -> bool:

@@ -298,7 +298,6 @@ class PlannedNetwork:
         over the replicas in buckets of ("size", MB), or starting at ("index", [parameter
         indices]), or ("each", None): one per gradient."""
         self.fusion = fusion
-        self.shard_gradients = shard_gradients
         manifest = package.manifest
         rank = dist.get_rank()
         if manifest.world_size != dist.get_world_size():

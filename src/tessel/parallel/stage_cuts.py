@@ -32,9 +32,11 @@ def _blocks(network: torch.nn.Module) -> list[str]:
     return found
 
 
-def _work(network: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, int], list[str]]:
-    """Each module's flops over one forward and backward pass, and the modules in the order
-    their forward passes begin."""
+def _work(
+    network: torch.nn.Module, args: tuple, kwargs: dict
+) -> tuple[dict[str, int], int, list[str]]:
+    """Each module's flops over one forward and backward pass, all flops of the pass, and the
+    modules in the order their forward passes begin."""
     order: list[str] = []
     hooks = [
         module.register_forward_pre_hook(functools.partial(lambda n, *_: order.append(n), name))
@@ -54,8 +56,7 @@ def _work(network: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str
         name.removeprefix(root).removeprefix("."): sum(ops.values())
         for name, ops in counter.get_flop_counts().items()
     }
-    flops["total"] = counter.get_total_flops()
-    return flops, list(dict.fromkeys(order))
+    return flops, counter.get_total_flops(), list(dict.fromkeys(order))
 
 
 def balanced_stage_config(
@@ -63,7 +64,7 @@ def balanced_stage_config(
 ) -> dict[str, int]:
     """A `stage_config` cutting `network` (called on one micro-batch `args`, `kwargs`) into
     `stages` stages of about equal work (see the module docstring)."""
-    flops, order = _work(network, args, kwargs)
+    flops, total, order = _work(network, args, kwargs)
     chosen = set(_blocks(network))
     called = [b for b in order if b in chosen]
     if not called:
@@ -94,7 +95,7 @@ def balanced_stage_config(
     work = [float(flops.get(n, 0)) for n in items]
     work[0] += sum(flops.get(n, 0) for n in before)
     counted = sum(flops.get(n, 0) for n in (*before, *items))
-    work[-1] += max(0.0, flops["total"] - counted)  # the loss, computed by no module
+    work[-1] += max(0.0, total - counted)  # the loss, computed by no module
     cuts = _least_largest(work, stages)
     starts = [before[0] if before else items[0], *(items[i] for i in cuts)]
     return {name: s for s, name in enumerate(starts)}
