@@ -55,6 +55,7 @@ __all__ = [
     "export_post_dispatch",
     "fake_process_group",
     "fill_single_dim_strategy_placeholders",
+    "forget_process_groups",
     "group_ranks",
     "insert_single_dim_replication_strategy",
     "proxy_node",
@@ -155,6 +156,34 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+_FORGOTTEN: list[Any] = []  # a forked child's inherited process groups, kept, never shut
+
+
+def forget_process_groups() -> None:
+    """In a forked child: the process groups inherited from the parent out of
+    torch.distributed's sight, so this process can open its own (a fake one to trace ranks).
+    None is shut down or destroyed: their connections are the parent's. The child leaves by
+    `os._exit`, so nothing it kept runs a destructor either."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    tables = (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    )
+    _FORGOTTEN.append((world.default_pg, [dict(t) for t in tables]))
+    c10d._update_default_pg(None)
+    for table in tables:
+        table.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
 
 
 def detached_mesh(

@@ -312,7 +312,9 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
         sync_pipeline_shared_parameters(net)
         out[f"schedule_{run}"] = type(pipelined.network.schedule).__name__
         state = pipelined.state_dict()
-        tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
+        tied = {
+            k: state[k].clone() for k in ("transformer.wte.weight", "lm_head.weight") if k in state
+        }
         save_file(tied, f"{folder}/tied_{run}_{rank}.safetensors")
         out[f"pipeline_{run}"] = losses
     # recursive_programming in 2 stages: the planner cuts GPT-2 itself, each rank passing its
@@ -328,7 +330,7 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
         dict(zip(cut.mesh.mesh_dim_names, cut.mesh.shape)),
     ]
     state = cut.state_dict()
-    tied = {k: state[k] for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
+    tied = {k: state[k].clone() for k in ("transformer.wte.weight", "lm_head.weight") if k in state}
     save_file(tied, f"{folder}/tied_planner_cut_{rank}.safetensors")
     try:
         model, batches = _gpt2()

@@ -7,32 +7,28 @@ process traces the first. A child hands its program back through a safetensors f
 and JSON, nothing that runs code. A child that fails is not trusted to say why: its rank is
 traced again here, so the error raised is the one a serial build raises.
 
-A forked child holds only the thread that forked it, so children are forked only from a
-process with no other Python thread, and a child runs torch on one thread (an OpenMP team the
-parent had would wait for ever for threads the child does not have); one that still does not
-finish long after this process traced its own rank is stopped and its rank traced here.
-Children die with this process, and every one is reaped before `lower_ranks` returns or raises.
+A forked child holds only the thread that forked it (`tessel.forked`), so children are forked
+only from a process with no other Python thread; one that still does not finish long after this
+process traced its own rank is stopped and its rank traced here. Every child is reaped before
+`lower_ranks` returns or raises.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import select
-import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tessel.forked import Child
 from tessel.lower.trace import RankProgram
 
 log = logging.getLogger(__name__)
@@ -49,7 +45,7 @@ def lower_ranks(lower: Callable[[int], RankProgram], ranks: Sequence[int]) -> li
     if spare == 0 or len(ranks) < 2:
         return [lower(r) for r in ranks]
     done: dict[int, RankProgram | None] = {}
-    running: list[tuple[int, int, str]] = []  # (pid, rank, file), oldest first
+    running: list[tuple[Child, int, str]] = []  # (child, rank, file), oldest first
     waiting = ranks[1:]
     try:
         while waiting and len(running) < spare:
@@ -58,13 +54,13 @@ def lower_ranks(lower: Callable[[int], RankProgram], ranks: Sequence[int]) -> li
         done[ranks[0]] = lower(ranks[0])
         patience = PATIENCE_FLOOR_S + PATIENCE_FACTOR * (time.perf_counter() - start)
         while running:
-            pid, rank, path = running.pop(0)
-            done[rank] = _finish(pid, rank, path, patience)
+            child, rank, path = running.pop(0)
+            done[rank] = _finish(child, rank, path, patience)
             if waiting:
                 running.append(_start(lower, waiting.pop(0)))
     finally:
-        for pid, _, path in running:
-            _stop(pid, path)
+        for child, _, path in running:
+            _stop(child, path)
     return [done.get(r) or lower(r) for r in ranks]
 
 
@@ -77,49 +73,29 @@ def _spare_cores() -> int:
     return len(os.sched_getaffinity(0)) - 1
 
 
-def _start(lower: Callable[[int], RankProgram], rank: int) -> tuple[int, int, str]:
+def _start(lower: Callable[[int], RankProgram], rank: int) -> tuple[Child, int, str]:
     fd, path = tempfile.mkstemp(prefix=f"tessel-rank{rank}-", suffix=".safetensors")
     os.close(fd)
-    pid = os.fork()
-    if pid == 0:  # the child: lower, write, and leave without running the parent's exit code
-        status = 1
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-            torch.set_num_threads(1)
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PDEATHSIG
-            _write(lower(rank), path)
-            status = 0
-        finally:
-            os._exit(status)
-    return pid, rank, path
+    return Child(lambda: _write(lower(rank), path)), rank, path
 
 
-def _finish(pid: int, rank: int, path: str, patience: float) -> RankProgram | None:
+def _finish(child: Child, rank: int, path: str, patience: float) -> RankProgram | None:
     """The child's program, once it has exited; None if it failed or took `patience` seconds
     more (it is then stopped)."""
-    exited = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([exited], [], [], patience)
-    finally:
-        os.close(exited)
-    if not ready:
+    exit_code = child.wait(patience)
+    if exit_code is None:
         log.warning("rank %d: its forked trace did not finish; tracing it here", rank)
-        _stop(pid, path)
+        _stop(child, path)
         return None
     try:
-        _, status = os.waitpid(pid, 0)
-        return _read(path) if os.waitstatus_to_exitcode(status) == 0 else None
+        return _read(path) if exit_code == 0 else None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
 
 
-def _stop(pid: int, path: str) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+def _stop(child: Child, path: str) -> None:
+    child.stop()
     with contextlib.suppress(OSError):
         os.unlink(path)
 

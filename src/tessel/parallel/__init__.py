@@ -14,7 +14,7 @@ from typing import Any
 
 _EXPORTS = {
     "AutoParallel": "tessel.parallel.auto_parallel",
-    "ParallelError": "tessel.parallel.planned",
+    "ParallelError": "tessel.parallel.errors",
     "shard": "tessel.parallel.annotate",
     "sync_pipeline_shared_parameters": "tessel.parallel.pipeline",
     "reshard": "tessel.parallel.annotate",

@@ -33,6 +33,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from tessel._torch import tree_flatten, tree_map, tree_unflatten
 from tessel.checkpoint.dtensor import layout_to_dtensor
 from tessel.checkpoint.layout import Layout
+from tessel.parallel.replaced import replace_parameters
 from tessel.plan import cpu_attention  # noqa: F401  (DTensor learns CPU attention)
 
 _MESHES: dict[tuple, DeviceMesh] = {}
@@ -277,7 +278,8 @@ def shard(
     annotation = _Annotation(in_strategy, out_strategy)
     if isinstance(fn, torch.nn.Module):
         device_type = _device_type(fn)
-        distribute_parameters(fn, parameter_plan or {}, _default_mesh(in_strategy, device_type))
+        mesh = _default_mesh(in_strategy, device_type)
+        distribute_parameters(fn, parameter_plan or {}, mesh, "shard()")
         fn.register_forward_pre_hook(annotation.enter_module, with_kwargs=True)
         fn.register_forward_hook(annotation.leave_module)
         return fn
@@ -374,10 +376,11 @@ def _default_mesh(strategies: tuple, device_type: str) -> DeviceMesh:
 
 
 def distribute_parameters(
-    module: torch.nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh
+    module: torch.nn.Module, plan: Mapping[str, Any], mesh: DeviceMesh, cause: str
 ) -> None:
     """Every parameter of `module` a DTensor: placed by `plan`, or replicated. A parameter
-    shared under several names (tied weights) stays one parameter under all of them."""
+    shared under several names (tied weights) stays one parameter under all of them. The old
+    parameters retire (`replaced`), `cause` naming what placed them."""
     names = dict(module.named_parameters(remove_duplicate=False))
     wanted = {}
     for key, strategy in plan.items():
@@ -391,6 +394,7 @@ def distribute_parameters(
     for name, parameter in names.items():
         if not isinstance(parameter, DTensor):
             aliases.setdefault(id(parameter), []).append(name)
+    values = {}
     for group in aliases.values():
         parameter = names[group[0]]
         planned = [(name, wanted[name]) for name in group if name in wanted]
@@ -415,13 +419,11 @@ def distribute_parameters(
                 )
         else:
             placements = [Replicate()] * mesh.ndim
-        value = torch.nn.Parameter(
+        values[group[0]] = torch.nn.Parameter(
             distribute_tensor(parameter.detach(), mesh, placements),
             requires_grad=parameter.requires_grad,
         )
-        for name in group:
-            owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner), leaf, value)
+    replace_parameters(module, values, cause)
 
 
 def reshard(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -45,13 +45,10 @@ from tessel.parallel.annotate import (
     world_mesh,
 )
 from tessel.parallel.buckets import DEFAULT_FUSION, all_reduce_in_buckets
+from tessel.parallel.errors import ParallelError
+from tessel.parallel.micro_batches import micro_batch_count, regroup_rows
 from tessel.parallel.pipeline import Pipeline
-from tessel.parallel.planned import (
-    ParallelError,
-    PlannedNetwork,
-    broadcast_bytes,
-    planned_package,
-)
+from tessel.parallel.planned import PlannedNetwork, broadcast_bytes, planned_package
 from tessel.parallel.stage_cuts import balanced_stage_config, micro_batches_for
 from tessel.sharding.placements import placement_str
 
@@ -233,6 +230,12 @@ class AutoParallel(torch.nn.Module):
         tensor-parallel ranks a gradient leaves the program whole, and is sliced); level3: as
         level2, and the program gathers each such weight just before the nodes that read it,
         in the forward pass and again in the backward, freeing it between."""
+        if self.parallel_mode == "semi_auto":
+            raise ParallelError(
+                "hsdp: semi_auto runs the network's `shard` annotations and keeps every other "
+                "weight whole on each rank; weights stored sharded are built for planned "
+                "networks ('recursive_programming', 'sharding_propagation')"
+            )
         if isinstance(shard_size, bool) or not isinstance(shard_size, int):
             raise TypeError(f"hsdp: shard_size must be an int, found {type(shard_size).__name__}")
         world = dist.get_world_size()
@@ -389,10 +392,11 @@ class AutoParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The loss of the whole batch (recursive_programming, sharding_propagation), or the
         network's output (semi_auto)."""
+        leaves, spec = tree_flatten((args, kwargs))
         if self.parallel_mode == "semi_auto" and isinstance(self.network, Pipeline):
             self.network.fusion = self._fusion  # its replicas' gradients, in these buckets
-            return self.network(*args, **kwargs)  # each rank passes its replica's batch
-        leaves, spec = tree_flatten((args, kwargs))
+            args, kwargs = self._replica_batch(leaves, spec)
+            return self.network(*args, **kwargs)
         if self.parallel_mode == "semi_auto":
             return self._data_parallel(leaves, spec)
         if self._stages > 1:
@@ -449,7 +453,54 @@ class AutoParallel(torch.nn.Module):
                 f"AutoParallel: the network was planned for inputs {wanted} (whole batch); "
                 f"this call gives {found}"
             )
-        return self._planned(inputs)
+        return self._planned(self._micro_batch_order(inputs, self._planned.dp))
+
+    def _micro_batch_order(self, batch: list[torch.Tensor], replicas: int) -> list[torch.Tensor]:
+        """The whole batch's rows in the order in which `replicas`, each cutting its rows into
+        the micro-batches of the network's GradAccumulation or MicroBatchInterleaved, run
+        micro-batch i as: every rank's slice i with "data_parallel" (each rank cuts its own
+        rows, as MindSpore's wrappers do), the whole batch's slice i otherwise."""
+        micro = micro_batch_count(self.network)
+        if micro == 1:
+            return batch
+        world = dist.get_world_size()
+        ordered = []
+        for x in batch:
+            if self._dataset == "data_parallel" and x.shape[0] % (world * micro) == 0:
+                x = regroup_rows(x, world, micro)  # gathered in rank order
+            if x.shape[0] % (micro * replicas) == 0:
+                x = regroup_rows(x, micro, replicas)
+            ordered.append(x)
+        return ordered
+
+    def _replica_batch(self, leaves: list, spec: Any) -> tuple[tuple, dict]:
+        """A Pipeline network's call on this rank: its replica's batch. "data_parallel": the
+        call's own; "full_batch": the replica's rows of the whole batch, micro-batch k of the
+        pipeline holding the whole batch's slice k, its rows split over the replicas."""
+        if self._dataset == "data_parallel":
+            return tree_unflatten(leaves, spec)
+        if self._dataset != "full_batch":
+            raise ParallelError(
+                "dataset_strategy: a Pipeline network takes 'data_parallel' (each rank passing "
+                "its replica's batch) or 'full_batch'; per-input strategies are not built for "
+                "pipeline stages"
+            )
+        pipeline = self.network
+        assert isinstance(pipeline, Pipeline)
+        replicas = dist.get_world_size() // pipeline.pipeline_ranks
+        replica = dist.get_rank() % replicas
+        mine = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and replicas > 1:
+                if x.dim() == 0 or x.shape[0] % (replicas * pipeline.micro_size):
+                    raise ParallelError(
+                        f"dataset_strategy 'full_batch': an input of shape {tuple(x.shape)} "
+                        f"does not split into {pipeline.micro_size} micro-batches of "
+                        f"{replicas} replicas' rows"
+                    )
+                x = regroup_rows(x, pipeline.micro_size, replicas).chunk(replicas)[replica]
+            mine.append(x)
+        return tree_unflatten(mine, spec)
 
     def _in_stages(self, leaves: list, spec: Any) -> torch.Tensor:
         """recursive_programming in pipeline stages: the first call cuts the network (rank 0
@@ -468,6 +519,9 @@ class AutoParallel(torch.nn.Module):
                 f"rows of the whole batch; the inputs {[tuple(x.shape) for x in whole]} do "
                 "not split so"
             )
+        micro = micro_batches_for(whole[0].shape[0] // dp, self._stages)
+        if self._dataset == "full_batch":  # micro-batch k: the whole batch's slice k
+            whole = [regroup_rows(x, micro, dp) for x in whole]
         mine = iter([x.chunk(dp)[dist.get_rank() % dp] for x in whole])
         args, kwargs = tree_unflatten(
             [next(mine) if isinstance(x, torch.Tensor) else x for x in leaves], spec
@@ -482,7 +536,6 @@ class AutoParallel(torch.nn.Module):
                         f"{method}: not built for the pipeline stages the planner cuts (they "
                         "run data parallel, each rank holding its stages' whole parameters)"
                     )
-            micro = micro_batches_for(whole[0].shape[0] // dp, self._stages)
             config = self._stage_config(args, kwargs, micro, tensors[0].device)
             pipeline = Pipeline(self.network, micro, config)
             pipeline.scheduler = self._scheduler
@@ -517,11 +570,15 @@ class AutoParallel(torch.nn.Module):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         device_type = tensors[0].device.type if tensors else "cpu"
         mesh = world_mesh(device_type)
-        distribute_parameters(self.network, {}, mesh)  # the unannotated ones, replicated
+        # the unannotated parameters, replicated
+        distribute_parameters(self.network, {}, mesh, "AutoParallel's first call")
         if self._dataset == "data_parallel":
             placed = self._rows_of_ranks(tensors, mesh)
         else:
-            placed = [rows(self._batch_part(i, x), mesh) for i, x in enumerate(tensors)]
+            parts = [self._batch_part(i, x) for i, x in enumerate(tensors)]
+            if self._dataset == "full_batch":
+                parts = self._micro_batch_order(parts, mesh.size())
+            placed = [rows(x, mesh) for x in parts]
         placed_iter = iter(placed)
         leaves = [next(placed_iter) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = tree_unflatten(leaves, spec)

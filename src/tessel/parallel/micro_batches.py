@@ -1,7 +1,9 @@
 """A network run on micro-batches of its inputs: GradAccumulation, MicroBatchInterleaved.
 
 Each cuts every tensor input into equal slices along dim 0 and sums the network's outputs over
-them, as MindSpore's do (where the batch is split over the ranks, each rank cuts its own rows):
+them, as MindSpore's do (where the batch is split over the ranks, each rank cuts its own rows;
+AutoParallel orders a batch every rank holds whole, "full_batch", so that micro-batch i is its
+slice i):
 `GradAccumulation` (a step's gradients accumulated over `micro_size` micro-batches) and
 `MicroBatchInterleaved` (slices whose communication and computation can overlap). Parameter names are the wrapped network's (`network.` prefixed, as a submodule).
 """
@@ -88,6 +90,27 @@ def _tensor_output(out: Any, owner: str) -> torch.Tensor:
             f"{type(out).__name__}"
         )
     return out
+
+
+def micro_batch_count(network: torch.nn.Module) -> int:
+    """How many micro-batches the wrappers at the top of `network` cut its inputs into (nested
+    ones multiply); 1 without any."""
+    count = 1
+    while isinstance(network, _MicroBatches):
+        count *= network.slices
+        network = network.network
+    return count
+
+
+def regroup_rows(x: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
+    """`x` with its rows taken as `outer` groups of `inner` equal blocks, regrouped as `inner`
+    groups of `outer` blocks: block j of group i becomes block i of group j.
+
+    With the whole batch's rows, `regroup_rows(x, micro, parts)` puts them in the order in
+    which `parts` ranks (or replicas), each cutting its own rows into `micro` micro-batches,
+    run the whole batch's micro-batches in order: micro-batch i is the whole batch's slice i,
+    its rows split over the parts. `regroup_rows(x, parts, micro)` undoes it."""
+    return x.reshape(outer, inner, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
 class GradAccumulation(_MicroBatches):

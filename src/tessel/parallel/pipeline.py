@@ -9,9 +9,11 @@ rank keeps its stages' modules; every call then runs the batch through the stage
 `micro_size` micro-batches under torch's schedule (1F1B or GPipe; interleaved, 1F1B or looped
 breadth-first). As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
 mean over the data-parallel replicas, each calling with its own batch); `loss.backward()` hands
-the stage's parameters the gradients the schedule computed, so the optimizer is made after the
-first call, over the stage's parameters. Parameters several stages hold (tied embeddings) get
-the sum of their copies' gradients, so the copies stay equal.
+the stage's parameters the gradients the schedule computed. The stages hold the network's own
+parameter objects; those of stages other ranks hold retire on this rank (`replaced`), and an
+optimizer made over the whole network before the first call drops them at its step. Each
+stage's replicas start from its first replica's weights. Parameters several stages hold (tied
+embeddings) get the sum of their copies' gradients, so the copies stay equal.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from torch.distributed.pipelining import (
 
 from tessel._torch import tree_flatten, tree_map
 from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, fusion_buckets
+from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import _count, _tensor_output
-from tessel.parallel.planned import ParallelError, loss_with_gradients
+from tessel.parallel.planned import loss_with_gradients
+from tessel.parallel.replaced import retire
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages
@@ -147,6 +151,7 @@ class Pipeline(torch.nn.Module):
         self.stage_indices = list(range(self.pp_rank, self.stages, pp))
         network = self.network
         shared = _shared_names(network)
+        originals = dict(network.named_parameters(remove_duplicate=False))
         micro_args, micro_kwargs = tree_map(
             lambda x: x.chunk(self.micro_size)[0] if isinstance(x, torch.Tensor) else x,
             (args, kwargs),
@@ -177,10 +182,43 @@ class Pipeline(torch.nn.Module):
         # this rank trains its stages' modules: the whole network is no longer held here
         del self.network
         self.stage_modules = torch.nn.ModuleList([stage.submod for stage in stages])
+        self._keep_parameters(originals)
+        self._same_on_replicas()
         self._stages = stages
         self.shared = shared
         self.shared_shapes = _gather_shapes(self, self._named_parameters())
         sync_pipeline_shared_parameters(self)
+
+    def _keep_parameters(self, originals: dict[str, torch.Tensor]) -> None:
+        """The stages hold the network's own parameter objects, tied ones included (torch's
+        tracing copies a weight several stages read), so references a script holds stay live;
+        the parameters of stages other ranks hold retire here (`replaced`)."""
+        for module in self.stage_modules:
+            for name, p in list(module.named_parameters(remove_duplicate=False)):
+                if name not in originals:
+                    raise ParallelError(
+                        f"Pipeline: a stage holds a parameter {name!r} the network does not have"
+                    )
+                if p is not originals[name]:
+                    owner, _, leaf = name.rpartition(".")
+                    setattr(module.get_submodule(owner), leaf, originals[name])
+        held = {id(p) for p in self.stage_modules.parameters()}
+        for name, p in originals.items():
+            if id(p) not in held:
+                retire(p, None, name, f"Pipeline (this rank holds stages {self.stage_indices})")
+
+    def _same_on_replicas(self) -> None:
+        """Each stage's weights and buffers, on every replica, its first replica's (as DDP
+        starts): replicas whose networks were made unalike would train different models."""
+        group = self.mesh["dp"].get_group()
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:
+            return
+        with torch.no_grad():
+            for t in (*self.stage_modules.parameters(), *self.stage_modules.buffers()):
+                value = t.detach().contiguous()  # gloo sends contiguous tensors
+                dist.broadcast(value, src=ranks[0], group=group)
+                t.copy_(value)
 
     def _named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters under the network's names."""

@@ -1,11 +1,13 @@
 """A training script's network, planned by tessel and run as each rank's partitioned program.
 
 Inside a running torchrun job the first call plans: rank 0 builds a training package of the
-network for the job's ranks in a child process (lowering traces every rank under a fake
-process group, which a process already in the job cannot open), and broadcasts it; every rank
+network for the job's ranks in a forked child process (lowering traces every rank under a fake
+process group, which a process already in the job cannot open; forked, the child needs nothing
+pickled), and broadcasts it; every rank
 then loads its own program and weight shards from it, so all ranks run one plan, on rank 0's
 weights. The network's trained parameters become DTensors placed as the plan places them
-(`dp` first where the plan has data-parallel replicas, each running the program on its rows).
+(`dp` first where the plan has data-parallel replicas, each running the program on its rows);
+the old parameter objects retire (`tessel.parallel.replaced`).
 
 Each call runs the rank's program: the joint forward and backward graph, which returns the
 loss and every trained weight's gradient placed like the weight. The loss comes back through a
@@ -23,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import logging
 import math
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,22 +39,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from tessel._torch import tree_map
-from tessel.errors import TesselError
+from tessel._torch import forget_process_groups, tree_map
+from tessel.forked import Child, ended_how
 from tessel.package.format import Package
 from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, all_reduce_in_buckets, fusion_buckets
+from tessel.parallel.errors import ParallelError
+from tessel.parallel.replaced import replace_parameters
 from tessel.runtime.loader import load_rank
 from tessel.runtime.step_program import gather_weights, hand_over_gradients, made_order
-from tessel.runtime.worker import die_with_parent, make_groups
+from tessel.runtime.worker import make_groups
 from tessel.sharding.geometry import piece
 from tessel.sharding.placements import placement_from_str
 
+log = logging.getLogger(__name__)
+
 _TIME_LIMIT = 60.0  # seconds the solver may take for one plan
 _UNUSED = torch.empty(0)  # given for a program input the program no longer reads
-
-
-class ParallelError(TesselError, RuntimeError):
-    """The network could not be planned or run as asked."""
 
 
 def _build(
@@ -173,30 +175,40 @@ def _plan_on_rank0(
     replicas: int | None,
     world: int,
 ) -> tuple[bytes, str]:
-    """The package's bytes, or why planning failed."""
+    """The package's bytes, or why planning failed (one line).
+
+    The build runs in a forked child (`tessel.forked`): it traces ranks under a fake process
+    group, which this process, already in the job, cannot open; forked, it sees the network as
+    it is here, whatever defines its classes, and nothing is pickled or imported again."""
     model = network if _on_cpu(network) else copy.deepcopy(network).cpu()
+    args, kwargs = tree_map(_cpu, args), tree_map(_cpu, kwargs)
     with tempfile.TemporaryDirectory(prefix="tessel-plan-") as folder:
-        try:
-            with ProcessPoolExecutor(
-                1,
-                mp_context=torch.multiprocessing.get_context("spawn"),
-                initializer=die_with_parent,  # it never outlives the rank that plans
-            ) as pool:
-                saved = pool.submit(
-                    _build,
-                    model,
-                    tree_map(_cpu, args),
-                    tree_map(_cpu, kwargs),
-                    world if cluster is None else cluster,
-                    device.type,  # "cuda": tessel's profile of a GPU
-                    fixed,
-                    replicas,
-                    os.path.join(folder, "plan.tessel"),
-                ).result()
-            with open(saved, "rb") as f:
+        path = os.path.join(folder, "plan.tessel")
+        failure = os.path.join(folder, "failure.txt")
+
+        def plan() -> None:
+            forget_process_groups()
+            try:
+                _build(model, args, kwargs, world if cluster is None else cluster,
+                       device.type,  # "cuda": tessel's profile of a GPU
+                       fixed, replicas, path)  # fmt: skip
+            except BaseException as exc:
+                log.debug("planning failed", exc_info=True)
+                with open(failure, "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}")
+                raise
+
+        with Child(plan) as child:
+            exit_code = child.wait()
+        if exit_code == 0:
+            with open(path, "rb") as f:
                 return f.read(), ""
-        except Exception as exc:  # every rank must hear of it, or they wait forever
-            return b"", f"planning failed on rank 0: {type(exc).__name__}: {exc}"
+        if os.path.exists(failure):
+            with open(failure) as f:
+                reason = f.read()
+        else:
+            reason = f"the planning process {ended_how(exit_code)}"
+        return b"", f"planning failed on rank 0: {reason}"
 
 
 def _on_cpu(network: torch.nn.Module) -> bool:
@@ -322,8 +334,8 @@ class PlannedNetwork:
         trained = manifest.training.gradients
         position = {n: i for i, n in enumerate(self.order)}
         by_name = dict(network.named_parameters(remove_duplicate=False))
-        replaced: dict[int, torch.nn.Parameter] = {}
-        self.trained: list[_Trained] = []
+        placements: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]] = {}
+        values: dict[str, torch.nn.Parameter] = {}
         for name in trained:
             old = by_name[name]
             planned = tuple(placement_from_str(p) for p in layouts[name]["placements"])
@@ -340,14 +352,11 @@ class PlannedNetwork:
             )
             if stored != planned:
                 value = value.redistribute(self.mesh, stored)
-            parameter = torch.nn.Parameter(value, requires_grad=True)
-            replaced[id(old)] = parameter
-            self.trained.append(_Trained(name, parameter, planned, stored))
+            values[name] = torch.nn.Parameter(value, requires_grad=True)
+            placements[name] = (planned, stored)
         # every name of a parameter (tied ones have several) now holds its DTensor
-        for name, old in by_name.items():
-            if id(old) in replaced:
-                owner, _, leaf = name.rpartition(".")
-                setattr(network.get_submodule(owner), leaf, replaced[id(old)])
+        values = replace_parameters(network, values, "AutoParallel's first call")
+        self.trained = [_Trained(n, values[n], *placements[n]) for n in trained]
         # weights the program reads but nobody trains (buffers, frozen parameters) stay local
         trained_names = {t.name for t in self.trained}
         self.fixed = {

@@ -17,8 +17,8 @@ import functools
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import _tensor_output
-from tessel.parallel.planned import ParallelError
 
 
 def _blocks(network: torch.nn.Module) -> list[str]:
