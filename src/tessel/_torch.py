@@ -50,6 +50,7 @@ __all__ = [
     "TupleStrategy",
     "clear_dtensor_caches",
     "detached_mesh",
+    "dtensor_op_handlers",
     "rules_without_costs",
     "expand_to_full_mesh_op_strategy",
     "export_post_dispatch",
@@ -75,6 +76,14 @@ def sharding_propagator() -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's table of operators it runs by a handler of their own instead of a sharding
+    rule (torch's `loss_parallel` adds its loss operators there too)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
 
 
 def clear_dtensor_caches() -> None:

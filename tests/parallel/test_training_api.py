@@ -990,6 +990,25 @@ def test_auto_parallel_methods_refuse_by_name(one_rank, call, error, match):
         call(net)
 
 
+def test_settings_a_mode_cannot_honour_are_refused_in_it(one_rank):
+    """semi_auto keeps unannotated weights whole: hsdp is not taken there; a Pipeline network
+    takes its replicas' batches, or the whole batch, not per-input strategies; a Pipeline runs
+    as semi_auto's network itself."""
+    with pytest.raises(ParallelError, match="hsdp: semi_auto runs the network's `shard`"):
+        AutoParallel(torch.nn.Linear(2, 2), "semi_auto").hsdp(threshold=0)
+    pipelined = AutoParallel(
+        Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), 1, {"0": 0}), "semi_auto"
+    )
+    pipelined.dataset_strategy(((1, 1),))
+    with pytest.raises(ParallelError, match="a Pipeline network takes 'data_parallel'"):
+        pipelined(torch.ones(2, 2))
+    pipeline = Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), 1, {"0": 0})
+    with pytest.raises(ParallelError, match="found 'recursive_programming'"):
+        AutoParallel(pipeline, "recursive_programming")
+    with pytest.raises(ParallelError, match="found one at 'network'"):
+        AutoParallel(GradAccumulation(pipeline, 2), "semi_auto")
+
+
 @pytest.mark.parametrize(
     "call",
     [

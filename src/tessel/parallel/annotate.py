@@ -34,7 +34,7 @@ from tessel._torch import tree_flatten, tree_map, tree_unflatten
 from tessel.checkpoint.dtensor import layout_to_dtensor
 from tessel.checkpoint.layout import Layout
 from tessel.parallel.replaced import replace_parameters
-from tessel.plan import cpu_attention  # noqa: F401  (DTensor learns CPU attention)
+from tessel.plan import cpu_attention, nll_loss  # noqa: F401  (DTensor learns them)
 
 _MESHES: dict[tuple, DeviceMesh] = {}
 # the mesh the unannotated rest of the network runs data parallel on, inside `data_parallel`

@@ -107,6 +107,14 @@ class AutoParallel(torch.nn.Module):
                 "AutoParallel needs torch.distributed initialised first (dist."
                 "init_process_group, as torchrun scripts do)"
             )
+        inner = [n for n, m in network.named_modules() if n and isinstance(m, Pipeline)]
+        if inner or (isinstance(network, Pipeline) and parallel_mode != "semi_auto"):
+            raise ParallelError(
+                "AutoParallel: a Pipeline network runs as the network AutoParallel wraps, in "
+                f"'semi_auto'; found {'one at ' + repr(inner[0]) if inner else parallel_mode!r} "
+                "(wrap the AutoParallel in GradAccumulation instead; 'recursive_programming' "
+                "cuts a plain network into stages itself with pipeline(stages=N))"
+            )
         self.network = network
         self.cluster = cluster
         self.parallel_mode = parallel_mode

@@ -9,9 +9,10 @@ loop. Each old object stays behind as a *retired* parameter:
 - its `.grad` is its successor's (None where this rank holds no successor), so zeroing,
   clipping and scaling gradients through it act on the gradients that train;
 - any other use (its values, an operator on it) raises ParallelError naming it;
-- its storage is released, unless its successor's local value is that very storage (a weight
-  every rank holds whole): a `state_dict` taken before then sees the trained values, and one
-  of a released weight fails when read instead of giving stale ones.
+- where its successor's local value is its whole storage (a weight every rank holds whole),
+  the two stay one tensor, so a `state_dict` taken before reads the trained values; any other
+  successor holds storage of its own, and such a `state_dict` keeps the values the weight had
+  when it was placed (a snapshot, never partly updated).
 
 Before every optimizer step (torch's global step pre-hook), retired parameters in the
 optimizer's groups are replaced by their successors, and any state the optimizer holds for
@@ -86,11 +87,12 @@ class _Retired:
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a property: metadata, but for `.data`
             name = getattr(getattr(func, "__self__", None), "__name__", name)
-            if name != "data":
-                return super().__torch_function__(func, types, args, kwargs)  # type: ignore[misc]
-        elif name in _METADATA:
-            return super().__torch_function__(func, types, args, kwargs)  # type: ignore[misc]
-        raise _misused(_succession_in(args), f"used ({name})")
+            allowed = name != "data"
+        else:
+            allowed = name in _METADATA
+        if not allowed:
+            raise _misused(_succession_in(args), f"used ({name})")
+        return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[misc]
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -139,9 +141,10 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def owning(new: torch.nn.Parameter, old: torch.Tensor) -> torch.nn.Parameter:
-    """`new`, made not to hold a part of `old`'s storage (that storage is released when `old`
-    retires): a local value that is a piece of it is copied. Holding all of it is kept."""
+def _owning(new: torch.nn.Parameter, old: torch.Tensor) -> torch.nn.Parameter:
+    """`new`, made not to hold a part of `old`'s storage (views of `old` taken before keep its
+    values at the time): a local value that is a piece of it is copied. Holding all of it is
+    kept (the views then read the trained values)."""
     local, whole = _local(new.detach()), _local(old.detach())
     if not _same_storage(local, whole) or _is_all_of(local, whole):
         return new
@@ -167,13 +170,9 @@ def _is_all_of(local: torch.Tensor, whole: torch.Tensor) -> bool:
 
 def retire(old: torch.Tensor, successor: torch.Tensor | None, name: str, cause: str) -> None:
     """Make `old` a retired parameter whose successor is `successor` (None: this rank holds
-    none), its storage released unless `successor` holds all of it (see `owning`)."""
+    none)."""
     if old in _RETIRED or old is successor:
         return
-    whole = _local(old.detach())
-    shared = successor is not None and _same_storage(_local(successor.detach()), whole)
-    if not shared:
-        whole.untyped_storage().resize_(0)
     _RETIRED[old] = _Succession(successor, name, cause)
     old.__class__ = _retired_class(type(old))
     _watch_optimizers()
@@ -184,12 +183,12 @@ def replace_parameters(
 ) -> dict[str, torch.nn.Parameter]:
     """Give `module` the parameters `new` (by name; a parameter several names share, tied
     weights, is replaced under all of them), retiring each old one. Returns the parameters
-    given, by the names in `new` (see `owning`)."""
+    given, by the names in `new` (see `_owning`)."""
     names = dict(module.named_parameters(remove_duplicate=False))
     successors: dict[int, tuple[torch.Tensor, torch.nn.Parameter, str]] = {}
     for name, value in new.items():
         old = names[name]
-        successors.setdefault(id(old), (old, owning(value, old), name))
+        successors.setdefault(id(old), (old, _owning(value, old), name))
     for name, old in names.items():
         if id(old) in successors:
             owner, _, leaf = name.rpartition(".")
