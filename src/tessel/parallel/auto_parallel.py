@@ -109,9 +109,10 @@ class AutoParallel(torch.nn.Module):
             )
         inner = [n for n, m in network.named_modules() if n and isinstance(m, Pipeline)]
         if inner or (isinstance(network, Pipeline) and parallel_mode != "semi_auto"):
+            found = f"one at {inner[0]!r}" if inner else repr(parallel_mode)
             raise ParallelError(
                 "AutoParallel: a Pipeline network runs as the network AutoParallel wraps, in "
-                f"'semi_auto'; found {'one at ' + repr(inner[0]) if inner else parallel_mode!r} "
+                f"'semi_auto'; found {found} "
                 "(wrap the AutoParallel in GradAccumulation instead; 'recursive_programming' "
                 "cuts a plain network into stages itself with pipeline(stages=N))"
             )

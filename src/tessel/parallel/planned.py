@@ -194,8 +194,8 @@ def _plan_on_rank0(
                        fixed, replicas, path)  # fmt: skip
             except BaseException as exc:
                 log.debug("planning failed", exc_info=True)
-                with open(failure, "w") as f:
-                    f.write(f"{type(exc).__name__}: {exc}")
+                with open(failure, "w") as f:  # one line, whatever the error's own form
+                    f.write(" ".join(f"{type(exc).__name__}: {exc}".split()))
                 raise
 
         with Child(plan) as child:
