@@ -44,7 +44,9 @@ class MlpSlice(torch.nn.Module):
     """Rank `rank` of `world`: a column slice of the first layer, a row slice of the second,
     their partial sums added over `group` (Megatron's MLP, written by hand)."""
 
-    def __init__(self, rank: int, world: int, extra_reduce: bool = False, op=None) -> None:
+    def __init__(
+        self, rank: int, world: int, extra_reduce: bool = False, op=None, reduce_op: str = "sum"
+    ) -> None:
         super().__init__()
         w, part = _weights(), HIDDEN // world
         rows = slice(rank * part, (rank + 1) * part)
@@ -56,12 +58,13 @@ class MlpSlice(torch.nn.Module):
             self.down.weight.copy_(w["w2"][:, rows])
         self.extra_reduce = extra_reduce
         self.op = op
+        self.reduce_op = reduce_op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.up(x))
         if self.op is not None:
             h = h + self.op(h)
-        y = funcol.all_reduce(self.down(h), "sum", dist.group.WORLD)
+        y = funcol.all_reduce(self.down(h), self.reduce_op, dist.group.WORLD)
         if self.extra_reduce:
             y = funcol.all_reduce(y, "sum", dist.group.WORLD)
         return y
@@ -232,6 +235,19 @@ NAMES = ["mlp_rank0.pt2", "mlp_rank1.pt2"]
             "is rank 1, but its collective's group '0' holds ranks [0]",
         ),
         (lambda r: r.update(ranks=[]), "unknown key; allowed keys here"),
+        (
+            lambda r: r["comm_group"][0].update(group_rank_list="[1,0]"),
+            "comm_group[0].group_rank_list: lists ranks [1, 0] out of order",
+        ),
+        (
+            lambda r: r["deploy_config"][1].update(submodel_name="../mlp_rank1.pt2"),
+            "deploy_config[1].submodel_name: found '../mlp_rank1.pt2'; expected the name of a "
+            "file in the slice directory",
+        ),
+        (
+            lambda r: r["deploy_config"][1].update(submodel_name="/tmp/mlp_rank1.pt2"),
+            "deploy_config[1].submodel_name: found '/tmp/mlp_rank1.pt2'",
+        ),
     ],
 )
 def test_relation_rules_each_name_the_entry(two_slices, tmp_path, change, words):
@@ -252,8 +268,18 @@ def test_slices_whose_collectives_differ_are_refused_before_they_could_hang(tmp_
     names = _export(folder, rank1={"extra_reduce": True})
     message = _refused(folder, _relation(names), tmp_path)
     assert "mlp_rank1.pt2" in message
-    assert "collective 1 in group '0' is all_reduce of float32[4, 6]" in message
+    assert "collective 1 in group '0' is all_reduce (sum) of float32[4, 6]" in message
     assert "issues nothing (its collectives end earlier)" in message
+
+
+def test_slices_whose_reductions_differ_are_refused(tmp_path):
+    folder = tmp_path / "s"
+    names = _export(folder, rank1={"reduce_op": "max"})
+    message = _refused(folder, _relation(names), tmp_path)
+    assert (
+        "collective 0 in group '0' is all_reduce (max) of float32[4, 6], but mlp_rank0.pt2 "
+        "(rank 0) issues all_reduce (sum) of float32[4, 6]"
+    ) in message
 
 
 def test_slices_that_take_different_inputs_are_refused(tmp_path):

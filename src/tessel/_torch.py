@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
 
 # the one-tensor collectives: `*_single` in newer torch, `*_tensor` (now deprecated) before
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -296,17 +297,24 @@ def redistribute(value: Any, placements: tuple) -> Any:
     )
 
 
-class PickledPayloadError(ValueError):
-    """A .pt2 archive holds something only pickle could read (the message names it)."""
+class RefusedArchiveError(ValueError):
+    """A .pt2 archive holds something tessel does not read as data (the message names it)."""
 
 
-def load_exported_program(path: str) -> torch.export.ExportedProgram:
-    """The one ExportedProgram of a `torch.export.save` archive, read without unpickling.
+def load_exported_program(
+    path: str,
+    check_expression: Callable[[str], None],
+    check_target: Callable[[str], None],
+) -> torch.export.ExportedProgram:
+    """The one ExportedProgram of a `torch.export.save` archive, read as data.
 
     `torch.export.load` unpickles weights, constants and example inputs that the archive stores
-    as pickles (a pickle can run code). Here every payload must be a raw tensor: anything else
-    is refused with `PickledPayloadError` before a byte of it is read, and the example inputs
-    are not read at all.
+    as pickles (a pickle can run code), hands every symbolic size's text to `sympy.sympify`
+    (which evaluates it as Python), and resolves every node's target string to whatever
+    attribute of `torch` it names. Here every payload must be a raw tensor, and every size
+    expression and node target (an operator given as an argument too) passes `check_expression`
+    and `check_target` first, which raise to refuse one; anything else is refused with
+    `RefusedArchiveError` before it is read. The example inputs are not read at all.
     """
     from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
     from torch.export.pt2_archive import _package as package
@@ -322,7 +330,7 @@ def load_exported_program(path: str) -> torch.export.ExportedProgram:
         prefix, suffix = MODELS_FILENAME_FORMAT.split("{}")
         models = [n[len(prefix) : -len(suffix)] for n in names if n.startswith(prefix)]
         if len(models) != 1:
-            raise PickledPayloadError(f"expected one exported program, found {len(models)}")
+            raise RefusedArchiveError(f"expected one exported program, found {len(models)}")
         (model,) = models
         configs = {}
         for what, fmt in (
@@ -331,7 +339,7 @@ def load_exported_program(path: str) -> torch.export.ExportedProgram:
         ):
             name = fmt.format(model)
             if name not in names:
-                raise PickledPayloadError(
+                raise RefusedArchiveError(
                     f"no {name} (an archive of an older torch, whose {what}s are pickled)"
                 )
             configs[what] = package._load_payload_config(reader, name)
@@ -341,13 +349,43 @@ def load_exported_program(path: str) -> torch.export.ExportedProgram:
                     TENSOR_CONSTANT_FILENAME_PREFIX
                 )
                 if meta.use_pickle or not tensor:
-                    raise PickledPayloadError(f"{what} {fqn!r} is stored as a pickle")
-        state_dict = package._load_state_dict(reader, model)
-        constants = package._load_constants(reader, model)
+                    raise RefusedArchiveError(f"{what} {fqn!r} is stored as a pickle")
         serialized = _bytes_to_dataclass(
             package.schema.ExportedProgram, reader.read_bytes(MODELS_FILENAME_FORMAT.format(model))
         )
+        _check_serialized(serialized, check_expression, check_target)
+        state_dict = package._load_state_dict(reader, model)
+        constants = package._load_constants(reader, model)
     return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, b"")
+
+
+def _check_serialized(
+    value: Any, check_expression: Callable[[str], None], check_target: Callable[[str], None]
+) -> None:
+    """Every size expression and operator name in a serialized program, checked (see
+    `load_exported_program`); the walk goes over torch's serde schema dataclasses."""
+    import dataclasses
+
+    from torch._export.serde.union import _Union
+
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, _Union):  # one field set: its value
+            if type(item).__name__ == "Argument" and item.type == "as_operator":
+                check_target(item.value)
+            stack.append(item.value)
+        elif dataclasses.is_dataclass(item):
+            kind = type(item).__name__
+            if kind == "SymExpr":
+                check_expression(item.expr_str)
+            elif kind == "Node":
+                check_target(item.target)
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
 
 
 def fake_tensor_mode() -> Any:

@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 from tessel._torch import export_post_dispatch, tree_leaves
 from tessel.capture.custom_ops import custom_op_decompositions
 from tessel.capture.portable import portable_attention, zero_fill_allocations
+from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
 from tessel.capture.training import (
     GradientOutputs,
@@ -257,7 +258,10 @@ def load_model_spec(
         path = Path(spec)
         if not path.is_file():
             raise ConfigError("--model", None, f"file not found: {spec}")
-        return torch.export.load(str(path)), None, None
+        try:
+            return load_pt2(path), None, None
+        except RefusedArchiveError as exc:
+            raise ConfigError(path, None, f"{exc}; tessel reads a .pt2 as data") from None
     if ":" not in spec:
         raise ConfigError(
             "--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}"

@@ -1,7 +1,7 @@
 """Model runners: load a model file onto a device and return a callable `(*tensors) -> list`.
 
-One adapter per model format: `.pt2` ExportedPrograms (loaded with torch.export.load only) and
-tessel offline models (through tessel.runtime's Session, once that exists).
+One adapter per model format: `.pt2` ExportedPrograms (read as data: `tessel.capture.pt2`) and
+tessel offline models (through tessel.runtime's Session).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tessel.capture.pt2 import RefusedArchiveError, load_pt2
+from tessel.config.errors import ConfigError
 from tessel.dataflow.process_points import Framework, GraphProcessPoint
 
 Runner = Callable[..., list[Any]]
@@ -22,8 +24,15 @@ def _as_list(out: Any) -> list[Any]:
     return [out]
 
 
+def _read_pt2(path: str) -> torch.export.ExportedProgram:
+    try:
+        return load_pt2(path)
+    except RefusedArchiveError as exc:
+        raise ConfigError(path, None, f"{exc}; tessel reads a .pt2 as data") from None
+
+
 def _pt2_target_kind(path: str) -> str | None:
-    ep = torch.export.load(path)
+    ep = _read_pt2(path)
     kinds = set()
     for node in ep.graph.nodes:
         if node.op == "placeholder":
@@ -42,7 +51,7 @@ def _pt2_target_kind(path: str) -> str | None:
 
 
 def _load_pt2(path: str, device: str) -> Runner:
-    ep = torch.export.load(path)
+    ep = _read_pt2(path)
     target = torch.device(device)
     kind = _pt2_target_kind(path)
     if kind and kind != "cpu" and target.type == kind:
@@ -112,7 +121,7 @@ def model_target_kind(pp: GraphProcessPoint) -> str | None:
 def model_io_counts(pp: GraphProcessPoint) -> tuple[int, int]:
     """(inputs, outputs) of the model; (1, 1) when the format does not say."""
     if pp.framework is Framework.PYTORCH:
-        sig = torch.export.load(pp.graph_file).graph_signature
+        sig = _read_pt2(pp.graph_file).graph_signature
         return len(sig.user_inputs), len(sig.user_outputs)
     return _tessel_io_counts(pp.graph_file)
 

@@ -1,11 +1,11 @@
 """Pre-sliced models: one `.pt2` per rank, each a rank's local program with its collectives as
 `torch.ops._c10d_functional` calls naming their group, checked against the relation config.
 
-Each slice is read without unpickling (`tessel._torch.load_exported_program`), decomposed to
+Each slice is read as data (`tessel.capture.pt2`: no pickle, no code), decomposed to
 core ATen, and encoded as a tessel program whose groups are the relation config's rank lists, so
 only the operators on tessel's list can run. Before anything is packed, the slices must agree:
 every collective names a group that `comm_group` declares and that holds the slice's rank; the
-ranks of a group issue the same collectives in the same order (kind, shape, dtype), so a
+ranks of a group issue the same collectives in the same order (kind, reduce op, shape, dtype), so a
 mismatch fails the build instead of hanging the run; all slices take the same inputs.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from tessel._torch import OpOverload, PickledPayloadError, load_exported_program, tree_leaves
+from tessel._torch import OpOverload, tree_leaves
+from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.config.errors import ConfigError
 from tessel.lower.operators import ALLOWED
 from tessel.lower.program import ProgramError, encode, node_shapes, op_name
@@ -48,7 +49,8 @@ class Slice:
     weights: dict[str, torch.Tensor]  # in the order the program takes them
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
-    collectives: list[tuple[str, tuple[int, ...], tuple, str]]  # kind, group, shape, dtype
+    # kind, group, shape, dtype, reduce op ("" for collectives that reduce nothing)
+    collectives: list[tuple[str, tuple[int, ...], tuple, str, str]]
     shapes: dict[str, tuple[list[int], str]]  # node -> shape, dtype (bytes per collective)
 
 
@@ -99,9 +101,9 @@ def _read_one(
             f"(found: {sorted(p.name for p in folder.iterdir())[:8]})",
         )
     try:
-        ep = load_exported_program(str(path))
-    except PickledPayloadError as exc:
-        raise ConfigError(path, None, f"{exc}; tessel reads no pickles") from None
+        ep = load_pt2(path)
+    except RefusedArchiveError as exc:
+        raise ConfigError(path, None, f"{exc}; tessel reads a .pt2 as data") from None
     except Exception as exc:  # noqa: BLE001 - anything torch raises on a bad archive
         raise ConfigError(
             path, None, f"does not load as a torch.export.save archive ({exc})"
@@ -204,19 +206,21 @@ def _collectives(gm: torch.fx.GraphModule, group_of) -> list[tuple]:
         kind = str(n.target).split(".")[1]
         if kind == "wait_tensor":
             continue
-        group = next(
-            (a for i, a in enumerate(n.args) if isinstance(a, str) and _is_group_arg(n, i)), None
-        )
+        group = _argument(n, "group_name")
         value = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
         dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else ""
-        out.append((kind, tuple(group_of(group)) if group else (), shape, dtype))
+        reduce_op = str(_argument(n, "reduce_op") or "")
+        out.append((kind, tuple(group_of(group)) if group else (), shape, dtype, reduce_op))
     return out
 
 
-def _is_group_arg(node: torch.fx.Node, index: int) -> bool:
-    args = node.target._schema.arguments
-    return index < len(args) and args[index].name == "group_name"
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    """The value `node` passes for its operator's argument `name` (None: not passed)."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return None
 
 
 def _check_inputs_agree(slices: list[Slice]) -> None:
@@ -265,5 +269,5 @@ def _check_collectives_agree(
 def _call(c: tuple | None) -> str:
     if c is None:
         return "nothing (its collectives end earlier)"
-    kind, _, shape, dtype = c
-    return f"{kind} of {dtype}{list(shape)}"
+    kind, _, shape, dtype, reduce_op = c
+    return f"{kind}{f' ({reduce_op})' if reduce_op else ''} of {dtype}{list(shape)}"

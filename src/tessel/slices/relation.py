@@ -59,7 +59,7 @@ def read_model_relation(path: str | Path) -> ModelRelation:
     deploy: dict[str, tuple[str, str]] = {}
     for entry in top.children("deploy_config", nonempty=True):
         entry.check_keys(("submodel_name", "deploy_device_id_list"))
-        name = entry.string("submodel_name")
+        name = _file_name(entry)
         names.add(name, entry, "submodel_name")
         device = _device(entry)
         devices.add(device, entry, "deploy_device_id_list")
@@ -129,6 +129,19 @@ def read_model_relation(path: str | Path) -> ModelRelation:
     return ModelRelation(str(path), tuple(sorted(slices, key=lambda s: s.rank)), groups)
 
 
+def _file_name(entry: Fields) -> str:
+    """`submodel_name`: a file in the slice directory itself (no directory part: a path that
+    leaves the directory, or an absolute one, is refused)."""
+    name = entry.string("submodel_name")
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise entry.error(
+            f"found {name!r}; expected the name of a file in the slice directory, such as "
+            '"rank0.pt2" (no directory part)',
+            "submodel_name",
+        )
+    return name
+
+
 def _device(entry: Fields) -> str:
     text = entry.string("deploy_device_id_list", pattern=_DEVICE, example="0:0:1")
     return ":".join(str(int(part)) for part in _DEVICE.fullmatch(text).groups())
@@ -156,7 +169,13 @@ def _rank_list(entry: Fields, world: int) -> tuple[int, ...]:
         raise entry.error(f"names ranks {bad}; the slices' ranks are 0..{world - 1}", key)
     if len(set(value)) != len(value):
         raise entry.error(f"lists a rank twice: {value}", key)
-    return tuple(sorted(value))
+    if value != sorted(value):
+        raise entry.error(
+            f"lists ranks {value} out of order; list a group's ranks ascending (a group's "
+            "collectives put its ranks' parts together in rank order)",
+            key,
+        )
+    return tuple(value)
 
 
 def _is_int(value: Any) -> bool:
