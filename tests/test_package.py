@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 import warnings
 import zipfile
@@ -804,6 +805,86 @@ def test_any_edit_of_a_manifest_is_read_or_refused_as_a_package_error(manifest_j
         return
     format_plan(manifest)
     json.dumps(inspect_json(manifest))
+
+
+@pytest.fixture(scope="module")
+def training_manifest_json(tmp_path_factory):
+    """A training package's manifest: AdamW in two parameter groups over a 1-layer Llama."""
+    from tests.conftest import hf_llama
+
+    model = hf_llama(layers=1).train()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 1e-2}])
+    ids = token_ids()
+    built = tessel.build(model, {"input_ids": ids, "labels": ids}, cluster=2, optimizer=optimizer)
+    path = tessel.save(built, tmp_path_factory.mktemp("training") / "step")
+    return json.loads(zipfile.ZipFile(path).read(MANIFEST))
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_edit_of_a_training_manifest_is_read_or_refused_as_a_package_error(
+    training_manifest_json, data
+):
+    """Its optimizer fields and parameter groups too: a value torch's constructor would refuse,
+    or a group that names an unknown weight, one twice, or misses one, is a PackageError."""
+    m = json.loads(json.dumps(training_manifest_json))
+    paths = [p for p in _paths(m["training"]) if p]
+    path = data.draw(st.sampled_from(paths))
+    target = m["training"]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(_json_values())
+    try:
+        manifest = Manifest.from_json(m, "fuzz")
+    except PackageError:
+        return
+    from tessel.config.optimizer import make_optimizer, spec_from_json
+
+    training = manifest.training
+    spec = spec_from_json(training.optimizer, "fuzz", training.gradients)
+    make_optimizer(spec, {n: [torch.zeros(2, requires_grad=True)] for n in training.gradients})
+
+
+@pytest.mark.parametrize(
+    "edit, key, words",
+    [
+        (
+            lambda g: g[0].update(lr=-1.0),
+            "param_groups[0].lr",
+            "found -1.0; expected a number >= 0",
+        ),
+        (lambda g: g[0].update(lr=[0.1]), "param_groups[0].lr", "expected a number >= 0"),
+        (lambda g: g[1].update(betas=[1.0, 0.9]), "param_groups[1].betas", "in [0, 1)"),
+        (lambda g: g[0].update(eps=-1e-8), "param_groups[0].eps", "expected a number >= 0"),
+        (lambda g: g[0].update(amsgrad=1), "param_groups[0].amsgrad", "expected true or false"),
+        (lambda g: g[0]["params"].append("nowhere.weight"), "param_groups[0].params", "'nowhere"),
+        (lambda g: g[1]["params"].append(g[0]["params"][0]), "param_groups[1].params", "second"),
+        (lambda g: g[1]["params"].pop(), "param_groups", "leave 1 trained weights out"),
+    ],
+)
+def test_a_training_manifests_optimizer_is_checked_as_torch_checks_it(
+    training_manifest_json, edit, key, words
+):
+    m = json.loads(json.dumps(training_manifest_json))
+    edit(m["training"]["optimizer"]["param_groups"])
+    with pytest.raises(PackageError, match=rf"manifest training\.optimizer\.{re.escape(key)}: "):
+        Manifest.from_json(m, "edited")
+    with pytest.raises(PackageError, match=re.escape(words)):
+        Manifest.from_json(m, "edited")
+
+
+def test_an_optimizer_group_edited_after_construction_is_refused_at_build():
+    from tessel.config.errors import ConfigError
+    from tessel.config.optimizer import optimizer_spec
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    optimizer.param_groups[0]["lr"] = -0.1
+    with pytest.raises(ConfigError, match=r"param_groups\[0\]\.lr: found -0.1"):
+        optimizer_spec(optimizer, {id(weight): "w"}, ("w",))
 
 
 @settings(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.config.errors import ConfigError
 from tessel.plan import has_rule
 from tessel.report import format_plan
+from tessel.runtime.session import WorkerError
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 5
 FACTOR = 0.75  # tight devices hold this share of replicated weights, gradients and moments
@@ -816,3 +818,71 @@ def test_a_dead_or_hung_worker_fails_the_step_saying_the_state_is_lost(tmp_path)
         ):
             session.run_graph(0, batch)
         assert not any(p.is_alive() for p in procs)
+
+
+def _tampered(source, target, rank: int, edit) -> str:
+    """A copy of checkpoint `source` whose rank `rank` file `edit` rewrote (`edit` takes the
+    file's tensors and returns new ones, or bytes for the whole file)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    path = target / f"rank_{rank}" / f"checkpoint_{rank}.safetensors"
+    edited = edit(load_file(path))
+    if isinstance(edited, bytes):
+        path.write_bytes(edited)
+    else:
+        save_file(edited, path)
+    return str(target)
+
+
+def test_a_checkpoint_that_does_not_match_the_step_is_refused_naming_file_and_tensor(
+    sessions, tmp_path
+):
+    """Resuming takes every tensor the step needs with its shape and dtype, or fails before a
+    step naming the file and the tensor; nothing is taken as near enough."""
+    model = _model("llama")
+    path = _build(model, tmp_path).save(tmp_path / "step")
+    session = _session(sessions, 2)
+    session.load_graph(0, {}, path)
+    try:
+        session.run_graph(0, _batches(1)[0])
+        session.save_checkpoint(0, tmp_path / "saved")
+    finally:
+        session.remove_graph(0)
+    saved = tmp_path / "saved"
+    weight = "model.layers.0.mlp.up_proj.weight"
+
+    def dropped(t):
+        return {k: v for k, v in t.items() if k != weight}
+
+    def halved(t):
+        return {**t, weight: t[weight].to(torch.bfloat16)}
+
+    def reshaped(t):
+        return {**t, weight: t[weight].reshape(t[weight].shape[1], t[weight].shape[0])}
+
+    def no_state(t):
+        return {k: v for k, v in t.items() if k != f"optimizer.exp_avg.{weight}"}
+
+    def truncated(t):
+        return (saved / "rank_1" / "checkpoint_1.safetensors").read_bytes()[:100]
+
+    cases = {
+        "missing": (dropped, f"{weight}: missing"),
+        "dtype": (halved, f"{weight}: is bfloat16"),
+        "shape": (reshaped, f"{weight}: is float32["),
+        "state": (no_state, f"optimizer.exp_avg.{weight}: missing"),
+        "truncated": (truncated, "checkpoint_1.safetensors: not a readable safetensors file"),
+    }
+    for case, (edit, words) in cases.items():
+        target = _tampered(saved, tmp_path / case, 1, edit)
+        with pytest.raises(WorkerError) as failure:
+            session.load_graph(0, {"checkpoint": target}, path)
+        message = str(failure.value)
+        assert "\n" not in message and "rank_1/checkpoint_1.safetensors" in message, message
+        assert words in message, (case, message)
+    garbage = tmp_path / "garbage"
+    shutil.copytree(saved, garbage)
+    (garbage / "strategy.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"strategy.json: is not a strategy file's JSON"):
+        session.load_graph(0, {"checkpoint": str(garbage)}, path)

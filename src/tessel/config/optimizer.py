@@ -5,13 +5,15 @@ torch's own implementation over the weights they hold; nothing is pickled."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tessel.config.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where an optimizer is made: a manifest reads without it
+    import torch
 
 # class name -> the hyperparameters recorded (each group's value, or torch's default)
 _ADAM = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
@@ -75,6 +77,8 @@ def optimizer_spec(
 
     `names` maps `id(parameter)` to its FQN; every trainable weight must be in one group.
     """
+    import torch
+
     kind = type(optimizer).__name__
     if not isinstance(optimizer, torch.optim.Optimizer) or kind not in HYPERPARAMETERS:
         raise ConfigError(
@@ -124,15 +128,47 @@ def _options(kind: str, group: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"is not a {kind} hyperparameter tessel records; it records "
             f"{', '.join(HYPERPARAMETERS[kind])}",
         )
-    return {
+    options = {
         key: _json_value(group[key], f"{where}.{key}")
         for key in HYPERPARAMETERS[kind]
         if key in group
     }
+    _check_options(
+        kind, options, lambda key, message: ConfigError("optimizer", f"{where}.{key}", message)
+    )
+    return options
+
+
+_FLAGS = ("nesterov", "maximize", "amsgrad", "decoupled_weight_decay")
+
+
+def _check_options(kind: str, options: Mapping[str, Any], error: Any) -> None:
+    """A group's hyperparameters as torch's constructor checks them; `error(key, message)`
+    makes the error to raise."""
+    for key, value in options.items():
+        if key in _FLAGS:
+            if not isinstance(value, bool):
+                raise error(key, f"found {value!r}; expected true or false")
+        elif key == "betas":
+            if not (
+                isinstance(value, (list, tuple))
+                and len(value) == 2
+                and all(_number(b) and 0.0 <= b < 1.0 for b in value)
+            ):
+                raise error(key, f"found {value!r}; expected two numbers in [0, 1)")
+        elif not _number(value) or value < 0:
+            raise error(key, f"found {value!r}; expected a number >= 0")
+    if options.get("nesterov") and (options.get("momentum", 0) <= 0 or options.get("dampening", 0)):
+        raise error("nesterov", "needs a momentum > 0 and a dampening of 0")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _json_value(value: Any, where: str) -> Any:
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ConfigError("optimizer", where, f"is a tensor of shape {tuple(value.shape)}")
         value = value.item()
@@ -145,18 +181,20 @@ def _json_value(value: Any, where: str) -> Any:
     raise ConfigError("optimizer", where, f"found {value!r}; expected a finite number or a flag")
 
 
-def spec_from_json(obj: Any, source: str) -> OptimizerSpec:
-    """The optimizer a package records, checked as `optimizer_spec` checks a live one."""
+def spec_from_json(obj: Any, source: str, trained: tuple[str, ...]) -> OptimizerSpec:
+    """The optimizer a package records, checked as `optimizer_spec` checks a live one: its
+    groups hold every weight of `trained` once, and nothing else."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("param_groups"), list):
         raise ConfigError(
             source, "training.optimizer", f"expected type and param_groups, found {obj!r}"
         )
     kind = obj.get("type")
-    if kind not in HYPERPARAMETERS:
+    if not isinstance(kind, str) or kind not in HYPERPARAMETERS:
         raise ConfigError(
             source, "training.optimizer.type", f"found {kind!r}; tessel takes {_accepted()}"
         )
     groups = []
+    known, seen = set(trained), set()
     for i, g in enumerate(obj["param_groups"]):
         where = f"training.optimizer.param_groups[{i}]"
         if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
@@ -164,6 +202,14 @@ def spec_from_json(obj: Any, source: str) -> OptimizerSpec:
         params = g["params"]
         if not all(isinstance(p, str) for p in params):
             raise ConfigError(source, f"{where}.params", "expected weight names")
+        for name in params:
+            if name not in known:
+                raise ConfigError(
+                    source, f"{where}.params", f"names {name!r}, which the step does not train"
+                )
+            if name in seen:
+                raise ConfigError(source, f"{where}.params", f"names {name!r} a second time")
+            seen.add(name)
         options = {k: v for k, v in g.items() if k != "params"}
         unknown = sorted(set(options) - set(HYPERPARAMETERS[kind]))
         if unknown:
@@ -172,7 +218,17 @@ def spec_from_json(obj: Any, source: str) -> OptimizerSpec:
             options = {k: _json_value(v, k) for k, v in options.items()}
         except ConfigError as exc:
             raise ConfigError(source, where, str(exc)) from None
+        _check_options(
+            kind, options, lambda key, message, w=where: ConfigError(source, f"{w}.{key}", message)
+        )
         groups.append(ParamGroup(tuple(params), options))
+    missing = [n for n in trained if n not in seen]
+    if missing:
+        raise ConfigError(
+            source,
+            "training.optimizer.param_groups",
+            f"leave {len(missing)} trained weights out, e.g. {missing[0]!r}",
+        )
     return OptimizerSpec(kind, tuple(groups))
 
 
@@ -187,6 +243,8 @@ def make_optimizer(
         if tensors:
             options = {k: tuple(v) if isinstance(v, list) else v for k, v in g.options.items()}
             groups.append({"params": tensors, **options})
+    import torch
+
     cls = getattr(torch.optim, spec.name)
     if not groups:  # a rank holding no trainable weight still steps with the others
         groups = [{"params": [torch.zeros(0)]}]

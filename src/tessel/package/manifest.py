@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
+from tessel.config.errors import ConfigError
+from tessel.config.optimizer import spec_from_json
 from tessel.errors import TesselError
 
 FORMAT = "tessel.offline_model"
@@ -317,8 +319,16 @@ class Training:
         units = tuple(tuple(n.str() for n in u.list()) for u in f.get("units").list())
         if sorted(n for u in units for n in u) != sorted(gradients):
             raise f.get("units").fail("expected every trained weight in one unit, once")
+        optimizer = f.get("optimizer")
+        try:  # as torch's constructor checks it, over the weights the step trains
+            spec_from_json(optimizer.obj(), f.source, gradients)
+        except ConfigError as exc:
+            key = (exc.key or "").removeprefix("training.")
+            raise _Field(None, f"{f.key}.{key}" if key else f.key, f.source).fail(
+                exc.detail
+            ) from None
         return cls(
-            optimizer=f.get("optimizer").obj(),
+            optimizer=optimizer.obj(),
             gradients=gradients,
             data_parallel=dp,
             tensor_parallel=tp,

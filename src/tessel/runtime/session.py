@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
 from tessel.errors import TesselError
@@ -118,7 +119,11 @@ def _checkpoint_in_layout(checkpoint: Any, package: Package) -> Iterator[str]:
             "rank_<r>/ files, as Session.save_checkpoint writes)",
         )
     ours = package.json(package.manifest.strategy)
-    if json.loads(strategy.read_text()) == ours:
+    try:
+        theirs = json.loads(strategy.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(strategy, None, f"is not a strategy file's JSON ({exc})") from None
+    if theirs == ours:
         yield str(source)
         return
     from tessel.checkpoint.convert import execute

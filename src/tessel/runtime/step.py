@@ -108,7 +108,7 @@ class TrainingStep:
         dtypes = {weights[position[n]].dtype for n in self.names}
         if len(dtypes) > 1:
             raise StepError(f"trained weights of several dtypes: {sorted(map(str, dtypes))}")
-        dtype = dtypes.pop() if dtypes else torch.float32
+        self.master_dtype = dtype = dtypes.pop() if dtypes else torch.float32
         self.device = device = weights[0].device if weights else torch.device("cpu")
         self.shapes = {n: weights[position[n]].shape for n in self.names}
         self.layout = layout = FlatLayout(
@@ -179,7 +179,7 @@ class TrainingStep:
             for n, tensors in self.updated.items():
                 self.on_device[n] = tensors[0]
                 tensors[0] = tensors[0].detach().to(offload, copy=True)
-        self.spec = spec = spec_from_json(t.optimizer, "the package")
+        self.spec = spec = spec_from_json(t.optimizer, "the package", t.gradients)
         self.optimizer = make_optimizer(spec, self.updated)
         self.state_keys = sorted({k for g in spec.groups for k in state_keys(spec.name, g.options)})
         self.steps = 0
@@ -406,8 +406,29 @@ class TrainingStep:
             out[STEP_NAME] = torch.tensor(float(self.steps), dtype=torch.float32)
         return out
 
+    def checkpoint_layout(self, names: Sequence[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The shape and dtype of every tensor `state_dict(names)` gives, without gathering or
+        copying: what a checkpoint must hold, exactly so, to resume this rank."""
+        dtype = str(self.master_dtype).removeprefix("torch.")
+        held = {n: (tuple(w.shape), str(w.dtype).removeprefix("torch.")) for n, w in
+                zip(self.order, self.weights)}  # fmt: skip
+        for n in self.names:
+            held[n] = (tuple(self.shapes[n]), dtype)
+        for n, tie in self.ties.items():
+            source = torch.empty(self.shapes[tie.source], device="meta")
+            held[n] = (tuple(self._tied(source, n).shape), dtype)
+        out = {n: held[n] for n in names if n in held}
+        for key in self.state_keys:
+            for n in self.names:
+                if state_name(key, n) in names:
+                    out[state_name(key, n)] = (tuple(self.shapes[n]), dtype)
+        if STEP_NAME in names:
+            out[STEP_NAME] = ((), "float32")
+        return out
+
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take weights and optimizer states (as `state_dict` gives them) from a checkpoint."""
+        """Take weights and optimizer states (as `state_dict` gives them) from a checkpoint,
+        checked first against `checkpoint_layout`."""
         trained = set(self.names)
         for i, n in enumerate(self.order):
             if n not in tensors or n in self.ties:

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from tessel.checkpoint.errors import CheckpointError
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache
@@ -156,18 +157,60 @@ def _load(
         )
         strategy = json.dumps(package.json(package.manifest.strategy)).encode()
         if resume:
+            names = list(package.json(package.manifest.strategy)["params"])
+            tensors = _checkpoint_tensors(resume, spec.rank, device, step.checkpoint_layout(names))
             with torch.no_grad():
-                step.load_state_dict(_checkpoint_tensors(resume, spec.rank, device))
+                step.load_state_dict(tensors)
     _release_memory(device)  # what decoding the program left behind, before the first run
     return _Loaded(program, weights, package.manifest.inputs, step, strategy)
 
 
-def _checkpoint_tensors(directory: str, rank: int, device: torch.device) -> dict:
-    """This rank's tensors of a checkpoint in the package's own layout."""
-    from safetensors.torch import load_file
+def _checkpoint_tensors(
+    directory: str, rank: int, device: torch.device, layout: dict[str, tuple[tuple, str]]
+) -> dict:
+    """This rank's tensors of a checkpoint in the package's own layout, each checked to be
+    there with the shape and dtype `layout` gives (nothing else taken: a resume from other
+    numbers is no resume). Errors name the file and the tensor."""
+    from safetensors import SafetensorError, safe_open
 
     path = os.path.join(directory, f"rank_{rank}", f"checkpoint_{rank}.safetensors")
-    return load_file(path, device=str(device))
+    if not os.path.isfile(path):
+        raise CheckpointError(path, None, f"missing: the checkpoint has no file for rank {rank}")
+    try:
+        with safe_open(path, "pt", device=str(device)) as f:
+            missing = sorted(set(layout) - set(f.keys()))
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise CheckpointError(
+                    path,
+                    missing[0],
+                    f"missing{more}: resuming needs every weight and optimizer state this rank "
+                    "of the step holds",
+                )
+            tensors = {}
+            for name, (shape, dtype) in layout.items():
+                meta = f.get_slice(name)
+                found = (tuple(meta.get_shape()), _safetensors_dtype(meta.get_dtype()))
+                if found != (shape, dtype):
+                    raise CheckpointError(
+                        path,
+                        name,
+                        f"is {found[1]}{list(found[0])}; this rank of the step holds it as "
+                        f"{dtype}{list(shape)}",
+                    )
+                tensors[name] = f.get_tensor(name)
+    except SafetensorError as exc:
+        raise CheckpointError(path, None, f"not a readable safetensors file ({exc})") from None
+    return tensors
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                       "U8": "uint8", "BOOL": "bool"}  # fmt: skip
+
+
+def _safetensors_dtype(code: str) -> str:
+    return _SAFETENSORS_DTYPES.get(code, code)
 
 
 def _save_checkpoint(spec: WorkerSpec, loaded: _Loaded, directory: str) -> None:
