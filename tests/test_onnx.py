@@ -229,6 +229,11 @@ def test_input_shape_is_read_as_atc_writes_it():
         ("pixels:2,3,16,16", "has no input 'pixels'; its inputs: images"),
         ("images:2,3,16", "input 'images' has 4 dimensions in"),
         ("images:2,4,16,16", "input 'images' dimension 1 is 3 in"),
+        ("images:２,3,16,16", "input 'images': dimension '２' is not a positive integer"),
+        ("images:+2,3,16,16", "input 'images': dimension '+2' is not a positive integer"),
+        ("images:2,3,1_6,16", "input 'images': dimension '1_6' is not a positive integer"),
+        ("images:2,3,16,16;;", "an empty entry in"),
+        (f"images:{10**12},3,16,16", "input 'images' of shape [1000000000000, 3, 16, 16]"),
     ],
 )
 def test_a_malformed_input_shape_is_refused_naming_it(files, capsys, text, words):

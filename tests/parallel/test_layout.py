@@ -89,6 +89,9 @@ def test_interleaved_parallel_flag():
         (((2, 2), ("interleaved_parallel", "a")), "alias_name", "last"),
         (((2, 2), ("a", "b"), [0, 1, 2]), "rank_list", "prod(device_matrix)"),
         (((2, 2), ("a", "b"), [[0, 1], [2, 3]]), "rank_list", "1-D"),
+        (((), ()), "device_matrix", "is empty"),
+        (((2,), ("t p",)), "alias_name", "letters, digits and underscores"),
+        (((10**12,), ("tp",)), "device_matrix", "at most"),
     ],
 )
 def test_constructor_validation(args, key, words):

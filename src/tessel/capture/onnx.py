@@ -41,6 +41,7 @@ from tessel.config.errors import ConfigError
 log = logging.getLogger(__name__)
 
 INPUT_SHAPE = "--input_shape"
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
 
 # ONNX tensor element types tessel takes as model inputs (TensorProto.DataType numbers)
 _DTYPES = {
@@ -108,9 +109,17 @@ def parse_input_shape(
         items = [(str(k), v) for k, v in text.items()]
     else:
         items = []
-        for entry in str(text).strip().strip('"').split(";"):
+        body = str(text).strip().strip('"')
+        entries = body.split(";") if body.strip() else []
+        if len(entries) > 1 and entries[-1].strip() == "":
+            entries.pop()  # a trailing ';'
+        for entry in entries:
             if not entry.strip():
-                continue
+                raise ConfigError(
+                    source,
+                    key,
+                    f"an empty entry in {text!r}; entries are name:d1,d2,... separated by ';'",
+                )
             if ":" not in entry:
                 raise ConfigError(
                     source,
@@ -129,12 +138,17 @@ def parse_input_shape(
         if name in shapes:
             raise ConfigError(source, key, f"input {name!r} is given twice")
         shape = []
+        if not isinstance(dims, (list, tuple)):
+            raise ConfigError(source, key, f"input {name!r}: expected a list of dimensions")
         for d in dims:
-            try:
+            # ASCII digits only: int() also takes '+3', '1_0' and other scripts' digits
+            if isinstance(d, str) and _DIGITS.fullmatch(d):
                 value = int(d)
-            except (TypeError, ValueError):
+            elif type(d) is int:
+                value = d
+            else:
                 value = -1
-            if value < 1 or isinstance(d, bool):
+            if value < 1:
                 raise ConfigError(
                     source,
                     key,
@@ -165,6 +179,7 @@ def load_onnx(
         raise ConfigError(str(path), None, f"is not an ONNX model: {exc}") from exc
     fixed = parse_input_shape(input_shape)
     inputs = _fix_inputs(model, fixed, str(path))
+    _check_input_sizes(inputs)
     model = _fold(onnx, model, str(path))  # what the fixed shapes decide is no operator's
     _register_converters()
     _check_operators(model, str(path))
@@ -188,6 +203,23 @@ def load_onnx(
         for _, shape, dtype in inputs
     )
     return gm, examples
+
+
+def _check_input_sizes(inputs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    """Every input's example fits this machine's available memory, checked before any is
+    made (a dimension of 10^12 would otherwise end in the allocator)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    for name, shape, dtype in inputs:
+        size = math.prod(shape) * dtype.itemsize
+        if size > available:
+            raise ConfigError(
+                INPUT_SHAPE,
+                None,
+                f"input {name!r} of shape {list(shape)} ({str(dtype).removeprefix('torch.')}) "
+                f"takes {size:,} bytes; this machine has {available:,} available",
+            )
 
 
 def _imports() -> tuple[Any, Callable[..., fx.GraphModule]]:

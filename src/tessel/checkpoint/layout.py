@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,10 @@ from tessel.checkpoint.errors import LayoutError, LayoutTypeError
 
 INTERLEAVED = "interleaved_parallel"
 NONE_ALIAS = "None"
+_ALIAS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# more devices than any cluster has: a device matrix this large is a mistake, and its rank
+# list would not fit in memory
+MAX_DEVICES = 2**20
 
 TensorMapEntry = int | tuple[int, ...]
 
@@ -43,6 +48,8 @@ class Layout:
             raise LayoutTypeError(
                 "alias_name", f"must be a tuple of str, got {type(alias_name).__name__}"
             )
+        if not device_matrix:
+            raise LayoutError("device_matrix", "is empty; give one size per device axis")
         if len(device_matrix) != len(alias_name):
             raise LayoutError(
                 "alias_name",
@@ -63,9 +70,11 @@ class Layout:
                 raise LayoutTypeError(
                     "alias_name", f"element {i} is {a!r}; every element must be a str"
                 )
-            if a == "" or a == NONE_ALIAS:
+            if a == "" or a == NONE_ALIAS or not _ALIAS.fullmatch(a):
                 raise LayoutError(
-                    "alias_name", f"element {i} is {a!r}; an alias may not be empty or 'None'"
+                    "alias_name",
+                    f"element {i} is {a!r}; an alias is a name of letters, digits and "
+                    "underscores (not empty, not 'None')",
                 )
         if len(set(alias_name)) != len(alias_name):
             dup = sorted({a for a in alias_name if alias_name.count(a) > 1})
@@ -77,6 +86,11 @@ class Layout:
                 "it must be the last alias",
             )
         n = math.prod(device_matrix)
+        if n > MAX_DEVICES:
+            raise LayoutError(
+                "device_matrix",
+                f"{device_matrix} holds {n} devices; at most {MAX_DEVICES} are taken",
+            )
         if rank_list is None:
             ranks = list(range(n))
         else:

@@ -61,7 +61,10 @@ FUSION_MODES = ("auto", "size", "index")
 def _path_argument(method: str, file_path: Any) -> str:
     if not isinstance(file_path, (str, os.PathLike)):
         raise TypeError(f"{method}: file_path must be a str, found {type(file_path).__name__}")
-    return os.fspath(file_path)
+    path = os.fspath(file_path)
+    if not path.strip() or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise ValueError(f"{method}: file_path must name a file, found {path!r}")
+    return path
 
 
 def _int_argument(method: str, name: str, value: Any, low: int) -> int:
@@ -201,6 +204,10 @@ class AutoParallel(torch.nn.Module):
                     f"found {config!r}"
                 )
         elif isinstance(config, tuple):
+            if not config:
+                raise ValueError(
+                    "dataset_strategy: config is an empty tuple; give one strategy per input"
+                )
             world = dist.get_world_size()
             check_kinds(list(config), "dataset_strategy: config")
             for i, entry in enumerate(config):
