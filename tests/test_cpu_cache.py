@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -75,6 +76,29 @@ def test_without_a_compiler_workers_run_without_the_cache_and_say_so(monkeypatch
     assert "run without their block cache" in caplog.text
     assert "no-such-compiler" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is published
+
+
+@needs_cache
+def test_a_corrupt_cached_library_is_built_again_before_anything_maps_it(tmp_path):
+    """In fresh processes (one that has mapped a library keeps it mapped)."""
+    env = subprocess_env(TESSEL_CACHE_DIR=str(tmp_path / "cache"))
+    find = "from tessel.runtime import cpu_cache; print(cpu_cache.library())"
+
+    def library() -> tuple[str, str]:
+        done = subprocess.run([sys.executable, "-c", find], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip(), done.stderr
+
+    built, _ = library()
+    good = open(built, "rb").read()
+    garbage = tmp_path / "garbage.so"
+    garbage.write_bytes(b"\0" * len(good))  # mapping this would kill the process
+    os.replace(garbage, built)
+    again, said = library()
+    assert again == built and open(again, "rb").read() == good
+    assert f"{built} does not match the digest kept beside it; building it again" in said
+    done = subprocess.run([sys.executable, "-c", _ROUNDS], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # and it maps and serves a process
 
 
 @needs_cache

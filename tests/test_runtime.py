@@ -241,6 +241,40 @@ def test_two_nodes_on_loopback(tmp_path, session):
     _run_with_node_1_served(session, path, model, ids)
 
 
+def test_nodes_given_different_packages_refuse_them_on_both_sides(tmp_path, session):
+    """The head and a `tessel serve` compare the package's digest as they join: a node serving
+    another file is refused on both sides within seconds, naming both files."""
+    port = _free_port()
+    node = lambda i: {
+        "node_id": i, "node_type": "CPU", "ipaddr": "127.0.0.1", "port": port,
+        "is_local": i == 0, "item_list": [{"item_id": 0}],
+    }  # noqa: E731  # fmt: skip
+    config = tmp_path / "numa_config_2node.json"
+    config.write_text(json.dumps({
+        "cluster": [{"cluster_nodes": [node(0), node(1)]}], "item_def": [{"item_type": "cpu"}],
+    }))  # fmt: skip
+    ids = token_ids()
+    ours = tessel.save(tessel.build(small_llama(layers=1), (ids,), cluster=str(config)),
+                       tmp_path / "ours")  # fmt: skip
+    theirs = tessel.save(tessel.build(small_llama(layers=2), (ids,), cluster=str(config)),
+                         tmp_path / "theirs")  # fmt: skip
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "tessel.cli", "serve", str(theirs), "--node-id", "1"],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with pytest.raises(tessel.WorkerError, match="every node must serve the same") as refused:
+            session.load_graph(0, {"tessel.load_timeout_s": 60}, ours)
+        assert "theirs.tessel" in str(refused.value) and "ours.tessel" in str(refused.value)
+        _, err = remote.communicate(timeout=60)
+        assert remote.returncode != 0
+        assert "every node must serve the same file" in err and "ours.tessel" in err, err
+    finally:
+        if remote.poll() is None:
+            remote.kill()
+            remote.wait()
+
+
 def _build_on_two_nodes_of_two(tmp_path, model, ids, least_over: int, sizes: dict):
     """`model` built from the policy `sizes` for 2 loopback nodes of 2 devices each, whose
     memory is a quarter above what the plan needing least memory holds over `least_over`

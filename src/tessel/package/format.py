@@ -298,6 +298,8 @@ class Package(_Members):
 
     path: Path
     manifest: Manifest
+    # SHA-256 of the manifest, which lists every member's SHA-256: the package's identity
+    digest: str = ""
 
     @classmethod
     def open(cls, path: str | Path) -> Package:
@@ -329,7 +331,7 @@ class Package(_Members):
                 + (f"; not listed: {extra}" if extra else "")
                 + (f"; missing: {missing}" if missing else ""),
             )
-        return cls(path, manifest)
+        return cls(path, manifest, hashlib.sha256(raw).hexdigest())
 
     def read(self, name: str) -> bytes:
         return bytes(self._read_checked(name))

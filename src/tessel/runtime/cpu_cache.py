@@ -9,8 +9,9 @@ the program's own peak.
 
 torch exposes no CPU allocator hook to Python, so the cache is a small C++ library against
 torch's c10, compiled with the system's C++ compiler on first use and kept in the user's cache
-directory (`TESSEL_CACHE_DIR`, or `$XDG_CACHE_HOME/tessel`). Without a compiler, workers fall
-back to returning each block, and a warning says so once.
+directory (`TESSEL_CACHE_DIR`, or `$XDG_CACHE_HOME/tessel`) with its SHA-256 beside it; a
+library that no longer matches its digest is built again before anything maps it. Without a
+compiler, workers fall back to returning each block, and a warning says so once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from tessel.atomic import replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +89,15 @@ def _build() -> Path:
         b"\0".join([source, torch.__version__.encode(), *map(str.encode, compiler), bytes(root)])
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_cache-{key}.so"
+    digest = target.with_name(target.name + ".sha256")
     if target.exists():
-        return target
+        if digest.exists() and digest.read_text().strip() == _sha256(target):
+            return target
+        # a library that is not the one built here (corrupt, truncated, replaced) would kill
+        # the process that maps it: it is built again
+        log.warning(
+            "tessel: %s does not match the digest kept beside it; building it again", target
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     # built under a temporary name and published in one step: sessions may build at once
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".cpu_cache-", suffix=".so")
@@ -113,11 +123,17 @@ def _build() -> Path:
             capture_output=True,
             timeout=300,
         )
+        with replace_atomically(digest) as tmp:
+            tmp.write_text(_sha256(Path(partial)))
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 _installed: ctypes.CDLL | None = None

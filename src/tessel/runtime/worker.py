@@ -140,6 +140,7 @@ def _load(
             path, f"built for {package.world_size} devices; these workers are {spec.world_size}"
         )
     if spec.distributed:
+        _same_package_everywhere(package, device)
         make_groups(package.manifest, spec.world_size, groups)
     program, weights = load_rank(package, spec.rank, device, groups)
     step, strategy = None, b""
@@ -163,6 +164,31 @@ def _load(
                 step.load_state_dict(tensors)
     _release_memory(device)  # what decoding the program left behind, before the first run
     return _Loaded(program, weights, package.manifest.inputs, step, strategy)
+
+
+_PATH_BYTES = 512  # a package's path, as other nodes see it in a mismatch: its first bytes
+
+
+def _same_package_everywhere(package: Package, device: torch.device) -> None:
+    """Every rank loads the same package (by its manifest's digest), or every rank refuses,
+    naming its own file and another's: nodes started on different packages (a `tessel serve`
+    given another file) would otherwise run one program against another."""
+    path = str(package.path).encode()[:_PATH_BYTES]
+    mine = torch.zeros(32 + _PATH_BYTES, dtype=torch.uint8)
+    mine[:32] = torch.frombuffer(bytearray(bytes.fromhex(package.digest)), dtype=torch.uint8)
+    mine[32 : 32 + len(path)] = torch.frombuffer(bytearray(path), dtype=torch.uint8)
+    mine = mine.to(device)
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(seen, mine)
+    for rank, theirs in enumerate(seen):
+        theirs = bytes(theirs.cpu().tolist())
+        if theirs[:32] != bytes(mine[:32].cpu().tolist()):
+            other = theirs[32:].rstrip(b"\0").decode(errors="replace")
+            raise PackageError(
+                package.path,
+                f"rank {rank} loads {other} (digest {theirs[:8].hex()}), another package than "
+                f"this one (digest {package.digest[:16]}): every node must serve the same file",
+            )
 
 
 def _checkpoint_tensors(
