@@ -261,7 +261,7 @@ def load_model_spec(
         try:
             return load_pt2(path), None, None
         except RefusedArchiveError as exc:
-            raise ConfigError(path, None, f"{exc}; tessel reads a .pt2 as data") from None
+            raise ConfigError(path, None, str(exc)) from None
     if ":" not in spec:
         raise ConfigError(
             "--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}"

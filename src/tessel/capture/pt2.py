@@ -120,8 +120,17 @@ def check_target(target: str) -> None:
 
 
 def load_pt2(path: str | Path) -> torch.export.ExportedProgram:
-    """The ExportedProgram a `.pt2` file holds, read as data (see the module docstring)."""
-    program = load_exported_program(str(path), check_expression, check_target)
+    """The ExportedProgram a `.pt2` file holds, read as data (see the module docstring). Any
+    file that does not read so is refused with RefusedArchiveError, whatever torch's reader
+    raised on it."""
+    try:
+        program = load_exported_program(str(path), check_expression, check_target)
+    except RefusedArchiveError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's reader has no error type of its own
+        raise RefusedArchiveError(
+            f"does not load as a torch.export.save archive ({type(exc).__name__}: {exc})"
+        ) from None
     allowed = set(_PYTHON_OPERATORS.values())
     for module in program.graph_module.modules():
         if not isinstance(module, torch.fx.GraphModule):

@@ -28,7 +28,7 @@ def _read_pt2(path: str) -> torch.export.ExportedProgram:
     try:
         return load_pt2(path)
     except RefusedArchiveError as exc:
-        raise ConfigError(path, None, f"{exc}; tessel reads a .pt2 as data") from None
+        raise ConfigError(path, None, str(exc)) from None
 
 
 def _pt2_target_kind(path: str) -> str | None:
