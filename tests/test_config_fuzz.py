@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.json_edits import json_paths
 
 from tessel.checkpoint.strategy import FORMAT_NAME, load_strategy
 from tessel.config import ConfigError, load_json, read_cluster_config, read_parallel_option
@@ -214,18 +215,6 @@ OPS = (
 )
 
 
-def _locations(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every location in `doc` as a key/index path (the root is `()`)."""
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _locations(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _locations(v, (*prefix, i))
-    return out
-
-
 def _at(doc: Any, loc: tuple) -> Any:
     for k in loc:
         doc = doc[k]
@@ -309,13 +298,13 @@ def mutated(draw: st.DrawFn, bases: list[Any]) -> Any:
     doc = copy.deepcopy(base)
     for _ in range(draw(st.integers(1, 2))):
         # Mostly a leaf (a number, string or boolean): the near misses there slip through most.
-        locations = _locations(doc)
+        locations = json_paths(doc)
         leaves = [loc for loc in locations if not isinstance(_at(doc, loc), (dict, list))]
         loc = draw(st.sampled_from(leaves if leaves and draw(st.integers(0, 3)) else locations))
         op = draw(st.sampled_from(OPS))
         value = _at(doc, loc)
         if op == "swap":  # a valid value from elsewhere in the file, in the wrong place
-            new = copy.deepcopy(_at(base, draw(st.sampled_from(_locations(base)))))
+            new = copy.deepcopy(_at(base, draw(st.sampled_from(json_paths(base)))))
         elif op == "perturb":
             new = _perturb(draw, value)
         elif op == "empty" and isinstance(value, (list, dict)):

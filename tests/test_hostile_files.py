@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
+from tests.json_edits import replaced
 
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.checkpoint.errors import CheckpointError
@@ -22,40 +23,6 @@ from tessel.runtime.worker import _checkpoint_tensors
 from tessel.slices.relation import read_model_relation
 
 _FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-
-
-def _json_values():
-    scalars = st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**40), 2**40),
-        st.floats(allow_nan=False, width=32), st.text(max_size=12),
-        st.sampled_from(["s0", "torch.ops.aten.add.Tensor", "Symbol('s0')", "__import__('os')"]),
-    )  # fmt: skip
-    return st.recursive(
-        scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6,
-    )  # fmt: skip
-
-
-def _paths(value, prefix=()):
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
-def _replaced(document, data) -> object:
-    """`document` with one value (anywhere in it) replaced by any JSON value."""
-    document = json.loads(json.dumps(document))
-    path = data.draw(st.sampled_from([p for p in _paths(document) if p]))
-    target = document
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = data.draw(_json_values())
-    return document
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +50,7 @@ def archive(tmp_path_factory) -> tuple[Path, str, dict]:
 @given(data=st.data())
 def test_any_edit_of_a_pt2_program_reads_or_is_refused(archive, tmp_path, data):
     source, member, program = archive
-    edited = json.dumps(_replaced(program, data)).encode()
+    edited = json.dumps(replaced(program, data)).encode()
     target = tmp_path / "edited.pt2"
     with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w") as dst:
         for info in src.infolist():
@@ -112,7 +79,7 @@ RELATION = {
 @given(data=st.data())
 def test_any_edit_of_a_model_relation_config_reads_or_is_refused(tmp_path, data):
     path = tmp_path / "model_relation_config.json"
-    path.write_text(json.dumps(_replaced(RELATION, data)))
+    path.write_text(json.dumps(replaced(RELATION, data)))
     try:
         relation = read_model_relation(path)
     except ConfigError as exc:
@@ -143,7 +110,7 @@ def test_any_edit_of_a_checkpoint_rank_files_header_loads_or_is_refused(checkpoi
     folder, layout = checkpoint
     raw = (folder / "rank_0" / "checkpoint_0.safetensors").read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    header = _replaced(json.loads(raw[8 : 8 + size]), data)
+    header = replaced(json.loads(raw[8 : 8 + size]), data)
     text = json.dumps(header).encode()
     edited = tmp_path / "rank_0"
     edited.mkdir(exist_ok=True)

@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.conftest import small_gpt2, small_llama, token_ids
+from tests.json_edits import replaced
 
 import tessel
 from tessel.lower.program import ProgramError
@@ -754,28 +755,6 @@ def test_format_version_1_packages_still_load(built, tmp_path):
         assert (out - model(ids)).abs().max().item() <= 1e-5
 
 
-def _json_values():
-    leaves = st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats() | st.text(max_size=8)
-    return st.recursive(
-        leaves,
-        lambda inner: (
-            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-        ),
-        max_leaves=6,
-    )
-
-
-def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 @pytest.fixture(scope="module")
 def manifest_json(built):
     _, _, path, _ = built
@@ -791,14 +770,7 @@ def test_any_edit_of_a_manifest_is_read_or_refused_as_a_package_error(manifest_j
     shows it, or it is refused with a PackageError; never another exception."""
     from tessel.report import format_plan, inspect_json
 
-    m = json.loads(json.dumps(manifest_json))
-    paths = [p for p in _paths(m) if p]
-    path = data.draw(st.sampled_from(paths))
-    value = data.draw(_json_values())
-    target = m
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = value
+    m = replaced(manifest_json, data)
     try:
         manifest = Manifest.from_json(m, "fuzz")
     except PackageError:
@@ -830,13 +802,7 @@ def test_any_edit_of_a_training_manifest_is_read_or_refused_as_a_package_error(
 ):
     """Its optimizer fields and parameter groups too: a value torch's constructor would refuse,
     or a group that names an unknown weight, one twice, or misses one, is a PackageError."""
-    m = json.loads(json.dumps(training_manifest_json))
-    paths = [p for p in _paths(m["training"]) if p]
-    path = data.draw(st.sampled_from(paths))
-    target = m["training"]
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = data.draw(_json_values())
+    m = {**training_manifest_json, "training": replaced(training_manifest_json["training"], data)}
     try:
         manifest = Manifest.from_json(m, "fuzz")
     except PackageError:
@@ -896,13 +862,7 @@ def test_any_edit_of_a_program_is_loaded_or_refused_as_a_program_error(built, da
 
     _, _, _, single = built
     package = Package.open(single)
-    program = package.json(package.submodel(0).program)
-    paths = [p for p in _paths(program) if p]
-    path = data.draw(st.sampled_from(paths))
-    target = program
-    for key in path[:-1]:
-        target = target[key]
-    target[path[-1]] = data.draw(_json_values())
+    program = replaced(package.json(package.submodel(0).program), data)
     try:
         decode(program, {}, torch.device("cpu"), {})
     except ProgramError:
