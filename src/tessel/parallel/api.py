@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,13 @@ from tessel.checkpoint.strategy import (
     load_strategy,
     merge_stage_prefixed,
     write_strategy,
+)
+from tessel.parallel.arguments import (
+    file_prefix,
+    flag,
+    integer,
+    optional_callable,
+    prefixes,
 )
 
 Progress = Callable[[int], None] | None
@@ -92,6 +100,7 @@ def rank_list_for_convert(
     (the destination rank itself is preferred). ``src_strategy_file=None`` means an unsharded
     source, so the answer is ``[0]``. No checkpoint files are read.
     """
+    integer("rank_list_for_convert", "rank_id", rank_id, 0)
     src = load_strategy(src_strategy_file)
     if src is None:
         return [0]
@@ -156,7 +165,17 @@ def convert_checkpoint_by_rank(
                                "save_checkpoint_file_name", save_checkpoint_file_name))  # fmt: skip
     if save.suffix != ".safetensors":
         raise CheckpointError(str(save), "save_file", "must end with .safetensors")
-    files = {int(r): str(f) for r, f in checkpoint_files_map.items()}
+    func = "convert_checkpoint_by_rank"
+    integer(func, "rank_id", rank_id, 0)
+    if not isinstance(checkpoint_files_map, Mapping):
+        raise TypeError(
+            f"{func}: checkpoint_files_map must map source ranks to files, found "
+            f"{type(checkpoint_files_map).__name__}"
+        )
+    files = {
+        integer(func, "checkpoint_files_map's ranks", r, 0): str(f)
+        for r, f in checkpoint_files_map.items()
+    }
     for r, f in files.items():
         if not Path(f).is_file():
             raise CheckpointError(f, None, f"checkpoint file of source rank {r} does not exist")
@@ -209,20 +228,33 @@ def convert_checkpoints(
     src_dir = _pick_required(fn, "src_dir", src_dir, "src_checkpoints_dir", src_checkpoints_dir)
     dst_dir = _pick_required(fn, "dst_dir", dst_dir, "dst_checkpoints_dir", dst_checkpoints_dir)
     dst_prefix = _pick_required(fn, "dst_prefix", dst_prefix, "ckpt_prefix", ckpt_prefix)
+    file_prefix(fn, "dst_prefix", dst_prefix)
+    integer(fn, "process_num", process_num, 1)
     _check_format(output_format)
     jobs, source = plan_convert(src_dir, src_strategy_file, dst_strategy_file, dst_prefix)
     return execute(jobs, dst_dir, process_num, progress, source.holder_files())
 
 
 def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper()
-    for unit, mul in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9),
-                      ("MB", 10**6), ("KB", 10**3), ("B", 1)):  # fmt: skip
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mul)
-    return int(s)
+    """`max_shard_size`: bytes, or a number with a unit ("5GB", "512MiB")."""
+    if not isinstance(size, str):
+        return integer("unified_safetensors", "max_shard_size", size, 1)
+    text = size.strip().upper()
+    number, mul = text, 1
+    for unit, factor in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9),
+                         ("MB", 10**6), ("KB", 10**3), ("B", 1)):  # fmt: skip
+        if text.endswith(unit):
+            number, mul = text[: -len(unit)].strip(), factor
+            break
+    if not _SIZE.fullmatch(number) or float(number) * mul < 1:
+        raise ValueError(
+            f"unified_safetensors: max_shard_size must be bytes or a number with a unit such as "
+            f"'5GB', found {size!r}"
+        )
+    return int(float(number) * mul)
+
+
+_SIZE = re.compile(r"[0-9]+(?:\.[0-9]+)?", re.ASCII)
 
 
 def plan_unify(
@@ -298,8 +330,18 @@ def unified_safetensors(
     ``process_num`` shards are written in parallel (default 1); MindSpore's name for it,
     ``max_process_num``, is accepted as a keyword-only alias.
     """
-    process_num = _pick("unified_safetensors", "process_num", process_num, "max_process_num",
-                        max_process_num, default=1)  # fmt: skip
+    fn = "unified_safetensors"
+    process_num = _pick(fn, "process_num", process_num, "max_process_num", max_process_num,
+                        default=1)  # fmt: skip
+    integer(fn, "process_num", process_num, 1)
+    optional_callable(fn, "choice_func", choice_func)
+    _parse_size(max_shard_size)
+    if split_dst_file and not (
+        isinstance(split_dst_file, tuple)
+        and len(split_dst_file) == 2
+        and all(type(v) is int for v in split_dst_file)
+    ):
+        raise TypeError(f"{fn}: split_dst_file must be () or (k, n), found {split_dst_file!r}")
     if file_suffix is not None or not merge_with_redundancy:
         raise CheckpointError(
             None,
@@ -336,6 +378,8 @@ def shard_checkpoint(
 
     Writes ``dst/rank_{r}/{dst_prefix}{r}.safetensors`` for every rank, without a job.
     """
+    file_prefix("shard_checkpoint", "dst_prefix", dst_prefix)
+    integer("shard_checkpoint", "process_num", process_num, 1)
     source: Source = DCPSource(hf_dir) if is_dcp_dir(hf_dir) else FullSource(hf_dir)
     dst = load_strategy(dst_strategy_file)
     if dst is None:
@@ -481,14 +525,17 @@ def load_segmented_checkpoints(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    fn = "load_segmented_checkpoints"
+    flag(fn, "strict_load", strict_load)
+    optional_callable(fn, "choice_func", choice_func)
+    fp = prefixes(fn, "filter_prefix", filter_prefix)
+    sp = prefixes(fn, "specify_prefix", specify_prefix)
     d = Path(ckpt_file_dir)
     if not d.is_dir():
         raise CheckpointError(str(d), None, "directory does not exist")
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise CheckpointError(str(d), None, "holds no .safetensors files")
-    fp = (filter_prefix,) if isinstance(filter_prefix, str) else tuple(filter_prefix or ())
-    sp = (specify_prefix,) if isinstance(specify_prefix, str) else tuple(specify_prefix or ())
     out: dict[str, torch.Tensor] = {}
     for f in files:
         read_header(f)  # clear errors for truncated/corrupt files
@@ -545,6 +592,11 @@ def load_distributed_checkpoint(
     Target: ``predict_strategy`` and ``rank_id`` (default: this process's rank, else 0); None means
     full tensors. Parameters of ``network`` that are DTensors get their own local shard.
     """
+    fn = "load_distributed_checkpoint"
+    flag(fn, "strict_load", strict_load)
+    flag(fn, "return_param_dict", return_param_dict)
+    if rank_id is not None:
+        integer(fn, "rank_id", rank_id, 0)
     if unified_safetensors_dir is not None:
         source: Source = FullSource(unified_safetensors_dir)
     elif isinstance(checkpoint_filenames, (str, os.PathLike)):

@@ -44,6 +44,7 @@ from tessel.parallel.annotate import (
     whole,
     world_mesh,
 )
+from tessel.parallel.arguments import integer
 from tessel.parallel.buckets import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import micro_batch_count, regroup_rows
@@ -65,14 +66,6 @@ def _path_argument(method: str, file_path: Any) -> str:
     if not path.strip() or path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise ValueError(f"{method}: file_path must name a file, found {path!r}")
     return path
-
-
-def _int_argument(method: str, name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{method}: {name} must be an int, found {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{method}: {name} must be at least {low}, found {value}")
-    return value
 
 
 class AutoParallel(torch.nn.Module):
@@ -260,7 +253,7 @@ class AutoParallel(torch.nn.Module):
                 f"hsdp: shard_size must be -1 (every rank replicating a weight) or in "
                 f"(0, {world}], found {shard_size}"
             )
-        _int_argument("hsdp", "threshold", threshold, 0)
+        integer("hsdp", "threshold", threshold, 0)
         if optimizer_level not in OPTIMIZER_LEVELS:
             raise ValueError(
                 f"hsdp: optimizer_level must be one of {list(OPTIMIZER_LEVELS)}, found "
@@ -288,7 +281,7 @@ class AutoParallel(torch.nn.Module):
         returns the whole batch's mean loss, and the optimizer is made over this rank's
         stage's parameters after it. The loss reaches every stage whatever
         `output_broadcast` says."""
-        _int_argument("pipeline", "stages", stages, 1)
+        integer("pipeline", "stages", stages, 1)
         if scheduler not in SCHEDULERS:
             raise ValueError(
                 f"pipeline: scheduler must be one of {list(SCHEDULERS)}, found {scheduler!r}"
