@@ -659,6 +659,20 @@ def test_a_member_claiming_more_bytes_than_the_file_is_refused_before_reading(
         Package.open(bad)
 
 
+def test_random_inputs_larger_than_the_memory_are_refused_before_any_is_made(built, tmp_path):
+    from tessel.config.errors import ConfigError
+    from tessel.runtime.cli_run import random_inputs
+
+    _, _, _, single = built
+
+    def huge(m: dict) -> None:
+        m["inputs"][0]["shape"] = [10**7, 10**7]
+
+    bad = _tamper(single, tmp_path / "huge.tessel", manifest=huge)
+    with pytest.raises(ConfigError, match=r"--inputs: random inputs .* take [\d,]+ bytes; this"):
+        random_inputs(Package.open(bad).manifest)
+
+
 def _raw_zip(path: Path, entries: list[tuple[str, bytes]], compress: set[str] = frozenset()):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zipfile warns of a duplicate name, and writes it

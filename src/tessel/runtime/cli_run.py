@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import time
 from pathlib import Path
@@ -19,7 +20,19 @@ from tessel.runtime.session import Session, finalize, initialize
 
 
 def random_inputs(manifest: Manifest) -> list[torch.Tensor]:
-    """Inputs of the recorded shapes: integers below the example's bound, floats from N(0, 1)."""
+    """Inputs of the recorded shapes: integers below the example's bound, floats from N(0, 1);
+    refused by name, before any is made, where they would not fit the available memory."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    need = sum(math.prod(s.shape) * getattr(torch, s.dtype).itemsize for s in manifest.inputs)
+    if need > available:
+        raise ConfigError(
+            "--inputs",
+            None,
+            f"random inputs of the recorded shapes {[list(s.shape) for s in manifest.inputs]} "
+            f"take {need:,} bytes; this machine has {available:,} available",
+        )
     out = []
     for spec in manifest.inputs:
         dtype = getattr(torch, spec.dtype)
