@@ -694,8 +694,8 @@ def _worker_failed(rank: int, report: Any) -> WorkerError:
         kind, message, details = "error", str(report), str(report)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     cause = lines[0] if lines else "(no message)"
-    if len(cause) > 300:
-        cause = cause[:297] + "..."
+    if len(cause) > 600:  # room for two file paths (a package mismatch names both)
+        cause = cause[:597] + "..."
     log.debug("rank %s failed; its traceback:\n%s", rank, details)
     return WorkerError(f"rank {rank} failed: {kind}: {cause}", rank, details)
 

@@ -186,8 +186,8 @@ def _same_package_everywhere(package: Package, device: torch.device) -> None:
             other = theirs[32:].rstrip(b"\0").decode(errors="replace")
             raise PackageError(
                 package.path,
-                f"rank {rank} loads {other} (digest {theirs[:8].hex()}), another package than "
-                f"this one (digest {package.digest[:16]}): every node must serve the same file",
+                f"every node must serve the same file, and rank {rank} loads {other} "
+                f"(digests {theirs[:8].hex()} there, {package.digest[:16]} here)",
             )
 
 
