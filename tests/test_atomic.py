@@ -161,3 +161,10 @@ def test_a_published_file_has_an_ordinary_mode_not_the_temporarys(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(mask)
+
+
+def test_missing_parent_directories_are_made(tmp_path):
+    target = tmp_path / "a" / "b" / "page.html"
+    with replace_atomically(target) as tmp:
+        tmp.write_text("x")
+    assert target.read_text() == "x"

@@ -28,7 +28,13 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import (
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 
 OpOverload = torch._ops.OpOverload
 HigherOrderOperator = torch._ops.HigherOrderOperator
@@ -68,6 +74,7 @@ __all__ = [
     "tree_flatten",
     "tree_leaves",
     "tree_map",
+    "tree_flatten_with_path",
     "tree_unflatten",
 ]
 

@@ -52,9 +52,11 @@ def replace_atomically(path: str | os.PathLike, suffix: str = ".tmp") -> Iterato
 
     When the block ends without error the temporary is synced and renamed over `path` with the
     mode `file_mode` gives, and the directory synced; when it raises (or the sync or rename
-    fails) the temporary is removed and `path` is left as it was.
+    fails) the temporary is removed and `path` is left as it was. Missing parent directories
+    are made first, as `mkdir -p` makes them.
     """
     target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(fd)
     tmp = Path(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch.export import ExportedProgram
 
 from tessel._torch import export_post_dispatch, tree_leaves
 from tessel.capture.custom_ops import custom_op_decompositions
+from tessel.capture.held import describe_outputs, output_names, without_cache
 from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
@@ -56,6 +58,7 @@ class CapturedModel:
     source: Callable[..., Any] | None = None
     example_args: tuple = ()
     example_kwargs: dict = field(default_factory=dict)
+    output_names: list[str] = field(default_factory=list)  # a name per user output
 
     def eager_outputs(self) -> list[torch.Tensor]:
         """The source model's outputs on the example inputs, as a flat list of tensors."""
@@ -81,6 +84,7 @@ def capture(
     stamped out (see `tessel.capture.stamp`); `False` traces every layer.
     """
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    cache_off = False
     if isinstance(model, ExportedProgram):
         ep = model
         if not args and not kwargs and model.example_inputs is not None:
@@ -93,6 +97,7 @@ def capture(
                 f"expected an nn.Module or ExportedProgram, found {type(model).__name__}",
             )
         model = model.eval()
+        kwargs, cache_off = without_cache(model, args, kwargs)
         with torch.no_grad():
             ep = _export_stamped(model, args, kwargs) if reuse_layers else None
             ep = ep or _export_aten(model, args, kwargs)
@@ -103,7 +108,10 @@ def capture(
         if len(given) == len(values):
             values = [g.detach().clone() for g in given]
     source = model.module() if isinstance(model, ExportedProgram) else model
-    return CapturedModel(ep, values, names, source, args, kwargs)
+    outputs = output_names(ep)
+    shapes = _output_values(ep)[len(_output_values(ep)) - len(outputs) :]
+    log.info("%s", describe_outputs(outputs, shapes, cache_off))
+    return CapturedModel(ep, values, names, source, args, kwargs, outputs)
 
 
 def capture_training(
@@ -270,6 +278,10 @@ def load_model_spec(
     path = Path(file)
     if not path.is_file() or path.suffix != ".py":
         raise ConfigError("--model", None, f"expected a Python file before ':', found {file!r}")
+    # as `python file.py` runs it: modules beside the file import
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     module_spec = importlib.util.spec_from_file_location(f"tessel_user_model_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -304,6 +316,12 @@ def _user_inputs(ep: ExportedProgram) -> tuple[list[str], list[torch.Tensor]]:
     tensor_names = [n for n in names if isinstance(placeholders[n].meta.get("val"), torch.Tensor)]
     values = [_example_from_meta(placeholders[n].meta["val"]) for n in tensor_names]
     return tensor_names, values
+
+
+def _output_values(ep: ExportedProgram) -> list[Any]:
+    """The example value of every output of `ep`'s graph (buffer mutations first)."""
+    out = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    return [a.meta.get("val") for a in tree_leaves(out.args[0]) if hasattr(a, "meta")]
 
 
 def _example_from_meta(val: Any) -> torch.Tensor:
