@@ -87,11 +87,15 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _saved(built, output: str) -> int:
+    """Write the package; print the plan at --log=info, its summary at the default level."""
     from tessel.report import format_plan
+    from tessel.summary import build_summary
 
     path = built.save(output)
     if logging.getLogger().isEnabledFor(logging.INFO):
         print(format_plan(built.manifest))
+    elif logging.getLogger().isEnabledFor(logging.WARNING):
+        print(build_summary(built.manifest, str(path)))
     print(f"wrote {path}")
     return 0
 
@@ -281,7 +285,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _configure_logging(value: str) -> None:
-    from tessel.log_levels import log_level
+    from tessel.log_levels import keep_torch_quiet, log_level
 
     level = log_level(value)
     logging.basicConfig(
@@ -289,6 +293,7 @@ def _configure_logging(value: str) -> None:
     )
     if level is None:
         logging.disable(logging.CRITICAL)
+    keep_torch_quiet(level)
     if level is None or level > logging.DEBUG:
         # the workers' torch (C++) keeps its warnings to itself: a worker still joining its
         # group when another fails warns of the reset connection, and the failure is one line

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 
 from tessel.config.errors import ConfigError
 
@@ -20,3 +23,32 @@ def log_level(value: str, source: str = "--log") -> int | None:
     if value not in LOG_LEVELS:
         raise ConfigError(source, None, f"found {value!r}; allowed: {'|'.join(LOG_LEVELS)}")
     return LOG_LEVELS[value]
+
+
+def keep_torch_quiet(level: int | None) -> None:
+    """Below `debug`, torch's own log records and Python warnings stay out of the user's log.
+
+    torch warns about its internals (gloo's missing all-to-all, sequential gathers over mesh
+    axes) from every process that meets them; they are about tessel's choices, not the user's
+    model, and tessel reports what matters in its own words. At `debug` they show as torch
+    writes them.
+    """
+    if level is not None and level <= logging.DEBUG:
+        return
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    for package in ("torch", "tessel"):
+        warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
+
+
+@contextlib.contextmanager
+def torch_kept_quiet() -> Iterator[None]:
+    """`keep_torch_quiet` at tessel's own level for the length of a block (a build from
+    Python), then the process's settings as they were."""
+    torch_log = logging.getLogger("torch")
+    saved = torch_log.level
+    with warnings.catch_warnings():
+        keep_torch_quiet(logging.getLogger("tessel").getEffectiveLevel())
+        try:
+            yield
+        finally:
+            torch_log.setLevel(saved)

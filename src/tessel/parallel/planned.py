@@ -45,6 +45,7 @@ from tessel.package.format import Package
 from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, all_reduce_in_buckets, fusion_buckets
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.replaced import replace_parameters
+from tessel.progress import phase
 from tessel.runtime.loader import load_rank
 from tessel.runtime.step_program import gather_weights, hand_over_gradients, made_order
 from tessel.runtime.worker import make_groups
@@ -198,7 +199,7 @@ def _plan_on_rank0(
                     f.write(" ".join(f"{type(exc).__name__}: {exc}".split()))
                 raise
 
-        with Child(plan) as child:
+        with phase("planning the network (rank 0)"), Child(plan) as child:
             exit_code = child.wait()
         if exit_code == 0:
             with open(path, "rb") as f:

@@ -7,6 +7,7 @@ import ctypes
 import datetime
 import gc
 import json
+import logging
 import math
 import os
 import signal
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tessel.checkpoint.errors import CheckpointError
+from tessel.log_levels import keep_torch_quiet
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache
@@ -45,6 +47,7 @@ class WorkerSpec:
     reuse_freed_memory: bool = False  # keep glibc's own heap policy (see `_fix_mmap_threshold`)
     cpu_cache: str = ""  # the compiled block cache to allocate CPU tensors with (`cpu_cache`)
     resume: str = ""  # a training checkpoint in the package's layout to start from
+    log_level: int = logging.WARNING  # the session's: torch's own warnings show at DEBUG only
 
     @property
     def collective_timeout_s(self) -> float:
@@ -305,6 +308,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
     die_with_parent()
+    keep_torch_quiet(spec.log_level)
     if not spec.reuse_freed_memory:
         _fix_mmap_threshold()
     if spec.cpu_cache:
