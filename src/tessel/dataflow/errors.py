@@ -55,5 +55,8 @@ RULE_NESTED_INLINE = (
 )
 RULE_INVOKED_COUNT = "an invoked model needs as many instances as its parent"
 RULE_INVOKE_ONE_OF = "an invoke_list entry takes deploy_info_file or logic_device_list, not both"
+RULE_ONE_SESSION = (
+    "a partitioned model runs as one instance, its ranks on the devices of its own cluster config"
+)
 RULE_SYNTAX = "deploy-info syntax"
 RULE_UNKNOWN_NODE = "flow_node_list may only name nodes of the graph"

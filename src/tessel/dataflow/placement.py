@@ -22,11 +22,13 @@ from tessel.dataflow.errors import (
     RULE_NESTED_INLINE,
     RULE_NESTED_PARENT,
     RULE_ONCE,
+    RULE_ONE_SESSION,
     RULE_SYNTAX,
     RULE_UNKNOWN_NODE,
     DeployError,
 )
-from tessel.dataflow.process_points import FlowGraphProcessPoint, GraphProcessPoint
+from tessel.dataflow.process_points import FlowGraphProcessPoint, Framework, GraphProcessPoint
+from tessel.dataflow.runners import runs_in_session, tessel_package_mode
 from tessel.dataflow.spec import GraphSpec, NodeSpec
 
 _RESOURCE_KIND = {"num_gpus": "cuda", "num_npus": "npu"}
@@ -123,6 +125,17 @@ class Placer:
         device is one accelerator, so a UDF may ask for at most one GPU or NPU)."""
         name = node.deploy_name if node else pp.name
         if isinstance(pp, GraphProcessPoint):
+            if pp.framework is Framework.TESSEL and tessel_package_mode(pp.graph_file)[0] == (
+                "training"
+            ):
+                raise DeployError(
+                    source,
+                    key,
+                    RULE_CAN_RUN,
+                    f"model {pp.graph_file} is a training package; a model node runs inference "
+                    "packages (built without an optimizer)",
+                    name,
+                )
             target = pp.target_device_type()
             if target is not None and target != inst.kind:
                 where = "the host" if inst.device.is_host else f"a {inst.kind} device"
@@ -157,6 +170,28 @@ class Placer:
                     f"which has no {kind} device; place it on a {kind} device",
                     name,
                 )
+
+    def check_one_session(
+        self, name: str, pp: Any, insts: list[Instance], source: str, key: str
+    ) -> None:
+        """A partitioned model runs through one Session whose workers take the package's own
+        devices: a second instance would load every rank again on the same devices."""
+        if not isinstance(pp, GraphProcessPoint) or len(insts) < 2:
+            return
+        world = runs_in_session(pp)
+        if world:
+            raise DeployError(
+                source,
+                key,
+                RULE_ONE_SESSION,
+                f"model {pp.graph_file} is partitioned over {world} devices; its instance runs "
+                f"it through a tessel Session on the {world} devices of the package's cluster "
+                f"config, so it takes one instance, found {len(insts)} "
+                f"({', '.join(str(i.device) for i in insts)}). Place it on one device, or build "
+                "it replicated (--distributed_cluster_build=1 without --enable_graph_parallel) "
+                "to run several instances",
+                name,
+            )
 
     def place(self, spec: GraphSpec, info: DeployInfo | None, source: str) -> GraphPlacement:
         """Place every node of `spec`; without `info`, everything on the first device."""
@@ -221,6 +256,7 @@ class Placer:
         insts = [self.instance(d, source, key, n.deploy_name) for d in devs]
         for inst in insts:
             self.check_runs(n, n.pp, inst, source, key)
+        self.check_one_session(n.deploy_name, n.pp, insts, source, key)
         placed = NodePlacement(n.name, insts)
         invokes = entry.invokes if entry else {}
         for written in invokes:
@@ -304,6 +340,7 @@ class Placer:
         insts = [self.instance(d, source, where, f"{n.deploy_name}/{k}") for d in devs]
         for inst in insts:
             self.check_runs(None, pp, inst, source, where)
+        self.check_one_session(f"{n.deploy_name}/{k}", pp, insts, source, where)
         return insts
 
     def _check_inline(

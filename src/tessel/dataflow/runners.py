@@ -1,7 +1,9 @@
 """Model runners: load a model file onto a device and return a callable `(*tensors) -> list`.
 
 One adapter per model format: `.pt2` ExportedPrograms (read as data: `tessel.capture.pt2`) and
-tessel offline models (through tessel.runtime's Session).
+tessel offline models: one whose rank 0 holds the whole model (built for one device, or
+replicated over several) loads in the node's process on its device; a partitioned one runs
+through tessel.runtime's Session, its ranks on the devices of the package's cluster config.
 """
 
 from __future__ import annotations
@@ -68,24 +70,73 @@ def _load_pt2(path: str, device: str) -> Runner:
     return run
 
 
-def _tessel_loader() -> Any:
-    """tessel.runtime's single-device loader, or None while this build lacks it."""
-    try:
-        from tessel.runtime.single import load_model as load_single
-    except ImportError:
-        return None
-    return load_single
+def _load_rank0(path: str, device: str) -> Runner:
+    """A package whose rank 0 holds the whole model (one device, or replicas), in this process."""
+    from tessel.package.format import Package
+    from tessel.runtime.loader import load_rank
+
+    target = torch.device(device)
+    program, weights = load_rank(Package.open(path), 0, target, {})
+
+    def run(*inputs: Any) -> list[Any]:
+        with torch.inference_mode():
+            return list(program(*weights, *(x.to(target) for x in inputs)))
+
+    return run
+
+
+def _load_partitioned(path: str, device: str, load_params: dict[str, str]) -> Runner:
+    """A partitioned package run by a tessel Session that this node instance starts: one
+    spawned worker per device of the package's cluster config, joined in its process groups,
+    as `tessel run` runs it. `load_params` are the session's load options."""
+    import multiprocessing
+
+    from tessel.runtime import session as runtime
+
+    me = multiprocessing.current_process()
+    if me.daemon:
+        # a local DataFlow worker is a daemon to the graph's process, which stops it; its
+        # session's workers are its own children (daemons, ended with it)
+        me.daemon = False
+    if not runtime._state["initialized"]:
+        runtime.initialize()
+    sess = runtime.Session()
+    sess.load_graph(0, dict(load_params), path)
+    target = torch.device(device)
+
+    def run(*inputs: Any) -> list[Any]:
+        outs = sess.run_graph(0, list(inputs))
+        return [o.to(target) for o in outs]
+
+    return run
 
 
 def _load_tessel(path: str, device: str, load_params: dict[str, str]) -> Runner:
-    """A tessel offline model on one device (a model node instance owns one device)."""
-    load_single = _tessel_loader()
-    if load_single is None:
-        raise NotImplementedError(
-            f"tessel offline model {path}: not wired yet; tessel.runtime's loader is not available "
-            "in this build. Use a .pt2 ExportedProgram (Framework.PYTORCH) for now."
-        )
-    return load_single(path, device)
+    """A tessel offline model: on the instance's device where rank 0 is the whole model (one
+    device, or replicated over several); a partitioned one through a Session."""
+    mode, world = tessel_package_mode(path)
+    if mode == "training":  # placement refuses it first; a last check
+        raise ConfigError(path, "mode", "a training package cannot run in a DataFlow model node")
+    if mode == "replicated" or world == 1:
+        return _load_rank0(path, device)
+    return _load_partitioned(path, device, load_params)
+
+
+def tessel_package_mode(path: str) -> tuple[str, int]:
+    """(mode, world size) of a tessel package: mode is partitioned, replicated or training."""
+    from tessel.package.format import Package
+
+    manifest = Package.open(path).manifest
+    return manifest.mode, manifest.world_size
+
+
+def runs_in_session(pp: GraphProcessPoint) -> int:
+    """The device count of `pp`'s model where it runs through a Session (a partitioned tessel
+    package on several devices), else 0."""
+    if pp.framework is not Framework.TESSEL:
+        return 0
+    mode, world = tessel_package_mode(pp.graph_file)
+    return world if mode == "partitioned" and world > 1 else 0
 
 
 def _tessel_target_kind(path: str) -> str | None:
@@ -132,7 +183,5 @@ def load_model(pp: GraphProcessPoint, device: str) -> Runner:
         return _load_pt2(pp.graph_file, device)
     try:
         return _load_tessel(pp.graph_file, device, pp.load_params)
-    except NotImplementedError:
-        raise
     except Exception as exc:  # the package's own error, with the node's model named
         raise RuntimeError(f"cannot load tessel offline model {pp.graph_file}: {exc}") from exc

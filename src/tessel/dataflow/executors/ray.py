@@ -20,9 +20,11 @@ from collections import OrderedDict
 from typing import Any
 
 from tessel.config.cluster import ClusterConfig
-from tessel.dataflow.errors import FlowTimeout, TransactionFailed
+from tessel.dataflow.errors import RULE_CAN_RUN, DeployError, FlowTimeout, TransactionFailed
 from tessel.dataflow.executors.routing import pick
 from tessel.dataflow.placement import GraphPlacement, Instance
+from tessel.dataflow.process_points import FlowGraphProcessPoint, GraphProcessPoint
+from tessel.dataflow.runners import runs_in_session
 from tessel.dataflow.spec import GraphSpec, NodeSpec
 
 MAX_INFLIGHT_OPTION = "tessel.dataflow.ray_max_inflight"
@@ -117,7 +119,27 @@ class RayExecutor:
         self.closed = False
         self._owns_ray = False
 
+    def _refuse_partitioned(self, spec: GraphSpec) -> None:
+        """A partitioned tessel model runs through a Session that starts its own worker
+        processes on the package's devices, which a Ray actor (given at most one GPU) cannot."""
+        for n in spec.nodes:
+            for key, pp in [("", n.pp), *n.invoked.items()]:
+                if isinstance(pp, FlowGraphProcessPoint):
+                    self._refuse_partitioned(pp.flow_graph.spec)
+                elif isinstance(pp, GraphProcessPoint) and runs_in_session(pp):
+                    raise DeployError(
+                        self.placement.source,
+                        None,
+                        RULE_CAN_RUN,
+                        f"model {pp.graph_file} is partitioned over {runs_in_session(pp)} "
+                        "devices and runs through a tessel Session, which only the local "
+                        "executor starts (tessel.dataflow.backend=local, the default for a cluster "
+                        "config of one node); on Ray, use a replicated build",
+                        f"{n.deploy_name}/{key}" if key else n.deploy_name,
+                    )
+
     def start(self) -> None:
+        self._refuse_partitioned(self.spec)
         import ray
 
         if not ray.is_initialized():
