@@ -10,8 +10,9 @@ export RAY_USAGE_STATS_ENABLED=0
 
 .PHONY: install demo test lint format bench clean
 
-# onnx2torch (the onnx extra) goes in without its torchvision requirement: PyPI's torchvision
-# is built for CUDA torch and breaks `import transformers` beside the CPU torch pinned here
+# onnx2torch (ONNX input) goes in without its torchvision requirement, as the README's install
+# line says: PyPI's torchvision is built for CUDA torch and does not import beside the CPU torch
+# pinned here (and onnx2torch, which imports it, then fails outside tessel)
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

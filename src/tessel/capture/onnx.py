@@ -13,8 +13,9 @@ conversion time, and for the opset 18-21 versions of operators onnx2torch stops 
 Operators are taken from a list tessel has read (`TAKEN`); any other, or one whose shape
 argument is computed from the inputs' data, is refused by name before anything is converted.
 
-onnx and onnx2torch come with the `onnx` extra (`pip install 'tessel[onnx]'`) and are imported
-only here, when an ONNX model is loaded. onnx2torch imports torchvision for two detection
+onnx comes with the `onnx` extra (`pip install 'tessel[onnx]'`), onnx2torch with `pip install
+--no-deps 'onnx2torch>=1.5'` (README, Installing); both are imported only here, when an ONNX
+model is loaded. onnx2torch imports torchvision for two detection
 operators (NonMaxSuppression, RoiAlign); where torchvision is missing or does not load with
 this torch, onnx2torch is imported without it and those two operators are refused.
 """
@@ -224,7 +225,10 @@ def _check_input_sizes(inputs: list[tuple[str, tuple[int, ...], torch.dtype]]) -
 
 def _imports() -> tuple[Any, Callable[..., fx.GraphModule]]:
     """onnx and onnx2torch's `convert`, or an error naming the extra that brings them."""
-    missing = "needs the onnx extra: pip install 'tessel[onnx]' (onnx and onnx2torch)"
+    missing = (
+        "needs the onnx extra: pip install 'tessel[onnx]', then pip install --no-deps "
+        "'onnx2torch>=1.5' (onnx and onnx2torch)"
+    )
     try:
         import onnx
     except ImportError as exc:
