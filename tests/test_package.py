@@ -856,6 +856,37 @@ def test_a_training_manifests_optimizer_is_checked_as_torch_checks_it(
         Manifest.from_json(m, "edited")
 
 
+def test_a_training_package_records_the_models_state_dict_and_config(training_manifest_json):
+    """What turns its checkpoints into the model's own files: every state_dict key of the
+    Llama under its checkpoint name, and its config as a member."""
+    from tests.conftest import hf_llama
+
+    training = training_manifest_json["training"]
+    keys = hf_llama(layers=1).state_dict()
+    assert training["state_dict"] == {k: k for k in keys}
+    assert training["model_config"] == "model/config.json"
+    assert training["generation_config"] == "model/generation_config.json"
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("state_dict", ["w"], "training.state_dict: expected an object"),
+        ("state_dict", {"w": 3}, "training.state_dict['w']: expected a string"),
+        ("state_dict", {"w": ""}, "training.state_dict['w']: expected a checkpoint name"),
+        ("state_dict", {"": "w"}, "training.state_dict['']: expected non-empty state_dict keys"),
+        ("model_config", "model/nowhere.json", "training.model_config: names the member"),
+        ("generation_config", 7, "training.generation_config: expected a string"),
+        ("generation_config", "../x", "training.generation_config: '../x' is not a valid"),
+    ],
+)
+def test_a_training_manifests_model_record_is_checked(training_manifest_json, key, value, words):
+    m = json.loads(json.dumps(training_manifest_json))
+    m["training"][key] = value
+    with pytest.raises(PackageError, match=re.escape(f"edited: manifest {words}")):
+        Manifest.from_json(m, "edited")
+
+
 def test_an_optimizer_group_edited_after_construction_is_refused_at_build():
     from tessel.config.errors import ConfigError
     from tessel.config.optimizer import optimizer_spec

@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file as save_file_st
 
 import tessel
 from tessel.capture import capture_training
@@ -656,10 +657,6 @@ def _adamw_slow(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_path):
-    from safetensors.torch import load_file
-
-    from tessel.cli import main as cli
-
     model = _model("llama")
     reference = copy.deepcopy(model)
     batches = _batches()
@@ -706,7 +703,7 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
     two.load_graph(0, {"checkpoint": str(tmp_path / "step_4")}, zero3)
     try:
         got += [two.run_graph(0, b)[0].item() for b in batches[4:]]
-        two.save_checkpoint(0, tmp_path / "step_5")
+        two.save_checkpoint(0, tmp_path / "ckpt" / "step_5")  # its parent is made
         with pytest.raises(ConfigError, match=r"is not a training checkpoint"):
             two.load_graph(1, {"checkpoint": str(tmp_path / "nowhere")}, zero3)
     finally:
@@ -715,21 +712,77 @@ def test_checkpoint_saved_resumed_in_another_layout_and_unified(sessions, tmp_pa
     want = _torch_losses(reference, lambda m: opt, batches)
     assert got == pytest.approx(want, abs=1e-4)
 
-    saved = tmp_path / "step_5"
-    assert sorted(p.name for p in saved.iterdir()) == ["rank_0", "rank_1", "strategy.json"]
-    assert cli(["ckpt", "unify", str(saved), str(tmp_path / "hf"), "--strategy",
-                str(saved / "strategy.json"), "--no-progress"]) == 0  # fmt: skip
+    saved = tmp_path / "ckpt" / "step_5"
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "config.json", "generation_config.json", "model_state_dict.json", "rank_0", "rank_1",
+        "strategy.json",
+    ]  # fmt: skip
+    check_unified_checkpoint(saved, tmp_path / "out" / "hf", model, reference, opt)
+
+
+def check_unified_checkpoint(saved, hf, model, reference, opt) -> None:
+    """`tessel ckpt unify SRC DST`, with no other argument, writes what `from_pretrained` loads
+    whole: the model's weights as the checkpoint's rank files hold them, its config; the
+    optimizer states only with --optimizer-states."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tessel.cli import main as cli
+    from tessel.parallel import load_distributed_checkpoint
+
+    assert cli(["ckpt", "unify", str(saved), str(hf)]) == 0
+    assert sorted(p.name for p in hf.iterdir()) == [
+        "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]  # fmt: skip
+    loaded, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert type(loaded) is type(model)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set()), info
+    assert set(load_file(hf / "model-00001-of-00001.safetensors")) == set(model.state_dict())
+    # the weights as the rank files hold them, read by the checkpoint tools, not by unify
+    stored = copy.deepcopy(model)
+    load_distributed_checkpoint(stored, str(saved), strict_load=True)
+    for name, value in stored.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    ids = _batches(1, seed=7)[0]["input_ids"]
+    with torch.no_grad():
+        logits = loaded(ids).logits
+        assert torch.allclose(logits, stored(ids).logits, rtol=0, atol=1e-5)
+        assert torch.allclose(logits, reference(ids).logits, rtol=0, atol=1e-3)
+
+    states = hf.parent / "optimizer"
+    code = cli(["ckpt", "unify", str(saved), str(hf), "--optimizer-states", str(states),
+                "--no-progress"])  # fmt: skip
+    assert code == 0
     unified = {}
-    for f in (tmp_path / "hf").glob("*.safetensors"):
+    for f in states.glob("*.safetensors"):
         unified.update(load_file(f))
     assert unified["optimizer.step"].item() == STEPS
     for name, p in reference.named_parameters():
         state = opt.state[p]
-        assert torch.allclose(unified[name], p.detach(), atol=1e-4), name
+        assert torch.allclose(loaded.get_parameter(name), p.detach(), atol=1e-4), name
         assert torch.allclose(unified[f"optimizer.exp_avg.{name}"], state["exp_avg"], atol=1e-4)
         assert torch.allclose(
             unified[f"optimizer.exp_avg_sq.{name}"], state["exp_avg_sq"], atol=1e-4
         )
+    assert len(unified) == 1 + 2 * len(list(reference.parameters()))
+
+
+def test_unify_without_a_strategy_names_the_flag(tmp_path, capsys):
+    """A checkpoint directory without strategy.json needs the flag, and the error says which."""
+    from tessel.cli import main as cli
+
+    src = tmp_path / "ckpt"
+    for r in (0, 1):
+        (src / f"rank_{r}").mkdir(parents=True)
+        save_file_st({"w": torch.zeros(2, 2)}, src / f"rank_{r}" / f"checkpoint_{r}.safetensors")
+    assert cli(["ckpt", "unify", str(src), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "--strategy: is needed" in err and "no strategy.json" in err, err
+    assert "src_strategy_file" not in err
+    assert cli(["ckpt", "convert", str(src), str(tmp_path / "c")]) == 2
+    assert "--src-strategy: is needed" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "c").exists()
 
 
 def test_cli_builds_a_training_step_from_a_model_function(tmp_path, capsys):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tessel.builder.mesh_choice import batch_rows, first_devices, replica_batch
+from tessel.builder.model_record import CONFIG_MEMBER, GENERATION_CONFIG_MEMBER, model_record
 from tessel.builder.stages import build_training_stages, default_micro_batches, more_memory
 from tessel.capture import capture_training
 from tessel.capture.export import split_inputs
@@ -210,6 +211,7 @@ def build_training(
         "pipeline_stages": pp,
         "micro_batches": micro_batches,
     }
+    _record_model(model, manifest["training"], members)
     manifest["plan"]["training"] = _explain(manifest["training"], cluster, policy)
     if stages is not None:
         manifest["plan"]["stages"] = [
@@ -229,6 +231,20 @@ def build_training(
     }
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
+
+
+def _record_model(model: torch.nn.Module, training: dict, members: dict) -> None:
+    """Record what turns a checkpoint into the model's own files (`model_record`): the
+    state_dict keys in `training`, a transformers model's config files as members."""
+    record = model_record(model, json.loads(members["strategy.json"])["params"])
+    training["state_dict"] = record.state_dict
+    for key, member, data in (
+        ("model_config", CONFIG_MEMBER, record.config),
+        ("generation_config", GENERATION_CONFIG_MEMBER, record.generation_config),
+    ):
+        if data is not None:
+            members[member] = data
+            training[key] = member
 
 
 def _with_optimizer_states(

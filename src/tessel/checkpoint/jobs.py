@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from tessel.checkpoint.boxes import Box, device_box
 from tessel.checkpoint.errors import CheckpointError, StrategyError
@@ -34,12 +35,23 @@ def full_strategy_from_file(path: str) -> Strategy:
     return Strategy(params, f"{path} (unsharded)")
 
 
+STRATEGY_FILE = "strategy.json"  # a checkpoint's own strategy, as save_checkpoint writes it
+
+
 def open_source(
-    src_dir: str | os.PathLike, src_strategy_file: StrategyArg, need_strategy: bool = True
+    src_dir: str | os.PathLike,
+    src_strategy_file: StrategyArg,
+    need_strategy: bool = True,
+    strategy_arg: str = "src_strategy_file",
 ) -> Source:
+    """The checkpoint in `src_dir`: a DCP directory, `rank_{r}/*.safetensors` files laid out by
+    `src_strategy_file` (by default the directory's own `strategy.json`), or full tensors.
+    `strategy_arg` is how errors name the strategy argument (a CLI flag, say)."""
     if is_dcp_dir(src_dir):
         return DCPSource(src_dir)
     files = find_rank_files(src_dir)
+    if src_strategy_file is None and files and (Path(src_dir) / STRATEGY_FILE).is_file():
+        src_strategy_file = Path(src_dir) / STRATEGY_FILE
     strategy = load_strategy(src_strategy_file)
     if strategy is None:
         if files and need_strategy:
@@ -47,9 +59,10 @@ def open_source(
                 return RankSource(full_strategy_from_file(files[0]), files)
             raise StrategyError(
                 str(src_dir),
-                "src_strategy_file",
-                f"is needed: the directory holds {len(files)} rank files (only a DCP "
-                "directory or a single unsharded rank_0 file needs no strategy)",
+                strategy_arg,
+                f"is needed: the directory holds {len(files)} rank files and no "
+                f"{STRATEGY_FILE} (only a DCP directory or a single unsharded rank_0 file "
+                "needs no strategy)",
             )
         return FullSource(src_dir)
     if not files:
@@ -139,9 +152,10 @@ def plan_convert(
     src_strategy_file: StrategyArg,
     dst_strategy_file: StrategyArg,
     dst_prefix: str = "checkpoint_",
+    strategy_arg: str = "src_strategy_file",
 ) -> tuple[list[FileJob], Source]:
     """The jobs convert_checkpoints would run (used by the CLI for sizes and progress)."""
-    source = open_source(src_dir, src_strategy_file)
+    source = open_source(src_dir, src_strategy_file, strategy_arg=strategy_arg)
     dst = load_strategy(dst_strategy_file)
     dst = resolve_dst(dst, source) if dst is not None else full_dst(source)
     return rank_jobs(source, dst, dst_prefix), source

@@ -327,11 +327,14 @@ class StagedTree:
 
     Use as a context manager: entering clears leftovers of killed runs and makes the (hidden,
     locked) staging directory ``path``; leaving without ``publish()`` removes it, so an error or
-    Ctrl-C leaves ``dst`` as it was.
+    Ctrl-C leaves ``dst`` as it was. With ``parents``, entering also makes the directories
+    above ``dst`` that are missing, and leaving without ``publish()`` removes those again.
     """
 
-    def __init__(self, dst: str | os.PathLike) -> None:
+    def __init__(self, dst: str | os.PathLike, parents: bool = False) -> None:
         self.dst = _resolve(dst)
+        self._parents = parents
+        self._made: list[Path] = []
         if self.dst.exists() and not self.dst.is_dir():
             raise CheckpointError(str(self.dst), None, "exists and is not a directory")
         if os.path.ismount(self.dst):
@@ -345,11 +348,14 @@ class StagedTree:
         self._published = False
 
     def __enter__(self) -> StagedTree:
+        if self._parents:
+            self._made = _make_parents(self.dst)
         with _locked_dir(self.dst.parent):
             doomed = _recover(self.dst)
             try:
                 self.path.mkdir()
             except OSError as e:
+                self._remove_made()
                 raise CheckpointError(
                     str(self.dst), None, f"cannot build the output beside it ({e}); the output "
                     "replaces the whole directory in one step, which needs write access to the "
@@ -366,6 +372,15 @@ class StagedTree:
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
+        if not self._published:
+            self._remove_made()
+
+    def _remove_made(self) -> None:
+        """Remove the parents this tree made, innermost first, where they are empty."""
+        for d in reversed(self._made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self._made = []
 
     def publish(self) -> None:
         """Swap the complete staged tree in for ``dst`` (atomically where the system can)."""
@@ -439,6 +454,30 @@ class StagedTree:
         with contextlib.suppress(OSError):
             os.rename(old, gone)
         return gone if gone.exists() else old
+
+
+def _make_parents(dst: Path) -> list[Path]:
+    """Make the missing directories above ``dst``; returns them, outermost first."""
+    missing = []
+    path = dst.parent
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    made: list[Path] = []
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as e:
+            for m in reversed(made):
+                with contextlib.suppress(OSError):
+                    m.rmdir()
+            raise CheckpointError(
+                str(dst), None, f"cannot make the directory {d} to hold it ({e.strerror or e})"
+            ) from None
+        made.append(d)
+    return made
 
 
 @contextlib.contextmanager

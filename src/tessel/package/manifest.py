@@ -290,9 +290,15 @@ class Training:
     # many micro-batches through the stages and sums their gradients
     pipeline_stages: int = 1
     micro_batches: int = 1
+    # each key of the model's state_dict() a checkpoint holds, to the checkpoint name of its
+    # value (tied keys as transformers saves them); None in packages built before it was kept
+    state_dict: Mapping[str, str] | None = None
+    # members holding a transformers model's config.json and generation_config.json
+    model_config: str | None = None
+    generation_config: str | None = None
 
     @classmethod
-    def read(cls, f: _Field, world: int) -> Training:
+    def read(cls, f: _Field, world: int, members: frozenset[str] = frozenset()) -> Training:
         f.only([x.name for x in fields(cls)])
         dp = f.get("data_parallel").int(low=1)
         tp = f.get("tensor_parallel").int(low=1)
@@ -338,6 +344,11 @@ class Training:
             optimizer_offload=f.get("optimizer_offload").str(("none", "cpu")),
             pipeline_stages=pp,
             micro_batches=micro_batches or 1,
+            state_dict=f.get("state_dict", optional=True).optional(_state_dict),
+            model_config=f.get("model_config", optional=True).optional(lambda m: m.member(members)),
+            generation_config=f.get("generation_config", optional=True).optional(
+                lambda m: m.member(members)
+            ),
             **flags,
         )
 
@@ -356,6 +367,9 @@ class Training:
             "optimizer_offload": self.optimizer_offload,
             "pipeline_stages": self.pipeline_stages,
             "micro_batches": self.micro_batches,
+            **({"state_dict": dict(self.state_dict)} if self.state_dict is not None else {}),
+            **({"model_config": self.model_config} if self.model_config else {}),
+            **({"generation_config": self.generation_config} if self.generation_config else {}),
         }
 
 
@@ -487,7 +501,9 @@ class Manifest(Mapping):
             plan=_plan(top.get("plan", optional=True)),
             timings=timings,
             files=files,
-            training=top.get("training", optional=True).optional(lambda t: Training.read(t, world)),
+            training=top.get("training", optional=True).optional(
+                lambda t: Training.read(t, world, names)
+            ),
         )
 
     def to_json(self) -> dict:
@@ -533,6 +549,10 @@ class Manifest(Mapping):
     def member_names(self) -> set[str]:
         """Every member the manifest refers to."""
         names = {self.layouts, *([self.strategy] if self.strategy else [])}
+        if self.training is not None:
+            names.update(
+                m for m in (self.training.model_config, self.training.generation_config) if m
+            )
         for s in self.submodels:
             names.add(s.program)
             names.update(s.weights)
@@ -554,6 +574,18 @@ class Manifest(Mapping):
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[:8])
         return f"Manifest({shown}, ...)"
+
+
+def _state_dict(f: _Field) -> dict[str, str]:
+    """`training.state_dict`: non-empty key names to non-empty checkpoint names."""
+    out = {}
+    for key, name in f.items():
+        if not key:
+            raise name.fail("expected non-empty state_dict keys")
+        if not name.str():
+            raise name.fail("expected a checkpoint name, found an empty string")
+        out[key] = name.value
+    return out
 
 
 def _shape(f: _Field) -> tuple[int, ...]:

@@ -8,7 +8,9 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -257,26 +259,41 @@ def _parse_size(size: int | str) -> int:
 _SIZE = re.compile(r"[0-9]+(?:\.[0-9]+)?", re.ASCII)
 
 
-def plan_unify(
-    src_dir: str | os.PathLike,
-    src_strategy_file: StrategyArg = None,
-    max_shard_size: int | str = "5GB",
-    choice_func: Callable[[str], bool | str] | None = None,
-) -> tuple[list[FileJob], dict[str, str], int, Source]:
-    """Jobs for unified_safetensors, the index weight map and the total size."""
-    source = open_source(src_dir, src_strategy_file)
-    limit = _parse_size(max_shard_size)
+@dataclass
+class Shards:
+    """Full-tensor shards of one output directory: the file jobs, the index's weight map and
+    the bytes of every tensor."""
+
+    jobs: list[FileJob]
+    weight_map: dict[str, str]
+    total: int
+
+
+@dataclass
+class UnifyPlan:
+    """What unifying a checkpoint writes. `model`: the shards of the output directory; `files`:
+    the model's config files copied beside them; `optimizer`: the optimizer states' shards
+    (written only where asked); `left_out`: the checkpoint's other tensors, which the model's
+    state_dict does not take (tied copies, program constants, non-persistent buffers). A checkpoint without
+    `model_state_dict.json` (`recorded` False) has every tensor in `model`."""
+
+    source: Source
+    model: Shards
+    optimizer: Shards
+    files: dict[str, bytes]
+    left_out: list[str]
+    recorded: bool
+
+
+def _shards(
+    source: Source, pairs: Sequence[tuple[str, str]], limit: int, prefix: str = "model"
+) -> Shards:
+    """`(checkpoint name, output name)` pairs cut into files of at most `limit` bytes (a
+    tensor larger than that gets a file of its own)."""
     groups: list[list[tuple[str, str, Box]]] = [[]]
     size = 0
     total = 0
-    for name in source.names():
-        out_name = name
-        if choice_func is not None:
-            c = choice_func(name)
-            if c is False:
-                continue
-            if isinstance(c, str):
-                out_name = c
+    for name, out_name in pairs:
         shape, dt = source.info(name)
         nb = shape_bytes(shape, dt)
         if groups[-1] and size + nb > limit:
@@ -285,26 +302,128 @@ def plan_unify(
         groups[-1].append((name, out_name, tuple((0, s) for s in shape)))
         size += nb
         total += nb
+    if groups == [[]]:
+        return Shards([], {}, 0)
     n = len(groups)
     jobs = []
     weight_map = {}
     for k, g in enumerate(groups, 1):
-        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+        fname = f"{prefix}-{k:05d}-of-{n:05d}.safetensors"
         job = plan_file(source, [(nm, box) for nm, _, box in g], fname, metadata={"format": "pt"})
-        for op, (_, out_name, _) in zip(job.params, g, strict=False):
+        for op, (_, out_name, _) in zip(job.params, g, strict=True):
             op.name = out_name
             weight_map[out_name] = fname
         jobs.append(job)
-    return jobs, weight_map, total, source
+    return Shards(jobs, weight_map, total)
+
+
+OPTIMIZER_PREFIX = "optimizer."  # a tessel training checkpoint's optimizer states
+
+
+def plan_unify(
+    src_dir: str | os.PathLike,
+    src_strategy_file: StrategyArg = None,
+    max_shard_size: int | str = "5GB",
+    choice_func: Callable[[str], bool | str] | None = None,
+    strategy_arg: str = "src_strategy_file",
+) -> UnifyPlan:
+    """What unified_safetensors writes (see UnifyPlan); `strategy_arg` is how errors name the
+    strategy argument. `choice_func(name)` sees each output name: False drops the tensor, a
+    string renames it."""
+    from tessel.checkpoint.model_files import config_files, read_state_dict
+
+    source = open_source(src_dir, src_strategy_file, strategy_arg=strategy_arg)
+    limit = _parse_size(max_shard_size)
+    names = source.names()
+    record = read_state_dict(src_dir, names) if isinstance(source, RankSource) else None
+    if record is None:
+        model_pairs = [(n, n) for n in names]
+        optimizer_pairs: list[tuple[str, str]] = []
+        left_out: list[str] = []
+    else:
+        model_pairs = [(name, key) for key, name in record.items()]
+        kept = set(record.values())
+        optimizer_pairs = [
+            (n, n) for n in names if n not in kept and n.startswith(OPTIMIZER_PREFIX)
+        ]
+        left_out = [n for n in names if n not in kept and not n.startswith(OPTIMIZER_PREFIX)]
+
+    def chosen(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        if choice_func is None:
+            return pairs
+        out = []
+        for name, out_name in pairs:
+            c = choice_func(out_name)
+            if c is False:
+                continue
+            out.append((name, c if isinstance(c, str) else out_name))
+        return out
+
+    model_pairs, optimizer_pairs = chosen(model_pairs), chosen(optimizer_pairs)
+    counts = Counter(o for _, o in model_pairs)
+    twice = sorted(o for o, c in counts.items() if c > 1)
+    if twice:
+        raise CheckpointError(
+            source.label, twice[0], "is written twice (choice_func renames two tensors to it)"
+        )
+    return UnifyPlan(
+        source=source,
+        model=_shards(source, model_pairs, limit),
+        optimizer=_shards(source, optimizer_pairs, limit, prefix="optimizer"),
+        files=config_files(src_dir) if isinstance(source, RankSource) else {},
+        left_out=left_out,
+        recorded=record is not None,
+    )
 
 
 INDEX_NAME = "model.safetensors.index.json"
+OPTIMIZER_INDEX_NAME = "optimizer.safetensors.index.json"
 
 
 def unify_index(weight_map: Mapping[str, str], total: int) -> bytes:
     """The Hugging Face index file of unified shards."""
     return json.dumps({"metadata": {"total_size": total}, "weight_map": dict(weight_map)},
                       indent=2).encode()  # fmt: skip
+
+
+def write_unified(
+    plan: UnifyPlan,
+    dst_dir: str | os.PathLike,
+    optimizer_states_dir: str | os.PathLike | None = None,
+    process_num: int = 1,
+    progress: Progress = None,
+    part: tuple[int, int] = (1, 1),
+) -> list[str]:
+    """Write a UnifyPlan: the model's shards, index and config files into `dst_dir`, and where
+    `optimizer_states_dir` is given the optimizer states' shards and index there (first, so the
+    model directory appears last). `part=(k, n)` writes the k-th of n parts of each shard list;
+    part 1 writes the indexes and config files. Returns the paths written."""
+    k, n = part
+    forbidden = plan.source.holder_files()
+    outputs = [(plan.model, dst_dir, INDEX_NAME, plan.files)]
+    if optimizer_states_dir is not None:
+        if not plan.recorded:
+            raise CheckpointError(
+                plan.source.label,
+                None,
+                "has no model_state_dict.json (which Session.save_checkpoint writes), so its "
+                "optimizer states cannot be told from the model's weights: every tensor is "
+                "written to the destination; leave out the optimizer states' directory",
+            )
+        if Path(os.path.abspath(optimizer_states_dir)) == Path(os.path.abspath(dst_dir)):
+            raise CheckpointError(
+                str(optimizer_states_dir), None, "must be another directory than the model's"
+            )
+        outputs.insert(0, (plan.optimizer, optimizer_states_dir, OPTIMIZER_INDEX_NAME, {}))
+    out = []
+    for shards, directory, index_name, files in outputs:
+        jobs = [j for i, j in enumerate(shards.jobs) if i % n == k - 1]
+        extra: dict[str, bytes] = {}
+        if k == 1:  # published with the shards, so the index never names missing files
+            extra = {**files, index_name: unify_index(shards.weight_map, shards.total)}
+        out += execute(jobs, directory, process_num, progress, forbidden, extra)
+        out += [str(Path(directory) / name) for name in extra]
+    return out
 
 
 def unified_safetensors(
@@ -320,15 +439,21 @@ def unified_safetensors(
     progress: Progress = None,
     *,
     max_process_num: int | None = None,
+    optimizer_states_dir: str | os.PathLike | None = None,
 ) -> list[str]:
     """Merge a distributed checkpoint into Hugging Face style full-tensor shards.
 
     Writes ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` into
-    ``dst_dir``. A DCP source needs no strategy. ``choice_func(name)`` may drop a tensor (False)
-    or rename it (a str). ``split_dst_file=(k, n)`` writes only the k-th of n parts of the shard
-    list, so several machines can share the work; the index is written by part 1.
-    ``process_num`` shards are written in parallel (default 1); MindSpore's name for it,
-    ``max_process_num``, is accepted as a keyword-only alias.
+    ``dst_dir``. ``src_strategy_file=None`` takes ``src_dir/strategy.json`` where there is one;
+    a DCP source needs no strategy. A tessel training checkpoint (``Session.save_checkpoint``)
+    gives the model's state_dict only, under its keys, with the model's ``config.json`` and
+    ``generation_config.json``, so ``from_pretrained(dst_dir)`` loads it; its optimizer states
+    go to ``optimizer_states_dir`` (``optimizer-0000k-of-0000n.safetensors`` and
+    ``optimizer.safetensors.index.json``) where given, else nowhere. ``choice_func(name)`` may
+    drop a tensor (False) or rename it (a str). ``split_dst_file=(k, n)`` writes only the k-th
+    of n parts of the shard list, so several machines can share the work; part 1 writes the
+    index and config files. ``process_num`` shards are written in parallel (default 1);
+    MindSpore's name for it, ``max_process_num``, is accepted as a keyword-only alias.
     """
     fn = "unified_safetensors"
     process_num = _pick(fn, "process_num", process_num, "max_process_num", max_process_num,
@@ -342,28 +467,27 @@ def unified_safetensors(
         and all(type(v) is int for v in split_dst_file)
     ):
         raise TypeError(f"{fn}: split_dst_file must be () or (k, n), found {split_dst_file!r}")
+    if optimizer_states_dir is not None and not isinstance(
+        optimizer_states_dir, (str, os.PathLike)
+    ):
+        raise TypeError(
+            f"{fn}: optimizer_states_dir must be a path, found "
+            f"{type(optimizer_states_dir).__name__}"
+        )
     if file_suffix is not None or not merge_with_redundancy:
         raise CheckpointError(
             None,
             "file_suffix/merge_with_redundancy",
             "are MindSpore .ckpt options that tessel does not support",
         )
-    jobs, weight_map, total, source = plan_unify(src_dir, src_strategy_file, max_shard_size,
-                                                 choice_func)  # fmt: skip
-    write_index = True
+    part = (1, 1)
     if split_dst_file:
         k, n = split_dst_file
         if not (1 <= k <= n):
             raise CheckpointError(None, "split_dst_file", f"is {split_dst_file}; need 1 <= k <= n")
-        jobs = [j for i, j in enumerate(jobs) if i % n == k - 1]
-        write_index = k == 1
-    extra = {}
-    if write_index:  # published with the shards, so the index never names missing files
-        extra[INDEX_NAME] = unify_index(weight_map, total)
-    out = execute(jobs, dst_dir, process_num, progress, source.holder_files(), extra)
-    if write_index:
-        out.append(str(Path(dst_dir) / INDEX_NAME))
-    return out
+        part = (k, n)
+    plan = plan_unify(src_dir, src_strategy_file, max_shard_size, choice_func)
+    return write_unified(plan, dst_dir, optimizer_states_dir, process_num, progress, part)
 
 
 def shard_checkpoint(

@@ -19,17 +19,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c = sub.add_parser("convert", help="convert a distributed checkpoint to another strategy")
     c.add_argument("src", help="source dir: rank_{r}/*.safetensors, or a DCP directory")
     c.add_argument("dst", help="destination dir (rank_{r}/{dst_prefix}{r}.safetensors)")
-    c.add_argument("--src-strategy", help="source strategy file (not needed for DCP)")
+    c.add_argument("--src-strategy", help="source strategy file (default: SRC/strategy.json; "
+                   "not needed for DCP)")  # fmt: skip
     c.add_argument("--dst-strategy", help="destination strategy file (default: unsharded)")
     c.add_argument("--dst-prefix", "--prefix", dest="dst_prefix", default="checkpoint_",
                    help="output file prefix (dst_prefix)")  # fmt: skip
     _common(c)
     c.set_defaults(func=_convert)
 
-    u = sub.add_parser("unify", help="merge into Hugging Face style full-tensor shards")
-    u.add_argument("src", help="source dir: rank_{r}/*.safetensors, or a DCP directory")
-    u.add_argument("dst", help="output dir (model-0000k-of-0000n.safetensors + index)")
-    u.add_argument("--strategy", help="source strategy file (not needed for DCP)")
+    u = sub.add_parser(
+        "unify",
+        help="merge into Hugging Face style full-tensor shards",
+        description="Merge a distributed checkpoint into full-tensor shards "
+        "(model-0000k-of-0000n.safetensors and model.safetensors.index.json in DST). "
+        "A tessel training checkpoint (Session.save_checkpoint) gives the model's state_dict "
+        "only, under its own keys, with the model's config.json and generation_config.json: "
+        "a directory from_pretrained(DST) loads. Its optimizer states are written only with "
+        "--optimizer-states DIR; the program's constants and non-persistent buffers never.",
+    )
+    u.add_argument("src", metavar="SRC",
+                   help="source dir: rank_{r}/*.safetensors, or a DCP directory")  # fmt: skip
+    u.add_argument("dst", metavar="DST",
+                   help="output dir (model-0000k-of-0000n.safetensors + index); missing "
+                   "parent directories are made")  # fmt: skip
+    u.add_argument("--strategy", help="source strategy file (default: SRC/strategy.json; "
+                   "not needed for DCP)")  # fmt: skip
+    u.add_argument("--optimizer-states", metavar="DIR", dest="optimizer_states",
+                   help="also write a tessel training checkpoint's optimizer states, as "
+                   "optimizer-0000k-of-0000n.safetensors and optimizer.safetensors.index.json "
+                   "in DIR (not DST)")  # fmt: skip
     u.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     _common(u)
     u.set_defaults(func=_unify)
@@ -95,6 +113,7 @@ def _convert(args: argparse.Namespace) -> int:
         src_strategy_file=args.src_strategy,
         dst_strategy_file=args.dst_strategy,
         dst_prefix=args.dst_prefix,
+        strategy_arg="--src-strategy",
     )
     out = _run(jobs, args.dst, args, source.holder_files())
     print(f"wrote {len(out)} files to {args.dst}")
@@ -102,13 +121,52 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _unify(args: argparse.Namespace) -> int:
-    from tessel.parallel.api import INDEX_NAME, plan_unify, unify_index
+    from tqdm import tqdm
 
-    jobs, weight_map, total, source = plan_unify(args.src, args.strategy, args.max_shard_size)
-    index = {INDEX_NAME: unify_index(weight_map, total)}
-    out = _run(jobs, args.dst, args, source.holder_files(), index)
-    idx = Path(args.dst) / INDEX_NAME
-    print(f"wrote {len(out)} shards ({_gib(total)}) and {idx}")
+    from tessel.checkpoint.errors import CheckpointError
+    from tessel.parallel.api import OPTIMIZER_PREFIX, plan_unify, write_unified
+
+    plan = plan_unify(args.src, args.strategy, args.max_shard_size, strategy_arg="--strategy")
+    states = args.optimizer_states
+    if states is not None:
+        if not plan.recorded:
+            raise CheckpointError(
+                args.src, "--optimizer-states", "takes a tessel training checkpoint (one with "
+                "model_state_dict.json, as Session.save_checkpoint writes); this one's tensors "
+                "cannot be told apart, so all of them are written to DST: leave the flag out",
+            )  # fmt: skip
+        if Path(states).resolve() == Path(args.dst).resolve():
+            raise CheckpointError(
+                states, "--optimizer-states", "must be another directory than DST"
+            )
+    total = plan.model.total + (plan.optimizer.total if states is not None else 0)
+    jobs = len(plan.model.jobs) + (len(plan.optimizer.jobs) if states is not None else 0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"writing {jobs} files", disable=args.no_progress, file=sys.stderr)  # fmt: skip
+    try:
+        write_unified(plan, args.dst, states, args.process_num, bar.update)
+    finally:
+        bar.close()
+    if states is not None:
+        print(f"wrote {len(plan.optimizer.jobs)} optimizer state shards "
+              f"({_gib(plan.optimizer.total)}) and their index to {states}")  # fmt: skip
+    print(f"wrote {len(plan.model.jobs)} shards ({_gib(plan.model.total)}) and their index"
+          + "".join(f", {f}" for f in plan.files) + f" to {args.dst}")  # fmt: skip
+    if plan.recorded:
+        if states is None and plan.optimizer.weight_map:
+            print(f"left out {len(plan.optimizer.weight_map)} optimizer states "
+                  "(--optimizer-states DIR writes them)")  # fmt: skip
+        if plan.left_out:
+            shown = ", ".join(plan.left_out[:3]) + (", ..." if len(plan.left_out) > 3 else "")
+            print(f"left out {len(plan.left_out)} other tensors the model's state_dict does "
+                  "not take (tied copies, program constants, non-persistent buffers): "
+                  f"{shown}")  # fmt: skip
+    elif any(n.startswith(OPTIMIZER_PREFIX) for n in plan.model.weight_map):
+        print(
+            f"note: {args.src} has no model_state_dict.json (saved by an older tessel), so "
+            "every tensor, optimizer states included, was written to DST",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -154,7 +212,7 @@ def _inspect(args: argparse.Namespace) -> int:
         for n, p in st.params.items():
             rows.append({"name": n, **p.to_json()})
     else:
-        source = open_source(path, args.strategy)
+        source = open_source(path, args.strategy, strategy_arg="--strategy")
         info = {"kind": source.kind, "files": len(source.holder_files())}
         total = 0
         for n in source.names():

@@ -137,6 +137,45 @@ def _checkpoint_in_layout(checkpoint: Any, package: Package) -> Iterator[str]:
         yield str(Path(tmp) / "ranks")
 
 
+def _model_files(package: Package) -> dict[str, bytes]:
+    """The files a training package's checkpoint holds beside its tensors (see
+    `tessel.checkpoint.model_files`): which tensors are the model's state_dict, and a
+    transformers model's config files, each checked against the package first."""
+    from tessel.checkpoint.model_files import STATE_DICT_FILE, state_dict_file
+    from tessel.package.format import parse_json
+
+    training = package.manifest.training
+    out: dict[str, bytes] = {}
+    if training is None:
+        return out
+    if training.state_dict is not None and package.manifest.strategy is not None:
+        strategy = package.json(package.manifest.strategy)
+        held = strategy.get("params") if isinstance(strategy, dict) else None
+        if not isinstance(held, dict):
+            raise PackageError(
+                package.path, f"member {package.manifest.strategy!r}: expected a strategy object"
+            )
+        for key, name in training.state_dict.items():
+            if name not in held:
+                raise PackageError(
+                    package.path,
+                    f"manifest training.state_dict[{key!r}]: names {name!r}, which the "
+                    "package's strategy does not hold",
+                )
+        out[STATE_DICT_FILE] = state_dict_file(training.state_dict)
+    for file, member in (
+        ("config.json", training.model_config),
+        ("generation_config.json", training.generation_config),
+    ):
+        if member is None:
+            continue
+        data = package.read(member)
+        if not isinstance(parse_json(data, package.path, f"member {member!r}"), dict):
+            raise PackageError(package.path, f"member {member!r}: expected a JSON object")
+        out[file] = data
+    return out
+
+
 _RUN_MODES = {"0": "inference", "1": "training"}
 
 
@@ -403,17 +442,20 @@ class Session:
         """Write a training graph's weights and optimizer states as a distributed checkpoint
         in tessel's format: `rank_<r>/checkpoint_<r>.safetensors` per rank and
         `strategy.json` (weights under their names, optimizer states as
-        `optimizer.<key>.<weight>`, Adam's step count as `optimizer.step`), built beside
-        `path` and swapped in whole when every rank has written (a directory every node
-        can reach). `tessel ckpt unify` turns it into a Hugging Face checkpoint; `load_graph`
-        with `{"checkpoint": path}` resumes from it."""
-        from tessel.checkpoint.publish import StagedTree
+        `optimizer.<key>.<weight>`, Adam's step count as `optimizer.step`), with
+        `model_state_dict.json` (which tensors are the model's state_dict) and a transformers
+        model's `config.json` and `generation_config.json`; built beside `path` (missing
+        parent directories are made) and swapped in whole when every rank has written (a
+        directory every node can reach). `tessel ckpt unify` turns it into a Hugging Face
+        checkpoint; `load_graph` with `{"checkpoint": path}` resumes from it."""
+        from tessel.checkpoint.publish import StagedTree, sync_file
 
         graph = self._graph(graph_id)
         if graph.package.manifest.training is None:
             raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
+        extra = _model_files(graph.package)
         workers = graph.workers
-        with StagedTree(path) as tree:
+        with StagedTree(path, parents=True) as tree:
             targets = workers.conns[:1] if workers.distributed else workers.conns
             for conn in targets:
                 with contextlib.suppress(OSError):
@@ -424,6 +466,11 @@ class Session:
                 workers.broken = True
                 _stop(workers, graceful=False)
                 raise
+            for name, data in extra.items():
+                with open(tree.path / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    sync_file(f.fileno())
             tree.publish()
         return tree.dst
 
