@@ -88,6 +88,7 @@ def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
     from tqdm import tqdm
 
     from tessel.checkpoint.convert import execute, nbytes_of
+    from tessel.progress import showing
 
     total = nbytes_of(jobs)
     bar = tqdm(
@@ -96,7 +97,7 @@ def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
         unit_scale=True,
         unit_divisor=1024,
         desc=f"writing {len(jobs)} files",
-        disable=args.no_progress,
+        disable=args.no_progress or not showing(),  # a terminal only, above --log=error
         file=sys.stderr,
     )
     try:
@@ -125,6 +126,7 @@ def _unify(args: argparse.Namespace) -> int:
 
     from tessel.checkpoint.errors import CheckpointError
     from tessel.parallel.api import OPTIMIZER_PREFIX, plan_unify, write_unified
+    from tessel.progress import showing
 
     plan = plan_unify(args.src, args.strategy, args.max_shard_size, strategy_arg="--strategy")
     states = args.optimizer_states
@@ -142,7 +144,8 @@ def _unify(args: argparse.Namespace) -> int:
     total = plan.model.total + (plan.optimizer.total if states is not None else 0)
     jobs = len(plan.model.jobs) + (len(plan.optimizer.jobs) if states is not None else 0)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-               desc=f"writing {jobs} files", disable=args.no_progress, file=sys.stderr)  # fmt: skip
+               desc=f"writing {jobs} files", disable=args.no_progress or not showing(),
+               file=sys.stderr)  # fmt: skip
     try:
         write_unified(plan, args.dst, states, args.process_num, bar.update)
     finally:
