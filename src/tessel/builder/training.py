@@ -44,6 +44,7 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.lower.program import move_groups
 from tessel.lower.trace import weight_inputs
 from tessel.plan import PlanError, has_rule
+from tessel.progress import phase
 from tessel.sharding.placements import local_shard_shape
 
 MB = 2**20  # the policy's prefetch buffer is in MB
@@ -106,7 +107,8 @@ def build_training(
     }
     mixed = compute != torch.float32
     traced = copy.deepcopy(model).to(compute) if own_dtype != compute else model
-    captured = capture_training(traced, *split, keep=has_rule)
+    with phase("capturing the training step"):
+        captured = capture_training(traced, *split, keep=has_rule)
     del traced
     timings["capture"] = time.perf_counter() - t
 

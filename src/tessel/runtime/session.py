@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 import weakref
@@ -29,7 +30,9 @@ from tessel.config.errors import ConfigError
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import TensorSpec
+from tessel.progress import phase
 from tessel.runtime import cpu_cache
+from tessel.runtime.main_guard import unguarded_call_site
 from tessel.runtime.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -80,9 +83,23 @@ def _exit_if_importing_main() -> None:
         raise SystemExit(_UNGUARDED_MAIN_EXIT)
 
 
+def _refuse_unguarded_main(call: str) -> None:
+    """Refuse `call` from the main script's top level, where every spawned worker would run
+    the script again (see `tessel.runtime.main_guard`)."""
+    site = unguarded_call_site(sys._getframe(2))
+    if site is not None:
+        file, line = site
+        raise SessionError(
+            f"{file}:{line}: {call} runs at the script's top level, and every worker a session "
+            "starts imports the script again (the spawn start method) and would run it too: "
+            'put the code that uses tessel\'s runtime under `if __name__ == "__main__":`'
+        )
+
+
 def initialize(config: dict[str, str] | None = None) -> None:
     """Start tessel's runtime (GEInitialize). Safe to call again."""
     _exit_if_importing_main()
+    _refuse_unguarded_main("tessel.initialize()")
     if config is not None and not isinstance(config, dict):
         raise ConfigError("config", None, f"expected a dict, found {type(config).__name__}")
     _state["initialized"] = True
@@ -315,6 +332,7 @@ class Session:
         """Load every rank of this node onto one worker per device (idle workers, where they
         fit, or new ones that join the process groups); returns when every rank is ready."""
         _exit_if_importing_main()
+        _refuse_unguarded_main("Session.load_graph")
         if not _state["initialized"]:
             raise SessionError("tessel.finalize() was called; call tessel.initialize() again")
         if not isinstance(graph_id, int) or isinstance(graph_id, bool):
@@ -390,8 +408,10 @@ class Session:
                 workers.key = key
             graph = _Graph(package, workers, learning_rate=learning_rate)
             self._graphs[graph_id] = graph
+            what = "loading" if idle is not None else f"starting {len(local)} workers, loading"
             try:
-                _wait_ready(workers, load_timeout)
+                with phase(f"{what} {package.path.name}"):
+                    _wait_ready(workers, load_timeout)
             except BaseException:
                 workers.broken = True
                 self.remove_graph(graph_id)
@@ -619,6 +639,7 @@ def _start_workers(
             reuse_freed_memory=reuse_memory,
             cpu_cache=cache,
             resume=resume,
+            log_level=logging.getLogger("tessel").getEffectiveLevel(),
         )
         proc = ctx.Process(
             target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}"
