@@ -313,6 +313,49 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
         Manifest.from_json(edited, "edited")
 
 
+def test_inspect_says_why_each_replicated_weight_is_replicated(gpt2_package, capsys, tmp_path):
+    """The small GPT-2 on two devices of 16 GiB is replicated whole: each weight says that
+    sharding it is estimated slower and memory allows the replicas, by the planner's costs."""
+    from tessel.package import Package, PackageError
+    from tessel.package.manifest import REPLICATION_REASONS, Manifest
+    from tessel.plan.why import REASONS
+
+    assert REPLICATION_REASONS == REASONS  # the manifest reads what the planner writes
+    assert main(["inspect", "--json", str(gpt2_package)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    why = data["replicated"]
+    placed = {name: p for params in data["layers"].values() for name, p in params.items()}
+    # every weight replicated on the tp axis has a reason, and no sharded one
+    assert set(why) == {name for name, p in placed.items() if p == ["R"]}
+    assert len(why) > len(placed) / 2
+    down = why["lm.transformer.h.0.mlp.c_proj.weight"]
+    assert down["reason"] == "faster" and down["axes"] == ["tp"]
+    assert down["slower_s"] > 0 and down["sharded_fits"] is True
+    assert any(p.startswith("S(") for p in down["sharded"]) and down["saves_bytes"] > 0
+    # identical layers share one placement, so one reason
+    assert why["lm.transformer.h.1.mlp.c_proj.weight"] == down
+    assert f"estimated {down['slower_s'] * 1e3:.3f} ms per run faster" in down["text"]
+    assert "memory allows the replicas" in down["text"]
+
+    assert main(["inspect", str(gpt2_package)]) == 0
+    text = capsys.readouterr().out
+    section = text.split("why weights are replicated")[1].split("\nper device (peak")[0]
+    assert f"    mlp.c_proj.weight: {down['text']}" in section
+    assert "lm.transformer.h.0 .. lm.transformer.h.1 (2 layers)" in section
+    page = tmp_path / "plan.html"
+    assert main(["inspect", str(gpt2_package), "--html", str(page)]) == 0
+    assert "why replicated" in page.read_text()
+
+    edited = json.loads(json.dumps(Package.open(gpt2_package).manifest.to_json()))
+    edited["plan"]["replicated"]["lm.lm_head.weight"]["reason"] = "because"
+    with pytest.raises(PackageError, match=r"replicated\['lm.lm_head.weight'\].reason: found"):
+        Manifest.from_json(edited, "edited")
+    edited["plan"]["replicated"]["lm.lm_head.weight"]["reason"] = "faster"
+    edited["plan"]["replicated"]["lm.lm_head.weight"]["slower_s"] = "1 ms"
+    with pytest.raises(PackageError, match=r"slower_s: expected a finite number"):
+        Manifest.from_json(edited, "edited")
+
+
 def test_a_worker_error_is_one_line_and_its_traceback_shows_at_debug(gpt2_package, tmp_path):
     import zipfile
 

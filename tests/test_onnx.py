@@ -138,6 +138,75 @@ def test_llama_exported_to_onnx_built_on_2_devices_equals_onnxruntime(files):
     expected = _onnxruntime(files / "llama.onnx", {"input_ids": ids})
     assert out.shape == expected.shape == (2, 16, 256)
     assert (out - expected).abs().max().item() <= 1e-4
+    # the weights take the exported model's names (torch.onnx.export folded each linear's
+    # weight into a transposed `val_<k>` and recorded its source), and its layers are found
+    manifest = Package.open(path).manifest
+    held = set(manifest.submodels[0].weight_order)
+    for layer in (0, 1):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            assert f"lm.model.layers.{layer}.{name}.weight" in held, sorted(held)
+    assert not any(name.startswith("initializers.val_") and "proj" in name for name in held)
+    data = inspect_json(manifest)
+    assert {"lm.model.layers.0", "lm.model.layers.1"} <= set(data["layers"])
+    assert "lm.model.layers.1.mlp.up_proj.weight" in data["layers"]["lm.model.layers.1"]
+    assert data["solver"]["repeated_layers"] == {"lm.model.layers.*": 2}
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Stack(nn.Module):
+    """Two residual blocks of two linear layers and a head, on 3-D inputs (MatMul)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Residual() for _ in range(2))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_weights_and_layers_take_the_exported_models_names(tmp_path, dynamo):
+    """Both exporters fold each weight into a transposed initializer of a generated name; the
+    dynamo exporter records its source, the TorchScript one names the node by its module."""
+    from tessel.capture import capture
+    from tessel.capture.onnx import _string_list
+    from tessel.plan.layers import template_map
+
+    torch.manual_seed(0)
+    path = tmp_path / "stack.onnx"
+    x = torch.randn(2, 8, 32)
+    torch.onnx.export(
+        _Stack().eval(), (x,), str(path), input_names=["x"], output_names=["y"], dynamo=dynamo
+    )
+    model, example = load_onnx(path)
+    names = [name for name, _ in model.named_parameters()]
+    if dynamo:
+        assert "layers.0.fc1.weight" in names and "layers.1.fc2.weight" in names
+        assert "head.weight" in names and "head.bias" in names
+    else:  # the transposed weight's source is not in the file: its module's path is
+        assert any(n.startswith("layers.0.fc1.onnx__MatMul_") for n in names), names
+        assert any(n.startswith("layers.1.fc2.onnx__MatMul_") for n in names), names
+    assert "layers.1.fc1.bias" in names
+    assert not any(n.startswith("initializers.") for n in names), names
+    # operators moved into their layers still compute the file's function
+    expected = _onnxruntime(path, {"x": x})
+    assert (model(x) - expected).abs().max().item() <= 1e-5
+    _, families = template_map(capture(model, example).program.graph_module.graph)
+    assert families == {"layers.*": [0, 1]}
+    # the exporter's records are read as text, never evaluated
+    assert _string_list("['a.b', 'c']") == ["a.b", "c"]
+    assert _string_list("__import__('os').getcwd()") is None
 
 
 def test_resnet_exported_to_onnx_built_on_2_devices_equals_onnxruntime(files):

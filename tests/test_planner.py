@@ -196,3 +196,50 @@ def test_fixed_placements_the_planner_cannot_keep_are_refused(fixed, match):
     cluster = cluster_from_dict(local_cluster_dict(N), "c.json")
     with pytest.raises(PlanError, match=match):
         make_plan(captured, cluster, ParallelOption(fixed_placements=fixed))
+
+
+def test_why_a_weight_is_replicated_is_the_planners_own_estimate():
+    """Each replicated weight's estimate is the best plan sharding it, re-solved around it with
+    the rest as chosen: never below what a global re-solve finds, on a Llama equal to it
+    within the solver's gap. Buffers and weights the policy places say so."""
+    import numpy as np
+    from torch.distributed.tensor import Shard
+
+    from tessel.plan import ilp
+    from tessel.plan.why import replicated_weights, summary
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    cluster = cluster_from_dict(local_cluster_dict(2), "c.json")
+    norm = "lm.model.norm.weight"
+    plan = make_plan(captured, cluster, ParallelOption(fixed_placements=((norm, ("R",)),)))
+    why = replicated_weights(plan)
+    assert why[norm].reason == "fixed"
+    assert why["lm.model.rotary_emb.inv_freq"].reason == "buffer"
+    timed = {fqn: r for fqn, r in why.items() if r.reason == "faster"}
+    assert len(timed) >= 5
+    placeholders = {n.name: n for n in plan.choices}
+    gap = ilp.MIP_GAP * plan.estimated_time
+    for fqn in (
+        "lm.model.layers.0.mlp.up_proj.weight",
+        "lm.model.layers.0.self_attn.o_proj.weight",
+    ):
+        r = timed[fqn]
+        assert r.slower_s > 0 and r.sharded_fits and any(p.startswith("S(") for p in r.sharded)
+        # the same problem solved whole with that weight kept off replicas
+        (name,) = [n for n, f in plan.param_targets.items() if f == fqn]
+        owner = plan.choices[placeholders[name]].owner or placeholders[name]
+        problem = plan.problem
+        strategies = plan.choices[owner].strategies
+        off = np.array(
+            [0.0 if isinstance(s.output.placements[0], Shard) else 1.0 for s in strategies]
+        )
+        linear = dict(problem.linear)
+        linear[owner] = linear.get(owner, np.zeros(len(strategies))) + off
+        forced = ilp.Problem(
+            problem.sizes, linear, problem.pairs, problem.memory, problem.memory_budget
+        )
+        best = ilp.solve(forced).objective - plan.estimated_time
+        assert best - gap <= r.slower_s <= best + gap, (fqn, r.slower_s, best)
+    line = summary(plan, why, len(plan.param_targets))
+    assert line is not None and line.startswith("tensor parallel over 2 devices: ")
+    assert f"{len(why)} of {len(plan.param_targets)} weights replicated" in line

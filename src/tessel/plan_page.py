@@ -184,13 +184,16 @@ def _heat(data: dict) -> list[str]:
 def _layers(data: dict) -> list[str]:
     out = [
         "<h2>Placements per layer</h2>",
-        '<table id="layers"><tr><th>layer</th><th>weight</th><th>placement</th></tr>',
+        '<table id="layers"><tr><th>layer</th><th>weight</th><th>placement</th>'
+        "<th>why replicated</th></tr>",
     ]
+    why = data.get("replicated") or {}
     for layer, params in data["layers"].items():
         for name, placements in params.items():
+            text = (why.get(name) or {}).get("text", "")
             out.append(
                 f"<tr><td>{html.escape(layer)}</td><td>{html.escape(name)}</td>"
-                f"<td>{html.escape('/'.join(placements))}</td></tr>"
+                f"<td>{html.escape('/'.join(placements))}</td><td>{html.escape(text)}</td></tr>"
             )
     out.append("</table>")
     return out

@@ -94,8 +94,8 @@ def _ranks(manifest: Manifest, memory: dict) -> list[dict]:
 
 def inspect_json(manifest: Manifest) -> dict:
     """The plan as JSON: ranks with their weights, predicted peak memory, device memory and
-    collectives; layers, solver, the planner's memory estimate, re-planned strategies, the
-    build's check against eager, timings.
+    collectives; layers, solver, the planner's memory estimate, re-planned strategies, why
+    weights are replicated on tensor-parallel axes, the build's check against eager, timings.
 
     Layers map each weight's full name to its placements, so no two weights share a name.
     """
@@ -115,6 +115,7 @@ def inspect_json(manifest: Manifest) -> dict:
         "fallbacks": plan.get("fallbacks") or [],
         "memory": memory,
         "replanned": plan.get("replanned") or [],
+        "replicated": plan.get("replicated") or {},
         "mesh_choices": plan.get("mesh_choices") or [],
         "stages": plan.get("stages") or [],
         "micro_batches": plan.get("micro_batches") or 1,
@@ -188,6 +189,7 @@ def format_plan(manifest: Manifest) -> str:
         lines.append(f"  {title}")
         for name, placement in key:
             lines.append(f"    {name:<40} {placement}")
+    lines.extend(_replicated_lines(data))
     if data["stages"]:
         lines.append("")
         lines.append(
@@ -255,6 +257,34 @@ def format_plan(manifest: Manifest) -> str:
             "build time: " + ", ".join(f"{k} {v:.2f} s" for k, v in data["timings"].items())
         )
     return "\n".join(lines)
+
+
+def _replicated_lines(data: dict[str, Any]) -> list[str]:
+    """Why each weight replicated on a tensor-parallel axis is, per layer as the placements
+    are listed (identical layers grouped)."""
+    why = data["replicated"]
+    if not why:
+        return []
+    lines = [
+        "",
+        "why weights are replicated (estimates of the planner's cost model: this plan against "
+        "the best plan found that shards the weight, its layer re-solved, the rest as chosen)",
+    ]
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for layer, params in data["layers"].items():
+        key = tuple(
+            sorted((_within(layer, name), why[name]["text"]) for name in params if name in why)
+        )
+        if key:
+            groups[key].append(layer)
+    for key, layers in groups.items():
+        title = (
+            layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
+        )
+        lines.append(f"  {title}")
+        for name, text in key:
+            lines.append(f"    {name}: {text}")
+    return lines
 
 
 def _memory_lines(memory: dict[str, Any]) -> list[str]:

@@ -77,6 +77,8 @@ from tessel.package.format import (
 from tessel.plan import Plan, PlanError, has_rule, make_plan
 from tessel.plan.planner import layer_name
 from tessel.plan.strategies import describe_strategy, strategy_key
+from tessel.plan.why import replicated_weights
+from tessel.plan.why import summary as why_summary
 from tessel.sharding.geometry import mesh_coordinate, mesh_rank
 from tessel.sharding.placements import local_shard, local_shard_shape, placement_str, shard_chunks
 
@@ -803,6 +805,10 @@ def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:
         layers[layer or "(outside layers)"][fqn] = layouts[fqn]["placements"]
     del placeholders
     fallbacks = Counter(target for _, target, _ in plan.fallbacks())
+    replicated = replicated_weights(plan)  # why, for weights replicated on tp axes
+    line = why_summary(plan, replicated, len(layouts))
+    if line:
+        log.info("%s", line)
     return {
         "estimated_time_s": plan.estimated_time,
         "solver": plan.solver,
@@ -811,5 +817,6 @@ def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:
         "fallbacks": [{"node": n, "op": t, "reason": r} for n, t, r in plan.fallbacks()],
         "fallback_ops": dict(fallbacks),
         "replanned": plan.replanned,
+        "replicated": {fqn: r.to_json() for fqn, r in replicated.items() if fqn in layouts},
         "ranks": ranks,
     }

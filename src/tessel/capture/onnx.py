@@ -181,7 +181,8 @@ def load_onnx(
     fixed = parse_input_shape(input_shape)
     inputs = _fix_inputs(model, fixed, str(path))
     _check_input_sizes(inputs)
-    model = _fold(onnx, model, str(path))  # what the fixed shapes decide is no operator's
+    names = _exported_names(model)  # before folding: the exporter's record of its own folds
+    model = _fold(onnx, model, str(path), names)  # what the fixed shapes decide is no operator's
     _register_converters()
     _check_operators(model, str(path))
     _check_constant_inputs(model, str(path))
@@ -194,7 +195,9 @@ def load_onnx(
     except (NotImplementedError, KeyError, ValueError, RuntimeError) as exc:
         raise ConfigError(str(path), None, f"onnx2torch cannot convert it: {exc}") from exc
     _fix_outputs(gm, model, str(path))
-    _name_weights(gm)
+    scopes = _node_scopes(model)
+    _name_weights(gm, _weight_names(model, names, scopes))
+    _into_layers(gm, scopes)
     gm.eval()
     generator = torch.Generator().manual_seed(0)
     examples = tuple(
@@ -417,10 +420,15 @@ def _check_operators(model: Any, path: str) -> None:
         raise ConfigError(path, f"operator {label}", f"is not taken: {why}{more}")
 
 
-def _fold(onnx: Any, model: Any, path: str) -> Any:
+def _fold(onnx: Any, model: Any, path: str, names: dict[str, str] | None = None) -> Any:
     """The graph with every value that depends on no input computed: `Shape`/`Size` of fixed
     shapes, `Constant`, and any node whose inputs are all constants (by onnx's reference
-    evaluator), written as initializers."""
+    evaluator), written as initializers.
+
+    `names` (ONNX value -> the weight name it takes) gains the values folded from one named
+    initializer alone, of its size (a transpose, a cast, a reshape of a weight): they take its
+    name."""
+    names = {} if names is None else names
     from onnx import numpy_helper
     from onnx.reference import ReferenceEvaluator
 
@@ -441,6 +449,7 @@ def _fold(onnx: Any, model: Any, path: str) -> Any:
             if all(d is not None for d in dims):
                 shapes[value.name] = dims
     consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    named = {i.name: names.get(i.name, i.name) for i in graph.initializer}
     opset = _opsets(model).get("", 1)
     kept, folded = [], 0
     for node in graph.node:
@@ -466,6 +475,14 @@ def _fold(onnx: Any, model: Any, path: str) -> Any:
         for name, value in zip(node.output, values):
             if name:
                 consts[name] = value
+        sources = [x for x in dict.fromkeys(node.input) if x in named]
+        if (
+            len(sources) == 1
+            and len(node.output) == 1
+            and np.size(values[0]) == np.size(consts[sources[0]])
+            and np.size(values[0]) > 1
+        ):
+            named[node.output[0]] = names[node.output[0]] = named[sources[0]]
     if not folded:
         return model
     used = {name for node in kept for name in node.input} | {o.name for o in graph.output}
@@ -558,11 +575,84 @@ def _fix_outputs(gm: fx.GraphModule, model: Any, path: str) -> None:
     gm.recompile()
 
 
-def _name_weights(gm: fx.GraphModule) -> None:
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"  # torch.onnx.export's (dynamo) record
+_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the module path of the node that made a node
+_STRINGS = re.compile(r"\[\s*(?:'[^'\\]*'\s*(?:,\s*'[^'\\]*'\s*)*)?\]")
+
+
+def _string_list(text: str) -> list[str] | None:
+    """A list of plain strings as Python writes it (`['a', 'b.c']`), read without evaluating
+    anything; None for any other text."""
+    if not _STRINGS.fullmatch(text.strip()):
+        return None
+    return re.findall(r"'([^'\\]*)'", text)
+
+
+def _exported_names(model: Any) -> dict[str, str]:
+    """ONNX value -> the name of the one initializer torch.onnx.export (dynamo) folded it from
+    (`val_110` -> `model.layers.0.self_attn.q_proj.weight`, the weight transposed for MatMul);
+    the exporter records it on the value as `pkg.onnxscript.optimizer.folded_from`."""
+    out: dict[str, str] = {}
+    for value in model.graph.value_info:
+        for prop in value.metadata_props:
+            if prop.key == _FOLDED_FROM:
+                sources = _string_list(prop.value)
+                if sources is not None and len(sources) == 1 and sources[0]:
+                    out[value.name] = sources[0]
+    return out
+
+
+def _node_scopes(model: Any) -> dict[str, str]:
+    """A node's first output -> the module path the node was exported from
+    (`model.layers.0.self_attn`): torch.onnx.export writes it as the node's
+    `pkg.torch.onnx.name_scopes` (dynamo) or in the node's name,
+    `/model/layers.0/self_attn/MatMul` (TorchScript)."""
+    out: dict[str, str] = {}
+    for node in model.graph.node:
+        scope = ""
+        for prop in node.metadata_props:
+            if prop.key == _NAME_SCOPES:
+                scopes = _string_list(prop.value)
+                scope = scopes[-2] if scopes and len(scopes) >= 2 else ""
+        if not scope and node.name.startswith("/"):
+            scope = ".".join(node.name.split("/")[1:-1])
+        if scope and node.output:
+            out[node.output[0]] = scope
+    return out
+
+
+def _weight_names(model: Any, names: dict[str, str], scopes: dict[str, str]) -> dict[str, str]:
+    """ONNX initializer -> the name its weight takes: the exported module's own name where the
+    file records it (`names`: an initializer folded from one weight takes that weight's name),
+    an initializer's name where it is a module path already (`layers.0.fc1.bias`), else
+    `<module path of its readers>.<its ONNX name>` where every node reading it comes from one
+    module (`layers.0.fc1.onnx__MatMul_30`); otherwise its ONNX name. Each name is given once."""
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(
+                scopes.get(node.output[0], "") if node.output else ""
+            )
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for init in model.graph.initializer:
+        plain = init.name
+        scope = readers.get(plain, set())
+        local = f"{next(iter(scope))}.{plain}" if len(scope) == 1 and "" not in scope else plain
+        wanted = names.get(plain) or (plain if "." in plain else local)
+        if wanted in taken:
+            wanted = local if local not in taken else plain
+        taken.add(wanted)
+        out[plain] = wanted
+    return out
+
+
+def _name_weights(gm: fx.GraphModule, names: dict[str, str]) -> None:
     """onnx2torch holds every initializer as a buffer `initializers.onnx_initializer_<k>`, a
-    fresh copy for each node that reads it. Here each is held once, under its ONNX name where
-    that can be a module path, and a floating one as a parameter, which the planner may shard
-    (it replicates buffers)."""
+    fresh copy for each node that reads it. Here each is held once, a floating one as a
+    parameter, which the planner may shard (it replicates buffers): at the module path `names`
+    gives it (`model.layers.0.mlp.up_proj.weight`, see `_weight_names`), or where that is taken
+    or no path, under `initializers.` with its ONNX name."""
     if not hasattr(gm, "initializers"):  # every initializer is held by its node's module
         return
     old = gm.get_submodule("initializers")
@@ -583,7 +673,7 @@ def _name_weights(gm: fx.GraphModule) -> None:
             ):
                 onnx_name.setdefault(arg.target, name)
     weights = nn.Module()
-    placed: dict[str, str] = {}  # ONNX name -> path under `initializers`
+    placed: dict[str, str] = {}  # ONNX name -> path under the module
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.target.startswith("initializers."):
             continue
@@ -594,24 +684,105 @@ def _name_weights(gm: fx.GraphModule) -> None:
             held = (
                 nn.Parameter(tensor, requires_grad=False) if tensor.is_floating_point() else tensor
             )
-            placed[key] = _place(weights, key, held) or _place(weights, local, held)
-        node.target = f"initializers.{placed[key]}"
+            wanted = names.get(key, key)
+            path = _place(gm, wanted, held) if "." in wanted else None
+            if path is None:
+                path = _place(weights, key, held) or _place(weights, local, held)
+                path = f"initializers.{path}"
+            placed[key] = path
+        node.target = placed[key]
     gm.initializers = weights
     gm.recompile()
+
+
+class _Scope(nn.Module):
+    """A module of the exported model (`model.layers.0`) holding its operators' modules and
+    weights; calling it with an operator's path calls that operator, so a capture records the
+    operator inside this module (nn_module_stack), where tessel finds layers."""
+
+    def forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get_submodule(name)(*args, **kwargs)
+
+
+_LAYER = re.compile(r"^(.+?\.\d+)(?:\.(.+))?$")  # `model.layers.3` and the path inside it
+
+
+def _into_layers(gm: fx.GraphModule, scopes: dict[str, str]) -> None:
+    """Move each operator's module into the layer it was exported from (its module path's
+    first indexed part, `model.layers.3`), called through that layer's `_Scope`: identical
+    layers are then found as in the PyTorch model. Operators outside layers, or without a
+    recorded module path, stay where onnx2torch put them."""
+    moved = False
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or "." in node.target:
+            continue
+        module = gm.get_submodule(node.target)
+        mapping = getattr(module, "onnx_mapping", None)
+        outputs = list(mapping.outputs) if mapping is not None else []
+        scope = scopes.get(outputs[0], "") if outputs else ""
+        m = _LAYER.match(scope) if scope else None
+        if m is None:
+            continue
+        layer = _container(gm, m.group(1))
+        if layer is None:
+            continue
+        inside = [*(m.group(2).split(".") if m.group(2) else []), node.target]
+        path = _put(layer, inside, module)
+        if path is None:
+            continue
+        del gm._modules[node.target]
+        node.target = ".".join(_identifier(p) for p in m.group(1).split("."))
+        node.args = (path, *node.args)
+        moved = True
+    if moved:
+        gm.recompile()
+
+
+def _identifier(part: str) -> str:
+    return re.sub(r"\W", "_", part) or "_"
+
+
+def _container(root: nn.Module, dotted: str) -> _Scope | None:
+    """The `_Scope` at module path `dotted` under `root`, made where missing; None where that
+    path is taken by something else."""
+    module = root
+    for part in (_identifier(p) for p in dotted.split(".")):
+        child = module._modules.get(part)
+        if child is None:
+            if hasattr(module, part):
+                return None
+            child = _Scope()
+            module.add_module(part, child)
+        if not isinstance(child, _Scope):
+            return None
+        module = child
+    return module
+
+
+def _put(layer: _Scope, parts: list[str], module: nn.Module) -> str | None:
+    """Register `module` at `parts` under `layer`; its path there, or None where taken."""
+    names = [_identifier(p) for p in parts]
+    parent = _container(layer, ".".join(names[:-1])) if len(names) > 1 else layer
+    if parent is None or hasattr(parent, names[-1]):
+        return None
+    parent.add_module(names[-1], module)
+    return ".".join(names)
 
 
 def _place(root: nn.Module, dotted: str, value: torch.Tensor) -> str | None:
     """Register `value` at the module path `dotted` (each part made an identifier) under
     `root`; None where that path is taken."""
-    parts = [re.sub(r"\W", "_", part) or "_" for part in dotted.split(".")]
+    parts = [_identifier(part) for part in dotted.split(".")]
     module = root
     for part in parts[:-1]:
         child = module._modules.get(part)
         if child is None:
             if hasattr(module, part):
                 return None
-            child = nn.Module()
+            child = _Scope()  # a layer's operators may move in (`_into_layers`)
             module.add_module(part, child)
+        if not isinstance(child, _Scope):  # an operator's module, or onnx2torch's initializers
+            return None
         module = child
     if hasattr(module, parts[-1]):
         return None

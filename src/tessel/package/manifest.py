@@ -658,4 +658,30 @@ def _plan(f: _Field) -> dict:
     for fb in f.get("fallbacks", optional=True).optional(_Field.list) or ():
         fb.obj()
         part(fb, "op", _Field.str)
+    for _, why in f.get("replicated", optional=True).optional(_Field.items) or ():
+        _replicated(why)
     return plan
+
+
+# why a weight is replicated on tensor-parallel axes (tessel.plan.why.REASONS)
+REPLICATION_REASONS = (
+    "buffer", "fixed", "unsplittable", "no_rule", "faster", "memory", "tolerance", "skipped"
+)  # fmt: skip
+
+
+def _replicated(f: _Field) -> None:
+    """One weight's reason for being replicated, as `tessel inspect` shows it."""
+    f.obj()
+    f.get("reason").str(REPLICATION_REASONS)
+    f.get("text").str()
+    for axis in f.get("axes").list():
+        axis.str()
+    if f.get("slower_s", optional=True).value is not None:
+        f.get("slower_s").number()
+    for p in f.get("sharded", optional=True).optional(_Field.list) or ():
+        p.str()
+    if f.get("saves_bytes", optional=True).value is not None:
+        f.get("saves_bytes").int(low=None)
+    fits = f.get("sharded_fits", optional=True)
+    if fits.value is not None and not isinstance(fits.value, bool):
+        raise fits.fail(f"expected true or false, found {fits.value!r}")

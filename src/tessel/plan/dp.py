@@ -69,8 +69,14 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
     return Solution(choice, objective, status, sum(problem.sizes.values()), 0)
 
 
-def _eliminate(sizes: dict[object, int], factors: list[_Factor]) -> dict[object, int]:
-    """Eliminate every decision; then read the choices back, last eliminated first."""
+def _eliminate(
+    sizes: dict[object, int], factors: list[_Factor], order: list[object] | None = None
+) -> dict[object, int]:
+    """Eliminate every decision; then read the choices back, last eliminated first.
+
+    `order`, where given and not empty, is the elimination order to follow; where empty, it is
+    filled with the order taken (which depends on the factors' scopes alone, not their
+    costs, so problems of one structure can share it)."""
     alive: dict[int, _Factor] = dict(enumerate(factors))
     touching: dict[object, set[int]] = {v: set() for v in sizes}
     for i, f in alive.items():
@@ -80,8 +86,14 @@ def _eliminate(sizes: dict[object, int], factors: list[_Factor]) -> dict[object,
     left = set(sizes)
     order_key = {v: i for i, v in enumerate(sizes)}  # ties broken in a fixed order
     next_id = len(factors)
+    given = iter(order) if order else None
     while left:
-        v = min(left, key=lambda u: (_table_size(u, touching, alive, sizes), order_key[u]))
+        if given is not None:
+            v = next(given)
+        else:
+            v = min(left, key=lambda u: (_table_size(u, touching, alive, sizes), order_key[u]))
+            if order is not None:
+                order.append(v)
         left.remove(v)
         bucket = []
         for i in sorted(touching[v]):

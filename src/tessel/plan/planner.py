@@ -58,6 +58,10 @@ class Plan:
     solver: dict[str, object] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)  # predicted bytes per device
     replanned: list[dict[str, str]] = field(default_factory=list)  # strategies lowering dropped
+    # what the solver weighed, kept so the plan can say why it replicates a weight (plan/why.py)
+    problem: Problem | None = field(default=None, repr=False)
+    footprint: Footprint | None = field(default=None, repr=False)
+    fixed: frozenset[str] = frozenset()  # FQNs of the weights the policy places
 
     def strategy(self, node: fx.Node) -> Strategy:
         c = self.choices[node]
@@ -152,6 +156,9 @@ def make_plan(
             "weight_bytes": held.weight_bytes(solution.choice),
             "peak_bytes": held.peak_bytes(solution.choice),
         },
+        problem=problem,
+        footprint=held,
+        fixed=frozenset(fixed),
     )
 
 
