@@ -40,6 +40,7 @@ from tessel.builder.verify import check_against_eager, worth_checking
 from tessel.builder.weights import streamed_weights
 from tessel.capture import CapturedModel, capture
 from tessel.capture.export import split_inputs
+from tessel.capture.held import check_weights_present
 from tessel.config.cluster import (
     ClusterConfig,
     cluster_from_dict,
@@ -49,6 +50,7 @@ from tessel.config.cluster import (
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
+from tessel.log_levels import torch_kept_quiet
 from tessel.lower.in_parallel import lower_ranks
 from tessel.lower.program import (
     collectives,
@@ -79,8 +81,10 @@ from tessel.plan.planner import layer_name
 from tessel.plan.strategies import describe_strategy, strategy_key
 from tessel.plan.why import replicated_weights
 from tessel.plan.why import summary as why_summary
+from tessel.progress import phase
 from tessel.sharding.geometry import mesh_coordinate, mesh_rank
 from tessel.sharding.placements import local_shard, local_shard_shape, placement_str, shard_chunks
+from tessel.summary import build_summary
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +99,14 @@ class BuiltModel:
 
     def save(self, path: str | Path) -> Path:
         t = time.perf_counter()
-        out = write_package(path, self.manifest, self.members)
+        with phase(f"writing {path}"):
+            out = write_package(path, self.manifest, self.members)
         self.timings["save"] = time.perf_counter() - t
         self.manifest = replace(self.manifest, timings=dict(self.timings))  # for the report
         return out
+
+    def __repr__(self) -> str:
+        return build_summary(self.manifest)
 
 
 def save(model: BuiltModel, path: str | Path) -> Path:
@@ -126,6 +134,7 @@ def _cycle_collection_paused() -> Iterator[None]:
 
 
 @_cycle_collection_paused()
+@torch_kept_quiet()
 def build(
     model: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any = None,
@@ -180,6 +189,8 @@ def build(
             )
         stored = streamed_weights(model, weights)
         verify = False
+    elif isinstance(model, torch.nn.Module):
+        check_weights_present(model)
     cluster = cluster_config(cluster, soc_version)
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
@@ -233,15 +244,16 @@ def build(
     else:
         args, kwargs = split_inputs(example_inputs, example_kwargs)
         if graph_parallel and wants_choice(cluster, policy, model):
-            choice = choose_mesh(
-                model,
-                args,
-                kwargs,
-                cluster,
-                policy,
-                reuse_layers=reuse_layers,
-                time_limit=time_limit,
-            )
+            with phase("weighing the mesh shapes the cluster allows"):
+                choice = choose_mesh(
+                    model,
+                    args,
+                    kwargs,
+                    cluster,
+                    policy,
+                    reuse_layers=reuse_layers,
+                    time_limit=time_limit,
+                )
             dims, captured, weighed = choice.dims, choice.captured, choice.weighed
             dp, pp, micro_batches = dims.size("dp"), dims.size("pp"), choice.micro_batches
         else:
@@ -255,7 +267,8 @@ def build(
                 if parts > 1
                 else (args, kwargs)
             )
-            captured = capture(model, *split, keep=has_rule, reuse_layers=reuse_layers)
+            with phase("capturing the model"):
+                captured = capture(model, *split, keep=has_rule, reuse_layers=reuse_layers)
         if dp * micro_batches > 1:
             whole_batch = args, kwargs
     timings["capture"] = time.perf_counter() - t
@@ -289,9 +302,10 @@ def build(
             break
         t = time.perf_counter()
         try:
-            staged, stages = build_stages(
-                captured, plan, programs, cluster, dims, micro_batches, policy.source
-            )
+            with phase("making every rank's stage program"):
+                staged, stages = build_stages(
+                    captured, plan, programs, cluster, dims, micro_batches, policy.source
+                )
         except StageMemoryError as exc:
             if pp == 1:  # rank 0 also holds the other replicas' outputs: keep that free
                 tries += 1
@@ -310,19 +324,20 @@ def build(
         programs = [sp.program for sp in staged]
         break
     t = time.perf_counter()
-    manifest, members = _pack(
-        captured,
-        plan,
-        programs,
-        cluster,
-        soc_version,
-        graph_parallel,
-        dp,
-        staged=staged,
-        pp=pp,
-        micro_batches=micro_batches,
-        stored=stored,
-    )
+    with phase("packing"):
+        manifest, members = _pack(
+            captured,
+            plan,
+            programs,
+            cluster,
+            soc_version,
+            graph_parallel,
+            dp,
+            staged=staged,
+            pp=pp,
+            micro_batches=micro_batches,
+            stored=stored,
+        )
     if stored is not None:
         manifest["plan"]["verify"] = {
             "skipped": f"weights streamed from {weights}: the build never held the model"
@@ -367,7 +382,8 @@ def build(
                 with torch.no_grad():
                     out = captured.source(*whole_batch[0], **whole_batch[1])
                 expected = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
-            manifest["plan"]["verify"] = check_against_eager(package, inputs, expected)
+            with phase("checking the built model against the eager one"):
+                manifest["plan"]["verify"] = check_against_eager(package, inputs, expected)
             timings["verify"] = time.perf_counter() - t
         else:
             log.info("not checked against the eager model: %s", skipped)
@@ -409,18 +425,22 @@ def plan_and_lower(
     fits_below, too_many = 0, None
     for _ in range(MAX_REPLANS + 1):
         try:
-            plan = make_plan(captured, cluster, policy, time_limit, banned=banned, reserve=reserve)
+            with phase(f"planning {len(captured.program.graph.nodes)} nodes on {world} devices"):
+                plan = make_plan(
+                    captured, cluster, policy, time_limit, banned=banned, reserve=reserve
+                )
         except PlanError:
             if reserve <= fits_below + 1:
                 raise
             too_many = reserve
             reserve = (fits_below + too_many) // 2
             continue
-        for phase in ("strategies", "solve"):
-            timings[phase] = timings.get(phase, 0.0) + plan.timings.get(phase, 0.0)
+        for step in ("strategies", "solve"):
+            timings[step] = timings.get(step, 0.0) + plan.timings.get(step, 0.0)
         t = time.perf_counter()
         try:
-            programs = _lower_all(captured, plan, world, reuse_layers)
+            with phase(f"lowering the program of each of {world} ranks"):
+                programs = _lower_all(captured, plan, world, reuse_layers)
         except NotAsPlanned as exc:
             before = {owner: set(keys) for owner, keys in banned.items()}
             for node, strategy, reason in exc.failures:
@@ -699,6 +719,9 @@ def _pack(
         for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
     ]
+    if len(captured.output_names) == len(outputs):
+        for spec, name in zip(outputs, captured.output_names):
+            spec["name"] = name
     mesh_shape, dim_names = list(plan.mesh_shape), list(plan.mesh_names)
     if dp > 1:  # weights are replicated over the replicas
         mesh_shape, dim_names = [dp, *mesh_shape], ["dp", *dim_names]

@@ -164,11 +164,13 @@ class TensorSpec:
 
     @classmethod
     def read(cls, f: _Field, named: bool) -> TensorSpec:
-        f.only(("shape", "dtype", "name", "high") if named else ("shape", "dtype"))
+        f.only(("shape", "dtype", "name", "high") if named else ("shape", "dtype", "name"))
         return cls(
             shape=_shape(f.get("shape")),
             dtype=f.get("dtype").str(sorted(DTYPES)),
-            name=f.get("name").str() if named else None,
+            name=f.get("name").str()
+            if named
+            else f.get("name", optional=True).optional(lambda n: n.str()),
             high=f.get("high", optional=True).optional(lambda h: h.int(low=1)),
         )
 
