@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import select
+import struct
+import subprocess
+import termios
 from pathlib import Path
 
 import psutil
@@ -24,6 +30,34 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a tessel subprocess: this checkout's code first, then the tests'."""
     paths = [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}
+
+
+def on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """Run `argv` with its standard error (and output) on a pseudo-terminal; its exit code and
+    everything it wrote there."""
+    leader, follower = pty.openpty()
+    # a terminal of 100 columns (a new pseudo-terminal has none, and tqdm draws nothing there)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=follower,
+        stderr=follower,
+    )  # fmt: skip
+    os.close(follower)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([leader], [], [], 600)
+        if not ready:
+            proc.kill()
+            break
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the other side closed: the process has ended
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return proc.wait(), b"".join(chunks).decode(errors="replace")
 
 
 class LogitsOnly(torch.nn.Module):

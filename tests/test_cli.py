@@ -191,12 +191,15 @@ def test_build_inspect_run(files, model):
     assert "output_0: [2, 16, 256] float32" in shown
 
 
-def test_ctrl_c_leaves_no_worker(model):
+def test_ctrl_c_leaves_no_worker(model, tmp_path):
+    # standard error goes to a file: a pipe nobody reads while the runs go on could fill and
+    # block the process
+    errors = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen(
         TESSEL + ["run", str(model), "--repeat", "100000"],
         env=subprocess_env(PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=errors,
         text=True,
     )
     try:
@@ -206,9 +209,8 @@ def test_ctrl_c_leaves_no_worker(model):
                 break
         else:
             proc.wait(timeout=60)
-            raise AssertionError(
-                f"exited ({proc.returncode}) before running:\n{proc.stderr.read()}"
-            )
+            errors.seek(0)
+            raise AssertionError(f"exited ({proc.returncode}) before running:\n{errors.read()}")
         workers = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)
@@ -217,7 +219,8 @@ def test_ctrl_c_leaves_no_worker(model):
         assert len(workers) >= 2, "no worker per device"
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
-        err = proc.stderr.read()
+        errors.seek(0)
+        err = errors.read()
         assert proc.returncode == 130 and "tessel: interrupted" in err, err
         gone, alive = psutil.wait_procs(workers, timeout=15)
         assert not alive, f"workers outlived Ctrl-C: {[p.pid for p in alive]}"
@@ -226,7 +229,7 @@ def test_ctrl_c_leaves_no_worker(model):
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        proc.stderr.close()
+        errors.close()
 
 
 @pytest.fixture(scope="module")

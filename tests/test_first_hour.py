@@ -4,9 +4,6 @@ it is done, and a script without its main guard named before any worker starts."
 
 from __future__ import annotations
 
-import os
-import pty
-import select
 import subprocess
 import sys
 import textwrap
@@ -14,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import ROOT, hf_llama, subprocess_env, token_ids
+from tests.conftest import ROOT, hf_llama, on_a_terminal, subprocess_env, token_ids
 
 import tessel
 from tessel.config.errors import ConfigError
@@ -58,34 +55,8 @@ def _build_argv(model_dir: Path, output: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
-    """Run `argv` with its standard error (and output) on a pseudo-terminal; its exit code and
-    everything it wrote there."""
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=follower,
-        stderr=follower,
-    )  # fmt: skip
-    os.close(follower)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([leader], [], [], 600)
-        if not ready:
-            proc.kill()
-            break
-        try:
-            data = os.read(leader, 4096)
-        except OSError:  # the other side closed: the process has ended
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(leader)
-    return proc.wait(), b"".join(chunks).decode(errors="replace")
-
-
 def test_a_build_on_a_terminal_shows_each_phase_and_ends_with_its_summary(model_dir, tmp_path):
-    code, text = _on_a_terminal(_build_argv(model_dir, tmp_path / "out" / "m"), tmp_path)
+    code, text = on_a_terminal(_build_argv(model_dir, tmp_path / "out" / "m"), tmp_path)
     assert code == 0, text
     assert PROGRESS in text  # the phase's line, then its time
     assert "tessel: lowering the program of each of 4 ranks: " in text

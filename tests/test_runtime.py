@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 import zipfile
 
 import psutil
@@ -98,51 +97,6 @@ def test_a_worker_error_is_one_line_naming_the_rank_and_the_cause(
     assert message.endswith(f"member '{target}' fails its checksum: the file was altered")
     assert "Traceback (most recent call last)" in info.value.worker_traceback
     assert "Traceback (most recent call last)" in caplog.text  # shown at --log=debug
-
-
-UNGUARDED = """
-import tessel
-
-tessel.initialize()
-session = tessel.Session()
-session.load_graph(0, {{}}, {path!r})
-print("loaded")
-"""
-
-
-def _marked(mark: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("TESSEL_TEST_MARK") == mark:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def test_a_script_without_a_main_guard_gets_one_sentence(model_file, tmp_path):
-    """With the spawn start method every worker imports the script again; a script that starts a
-    session at its top level gets one sentence, not a traceback from every worker."""
-    _, _, path = model_file
-    script = tmp_path / "unguarded.py"
-    script.write_text(UNGUARDED.format(path=str(path)))
-    mark = uuid.uuid4().hex
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        env=subprocess_env(TESSEL_TEST_MARK=mark),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 1 and "loaded" not in run.stdout
-    err = run.stderr
-    sentence = "must do so under 'if __name__ == \"__main__\":'"
-    assert err.count(sentence) == 1, err
-    assert err.count("Traceback") == 1, err  # the script's own, ending in that sentence
-    assert err.strip().splitlines()[-1].startswith("tessel.runtime.session.WorkerError: rank ")
-    gone, alive = psutil.wait_procs(_marked(mark), timeout=10)
-    assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
 def test_wrong_inputs_are_named(model_file, session):

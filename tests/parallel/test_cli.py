@@ -8,6 +8,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file
+from tests.conftest import on_a_terminal
 
 from tessel.cli import main
 from tessel.parallel import Layout, save_strategy_file
@@ -63,16 +64,18 @@ def test_bad_input_is_a_clean_error(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_progress_bar_is_shown(tmp_path):
+def test_progress_bar_is_shown_on_a_terminal_only(tmp_path):
     full = make_full(SHAPES)
     hf = write_full(full, tmp_path / "hf")
     a, _ = _strategies(tmp_path)
-    out = subprocess.run(
-        [sys.executable, "-m", "tessel.cli", "ckpt", "shard", str(hf), str(tmp_path / "A"),
-         "--strategy", str(a)], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "writing 4 files" in out.stderr and "100%" in out.stderr
+    argv = [sys.executable, "-m", "tessel.cli", "ckpt", "shard", str(hf), str(tmp_path / "A"),
+            "--strategy", str(a)]  # fmt: skip
+    code, text = on_a_terminal(argv, tmp_path)
+    assert code == 0, text
+    assert "writing 4 files" in text and "100%" in text
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert "writing 4 files" not in piped.stderr and "%" not in piped.stderr
 
 
 def test_convert_with_the_api_s_option_names(tmp_path):
