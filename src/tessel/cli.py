@@ -154,7 +154,11 @@ def make_parser() -> argparse.ArgumentParser:
         description="Build, partition and deploy PyTorch models across many devices.",
     )
     parser.add_argument(
-        "--log", default="warning", help="debug|info|warning|error|null (default warning)"
+        "--log",
+        default="warning",
+        help="debug|info|warning|error|null (default warning: a build prints its summary, and "
+        "long phases show on a terminal; info: the whole plan; error: quiet but for errors; "
+        "debug: torch's own warnings too)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
