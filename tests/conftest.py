@@ -6,6 +6,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -121,6 +122,26 @@ def _is_resource_tracker(p: psutil.Process) -> bool:
         return "resource_tracker" in " ".join(p.cmdline())
     except psutil.Error:
         return False
+
+
+def signal_state(pid: int) -> str:
+    """The blocked and ignored signal masks of process `pid` (Linux), for a failure message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn")))
+    except OSError as exc:
+        return f"(no signal state: {exc})"
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_still_works():
+    """No test leaves Ctrl-C ignored or blocked in this process: the processes it starts later
+    would inherit that (an ignored or blocked signal survives exec) and never see Ctrl-C."""
+    yield
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(
+        signal.SIGINT
+    )
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT blocked"
 
 
 @pytest.fixture(autouse=True)

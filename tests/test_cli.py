@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.conftest import subprocess_env
+from tests.conftest import signal_state, subprocess_env
 
 import tessel
 from tessel.cli import main
@@ -217,8 +217,12 @@ def test_ctrl_c_leaves_no_worker(model, tmp_path):
             if "resource_tracker" not in " ".join(p.cmdline())
         ]
         assert len(workers) >= 2, "no worker per device"
+        state = signal_state(proc.pid)  # SIGINT is bit 2 (0x2): neither blocked nor ignored
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit 60 s after Ctrl-C; its signal state: {state}") from None
         errors.seek(0)
         err = errors.read()
         assert proc.returncode == 130 and "tessel: interrupted" in err, err

@@ -10,24 +10,13 @@ of a traced layer). A torch upgrade that moves any of them touches this file alo
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _fill_single_dim_strategy_placeholders as fill_single_dim_strategy_placeholders,
-)
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _insert_single_dim_replication_strategy as insert_single_dim_replication_strategy,
-)
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
-from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils._pytree import (
     tree_flatten,
     tree_flatten_with_path,
@@ -35,6 +24,44 @@ from torch.utils._pytree import (
     tree_map,
     tree_unflatten,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# DTensor's internals take most of a second to import, and a worker that runs a program never
+# needs them: they are imported on first use (a module `__getattr__`, PEP 562)
+_DTENSOR_SYMBOLS = {
+    "DTensorSpec": ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+    "TensorMeta": ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+    "OpSchema": ("torch.distributed.tensor._op_schema", "OpSchema"),
+    "OpSpec": ("torch.distributed.tensor._op_schema", "OpSpec"),
+    "OpStrategy": ("torch.distributed.tensor._op_schema", "OpStrategy"),
+    "TupleStrategy": ("torch.distributed.tensor._op_schema", "TupleStrategy"),
+    "fill_single_dim_strategy_placeholders": (
+        "torch.distributed.tensor._ops.single_dim_strategy",
+        "_fill_single_dim_strategy_placeholders",
+    ),
+    "insert_single_dim_replication_strategy": (
+        "torch.distributed.tensor._ops.single_dim_strategy",
+        "_insert_single_dim_replication_strategy",
+    ),
+    "expand_to_full_mesh_op_strategy": (
+        "torch.distributed.tensor._ops.utils",
+        "expand_to_full_mesh_op_strategy",
+    ),
+    "MaskPartial": ("torch.distributed.tensor.placement_types", "_MaskPartial"),
+    "StridedShard": ("torch.distributed.tensor.placement_types", "_StridedShard"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _DTENSOR_SYMBOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _DTENSOR_SYMBOLS[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
 
 OpOverload = torch._ops.OpOverload
 HigherOrderOperator = torch._ops.HigherOrderOperator
@@ -46,26 +73,15 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
-    "DTensorSpec",
-    "MaskPartial",
     "OpOverload",
-    "OpSchema",
-    "OpSpec",
-    "OpStrategy",
-    "StridedShard",
-    "TensorMeta",
-    "TupleStrategy",
     "clear_dtensor_caches",
     "detached_mesh",
     "dtensor_op_handlers",
     "rules_without_costs",
-    "expand_to_full_mesh_op_strategy",
     "export_post_dispatch",
     "fake_process_group",
-    "fill_single_dim_strategy_placeholders",
     "forget_process_groups",
     "group_ranks",
-    "insert_single_dim_replication_strategy",
     "proxy_node",
     "redistribute",
     "sharding_propagator",
@@ -76,6 +92,7 @@ __all__ = [
     "tree_map",
     "tree_flatten_with_path",
     "tree_unflatten",
+    *_DTENSOR_SYMBOLS,
 ]
 
 
@@ -208,6 +225,8 @@ def detached_mesh(
 ) -> DeviceMesh:
     """A mesh over `ranks` (an N-D tensor of rank ids) with no process group behind it, to
     reason about placements on."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     return DeviceMesh(device_type, ranks, mesh_dim_names=dim_names, _init_backend=False, _rank=0)
 
 
@@ -297,7 +316,7 @@ def redistribute(value: Any, placements: tuple) -> Any:
     if via != tuple(spec.placements):
         value = redistribute(value, via)
         spec = value._spec
-    target = DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+    target = __getattr__("DTensorSpec")(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
     local = redistribute_local_tensor(value._local_tensor, spec, target)
     return DTensor.from_local(
         local, spec.mesh, placements, run_check=False, shape=value.shape, stride=value.stride()

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from tests.conftest import signal_state
 
 SCRIPT = textwrap.dedent(
     """
@@ -56,8 +57,12 @@ def test_workers_end_with_their_program(tmp_path, sig):
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        state = signal_state(proc.pid)  # SIGINT is bit 2 (0x2): neither blocked nor ignored
         proc.send_signal(sig)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no exit 30 s after {sig!r}; its signal state: {state}") from None
         assert _gone(pids) == []
     finally:
         if proc.poll() is None:
