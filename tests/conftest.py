@@ -133,15 +133,27 @@ def signal_state(pid: int) -> str:
         return f"(no signal state: {exc})"
 
 
+# how this test process began (a suite started in the background of a script begins with
+# SIGINT ignored, as POSIX shells start background jobs)
+_SIGINT_AT_START = signal.getsignal(signal.SIGINT)
+_SIGINT_BLOCKED_AT_START = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 @pytest.fixture(autouse=True)
 def ctrl_c_still_works():
-    """No test leaves Ctrl-C ignored or blocked in this process: the processes it starts later
-    would inherit that (an ignored or blocked signal survives exec) and never see Ctrl-C."""
+    """No test changes how this process takes Ctrl-C: the processes it starts later would
+    inherit an ignored or blocked SIGINT (both survive exec) and never see Ctrl-C."""
     yield
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(
-        signal.SIGINT
-    )
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT blocked"
+    assert signal.getsignal(signal.SIGINT) == _SIGINT_AT_START, signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert blocked == _SIGINT_BLOCKED_AT_START, "SIGINT's blocking changed"
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """`preexec_fn` for a process a test sends Ctrl-C: SIGINT taken by default and unblocked,
+    as in a user's terminal, whatever this test process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.conftest import signal_state, subprocess_env
+from tests.conftest import ctrl_c_as_in_a_terminal, signal_state, subprocess_env
 
 import tessel
 from tessel.cli import main
@@ -201,6 +201,7 @@ def test_ctrl_c_leaves_no_worker(model, tmp_path):
         stdout=subprocess.PIPE,
         stderr=errors,
         text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,
     )
     try:
         # "loaded on N devices" is printed once every worker has the model and runs begin

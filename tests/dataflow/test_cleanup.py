@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from tests.conftest import signal_state
+from tests.conftest import ctrl_c_as_in_a_terminal, signal_state
 
 SCRIPT = textwrap.dedent(
     """
@@ -53,7 +53,12 @@ def _gone(pids: list[int], timeout: float = 10.0) -> list[int]:
 def test_workers_end_with_their_program(tmp_path, sig):
     script = tmp_path / "prog.py"
     script.write_text(SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
