@@ -183,10 +183,7 @@ def format_plan(manifest: Manifest) -> str:
         key = tuple(sorted((_within(layer, name), "/".join(p)) for name, p in params.items()))
         groups[key].append(layer)
     for key, layers in groups.items():
-        title = (
-            layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
-        )
-        lines.append(f"  {title}")
+        lines.append(f"  {_layers_title(layers)}")
         for name, placement in key:
             lines.append(f"    {name:<40} {placement}")
     lines.extend(_replicated_lines(data))
@@ -278,13 +275,15 @@ def _replicated_lines(data: dict[str, Any]) -> list[str]:
         if key:
             groups[key].append(layer)
     for key, layers in groups.items():
-        title = (
-            layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
-        )
-        lines.append(f"  {title}")
+        lines.append(f"  {_layers_title(layers)}")
         for name, text in key:
             lines.append(f"    {name}: {text}")
     return lines
+
+
+def _layers_title(layers: list[str]) -> str:
+    """A group of layers placed alike: the one, or the first and last and how many."""
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
 
 
 def _memory_lines(memory: dict[str, Any]) -> list[str]:
