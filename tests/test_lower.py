@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from tessel.builder.pipeline import plan_and_lower
 from tessel.capture import capture
 from tessel.config.cluster import local_cluster
+from tessel.lower.outputs import gather_outputs
 from tessel.lower.trace import fake_world, lower_rank
 
 N = 4
@@ -43,7 +45,7 @@ def test_every_rank_gets_the_program_tracing_it_alone_gives(make):
     plan, programs = plan_and_lower(captured, local_cluster(N, "cpu"))
     assert len(programs) == N
     for rank, got in enumerate(programs):
-        alone = lower_rank(captured, plan, rank)
+        alone = gather_outputs(lower_rank(captured, plan, rank), rank, plan.mesh_shape)
         assert _by_position(got) == _by_position(alone), f"rank {rank}"
         assert got.constants.keys() == alone.constants.keys()
 
@@ -151,3 +153,66 @@ def test_a_whole_value_takes_the_layout_the_captured_graph_gave_it():
     assert _laid_out(captured, captured) is captured
     overlapping = torch.zeros(4, 1).expand(4, 3)  # not dense: left as it is
     assert _laid_out(torch.zeros(4, 3), overlapping).stride() == (3, 1)
+
+
+def _gpt2_with_uneven_logits(vocab: int = 1001):
+    """A GPT-2 whose logits are its largest tensor, on 4 devices that hold too little for its
+    embedding whole: the logits are sharded along a vocabulary 4 does not divide."""
+    from tessel.config.cluster import cluster_from_dict
+    from tessel.demo import tight_cluster
+    from tessel.plan import has_rule
+
+    ids = token_ids(4, 16, vocab)
+    captured = capture(small_gpt2(vocab=vocab), (ids,), keep=has_rule)
+    return captured, cluster_from_dict(tight_cluster(captured, N), "tight.json")
+
+
+def _gathers(rp) -> list[dict]:
+    return [
+        n
+        for n in rp.program["nodes"]
+        if n.get("target") == "_c10d_functional.all_to_all_single.default"
+    ]
+
+
+def test_outputs_reach_rank_0_once_and_no_other_rank_holds_them_whole():
+    vocab = 1001  # 251, 251, 251 and 248 columns of the logits per rank
+    captured, cluster = _gpt2_with_uneven_logits(vocab)
+    plan, programs = plan_and_lower(captured, cluster)
+    whole = [4, 16, vocab]
+    logits = 4 * 16 * vocab * 4
+    out = programs[0].program["nodes"][-1]["args"][0]["$node"]
+    assert list(programs[0].shapes[out][0]) == whole
+    for rank, rp in enumerate(programs):
+        (gather,) = _gathers(rp)  # one collective, into one buffer, with no padding
+        into, sent = gather["args"][1], gather["args"][2]
+        assert sent == [[251, 251, 251, 248][rank], 0, 0, 0]
+        assert into == ([251, 251, 251, 248] if rank == 0 else [0, 0, 0, 0])
+        held = rp.peak_bytes - rp.weight_bytes
+        if rank == 0:
+            # the whole logits once, beside a shard and its copy on the way out: never twice
+            assert logits <= held < 1.5 * logits, (held, logits)
+        else:
+            assert all(math.prod(shape) < math.prod(whole) for shape, _ in rp.shapes.values())
+            assert held < logits, (rank, held, logits)
+    # the planner counts what the lowered program holds
+    assert plan.memory["peak_bytes"] == pytest.approx(programs[0].peak_bytes, rel=0.05)
+
+
+def test_devices_too_small_for_the_logits_twice_take_the_model():
+    """Devices that hold rank 0's weights and the logits once, but not twice: the all-gather
+    and copy of the logits this replaces could not run on them."""
+    from tessel.config.cluster import cluster_from_dict, local_cluster_dict
+    from tessel.plan.planner import least_memory_plan
+
+    vocab = 1001
+    captured, _ = _gpt2_with_uneven_logits(vocab)
+    logits = 4 * 16 * vocab * 4
+    peak, weights = least_memory_plan(captured, N)
+    data = local_cluster_dict(N)
+    device = peak + logits // 8
+    data["item_def"][0]["memory"] = f"[DDR:{device}B]"
+    assert device < weights + 2 * logits
+    plan, programs = plan_and_lower(captured, cluster_from_dict(data, "tight.json"))
+    assert max(p.peak_bytes for p in programs) <= device
+    assert len(_gathers(programs[0])) == 1

@@ -54,6 +54,12 @@ def test_gpt2_vocabulary_of_50257_on_4_devices(tmp_path):
     assert share <= 1.15 / 4, share
     embedding = built.manifest["plan"]["layers"]["(outside layers)"]["lm.transformer.wte.weight"]
     assert embedding in (["S(0)"], ["S(1)"])  # the 12.3 MiB table is never replicated
+    # the 6.4 MB of logits, the largest tensor, reach rank 0 once (a gather of uneven shards
+    # into one buffer, not an all-gather of padded ones and a copy); no other rank holds them
+    logits = 4 * 8 * 50257 * 4
+    for r in built.manifest["plan"]["ranks"]:
+        held = r["peak_bytes"] - r["weight_bytes"]
+        assert held < (1.5 if r["rank"] == 0 else 1.0) * logits, (r["rank"], held, logits)
     path = tessel.save(built, tmp_path / "gpt2")
     other = token_ids(4, 8, vocab=50257, seed=5)
     with torch.no_grad():

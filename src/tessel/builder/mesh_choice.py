@@ -161,11 +161,15 @@ def output_bytes(captured: CapturedModel) -> int:
 
 
 def gathered_bytes(captured: CapturedModel, dp: int, micro_batches: int = 1) -> int:
-    """What rank 0 holds beyond its own program to put a run's outputs together: the other
-    replicas' rows as they arrive, and the whole batch they are joined into."""
+    """What rank 0 holds beyond its own program (which holds one micro-batch's outputs) to put
+    a run's outputs together: its micro-batches' outputs and the batch they are joined into,
+    then, with replicas, that batch beside the buffer every replica's rows are gathered into."""
     if dp * micro_batches == 1:
         return 0
-    return 2 * dp * micro_batches * output_bytes(captured)
+    once = output_bytes(captured)
+    if dp == 1:
+        return (2 * micro_batches - 1) * once
+    return ((1 + dp) * micro_batches - 1) * once
 
 
 def gather_seconds(

@@ -52,6 +52,7 @@ from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.log_levels import torch_kept_quiet
 from tessel.lower.in_parallel import lower_ranks
+from tessel.lower.outputs import gather_outputs, measured
 from tessel.lower.program import (
     collectives,
     groups_in,
@@ -527,23 +528,50 @@ def _lower_all(
     several axes are the ranks beside it on each axis. So when every rank holds weight chunks of
     one shape and the last rank's trace is the first's with its groups moved along the mesh,
     every rank runs the first's program with its groups moved to it; otherwise each rank is
-    traced on its own.
+    traced on its own. A forward's outputs are then gathered to rank 0 in each rank's program
+    (`gather_outputs`: rank 0's departs from the others' there) and its peak measured with them.
     """
+    shared = _lower_shards(captured, plan, world, reuse_layers)
+    count = len(weight_inputs(captured, plan))
+    # ranks whose shards' programs are one program share its gathers' measure, where those
+    # gathers have one shape: their peaks are one
+    peaks: dict[tuple, int] = {}
+    out = []
+    for rank, (rp, source) in enumerate(shared):
+        rp = gather_outputs(rp, rank, plan.mesh_shape)
+        tail = tuple(
+            (n["target"], json.dumps(rp.shapes.get(n["name"])))
+            for n in rp.program["nodes"][len(shared[rank][0].program["nodes"]) - 1 : -1]
+        )
+        key = (source, tail)
+        if key not in peaks:
+            peaks[key] = measured(rp, count).peak_bytes if tail else rp.peak_bytes
+        out.append(replace(rp, peak_bytes=peaks[key]))
+    return out
+
+
+def _lower_shards(
+    captured: CapturedModel, plan: Plan, world: int, reuse_layers: bool
+) -> list[tuple[RankProgram, int]]:
+    """Each rank's program returning its outputs' shards, and the rank whose trace it is made
+    from (see `_lower_all`)."""
 
     def lower(rank: int) -> RankProgram:
         return lower_rank(captured, plan, rank, stitch=reuse_layers)
 
     if world == 1:
-        return [lower(0)]
+        return [(lower(0), 0)]
     first, last = lower_ranks(lower, [0, world - 1])
     if _even_weight_shards(captured, plan, world):
         if _same_program(_moved(first, plan.mesh_shape, world - 1), last):
-            return [first, *(_moved(first, plan.mesh_shape, r) for r in range(1, world - 1)), last]
+            moved = [(_moved(first, plan.mesh_shape, r), 0) for r in range(1, world - 1)]
+            return [(first, 0), *moved, (last, world - 1)]
         between = _interpolated(first, last, plan.mesh_shape, world)
         if between is not None:
-            return [first, *between, last]
+            return [(first, 0), *((b, 0) for b in between), (last, world - 1)]
     log.info("rank programs differ; tracing each of the %d ranks", world)
-    return [first, *lower_ranks(lower, range(1, world - 1)), last]
+    middle = lower_ranks(lower, range(1, world - 1))
+    return [(first, 0), *((p, r) for r, p in enumerate(middle, 1)), (last, world - 1)]
 
 
 def _interpolated(

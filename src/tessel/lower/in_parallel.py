@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tessel.forked import Child
+from tessel.lower.outputs import OutputLayout
 from tessel.lower.trace import RankProgram
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ def _write(program: RankProgram, path: str) -> None:
         "shapes": program.shapes,
         "weight_bytes": program.weight_bytes,
         "peak_bytes": program.peak_bytes,
+        "output_layouts": None
+        if program.output_layouts is None
+        else [x if x is None else x.to_json() for x in program.output_layouts],
     }
     save_file(tensors, path, metadata={"rank_program": json.dumps(about)})
 
@@ -120,4 +124,7 @@ def _read(path: str) -> RankProgram:
         {k: tuple(v) for k, v in about["shapes"].items()},
         about["weight_bytes"],
         about["peak_bytes"],
+        None
+        if about.get("output_layouts") is None
+        else [x if x is None else OutputLayout.from_json(x) for x in about["output_layouts"]],
     )

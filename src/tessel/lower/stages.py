@@ -12,9 +12,10 @@ from those `tp` programs here, so the runtime needs nothing new:
   collective is needed to re-lay it out;
 - the program of a stage runs its nodes once per micro-batch, each micro-batch reading its rows of
   the inputs, so stage `s` works on micro-batch `k` while stage `s + 1` works on `k - 1`;
-- the outputs, whole on every rank of the stage computing them, travel from its first rank to
-  the first stage's, are put back together in micro-batch order and, with replicas, sent on
-  from each replica's first rank to rank 0, so rank 0 returns the whole batch.
+- the outputs, whole on the first rank of the stage computing them (`tessel.lower.outputs`),
+  travel from it to the first stage's first rank, are put back together in micro-batch order
+  and, with replicas, gathered from each replica's first rank into one buffer on rank 0, so
+  rank 0 returns the whole batch.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 """
@@ -34,6 +35,8 @@ _SLICE = "aten.slice.Tensor"
 _ZEROS = "aten.zeros.default"
 _CAT = "aten.cat.default"
 _BROADCAST = "_c10d_functional.broadcast.default"
+_GATHER = "_c10d_functional.all_to_all_single.default"
+_CLONE = "aten.clone.default"
 _WAIT = "_c10d_functional.wait_tensor.default"
 
 
@@ -303,10 +306,10 @@ class _Cut:
     def _outputs(self, s: int, d: int, t: int, shapes: dict, transfers: _Transfers) -> list[dict]:
         """Nodes that bring the outputs to rank 0; the last is the output node's arguments.
 
-        Every rank of a stage holds the outputs whole, so only tensor-parallel rank 0 of each
-        stage-replica sends or receives them: a later stage sends its outputs to the first
-        stage, which puts the micro-batches together; another replica's first rank sends its
-        rows on to rank 0, which puts the replicas together."""
+        The first rank of a stage holds the outputs whole, so only tensor-parallel rank 0 of
+        each stage-replica sends or receives them: a later stage sends its outputs to the first
+        stage, which puts the micro-batches together; the replicas' first ranks gather their
+        rows to rank 0 (`_replicas_to_first`)."""
         split = self.split
         m = split.micro_batches
         returned = list(dict.fromkeys(a for a in _refs(self.output["args"]) if a in self.stage))
@@ -345,21 +348,39 @@ class _Cut:
                 name = f"{a}__batches"
                 shapes[name] = ([m * shape[0], *shape[1:]], dtype)
                 nodes.append(_call(name, _CAT, [[{"$node": p} for p in parts[a]], 0]))
-            if d > 0:
-                nodes.append(transfers.send(name, split.rank(0, 0, 0), waits, forward=False))
-            elif split.dp > 1:
-                pieces = [name]
-                for r in range(1, split.dp):
-                    piece = f"{a}__replica{r}"
-                    nodes += transfers.recv(name, piece, split.rank(0, r, 0))
-                    pieces.append(piece)
-                name = f"{a}__replicas"
-                shapes[name] = ([split.dp * m * shape[0], *shape[1:]], dtype)
-                nodes.append(_call(name, _CAT, [[{"$node": p} for p in pieces], 0]))
+            if split.dp > 1:
+                name = self._replicas_to_first(a, name, d, shapes, nodes)
             whole[a] = name
         if d > 0:
             return [*nodes, *waits, {"args": []}]
         return [*nodes, {"args": _sub(self.output["args"], whole)}]
+
+    def _replicas_to_first(self, a: str, name: str, d: int, shapes: dict, nodes: list) -> str:
+        """Append to `nodes` the gather of output `a`'s rows (`name`, on replica `d`'s first
+        rank) to rank 0: one `all_to_all_single` over the replicas' first ranks in which each
+        sends its rows to rank 0 alone, and rank 0 receives every replica's rows, in order, into
+        the one buffer it returns. Returns the name of what this rank holds after it."""
+        split = self.split
+        shape, dtype = shapes[name]
+        rows = shape[0]
+        producer = next((n["target"] for n in self.calls if n["name"] == a), None)
+        received = split.micro_batches > 1 or self.stage[a] != 0  # joined or received whole
+        if not received and producer not in (_WAIT, _CAT):
+            # the collective sends contiguous rows: a view (a gathered output with its
+            # dimensions put back in order) is copied first
+            sent = f"{a}__rows_sent"
+            shapes[sent] = (shape, dtype)
+            contiguous = {"memory_format": {"$memory_format": "contiguous_format"}}
+            nodes.append(_call(sent, _CLONE, [{"$node": name}], contiguous))
+            name = sent
+        into = [rows] * split.dp if d == 0 else [0] * split.dp
+        sent_rows = [rows if r == 0 else 0 for r in range(split.dp)]
+        group = {"$group": [split.rank(0, r, 0) for r in range(split.dp)]}
+        buf, out = f"{a}__replicas_buf", f"{a}__replicas"
+        shapes[buf] = shapes[out] = ([sum(into), *shape[1:]], dtype)
+        nodes.append(_call(buf, _GATHER, [{"$node": name}, into, sent_rows, group]))
+        nodes.append(_call(out, _WAIT, [{"$node": buf}]))
+        return out
 
 
 class _Transfers:

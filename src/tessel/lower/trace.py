@@ -38,6 +38,7 @@ from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.capture.training import placed_like
 from tessel.errors import TesselError
+from tessel.lower.outputs import OutputLayout, output_layout, shards_only
 from tessel.lower.program import encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
 from tessel.plan import Plan
@@ -95,6 +96,9 @@ class RankProgram:
     shapes: dict[str, tuple[list[int], str]]
     weight_bytes: int = 0
     peak_bytes: int = 0
+    # a forward's outputs, returned as each rank's shards until `gather_outputs` brings them
+    # to rank 0 (None: outputs are returned as they are)
+    output_layouts: list[OutputLayout | None] | None = None
 
 
 def lower_rank(captured: CapturedModel, plan: Plan, rank: int, stitch: bool = True) -> RankProgram:
@@ -152,6 +156,7 @@ def _trace(
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     like = placed_like(graph, plan.param_targets)
     checked = _Checked()
+    layouts: list[OutputLayout | None] = []
     with fake_world(rank, plan.mesh_shape, plan.mesh_names) as mesh:
 
         def run(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -177,11 +182,18 @@ def _trace(
                 if n.op == "placeholder":
                     continue
                 if n.op == "output":
+                    values = tree_leaves(_lookup(n.args[0], env, None, mesh))
+                    if not like:  # a forward: each output as its shards, gathered to rank 0
+                        values = [shards_only(v) if isinstance(v, DTensor) else v for v in values]
+                        layouts[:] = [output_layout(v) for v in values]
+                        if stitcher is not None:
+                            stitcher.record(env)
+                        return [v.to_local() if isinstance(v, DTensor) else v for v in values]
                     outputs = [
                         _placed_like(v, mesh, plan.out_placements(like[i]))
                         if i in like
                         else _whole(v, mesh)
-                        for i, v in enumerate(tree_leaves(_lookup(n.args[0], env, None, mesh)))
+                        for i, v in enumerate(values)
                     ]
                     if stitcher is not None:
                         stitcher.record(env)
@@ -218,7 +230,7 @@ def _trace(
         if first.setdefault(id(state[fqn]), name) != name
     }
     held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]) - aliases, aliases)
-    return RankProgram(program, constants, node_shapes(gm), held, peak)
+    return RankProgram(program, constants, node_shapes(gm), held, peak, layouts or None)
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple, whole: torch.Tensor) -> DTensor:

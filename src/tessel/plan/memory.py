@@ -24,6 +24,7 @@ from tessel._torch import tree_leaves
 from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.ilp import MemoryRow
+from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
 
 # ops that hand back (a view of) their argument though their schema does not say so
 _UNANNOTATED_VIEWS = {
@@ -226,7 +227,7 @@ def footprint(
         else:
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
-    buffers = _resharding_buffers(graph, choices, mesh_shape, like or {})
+    buffers = _resharding_buffers(graph, choices, mesh_shape, like or {}, marks is None)
     by_start = sorted(buffers, key=lambda b: b.start)
     by_end = sorted(buffers, key=lambda b: b.end)
     now = _HeldNow(weights)
@@ -279,13 +280,15 @@ def _resharding_buffers(
     choices: dict[fx.Node, NodeChoices],
     mesh_shape: tuple[int, ...],
     like: dict[int, fx.Node],
+    forward: bool = False,
 ) -> list[_Buffer]:
     """The buffers that moving nodes' inputs to their placements allocates.
 
     An input whose producer's placement differs from the one the consumer takes is copied (a
     gather, a reduction, a slice): the copy, at the consumer's placement, lives while the
-    consumer runs, or, where the consumer is a view, as long as the view does. The outputs
-    are gathered whole at the end.
+    consumer runs, or, where the consumer is a view, as long as the view does. At the end a
+    forward's outputs are gathered to rank 0 (`gathered_output_bytes`); a training step's are
+    gathered whole, or placed like their weights.
     """
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -319,6 +322,25 @@ def _resharding_buffers(
                 m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
                 if np.any(m):
                     out.append(_Buffer((vp, vw), m, t, t))
+            if forward:  # a forward's outputs are gathered to rank 0, never all-gathered
+                for a in leaves:
+                    p, val = choices.get(a), a.meta.get("val")
+                    if (
+                        p is None
+                        or p.kind in ("const", "drop")
+                        or not isinstance(val, torch.Tensor)
+                    ):
+                        continue
+                    vp = p.owner or a
+                    sizes = [
+                        gathered_output_bytes(
+                            val, _placements(s.output_at(p.out_index)), mesh_shape
+                        )
+                        for s in choices[vp].strategies
+                    ]
+                    if any(sizes):
+                        out.append(_Buffer((vp, vp), np.diag(sizes), t, t))
+                continue
             edges = [(a, None, whole) for i, a in enumerate(leaves) if i not in like]
             vc, end = None, t
         else:
@@ -352,6 +374,28 @@ def _resharding_buffers(
             if np.any(m):
                 out.append(_Buffer((vp, vc), m, t, end))
     return out
+
+
+def gathered_output_bytes(
+    val: torch.Tensor, src: tuple[Placement, ...] | None, mesh_shape: tuple[int, ...]
+) -> float:
+    """What rank 0 holds, beyond the output's own value, while a forward's output of `src`
+    placements is brought to it whole (`tessel.lower.outputs`): a partial sum's scattered
+    shard, then at each gather what is sent (the shard, or the previous gather's buffer, or a
+    copy of it with the gathered dimension first, its original freed) and the buffer it is
+    received into."""
+    if src is None:
+        return 0.0
+    shards = partial_to_shards(val.shape, src, mesh_shape)
+    now = list(shards)
+    shard = before = local_bytes(val, shard_placements(shards), mesh_shape)
+    held = float(shard) if any(p.is_partial() for p in src) else 0.0
+    for step in gather_steps(val.shape, shards, mesh_shape, 0):
+        now[step.axis] = None
+        after = local_bytes(val, shard_placements(tuple(now)), mesh_shape)
+        held = max(held, before + after - shard)  # the shard itself is counted apart
+        before = after
+    return held
 
 
 def _buffer_bytes(

@@ -1,0 +1,201 @@
+"""A forward's outputs brought to rank 0 once, into their final buffer.
+
+A traced forward program returns each output as the shard its rank holds (partial sums are
+reduced to shards first, in the trace: `shards_only`). `gather_outputs` then appends to each
+rank's program the collectives that bring those shards to rank 0: for each mesh axis the output
+is sharded along, innermost first, one `all_to_all_single` whose split sizes send every rank's
+rows to the axis's first rank alone. That rank receives the shards, uneven ones included, into
+one buffer with no padding; nobody else receives anything. A shard along a dimension other than
+the first is sent with that dimension first (a copy of the shard) and the buffer is returned as
+a view with the dimensions back in order, so rank 0 holds the output once and the other ranks
+hold their shards only, never the whole output.
+
+The collectives are appended to the JSON programs after every rank's program is made, so the
+programs that ranks share (moved along the mesh, or interpolated between the first and last
+rank) are shared before rank 0's program departs from the others' at its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from tessel.lower.program import ProgramError, decode_graph, groups_in
+from tessel.plan.memory import program_peak_bytes
+from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
+
+if TYPE_CHECKING:
+    from tessel.lower.trace import RankProgram
+
+_PERMUTE = "aten.permute.default"
+_CLONE = "aten.clone.default"
+_GATHER = "_c10d_functional.all_to_all_single.default"
+_WAIT = "_c10d_functional.wait_tensor.default"
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """How a forward output is spread over the mesh once partial sums are reduced: its whole
+    shape and dtype, per mesh axis the dimension sharded along it (None: replicated), and
+    whether the shard each rank holds is contiguous."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[int | None, ...]
+    contiguous: bool = True
+
+    def to_json(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shards": list(self.shards),
+            "contiguous": self.contiguous,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> OutputLayout:
+        return cls(
+            tuple(data["shape"]), data["dtype"], tuple(data["shards"]), bool(data["contiguous"])
+        )
+
+
+def shards_only(value: DTensor) -> DTensor:
+    """`value` with every partial placement reduced to a shard (`partial_to_shards`): a
+    reduce-scatter, so each rank receives its part of the sum, never the whole."""
+    if not any(p.is_partial() for p in value.placements):
+        return value
+    mesh = value.device_mesh
+    shards = partial_to_shards(value.shape, value.placements, mesh.shape)
+    return value.redistribute(mesh, shard_placements(shards))
+
+
+def output_layout(value: Any) -> OutputLayout | None:
+    """The layout of a forward output (after `shards_only`); None for what is not a DTensor."""
+    if not isinstance(value, DTensor):
+        return None
+    shards = tuple(p.dim if isinstance(p, Shard) else None for p in value.placements)
+    return OutputLayout(
+        tuple(value.shape),
+        str(value.dtype).removeprefix("torch."),
+        shards,
+        value.to_local().is_contiguous(),
+    )
+
+
+def gather_outputs(rp: RankProgram, rank: int, mesh_shape: tuple[int, ...]) -> RankProgram:
+    """`rp` (rank `rank`'s program, returning its outputs' shards) with its outputs gathered:
+    rank 0's program returns the whole outputs, each in one buffer; any other rank's returns
+    what it is left with (its shard, or an empty tensor once it has sent its rows)."""
+    if rp.output_layouts is None:
+        return rp
+    nodes = [dict(n) for n in rp.program["nodes"]]
+    output = nodes.pop()
+    args = output["args"]
+    if not isinstance(args, list) or len(args) != len(rp.output_layouts):
+        raise ProgramError("the program's outputs do not match the layouts recorded for them")
+    shapes = dict(rp.shapes)
+    gathered: dict[str, str] = {}
+    tail: list[dict] = []
+    new_args = []
+    for i, (arg, layout) in enumerate(zip(args, rp.output_layouts)):
+        name = arg.get("$node") if isinstance(arg, dict) else None
+        if layout is None or name is None:
+            new_args.append(arg)
+            continue
+        if name not in gathered:
+            gathered[name] = _gather(
+                name, f"output{i}_to_first", layout, mesh_shape, rank, shapes, tail
+            )
+        new_args.append({"$node": gathered[name]})
+    if not tail:
+        return replace(rp, output_layouts=None)
+    nodes += [*tail, {**output, "args": new_args}]
+    return replace(rp, program={**rp.program, "nodes": nodes}, shapes=shapes, output_layouts=None)
+
+
+def _gather(
+    name: str,
+    prefix: str,
+    layout: OutputLayout,
+    mesh_shape: tuple[int, ...],
+    rank: int,
+    shapes: dict,
+    tail: list[dict],
+) -> str:
+    """Append the nodes gathering output `name` to `tail`; the name of what rank returns."""
+    contiguous = layout.contiguous
+    current = name
+    for k, step in enumerate(gather_steps(layout.shape, layout.shards, mesh_shape, rank)):
+        shape = list(shapes[current][0])
+        dim, ndim = step.dim, len(shape)
+        order = [dim, *(d for d in range(ndim) if d != dim)]
+        base = f"{prefix}_gather{k}"
+        sent = current
+        if dim != 0:
+            sent = f"{base}_leading"
+            shapes[sent] = ([shape[d] for d in order], layout.dtype)
+            tail.append(_call(sent, _PERMUTE, [{"$node": current}, order]))
+            contiguous = False
+        if not contiguous:
+            copy = f"{base}_send"
+            shapes[copy] = shapes[sent]
+            tail.append(
+                _call(
+                    copy,
+                    _CLONE,
+                    [{"$node": sent}],
+                    {"memory_format": {"$memory_format": "contiguous_format"}},
+                )
+            )
+            sent = copy
+        n = len(step.group)
+        into = step.sizes if step.me == 0 else [0] * n
+        out_from = [step.sizes[step.me] if j == 0 else 0 for j in range(n)]
+        rows = sum(into)
+        received = [rows, *shapes[sent][0][1:]]
+        shapes[f"{base}_recv"] = shapes[f"{base}_buf"] = (received, layout.dtype)
+        tail.append(
+            _call(f"{base}_buf", _GATHER, [{"$node": sent}, into, out_from, {"$group": step.group}])
+        )
+        tail.append(_call(f"{base}_recv", _WAIT, [{"$node": f"{base}_buf"}]))
+        current, contiguous = f"{base}_recv", True
+        if dim != 0:
+            inverse = sorted(range(ndim), key=order.__getitem__)
+            current = f"{base}_whole"
+            shapes[current] = ([received[d] for d in inverse], layout.dtype)
+            tail.append(_call(current, _PERMUTE, [{"$node": f"{base}_recv"}, inverse]))
+            contiguous = False
+    return current
+
+
+def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:
+    return {"op": "call", "name": name, "target": target, "args": args, "kwargs": kwargs or {}}
+
+
+def measured(rp: RankProgram, weight_inputs: int) -> RankProgram:
+    """`rp` with its peak bytes measured on its JSON program, from its recorded local shapes
+    (as a device runs it: each value freed after its last use); its weight bytes are kept."""
+    groups = {tuple(g): "" for g in groups_in(rp.program)}
+    # decoded, never run: "cpu" admits CPU-only kernels, and constants stay where they are
+    _, graph = decode_graph(rp.program, rp.constants, torch.device("cpu"), groups)
+    inputs = []
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    by_name = {}
+    for spec, n in zip(rp.program["nodes"], graph.nodes):  # one graph node per program node
+        by_name[spec.get("name")] = n
+        if spec.get("name") in rp.shapes:
+            shape, dtype = rp.shapes[spec["name"]]
+            n.meta["val"] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            if spec.get("target") == "getitem":
+                pieces.setdefault(spec["args"][0]["$node"], {})[spec["args"][1]] = n.meta["val"]
+        if n.op == "placeholder":
+            inputs.append(n.name)
+    for tuple_name, parts in pieces.items():  # a tuple-valued node: its pieces' values
+        node = by_name[tuple_name]
+        if "val" not in node.meta:
+            node.meta["val"] = [parts.get(i) for i in range(max(parts) + 1)]
+    held, peak = program_peak_bytes(graph, set(inputs[:weight_inputs]))
+    return replace(rp, peak_bytes=max(rp.peak_bytes, rp.weight_bytes + peak - held))
