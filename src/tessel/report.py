@@ -175,6 +175,10 @@ def format_plan(manifest: Manifest) -> str:
             f"solver {solver.get('opt_level')}: {solver.get('decisions')} decisions, "
             f"{solver.get('variables')} variables, repeated layers {solver.get('repeated_layers')}"
         )
+        if solver.get("method"):
+            lines.append(f"  method: {solver['method']}")
+        if solver.get("fallback"):
+            lines.append(f"  fallback: {solver['fallback']}")
     if data["layers"]:
         lines.append("")
         lines.append("placements per layer (weight: placement on the mesh)")

@@ -41,6 +41,12 @@ def problems(draw, memory: bool = False):
     return Problem(sizes, linear, pairs, rows, budget)
 
 
+def _factors(problem: Problem) -> list:
+    return [dp._Factor((v,), c) for v, c in problem.linear.items()] + [
+        dp._Factor(k, m) for k, m in problem.pairs.items()
+    ]
+
+
 def _brute_force(problem: Problem):
     names = list(problem.sizes)
     best = None
@@ -66,14 +72,32 @@ def test_elimination_finds_the_optimum(problem):
 @settings(derandomize=True, max_examples=50, deadline=None)
 def test_capped_tables_still_give_a_valid_choice(problem):
     saved = dp.MAX_TABLE
-    dp.MAX_TABLE = 2  # every bucket split into parts
+    dp.MAX_TABLE = 2  # every bucket split into parts (mini-buckets)
+    try:
+        choice = dp._eliminate(problem.sizes, _factors(problem))
+    finally:
+        dp.MAX_TABLE = saved
+    assert set(choice) == set(problem.sizes)
+    assert all(0 <= choice[v] < k for v, k in problem.sizes.items())
+    assert _objective(problem, choice) >= _brute_force(problem) - 1e-9
+
+
+@given(problems())
+@settings(derandomize=True, max_examples=50, deadline=None)
+def test_capped_tables_hand_solve_to_the_integer_program(problem):
+    saved = dp.MAX_TABLE
+    dp.MAX_TABLE = 2
     try:
         solution = dp.solve(problem)
     finally:
         dp.MAX_TABLE = saved
-    assert set(solution.choice) == set(problem.sizes)
-    assert all(0 <= solution.choice[v] < k for v, k in problem.sizes.items())
-    assert solution.objective >= _brute_force(problem) - 1e-9
+    _, width = dp.elimination_order(
+        {v: k for v, k in problem.sizes.items() if k > 1},
+        [tuple(v for v in key if problem.sizes[v] > 1) for key in problem.pairs],
+    )
+    wide = width.entries > 2  # a table of more entries than the cap
+    assert ("solved by the integer program" in solution.fallback) == wide
+    assert solution.objective == pytest.approx(_brute_force(problem))
 
 
 @given(problems(memory=True))
@@ -91,3 +115,64 @@ def test_memory_is_priced_like_o2(problem):
     assert best is not None and o1.objective >= best - 1e-9
     # the same pricing loop; both answers fit, and neither is far from the optimum here
     assert o1.objective <= max(o2.objective, best) * 1.05 + 1e-9
+
+
+def test_decisions_of_one_strategy_never_widen_a_table():
+    # a decision of one strategy joined to 70 others of one strategy, each of those to a
+    # decision of two: its table has one entry, so it goes first, and a table over its
+    # neighbours would have 70 axes (numpy allows 64); folded out, each pair stands alone
+    rng = np.random.default_rng(7)
+    n = 70
+    sizes = {"c": 1, **{f"l{i}": 1 for i in range(n)}, **{f"w{i}": 2 for i in range(n)}}
+    linear = {v: rng.uniform(0, 10, k) for v, k in sizes.items()}
+    pairs = {("c", f"l{i}"): rng.uniform(0, 10, (1, 1)) for i in range(n)}
+    pairs |= {(f"l{i}", f"w{i}"): rng.uniform(0, 10, (1, 2)) for i in range(n)}
+    problem = Problem(sizes, linear, pairs)
+    solution = dp.solve(problem)
+    assert solution.fallback == ""
+    best = {
+        f"w{i}": int(np.argmin(linear[f"w{i}"] + pairs[(f"l{i}", f"w{i}")][0])) for i in range(n)
+    }
+    assert solution.choice == {**{v: 0 for v, k in sizes.items() if k == 1}, **best}
+    assert solution.objective == pytest.approx(_objective(problem, solution.choice))
+
+
+def test_an_order_past_the_widths_limits_is_said():
+    _, width = dp.elimination_order(
+        {f"d{i}": 2 for i in range(40)}, [tuple(f"d{i}" for i in range(40))]
+    )
+    assert width.axes == 40 and width.entries == 2**40
+    assert not width.affordable()
+    assert "40 decisions" in width.describe()
+
+
+def test_a_problem_too_wide_for_elimination_goes_to_the_integer_program(monkeypatch):
+    # every decision paired with every other: eliminating any of them builds a table over all
+    monkeypatch.setattr(dp, "MAX_TABLE", 1 << 6)
+    rng = np.random.default_rng(3)
+    n = 10
+    sizes = {f"d{i}": 2 for i in range(n)}
+    linear = {v: rng.uniform(0, 10, 2) for v in sizes}
+    pairs = {
+        (f"d{i}", f"d{j}"): rng.uniform(0, 10, (2, 2))
+        for i, j in itertools.combinations(range(n), 2)
+    }
+    problem = Problem(sizes, linear, pairs)
+    solution = dp.solve(problem)
+    assert "solved by the integer program" in solution.fallback
+    assert "span 10 decisions and 1,024 entries" in solution.fallback
+    assert solution.objective == pytest.approx(_brute_force(problem))
+
+
+@given(problems())
+@settings(derandomize=True, max_examples=50, deadline=None)
+def test_capped_axes_still_give_a_valid_choice(problem):
+    saved = dp.MAX_AXES
+    dp.MAX_AXES = 2  # a bucket over three decisions is split into parts
+    try:
+        choice = dp._eliminate(problem.sizes, _factors(problem))
+    finally:
+        dp.MAX_AXES = saved
+    assert set(choice) == set(problem.sizes)
+    assert all(0 <= choice[v] < k for v, k in problem.sizes.items())
+    assert _objective(problem, choice) >= _brute_force(problem) - 1e-9

@@ -5,24 +5,33 @@ form a chain of layers with short segments between them: a graph of small tree-w
 solver eliminates one decision at a time, the one whose elimination makes the smallest table
 (min-size order): the decision's cost tables are added up over it and its neighbours, and the
 minimum over its strategies is a new table over the neighbours, MindSpore's `dynamic_programming`
-search mode in the form of bucket elimination. Exact while every table stays below
-`MAX_TABLE` entries; past that a bucket is split into parts minimised apart (mini-buckets), a
-lower bound whose choices are then read back exactly. Choices are read back in reverse order,
-each decision taking its best strategy given the decisions eliminated after it.
+search mode in the form of bucket elimination. A decision with one strategy is a constant: it is
+folded into its neighbours' tables before anything is eliminated, so it never widens a table.
+Choices are read back in reverse order, each decision taking its best strategy given the
+decisions eliminated after it.
+
+The order is chosen from the tables' scopes alone, before any table is built, and with it the
+cost of the elimination is known: its widest table (entries and axes) and the entries of all its
+tables together. Where that is more than `MAX_TABLE`, `MAX_AXES` or `MAX_WORK`, the problem goes
+to the integer program (`ilp`, HiGHS under its time limit) instead, and the solution says so.
 
 Memory is priced into the costs exactly as the O2 solver prices it (see `ilp.solve`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from tessel.plan import ilp
 from tessel.plan.ilp import MemoryRow, Problem, Solution, solve_with
 
 MAX_TABLE = 1 << 22  # entries of the largest table built whole (32 MiB of float64)
+MAX_AXES = 32  # decisions one table spans (numpy's arrays have at most 64 axes)
+MAX_WORK = 1 << 28  # entries of every table of one elimination together (seconds of numpy)
 
 
 @dataclass
@@ -37,13 +46,42 @@ class _Factor:
         return values if free in self.scope else np.full(size, float(values))
 
 
+@dataclass(frozen=True)
+class Width:
+    """What eliminating in one order costs: its widest table, in entries and in axes, and the
+    entries of all its tables together."""
+
+    entries: int
+    axes: int
+    work: int
+
+    def affordable(self) -> bool:
+        return self.entries <= MAX_TABLE and self.axes <= MAX_AXES and self.work <= MAX_WORK
+
+    def describe(self) -> str:
+        return (
+            f"its widest table would span {self.axes} decisions and {self.entries:,} entries, "
+            f"{self.work:,} entries in all (limits: {MAX_AXES} decisions, {MAX_TABLE:,} entries, "
+            f"{MAX_WORK:,} in all)"
+        )
+
+
+class TooWide(Exception):
+    """Exact elimination would cost more than the limits allow."""
+
+    def __init__(self, width: Width) -> None:
+        super().__init__(width.describe())
+        self.width = width
+
+
 def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
-    """The cheapest choice whose every memory row fits, found by dynamic programming."""
+    """The cheapest choice whose every memory row fits, found by dynamic programming; past the
+    width elimination can afford, by the integer program under `time_limit` (said in the
+    solution's `fallback`)."""
     return solve_with(problem, _solve_priced, time_limit)
 
 
 def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:
-    del time_limit  # elimination is a fixed amount of work
     per_budget = 1.0 / max(problem.memory_budget or 1.0, 1.0)
     linear = {v: np.zeros(k) for v, k in problem.sizes.items()}
     for v, costs in problem.linear.items():
@@ -61,7 +99,15 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
             factors.append(_Factor((a,), np.diag(m).copy()))
         else:
             factors.append(_Factor((a, b), m))
-    choice = _eliminate(problem.sizes, factors)
+    try:
+        choice = _eliminate(problem.sizes, factors, bounded=True)
+    except TooWide as wide:
+        solution = ilp.solve_priced(problem, prices, time_limit)
+        solution.fallback = (
+            f"dynamic programming would cost too much ({wide.width.describe()}): "
+            f"solved by the integer program (HiGHS, time limit {time_limit:g} s)"
+        )
+        return solution
     objective = sum(float(problem.linear[v][choice[v]]) for v in problem.linear) + sum(
         float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
     )
@@ -69,32 +115,91 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
     return Solution(choice, objective, status, sum(problem.sizes.values()), 0)
 
 
+def elimination_order(
+    sizes: dict[object, int], scopes: list[tuple[object, ...]]
+) -> tuple[list[object], Width]:
+    """The order to eliminate the decisions of `sizes` in, each step the decision whose table
+    would be smallest (ties in `sizes`' order), and what that order costs. `scopes` are the
+    tables' decisions; a decision with one strategy should not be among them (see
+    `_fold_constants`)."""
+    neighbours: dict[object, set[object]] = {v: set() for v in sizes}
+    for scope in scopes:
+        for v in scope:
+            neighbours[v].update(u for u in scope if u != v)
+    rank = {v: i for i, v in enumerate(sizes)}
+
+    def table(v: object) -> int:
+        return sizes[v] * math.prod(sizes[u] for u in neighbours[v])
+
+    heap = [(table(v), rank[v], v) for v in sizes]
+    heapq.heapify(heap)
+    order: list[object] = []
+    entries = axes = work = 0
+    done: set[object] = set()
+    while heap:
+        size, _, v = heapq.heappop(heap)
+        if v in done or size != table(v):
+            continue  # eliminated, or its table has grown since this entry
+        done.add(v)
+        order.append(v)
+        near = neighbours.pop(v)
+        entries, axes, work = max(entries, size), max(axes, len(near) + 1), work + size
+        for u in near:
+            neighbours[u].discard(v)
+            neighbours[u].update(near - {u})
+        for u in near:
+            heapq.heappush(heap, (table(u), rank[u], u))
+    return order, Width(entries, axes, work)
+
+
+def _fold_constants(sizes: dict[object, int], factors: list[_Factor]) -> list[_Factor]:
+    """`factors` with every decision of one strategy fixed to it: off their scopes, so a
+    decision joined to many others by constants never makes them one table. Factors left with
+    no decision are dropped (a constant cost changes no choice)."""
+    folded = []
+    for f in factors:
+        if all(sizes[v] > 1 for v in f.scope):
+            folded.append(f)
+            continue
+        index = tuple(0 if sizes[v] == 1 else slice(None) for v in f.scope)
+        scope = tuple(v for v in f.scope if sizes[v] > 1)
+        if scope:
+            folded.append(_Factor(scope, np.asarray(f.table[index])))
+    return folded
+
+
 def _eliminate(
-    sizes: dict[object, int], factors: list[_Factor], order: list[object] | None = None
+    sizes: dict[object, int],
+    factors: list[_Factor],
+    order: list[object] | None = None,
+    bounded: bool = False,
 ) -> dict[object, int]:
     """Eliminate every decision; then read the choices back, last eliminated first.
 
     `order`, where given and not empty, is the elimination order to follow; where empty, it is
     filled with the order taken (which depends on the factors' scopes alone, not their
-    costs, so problems of one structure can share it)."""
+    costs, so problems of one structure can share it). With `bounded`, raises `TooWide` where
+    the order's tables are past the limits; otherwise a bucket whose table would be is split
+    into parts minimised apart (mini-buckets: a lower bound whose choices are then read back)."""
+    choice = {v: 0 for v, k in sizes.items() if k == 1}
+    factors = _fold_constants(sizes, factors)
+    free = {v: k for v, k in sizes.items() if k > 1}
+    if order:
+        steps = list(order)
+    else:
+        steps, width = elimination_order(free, [f.scope for f in factors])
+        if bounded and not width.affordable():
+            raise TooWide(width)
+        if order is not None:
+            order.extend(steps)
     alive: dict[int, _Factor] = dict(enumerate(factors))
-    touching: dict[object, set[int]] = {v: set() for v in sizes}
+    touching: dict[object, set[int]] = {v: set() for v in free}
     for i, f in alive.items():
         for v in f.scope:
             touching[v].add(i)
     buckets: list[tuple[object, list[_Factor]]] = []
-    left = set(sizes)
-    order_key = {v: i for i, v in enumerate(sizes)}  # ties broken in a fixed order
     next_id = len(factors)
-    given = iter(order) if order else None
-    while left:
-        if given is not None:
-            v = next(given)
-        else:
-            v = min(left, key=lambda u: (_table_size(u, touching, alive, sizes), order_key[u]))
-            if order is not None:
-                order.append(v)
-        left.remove(v)
+    for v in steps:
         bucket = []
         for i in sorted(touching[v]):
             f = alive.pop(i)
@@ -102,17 +207,16 @@ def _eliminate(
             for u in f.scope:
                 touching[u].discard(i)
         buckets.append((v, bucket))
-        for part in _parts(v, bucket, sizes):
-            new = _minimise(v, part, sizes)
+        for part in _parts(v, bucket, free):
+            new = _minimise(v, part, free)
             if not new.scope:
                 continue
             alive[next_id] = new
             for u in new.scope:
                 touching[u].add(next_id)
             next_id += 1
-    choice: dict[object, int] = {}
     for v, bucket in reversed(buckets):
-        k = sizes[v]
+        k = free[v]
         total = np.zeros(k)
         for f in bucket:
             total = total + f.at(choice, v, k)
@@ -120,21 +224,19 @@ def _eliminate(
     return choice
 
 
-def _table_size(v: object, touching: dict, alive: dict, sizes: dict) -> int:
-    scope = {u for i in touching[v] if i in alive for u in alive[i].scope}
-    return math.prod(sizes[u] for u in scope)
+def _fits(scope: set, sizes: dict) -> bool:
+    return len(scope) <= MAX_AXES and math.prod(sizes[u] for u in scope) <= MAX_TABLE
 
 
 def _parts(v: object, bucket: list[_Factor], sizes: dict) -> list[list[_Factor]]:
-    """The bucket whole where its table is small enough; else parts that each are."""
-    scope = {u for f in bucket for u in f.scope}
-    if math.prod(sizes[u] for u in scope) <= MAX_TABLE:
+    """The bucket whole where its table is small enough, in entries and in axes; else parts
+    that each are."""
+    if _fits({u for f in bucket for u in f.scope}, sizes):
         return [bucket]
     parts: list[tuple[set, list[_Factor]]] = []
     for f in sorted(bucket, key=lambda f: -f.table.size):
         for part_scope, part in parts:
-            joined = part_scope | set(f.scope)
-            if math.prod(sizes[u] for u in joined) <= MAX_TABLE:
+            if _fits(part_scope | set(f.scope), sizes):
                 part_scope |= set(f.scope)
                 part.append(f)
                 break

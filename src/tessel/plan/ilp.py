@@ -59,6 +59,8 @@ class Solution:
     status: str
     num_variables: int
     num_constraints: int
+    # where the solver asked for handed the problem to another method: why, and to which
+    fallback: str = ""
 
 
 class InfeasibleError(RuntimeError):
@@ -207,7 +209,7 @@ def variable_count(problem: Problem) -> int:
 
 def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     """The cheapest choice whose every memory row fits `memory_budget` (see `solve_with`)."""
-    return solve_with(problem, _solve_priced, time_limit)
+    return solve_with(problem, solve_priced, time_limit)
 
 
 PricedSolver = Callable[[Problem, dict[MemoryRow, float], float], Solution]
@@ -279,7 +281,7 @@ def _broken(problem: Problem, choice: dict[object, int]) -> list[MemoryRow]:
     return sorted(broken, key=lambda r: -r.bytes_for(choice))
 
 
-def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:
+def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:
     """The cheapest choice when each priced row costs its price per budget-full of bytes."""
     model = _Model(problem, list(prices))
     c = np.concatenate([model.cost, np.asarray(model.extra)])

@@ -36,7 +36,8 @@ SOLVERS = {"O2": ilp.solve, "O1": dp.solve}  # opt_level -> solver
 METHODS = {"O2": "integer program (HiGHS)", "O1": "dynamic programming"}
 # Past this many columns each integer program takes HiGHS seconds, and pricing memory needs
 # tens of them: O2 solves such problems (on meshes of two axes, where a pointwise op has dozens
-# of strategies) by dynamic programming, exact while its tables stay whole.
+# of strategies) by dynamic programming, which hands a problem too wide for its tables back to
+# the integer program under its time limit (see dp.py).
 ILP_MAX_VARIABLES = 20_000
 
 
@@ -124,8 +125,13 @@ def make_plan(
     problem.memory = held.rows
     problem.memory_budget = float(device_bytes - held.fixed - reserve)
     method = option.opt_level
-    if method == "O2" and ilp.variable_count(problem) > ILP_MAX_VARIABLES:
+    switched = ""
+    if method == "O2" and (columns := ilp.variable_count(problem)) > ILP_MAX_VARIABLES:
         method = "O1"
+        switched = (
+            f"the integer program would have {columns:,} columns (more than "
+            f"{ILP_MAX_VARIABLES:,}): solved by dynamic programming"
+        )
     try:
         solution = SOLVERS[method](problem, time_limit)
     except InfeasibleError:
@@ -144,10 +150,11 @@ def make_plan(
         timings=timings,
         solver={
             "opt_level": option.opt_level,
-            "method": METHODS[method],
+            "method": METHODS["O2"] if solution.fallback else METHODS[method],
             "variables": solution.num_variables,
             "constraints": solution.num_constraints,
             "status": solution.status,
+            "fallback": "; then ".join(s for s in (switched, solution.fallback) if s),
             "decisions": len(problem.sizes),
             "repeated_layers": layers,
         },
