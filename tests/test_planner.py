@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tests.conftest import small_llama, token_ids
 
 import tessel
 from tessel.capture import capture
-from tessel.config.cluster import cluster_from_dict, local_cluster_dict
+from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluster_dict
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import PlanError, has_rule, make_plan
 from tessel.plan.planner import least_memory_plan
+from tessel.units import human_bytes, two_sizes
 
 N = 4
 BATCH, SEQ, HIDDEN = 2, 32, 128
@@ -74,6 +77,42 @@ def test_impossible_memory_is_a_clear_error():
     data["item_def"][0]["memory"] = "[DDR:1KB]"
     with pytest.raises(PlanError, match="does not fit"):
         make_plan(capture(model, (ids,)), cluster_from_dict(data, "tiny.json"), ParallelOption())
+
+
+def test_the_plan_says_which_solver_solved_it_and_why(monkeypatch):
+    from tessel.plan import dp, planner
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    plan = make_plan(captured, local_cluster(2), ParallelOption())
+    assert plan.solver["method"] == "integer program (HiGHS)"
+    assert plan.solver["fallback"] == ""
+    # O2's program past its columns goes to O1, and O1 past its width to the integer program
+    monkeypatch.setattr(planner, "ILP_MAX_VARIABLES", 0)
+    monkeypatch.setattr(dp, "MAX_TABLE", 2)
+    plan = make_plan(captured, local_cluster(2), ParallelOption())
+    fallback = plan.solver["fallback"]
+    assert fallback.startswith("the integer program would have ")
+    assert "solved by dynamic programming; then dynamic programming would cost too much" in fallback
+    assert fallback.endswith("solved by the integer program (HiGHS, time limit 60 s)")
+    assert plan.solver["method"] == "integer program (HiGHS)"
+
+
+def test_a_refusal_by_a_byte_gives_two_different_sizes():
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    need, _ = least_memory_plan(captured, 2)
+    data = local_cluster_dict(2)
+    data["item_def"][0]["memory"] = f"[DDR:{need - 1}B]"  # one byte short
+    with pytest.raises(PlanError) as refused:
+        make_plan(captured, cluster_from_dict(data, "close.json"), ParallelOption())
+    found = re.search(
+        r"holds (.+?) per device.* has (.+?); devices of at least (.+?) would fit",
+        str(refused.value),
+    )
+    assert found, str(refused.value)
+    holds, has, at_least = found.groups()
+    assert human_bytes(need) == human_bytes(need - 1)  # two decimals read alike
+    assert holds != has and at_least == holds
+    assert (holds, has) == two_sizes(need, need - 1)
 
 
 def test_plan_explains_layers_and_reports_no_fallback_for_a_llama():

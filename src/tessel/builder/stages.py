@@ -21,6 +21,7 @@ from tessel.plan import Plan, PlanError, cost
 from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
 from tessel.sharding.placements import local_shard_shape
+from tessel.units import two_sizes
 
 PP_KEY = f"graph_parallel_option.{POLICY_KEYS['pp']}"
 
@@ -155,10 +156,10 @@ def _measure(
             if assignment is not None:
                 layers = assignment.layers[sp.stage]
                 where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
+            holds, has = two_sizes(peak, cluster.devices[rank].memory_bytes)
             raise StageMemoryError(
-                f"{where} holds {peak} bytes at its peak, more than the device's "
-                f"{cluster.devices[rank].memory_bytes}; use more stages, more micro-batches or "
-                "more tensor parallelism",
+                f"{where} holds {holds} at its peak, more than the device's {has}; use more "
+                "stages, more micro-batches or more tensor parallelism",
                 peak,
                 cluster.devices[rank].memory_bytes,
             )

@@ -27,7 +27,7 @@ from tessel.plan.ilp import InfeasibleError, Problem, least_memory
 from tessel.plan.layers import layer_of, template_map
 from tessel.plan.memory import Footprint, footprint
 from tessel.plan.strategies import Replicate, Strategy
-from tessel.units import human_bytes
+from tessel.units import human_bytes, two_sizes
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +224,12 @@ def _does_not_fit(
     least, choice = least_memory(problem, time_limit)
     need = held.fixed + int(math.ceil(least)) + reserve
     weights = held.weight_bytes(choice)
+    needs, has = two_sizes(need, device_bytes)  # digits enough that the two differ
     message = (
-        f"the model does not fit: the plan that needs the least memory holds {human_bytes(need)} "
+        f"the model does not fit: the plan that needs the least memory holds {needs} "
         f"per device at its peak ({human_bytes(weights)} of weights, "
         f"{human_bytes(max(0, need - weights))} of activations and buffers), but the smallest "
-        "device in "
-        f"{cluster.source} has {human_bytes(device_bytes)}; devices of at least "
-        f"{human_bytes(need)} would fit"
+        f"device in {cluster.source} has {has}; devices of at least {needs} would fit"
     )
     whole = sorted(
         (

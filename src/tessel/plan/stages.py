@@ -20,6 +20,7 @@ from tessel.errors import TesselError
 from tessel.plan import cost
 from tessel.plan.candidates import node_flops
 from tessel.plan.layers import layer_of
+from tessel.units import two_sizes
 
 _LAYER = re.compile(r"^(.*)\.(\d+)\.")
 
@@ -146,10 +147,11 @@ def assign_stages(
     cuts = _cut(layer_s, layer_b, pp, (before, before_b), (after, after_b), device_bytes)
     if cuts is None:
         need = int((sum(layer_b) + before_b + after_b) / pp)
+        has, needs = two_sizes(device_bytes, need)
         raise StageAssignError(
             f"is {pp}, but the model's layers cannot be cut into {pp} stages whose weights "
-            f"each fit one device's {device_bytes} bytes (about {need} bytes per stage at "
-            "best); use more stages or more tensor parallelism",
+            f"each fit one device's {has} (about {needs} per stage at best); use more stages "
+            "or more tensor parallelism",
             needed=need,
         )
     stages = [[indices[i] for i in range(a, b)] for a, b in cuts]
