@@ -298,5 +298,20 @@ FAMILIES: dict[str, Family] = {
             _seeded(_mamba),
             lambda b, seed=0: (_ids(b, seed),),
         ),
+        Family(
+            "xglm",
+            "sinusoidal positions (a detached table), scaled embeddings, tied embeddings",
+            _lm(
+                "XGLMConfig",
+                "XGLMForCausalLM",
+                vocab_size=VOCAB,
+                d_model=HIDDEN,
+                ffn_dim=2 * HIDDEN,
+                num_layers=LAYERS,
+                attention_heads=HEADS,
+                max_position_embeddings=64,
+            ),
+            lambda b, seed=0: (_ids(b, seed),),
+        ),
     ]
 }

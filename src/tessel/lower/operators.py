@@ -175,11 +175,21 @@ _ATEN = {
     # attention (the CPU kernel stays readable in packages built before the portable op)
     "scaled_dot_product_attention.default",
     "_scaled_dot_product_flash_attention_for_cpu.default",
-    # views and reshapes (read-only here: nothing may write through them)
+    # views and reshapes (read-only here: nothing may write through them); each returns its
+    # argument's storage (`Tensor(a) self -> Tensor(a)`), so `program.check` follows a view of an
+    # input as that input. `as_strided` stays off: it may read any element of the storage.
     "view.default",
+    "view.dtype",
     "_unsafe_view.default",
+    "_reshape_alias.default",
     "reshape.default",
     "alias.default",
+    "detach.default",
+    "lift_fresh.default",
+    "diagonal.default",
+    "unfold.default",
+    "view_as_real.default",
+    "view_as_complex.default",
     "expand.default",
     "permute.default",
     "transpose.int",
