@@ -21,6 +21,7 @@ BENCHMARKS = [
     ["bench_dataflow.py"],
     ["bench_training.py"],
     ["bench_training_api.py"],
+    ["bench_estimate.py"],
 ]
 
 if __name__ == "__main__":
