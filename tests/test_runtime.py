@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,14 +150,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_with_node_1_served(session, path, model, ids) -> None:
+def _run_with_node_1_served(session, path, model, ids) -> str:
     """Run `path` with node 1's workers started by `tessel serve` in another process, check
-    the output against eager, and check that the server ends cleanly with the graph."""
+    the output against eager, and check that the server ends cleanly with the graph; returns
+    what the server wrote."""
     remote = subprocess.Popen(
         [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
         env=subprocess_env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         session.load_graph(0, {}, path)
@@ -164,7 +167,9 @@ def _run_with_node_1_served(session, path, model, ids) -> None:
         with torch.no_grad():
             assert (out - model(ids)).abs().max().item() <= 1e-4
         session.remove_graph(0)
-        assert remote.wait(timeout=60) == 0, remote.stderr.read()
+        written, _ = remote.communicate(timeout=60)
+        assert remote.returncode == 0, written
+        return written
     finally:
         if remote.poll() is None:
             remote.kill()
@@ -284,10 +289,79 @@ def test_two_nodes_of_two_devices_with_data_and_tensor_parallel_axes(tmp_path, s
     _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
 
 
-def test_two_nodes_of_two_devices_as_one_tensor_parallel_mesh_of_two_axes(tmp_path, session):
+# what torch writes when it warns: its log records (`[rank0]:W1126 ... torch/....py:390] ...`)
+# and Python warnings (`...: UserWarning: ...`)
+_TORCH_WARNING = re.compile(r"torch/\S+\.py:\d+\]|\w+Warning: |sequential all_gather")
+# what lies between a gather and what reads its result when nothing is computed on it
+_PASSED_THROUGH = {
+    "getitem", "_c10d_functional.wait_tensor.default", "aten.view.default",
+    "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+    "aten.clone.default", "aten.contiguous.default", "aten.split.Tensor", "aten.chunk.default",
+    "aten.cat.default",
+}  # fmt: skip
+
+
+def _gathers_of_gathers(program: dict) -> list[tuple[str, str]]:
+    """(gather, earlier gather) for each all-gather of a program whose input is, but for views
+    and waits, another all-gather's result over another group: one move in two collectives."""
+    nodes = {n["name"]: n for n in program["nodes"] if "name" in n}
+
+    def group(node: dict) -> list[int] | None:
+        return next((a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a),
+                    None)  # fmt: skip
+
+    def sources(value) -> list[str]:
+        if isinstance(value, dict) and "$node" in value:
+            return [value["$node"]]
+        return [n for v in value for n in sources(v)] if isinstance(value, list) else []
+
+    found = []
+    for node in program["nodes"]:
+        if not node.get("target", "").startswith("_c10d_functional.all_gather"):
+            continue
+        seen, todo = set(), sources(node["args"][0])
+        while todo:
+            before = nodes.get(todo.pop())
+            if before is None or before["name"] in seen:
+                continue
+            seen.add(before["name"])
+            target = before.get("target", "")
+            if target.startswith("_c10d_functional.all_gather"):
+                if group(before) != group(node):
+                    found.append((node["name"], before["name"]))
+            elif target in _PASSED_THROUGH:
+                todo += sources(before["args"])
+    return found
+
+
+def test_gathers_of_gathers_are_found():
+    """The check below finds a gather over one axis of a gather over the other, through the
+    wait and views between them, and passes gathers with computation between them."""
+    group = lambda ranks: {"$group": ranks}  # noqa: E731
+    call = lambda name, target, *args: {"op": "call", "name": name, "target": target,
+                                        "args": list(args), "kwargs": {}}  # noqa: E731  # fmt: skip
+    gather = "_c10d_functional.all_gather_into_tensor.default"
+    wait = "_c10d_functional.wait_tensor.default"
+    program = {"nodes": [
+        {"op": "input", "name": "x"},
+        call("g0", gather, {"$node": "x"}, 2, group([0, 1])),
+        call("w0", wait, {"$node": "g0"}),
+        call("v0", "aten.view.default", {"$node": "w0"}, [4, 8]),
+        call("g1", gather, {"$node": "v0"}, 2, group([0, 2])),
+        call("w1", wait, {"$node": "g1"}),
+        call("m", "aten.mul.Tensor", {"$node": "w1"}, {"$node": "w1"}),
+        call("g2", gather, {"$node": "m"}, 2, group([0, 1])),
+        {"op": "output", "args": [{"$node": "g2"}]},
+    ]}  # fmt: skip
+    assert _gathers_of_gathers(program) == [("g1", "g0")]
+
+
+def test_two_nodes_of_two_devices_as_one_tensor_parallel_mesh_of_two_axes(tmp_path, session, capfd):
     """tp 4 over both nodes is planned on a 2 x 2 mesh (tp_node x tp) of devices too small for
     the replicated weights: the weights are cut per axis, collectives run over the node's pair
-    and over the nodes, and the output equals eager's."""
+    and over the nodes, a move over both axes is one collective over their joined group (never a
+    gather of a gather), nothing of torch's warnings reaches the output of the build, the
+    workers or the server at the default log level, and the output equals eager's."""
     from tessel.report import inspect_json
 
     model = small_llama(layers=1)
@@ -299,9 +373,15 @@ def test_two_nodes_of_two_devices_as_one_tensor_parallel_mesh_of_two_axes(tmp_pa
         ("tp", "within a node"),
     ]
     axes = {c["axis"] for r in data["ranks"] for c in r["collectives"]}
-    assert {"tp", "tp_node"} <= axes
+    assert {"tp", "tp_node", "tp_node+tp"} <= axes
+    for sub in built.manifest.submodels:
+        program = json.loads(built.members[sub.program])
+        assert _gathers_of_gathers(program) == [], sub.rank
     path = tessel.save(built, tmp_path / "tp2x2")
-    _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
+    served = _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
+    out, err = capfd.readouterr()
+    for written in (out, err, served):
+        assert not _TORCH_WARNING.search(written), written
 
 
 def test_two_nodes_of_two_devices_with_pipeline_stages_across_the_nodes(tmp_path, session):

@@ -80,6 +80,7 @@ __all__ = [
     "rules_without_costs",
     "export_post_dispatch",
     "fake_process_group",
+    "flatten_mesh_axes",
     "forget_process_groups",
     "group_ranks",
     "proxy_node",
@@ -228,6 +229,25 @@ def detached_mesh(
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh(device_type, ranks, mesh_dim_names=dim_names, _init_backend=False, _rank=0)
+
+
+def flatten_mesh_axes(mesh: DeviceMesh) -> None:
+    """Give DTensor a flattened group for every two or more of `mesh`'s axes.
+
+    Moving a tensor over several axes at once (sharded on two axes, wanted replicated on both)
+    is one collective over the axes' joined group where DTensor finds that group flattened
+    (`DeviceMesh._flatten`); without it DTensor runs one collective per axis, in sequence, and
+    warns. The axes are taken in the mesh's order (ranks row-major), the only order DTensor
+    merges. A mesh of one axis, or without axis names, is left as it is.
+    """
+    import itertools
+
+    names = mesh.mesh_dim_names
+    if names is None or mesh.ndim < 2:
+        return
+    for count in range(2, mesh.ndim + 1):
+        for axes in itertools.combinations(names, count):
+            mesh[axes]._flatten("+".join(axes))
 
 
 def group_ranks(group_name: str) -> list[int]:
