@@ -86,6 +86,9 @@ def _spawn(fn, world: int, folder: Path) -> dict:
 
 
 def _join(world: int, folder: str, rank: int) -> None:
+    """Join the job as torchrun starts a rank: one thread per rank (torchrun sets
+    OMP_NUM_THREADS=1 for several ranks per node), then the gloo process group."""
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world
     )
