@@ -17,9 +17,12 @@ from tessel.plan import has_rule
 from tessel.report import format_plan
 
 
-def two_nodes(devices_per_node: int = 4) -> ClusterConfig:
-    """Two nodes of devices linked by HCCS 392Gb, the nodes by RDMA 25Gb."""
+def two_nodes(devices_per_node: int = 4, memory: int | None = None) -> ClusterConfig:
+    """Two nodes of devices (of `memory` bytes where given) linked by HCCS 392Gb, the nodes by
+    RDMA 25Gb."""
     data = local_cluster_dict(devices_per_node)
+    if memory is not None:
+        data["item_def"][0]["memory"] = f"[DDR:{memory}B]"
     first = data["cluster"][0]["cluster_nodes"][0]
     second = {**first, "node_id": 1, "ipaddr": "127.0.0.2", "is_local": False}
     data["cluster"][0]["cluster_nodes"].append(second)
@@ -151,6 +154,27 @@ def test_three_replicas_on_three_devices():
     assert built.manifest["mesh"]["shape"] == [3, 1]
 
 
+def _tensor_parallel_inside_nodes(choice: dict) -> bool:
+    """Whether a weighed shape keeps its tensor-parallel groups inside one node."""
+    return "tp_node" not in choice["dim_names"]
+
+
+def _keeps_the_slow_link_quiet(choices: list[dict]) -> None:
+    """The chosen shape moves no more bytes between nodes than the fastest shape keeping
+    tensor parallelism inside the nodes, or is 10% faster by estimate and says so."""
+    timed = [c for c in choices if "estimated_time_s" in c]
+    (chosen,) = [c for c in choices if c["chosen"]]
+    quiet = min(
+        (c for c in timed if _tensor_parallel_inside_nodes(c)), key=lambda c: c["estimated_time_s"]
+    )
+    if chosen["internode_bytes"] > quiet["internode_bytes"]:
+        assert chosen["estimated_time_s"] <= 0.9 * quiet["estimated_time_s"]
+        assert "faster by estimate" in chosen["preferred"]
+    else:
+        fastest = min(c["estimated_time_s"] for c in timed)
+        assert chosen["estimated_time_s"] == fastest or "between nodes" in chosen["preferred"]
+
+
 def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
     torch.manual_seed(0)
     model = small_llama()
@@ -165,13 +189,64 @@ def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
     assert [c["shape"] for c in timed] == shapes[:3]
     # stages are weighed only where nothing without them fits
     assert all("without pipeline stages fits" in c["set_aside"] for c in choices[3:])
+    # replicas move only their outputs between the nodes: the rows of the replicas on the
+    # other node (tensor parallelism over both nodes moves its collectives, where it has any)
+    logits = 4 * 16 * 256 * 4
+    assert choices[1]["internode_bytes"] == logits / 2  # dp 2: one replica of 2 rows away
+    assert choices[2]["internode_bytes"] == logits / 2  # dp 4: two replicas of 1 row away
+    _keeps_the_slow_link_quiet(choices)
     (chosen,) = [c for c in choices if c["chosen"]]
-    assert chosen["estimated_time_s"] == min(c["estimated_time_s"] for c in timed)
     # the manifest's mesh leaves out a data-parallel axis of one replica
     kept = [(n, s) for n, s in zip(chosen["dim_names"], chosen["shape"]) if (n, s) != ("dp", 1)]
     assert list(zip(manifest["mesh"]["dim_names"], manifest["mesh"]["shape"])) == kept
     assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    assert "mesh shapes weighed" in format_plan(manifest)
+    text = format_plan(manifest)
+    assert "mesh shapes weighed" in text and "between nodes" in text
+
+
+def test_auto_on_two_tight_nodes_fits_where_a_replica_fits_and_equals_eager():
+    """Two nodes of two devices, too small for whole weights (a replica's least memory on
+    two, and the outputs rank 0 gathers): a shape is set aside only where its plan does not
+    fit, and the shape built is the plan weighed, fitting its devices."""
+    from tessel.builder.mesh_choice import gathered_bytes
+
+    torch.manual_seed(0)
+    model = small_llama()
+    ids = token_ids(4)
+    half = capture(model, (ids[:2],), keep=has_rule)
+    memory = tight_cluster(half, 2)["item_def"][0]["memory"]
+    memory = int(memory.removeprefix("[DDR:").removesuffix("B]")) + gathered_bytes(half, 2)
+    built = tessel.build(model, (ids,), cluster=two_nodes(2, memory), policy=policy())
+    plan = built.manifest["plan"]
+    choices = {tuple(c["shape"]): c for c in plan["mesh_choices"]}
+    assert "estimated_time_s" in choices[(2, 2)]  # dp 2 x tp 2: a replica per node fits
+    assert "set_aside" in choices[(4, 1)]  # whole weights on every device do not
+    _keeps_the_slow_link_quiet(plan["mesh_choices"])
+    assert all(r["peak_bytes"] <= memory for r in plan["ranks"])
+    assert plan["verify"]["max_relative_diff"] <= 1e-4
+
+
+def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():
+    from tessel.builder.mesh_choice import _prefer_quiet_links
+
+    cluster = two_nodes(2)
+    over, inside = parallel_dims(cluster, policy(tp=4)), parallel_dims(cluster, policy(dp=2, tp=2))
+    over_shape = {"shape": [1, 2, 2], "dim_names": ["dp", "tp_node", "tp"]}
+    inside_shape = {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    for over_time, wanted in ((0.95, "inside"), (0.85, "over")):
+        spans = {"estimated_time_s": over_time, "internode_bytes": 10.0, **over_shape}
+        stays = {"estimated_time_s": 1.0, "internode_bytes": 1.0, **inside_shape}
+        fitting = [(spans, over, None, 1, None), (stays, inside, None, 1, None)]
+        chosen = _prefer_quiet_links(fitting, cluster)
+        assert chosen[0] is (spans if wanted == "over" else stays)
+        assert "preferred" in chosen[0]
+    # the fastest moving no more between nodes is chosen without a word
+    spans = {"estimated_time_s": 0.5, "internode_bytes": 1.0}
+    stays = {"estimated_time_s": 1.0, "internode_bytes": 1.0}
+    chosen = _prefer_quiet_links(
+        [(spans, over, None, 1, None), (stays, inside, None, 1, None)], cluster
+    )
+    assert chosen[0] is spans and "preferred" not in spans
 
 
 def test_auto_sets_aside_shapes_the_batch_cannot_split():

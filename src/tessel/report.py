@@ -228,14 +228,18 @@ def format_plan(manifest: Manifest) -> str:
     lines.extend(_memory_lines(data["memory"]))
     if data["mesh_choices"]:
         lines.append("")
-        lines.append("mesh shapes weighed (estimated time per run, outputs gathered included)")
+        lines.append("mesh shapes weighed (estimated time per run, outputs gathered included; bytes a run moves between nodes)")
         for c in data["mesh_choices"]:
             shape = " x ".join(f"{n} {s}" for n, s in zip(c.get("dim_names", ()), c["shape"]))
             if "estimated_time_s" in c:
                 what = f"{1e3 * c['estimated_time_s']:.3f} ms"
+                if "internode_bytes" in c:
+                    what += f", {human_bytes(c['internode_bytes'])} between nodes"
             else:
                 what = f"set aside: {c.get('set_aside', '?')}"
             lines.append(f"  {shape}: {what}" + (" (chosen)" if c.get("chosen") else ""))
+            if c.get("preferred"):
+                lines.append(f"    chosen because it {c['preferred']}")
     lines.extend(_verify_lines(data["verify"]))
     if data["replanned"]:
         lines.append("")

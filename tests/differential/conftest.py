@@ -8,6 +8,10 @@ import psutil
 import pytest
 from tests.conftest import _is_resource_tracker
 
+# (build, the planner's predicted peak, each rank's lowered peak, memory re-plans): what the
+# memory model predicted against the program that runs, for every build of the suite
+MEMORY_MODEL: list[tuple[str, int, list[int], int]] = []
+
 
 @pytest.fixture(autouse=True)
 def no_leftover_workers():
@@ -23,3 +27,20 @@ def no_leftover_workers_after_the_module():
     for p in alive:
         p.kill()
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How close the memory model came to the lowered programs, over the suite's builds."""
+    if not MEMORY_MODEL:
+        return
+    ratios = [
+        (name, peak / predicted) for name, predicted, peaks, _ in MEMORY_MODEL for peak in peaks
+    ]
+    within = sum(0.95 <= r <= 1.05 for _, r in ratios)
+    replans = sum(count for *_, count in MEMORY_MODEL)
+    worst = sorted(ratios, key=lambda x: abs(x[1] - 1))[-3:]
+    terminalreporter.write_line(
+        f"memory model: {within} of {len(ratios)} ranks' lowered peaks within 5% of the "
+        f"planner's ({len(MEMORY_MODEL)} builds, {replans} memory re-plans); furthest: "
+        + ", ".join(f"{name} {r:.3f}" for name, r in reversed(worst))
+    )

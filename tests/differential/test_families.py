@@ -22,6 +22,7 @@ from tessel.demo import tight_cluster, weight_bytes
 from tessel.plan import has_rule
 from tessel.plan.planner import least_memory_plan
 
+from .conftest import MEMORY_MODEL
 from .zoo import FAMILIES
 
 # (devices, memory, batch): each family takes one of these two rotations, so every family meets
@@ -80,6 +81,14 @@ def test_partitioned_model_equals_eager(family, devices, memory, batch, sessions
     plan = built.manifest["plan"]
     assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
     device_bytes = plan["memory"]["device_bytes"]
+    MEMORY_MODEL.append(
+        (
+            f"{family}-{devices}dev-{memory}",
+            plan["memory"]["peak_bytes"],
+            [rank["peak_bytes"] for rank in plan["ranks"]],
+            sum(r["node"] == "(memory)" for r in plan["replanned"]),
+        )
+    )
     for rank in plan["ranks"]:
         assert rank["peak_bytes"] <= device_bytes, rank["rank"]  # the program fits its device
         if memory == "tight":

@@ -6,10 +6,17 @@ node or across whole nodes) and that the example batch can be split for. Each is
 micro-batch of one replica's share of the batch on `tp` devices, under the devices' memory, a
 stage holding its part of the weights) and priced by the planner's estimated time (pipelined
 over the stages, their sends on the link between them) plus the gather of the outputs over the
-replicas, on the link that axis crosses; the fastest that fits is chosen. Every shape weighed,
-and why one was set aside, goes into the plan for `inspect`. Shapes with pipeline stages are
-weighed only where no shape without them fits: a stage-replica does the same work as a replica
-holding every layer, plus the time its micro-batches wait while the stages fill and drain.
+replicas, on the link that axis crosses. The memory check that sets a shape aside is the one
+the build makes, and the plan weighed is the plan the build lowers (`MeshChoice.plan`).
+
+The fastest shape that fits is chosen, with one exception: the slow link between nodes. Where
+it moves more bytes between nodes than the fastest shape that keeps tensor parallelism inside
+the nodes, it must be estimated at least `SLOW_LINK_MARGIN` faster, or that shape is chosen
+instead: the estimate of traffic over a shared network is the least certain term of the cost
+model. Every shape weighed, its bytes between nodes, and why one was set aside or preferred,
+go into the plan for `inspect`. Shapes with pipeline stages are weighed only where no shape
+without them fits: a stage-replica does the same work as a replica holding every layer, plus
+the time its micro-batches wait while the stages fill and drain.
 
 A training step planned by `tessel.parallel.AutoParallel` weighs `dp x tp` shapes alike on one
 node too (`choose_data_parallel`): each replica's program on its share of the batch, plus the
@@ -29,9 +36,14 @@ from tessel.capture import CapturedModel, capture, capture_training
 from tessel.capture.training import GradientOutputs, gradient_outputs, mark_gradients
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
-from tessel.config.mesh import ParallelDims, parallel_dims, tensor_axes
+from tessel.config.mesh import ParallelDims, axis_groups, parallel_dims, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import PlanError, cost, has_rule, make_plan
+from tessel.plan.planner import Plan
+from tessel.plan.traffic import sent_bytes
+
+# how much faster (by estimate) a shape moving more bytes between nodes must be to be chosen
+SLOW_LINK_MARGIN = 0.10
 
 
 @dataclass
@@ -42,6 +54,7 @@ class MeshChoice:
     captured: CapturedModel
     weighed: list[dict[str, Any]]
     micro_batches: int = 1
+    plan: Plan | None = None  # the plan weighed for the chosen shape: the build lowers it
 
 
 def wants_choice(cluster: ClusterConfig, policy: ParallelOption, model: Any) -> bool:
@@ -69,7 +82,7 @@ def choose_mesh(
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
-    best: tuple[float, ParallelDims, CapturedModel, int, dict] | None = None
+    fitting: list[tuple[dict[str, Any], ParallelDims, CapturedModel, int, Plan]] = []
     captures: dict[int, CapturedModel] = {}  # by the parts the example batch is split into
     shapes = [
         (pp, dp, world // (pp * dp))
@@ -87,7 +100,7 @@ def choose_mesh(
             "dim_names": [name for name, _ in axes],
         }
         weighed.append(entry)
-        if pp > 1 and best is not None:
+        if pp > 1 and fitting:
             # (1, pp * dp, tp) does the same work without the stages' fill and drain
             entry["set_aside"] = (
                 "not weighed: a shape without pipeline stages fits, and stages only add the "
@@ -102,10 +115,7 @@ def choose_mesh(
             a, k = (
                 replica_batch(args, kwargs, dp, policy.source, micro)
                 if parts > 1
-                else (
-                    args,
-                    kwargs,
-                )
+                else (args, kwargs)
             )
         except ConfigError as exc:
             entry["set_aside"] = exc.detail
@@ -114,6 +124,7 @@ def choose_mesh(
             captures[parts] = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
         captured = captures[parts]
         try:
+            # the build's own first plan for this shape: its memory, its reserve
             plan = make_plan(
                 captured,
                 more_memory(devices, pp) if pp > 1 else devices,
@@ -125,21 +136,89 @@ def choose_mesh(
             if pp > 1:
                 entry["micro_batches"] = micro
                 seconds = pipeline_estimate(captured, plan, cluster, dims, micro)
-        except PlanError:
-            entry["set_aside"] = "does not fit the devices' memory"
+        except PlanError as exc:
+            entry["set_aside"] = f"does not fit the devices' memory: {exc}"
             continue
         except ConfigError as exc:  # more stages than layers
             entry["set_aside"] = exc.detail
             continue
         entry["estimated_time_s"] = seconds + gather_seconds(captured, dims, cluster, micro)
-        if best is None or entry["estimated_time_s"] < best[0]:
-            best = (entry["estimated_time_s"], dims, captured, micro, entry)
-    if best is None:
+        entry["internode_bytes"] = internode_bytes(plan, captured, dims, cluster, micro)
+        fitting.append((entry, dims, captured, micro, plan))
+    if not fitting:
         reasons = "; ".join(f"{e['shape']}: {e.get('set_aside')}" for e in weighed)
         raise PlanError(f"no mesh shape of this cluster fits the model ({reasons})")
+    chosen = _prefer_quiet_links(fitting, cluster)
     for entry in weighed:
-        entry["chosen"] = entry is best[4]
-    return MeshChoice(best[1], best[2], weighed, best[3])
+        entry["chosen"] = entry is chosen[0]
+    _, dims, captured, micro, plan = chosen
+    return MeshChoice(dims, captured, weighed, micro, plan)
+
+
+def _prefer_quiet_links(fitting: list[tuple], cluster: ClusterConfig) -> tuple:
+    """The fastest shape, unless it moves more bytes between nodes than the fastest shape
+    keeping tensor parallelism inside the nodes and is not `SLOW_LINK_MARGIN` faster."""
+    fastest = min(fitting, key=lambda f: f[0]["estimated_time_s"])
+    inside = [f for f in fitting if not _tensor_axes_cross_nodes(f[1], cluster)]
+    if not inside or len(cluster.nodes) < 2:
+        return fastest
+    quiet = min(inside, key=lambda f: f[0]["estimated_time_s"])
+    fast, calm = fastest[0], quiet[0]
+    if fast is calm or fast["internode_bytes"] <= calm["internode_bytes"]:
+        return fastest
+    gain = 1 - fast["estimated_time_s"] / calm["estimated_time_s"]
+    if gain >= SLOW_LINK_MARGIN:
+        fast["preferred"] = (
+            f"is {100 * gain:.0f}% faster by estimate than the fastest shape keeping tensor "
+            f"parallelism inside the nodes, though it moves more bytes between them"
+        )
+        return fastest
+    calm["preferred"] = (
+        f"moves {_mib(calm['internode_bytes'])} between nodes per run against "
+        f"{_mib(fast['internode_bytes'])} for {_shape_text(fast)}, which is estimated only "
+        f"{100 * gain:.0f}% faster (less than {100 * SLOW_LINK_MARGIN:.0f}%)"
+    )
+    return quiet
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _shape_text(entry: dict[str, Any]) -> str:
+    return " x ".join(f"{n} {s}" for n, s in zip(entry["dim_names"], entry["shape"]))
+
+
+def _spans_nodes(cluster: ClusterConfig, groups: list[tuple[int, ...]]) -> bool:
+    """Whether any of these rank groups holds devices of more than one node."""
+    return any(len({cluster.devices[r].node_id for r in g}) > 1 for g in groups)
+
+
+def _tensor_axes_cross_nodes(dims: ParallelDims, cluster: ClusterConfig) -> bool:
+    return _spans_nodes(cluster, dims.groups("tp"))
+
+
+def internode_bytes(
+    plan: Plan, captured: CapturedModel, dims: ParallelDims, cluster: ClusterConfig, micro: int
+) -> float:
+    """Bytes one run moves between nodes: what every device sends over a tensor axis whose
+    groups span nodes (the plan's collectives, per micro-batch), and the outputs of the
+    replicas away from rank 0's node gathered to it. A pipeline's sends between stages are
+    not counted (shapes with stages are weighed only where none without them fits)."""
+    graph = captured.program.graph_module.graph
+    devices = first_devices(cluster, dims.size("tp"))  # the devices the plan was made for
+    crossing = {
+        name
+        for d, name in enumerate(plan.mesh_names)
+        if _spans_nodes(devices, axis_groups(tuple(plan.mesh_shape), d))
+    }
+    per_device = sent_bytes(plan, graph)
+    total = sum(b for name, b in per_device.items() if name in crossing) * dims.world_size * micro
+    if dims.size("dp") > 1:
+        head = cluster.devices[0].node_id
+        away = sum(cluster.devices[r].node_id != head for r in dims.groups("dp")[0])
+        total += away * output_bytes(captured) * micro
+    return float(total)
 
 
 def batch_rows(args: tuple, kwargs: dict) -> int:

@@ -239,7 +239,7 @@ def build(
     micro_batches = 1
 
     t = time.perf_counter()
-    whole_batch, weighed = None, None
+    whole_batch, weighed, weighed_plan = None, None, None
     if isinstance(model, CapturedModel):
         captured = model
     else:
@@ -256,6 +256,7 @@ def build(
                     time_limit=time_limit,
                 )
             dims, captured, weighed = choice.dims, choice.captured, choice.weighed
+            weighed_plan = choice.plan
             dp, pp, micro_batches = dims.size("dp"), dims.size("pp"), choice.micro_batches
         else:
             if pp > 1:
@@ -284,6 +285,7 @@ def build(
     scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
     reserve = gathered_bytes(captured, dp, micro_batches)  # rank 0 puts the outputs together
     while True:
+        first, weighed_plan = weighed_plan, None  # a second try plans anew
         try:
             plan, programs = plan_and_lower(
                 captured,
@@ -293,6 +295,7 @@ def build(
                 reuse_layers=reuse_layers,
                 timings=timings,
                 reserve=reserve,
+                first=first,
             )
         except PlanError:
             if overflows is None or overflows - scale < 0.02:
@@ -408,6 +411,7 @@ def plan_and_lower(
     reuse_layers: bool = True,
     timings: dict[str, float] | None = None,
     reserve: int = 0,
+    first: Plan | None = None,
 ) -> tuple[Plan, list[RankProgram]]:
     """Plan for `cluster`, then lower every rank exactly as planned.
 
@@ -416,7 +420,8 @@ def plan_and_lower(
     each such re-plan is recorded in the plan for `tessel inspect`. Where a lowered program
     would hold more than its device's memory (buffers the memory model does not see), the
     model is planned again with that much kept free; `reserve` bytes are kept free from the
-    start (what the caller adds to the programs afterwards).
+    start (what the caller adds to the programs afterwards). `first` is a plan already made
+    for this cluster, policy and reserve (the one `auto` weighed): it is lowered as it is.
     """
     policy = policy or ParallelOption()
     timings = {} if timings is None else timings
@@ -428,10 +433,15 @@ def plan_and_lower(
     fits_below, too_many = 0, None
     for _ in range(MAX_REPLANS + 1):
         try:
-            with phase(f"planning {len(captured.program.graph.nodes)} nodes on {world} devices"):
-                plan = make_plan(
-                    captured, cluster, policy, time_limit, banned=banned, reserve=reserve
-                )
+            if first is not None:
+                plan, first = first, None
+            else:
+                with phase(
+                    f"planning {len(captured.program.graph.nodes)} nodes on {world} devices"
+                ):
+                    plan = make_plan(
+                        captured, cluster, policy, time_limit, banned=banned, reserve=reserve
+                    )
         except PlanError:
             if reserve <= fits_below + 1:
                 raise

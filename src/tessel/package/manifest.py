@@ -629,7 +629,9 @@ def _plan(f: _Field) -> dict:
         choice.obj()
         _shape(choice.get("shape"))
         part(choice, "estimated_time_s", _Field.number)
+        part(choice, "internode_bytes", _Field.number)
         part(choice, "set_aside", _Field.str)
+        part(choice, "preferred", _Field.str)
     part(f, "micro_batches", _Field.int)
     for stage in f.get("stages", optional=True).optional(_Field.list) or ():
         stage.obj()

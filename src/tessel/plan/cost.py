@@ -81,18 +81,18 @@ _TIME = {
 }
 
 
-def redistribute_time(
+def _moves(
     src: tuple[Placement, ...],
     dst: tuple[Placement, ...],
     nbytes: float,
     mesh_shape: tuple[int, ...],
-    links: list[Links],
-    shape: tuple[int, ...] | None = None,
-) -> float:
-    """Time to move a tensor of `nbytes` (global, of `shape` where given) from placements `src`
-    to `dst`. A gather or reduce-scatter of a dim the devices split unevenly moves every shard
-    padded to the largest (10 rows over 4 devices move as 12)."""
-    total = 0.0
+    shape: tuple[int, ...] | None,
+) -> list[tuple[int, str, float]]:
+    """The collectives that move a tensor of `nbytes` (global, of `shape` where given) from
+    placements `src` to `dst`: (mesh dim, kind, the bytes of the tensor that collective moves).
+    A gather or reduce-scatter of a dim the devices split unevenly moves every shard padded to
+    the largest (10 rows over 4 devices move as 12)."""
+    out = []
     for d, (a, b) in enumerate(zip(src, dst)):
         kind = transition(a, b)
         if kind is None:
@@ -107,8 +107,47 @@ def redistribute_time(
             rows = shape[split.dim] if split.dim < len(shape) else 0
             if rows > 0:
                 padding = -(-rows // mesh_shape[d]) * mesh_shape[d] / rows
-        total += _TIME[kind](padding * nbytes / max(others, 1), mesh_shape[d], links[d])
-    return total
+        out.append((d, kind, padding * nbytes / max(others, 1)))
+    return out
+
+
+def redistribute_time(
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    nbytes: float,
+    mesh_shape: tuple[int, ...],
+    links: list[Links],
+    shape: tuple[int, ...] | None = None,
+) -> float:
+    """Time to move a tensor of `nbytes` (global, of `shape` where given) from placements `src`
+    to `dst`, one collective per mesh dim that changes."""
+    return sum(
+        _TIME[kind](moved, mesh_shape[d], links[d])
+        for d, kind, moved in _moves(src, dst, nbytes, mesh_shape, shape)
+    )
+
+
+def redistribute_bytes(
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    nbytes: float,
+    mesh_shape: tuple[int, ...],
+    shape: tuple[int, ...] | None = None,
+) -> list[float]:
+    """Bytes one device sends, per mesh dim, to move a tensor from `src` to `dst` placements
+    (the ring volumes `redistribute_time` prices)."""
+    sent = [0.0] * len(mesh_shape)
+    for d, kind, moved in _moves(src, dst, nbytes, mesh_shape, shape):
+        sent[d] += _SENT[kind](moved, mesh_shape[d])
+    return sent
+
+
+_SENT = {
+    "all_reduce": lambda b, n: 2 * (n - 1) / n * b,
+    "all_gather": lambda b, n: (n - 1) / n * b,
+    "reduce_scatter": lambda b, n: (n - 1) / n * b,
+    "all_to_all": lambda b, n: (n - 1) / n * b / n,
+}
 
 
 def largest_share(
