@@ -214,7 +214,10 @@ def _export_aten(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedP
 @contextlib.contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """Skip recording a Python stack per traced node: tessel never reads them, and on deep
-    models they cost a tenth of the trace."""
+    models they cost a tenth of the trace. Older torch releases record them always."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
