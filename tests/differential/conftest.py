@@ -8,9 +8,10 @@ import psutil
 import pytest
 from tests.conftest import _is_resource_tracker
 
-# (build, the planner's predicted peak, each rank's lowered peak, memory re-plans): what the
-# memory model predicted against the program that runs, for every build of the suite
-MEMORY_MODEL: list[tuple[str, int, list[int], int]] = []
+# each build records (the planner's predicted peak, each rank's lowered peak, memory re-plans)
+# as the user property MEMORY_MODEL: properties travel to the controller with the reports, so
+# the summary below sees every build, with or without pytest-xdist's workers
+MEMORY_MODEL = "memory_model"
 
 
 @pytest.fixture(autouse=True)
@@ -31,16 +32,20 @@ def no_leftover_workers_after_the_module():
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """How close the memory model came to the lowered programs, over the suite's builds."""
-    if not MEMORY_MODEL:
-        return
-    ratios = [
-        (name, peak / predicted) for name, predicted, peaks, _ in MEMORY_MODEL for peak in peaks
+    builds = [
+        (report.nodeid.split("[")[-1].rstrip("]"), value)
+        for report in terminalreporter.stats.get("passed", [])
+        for key, value in getattr(report, "user_properties", [])
+        if key == MEMORY_MODEL
     ]
+    if not builds:
+        return
+    ratios = [(name, peak / predicted) for name, (predicted, peaks, _) in builds for peak in peaks]
     within = sum(0.95 <= r <= 1.05 for _, r in ratios)
-    replans = sum(count for *_, count in MEMORY_MODEL)
+    replans = sum(count for _, (*_, count) in builds)
     worst = sorted(ratios, key=lambda x: abs(x[1] - 1))[-3:]
     terminalreporter.write_line(
         f"memory model: {within} of {len(ratios)} ranks' lowered peaks within 5% of the "
-        f"planner's ({len(MEMORY_MODEL)} builds, {replans} memory re-plans); furthest: "
+        f"planner's ({len(builds)} builds, {replans} memory re-plans); furthest: "
         + ", ".join(f"{name} {r:.3f}" for name, r in reversed(worst))
     )

@@ -65,7 +65,9 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize(
     "family,devices,memory,batch", RUNS, ids=[f"{f}-{d}dev-{m}-b{b}" for f, d, m, b in RUNS]
 )
-def test_partitioned_model_equals_eager(family, devices, memory, batch, sessions, tmp_path):
+def test_partitioned_model_equals_eager(
+    family, devices, memory, batch, sessions, tmp_path, record_property
+):
     spec = FAMILIES[family]
     model = spec.make()
     captured = capture(model, spec.inputs(batch), keep=has_rule)
@@ -81,13 +83,13 @@ def test_partitioned_model_equals_eager(family, devices, memory, batch, sessions
     plan = built.manifest["plan"]
     assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
     device_bytes = plan["memory"]["device_bytes"]
-    MEMORY_MODEL.append(
+    record_property(
+        MEMORY_MODEL,
         (
-            f"{family}-{devices}dev-{memory}",
             plan["memory"]["peak_bytes"],
             [rank["peak_bytes"] for rank in plan["ranks"]],
             sum(r["node"] == "(memory)" for r in plan["replanned"]),
-        )
+        ),
     )
     for rank in plan["ranks"]:
         assert rank["peak_bytes"] <= device_bytes, rank["rank"]  # the program fits its device
