@@ -28,7 +28,6 @@ from tessel._torch import (
     MaskPartial,
     clear_dtensor_caches,
     fake_process_group,
-    flatten_mesh_axes,
     redistribute,
     traced_graph_length,
     traced_nodes_since,
@@ -59,8 +58,7 @@ class LoweringError(TesselError, RuntimeError):
 def fake_world(
     rank: int, mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None
 ) -> Iterator[DeviceMesh]:
-    """A fake process group over a mesh of `mesh_shape` seen from `rank`, and the mesh, its
-    axes also flattened together (`flatten_mesh_axes`).
+    """A fake process group over a mesh of `mesh_shape` seen from `rank`, and the mesh.
 
     DTensor's caches are cleared on the way in and out: what it decided while tracing one rank
     must not reach the next rank's program (see `clear_dtensor_caches`).
@@ -74,8 +72,6 @@ def fake_world(
     try:
         with fake_process_group(rank, math.prod(mesh_shape)):
             mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-            # a move over several axes is one collective over their joined group
-            flatten_mesh_axes(mesh)
             yield mesh
     finally:
         clear_dtensor_caches()
