@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
+import os
 from pathlib import Path
 
 import pytest
@@ -872,7 +872,19 @@ def test_shard_and_reshard_refuse_bad_strategies(two_ranks, key, message):
 # -- the planning child -------------------------------------------------------------------
 
 
-def _plan_and_wait(folder: str) -> None:
+def _plan_and_wait(folder: str, planning) -> None:
+    """Rank 0 of one, whose planning child says its pid through `planning` and then works
+    for ever (it ends only by a signal)."""
+    import signal
+
+    from tessel.parallel import planned
+
+    def planning_for_ever(*args, **kwargs) -> None:
+        planning.send(os.getpid())
+        while True:
+            signal.pause()
+
+    planned._build = planning_for_ever
     dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
     model, batches = _gpt2()
     AutoParallel(model, "recursive_programming")(input_ids=batches[0], labels=batches[0])
@@ -880,32 +892,28 @@ def _plan_and_wait(folder: str) -> None:
 
 def test_the_planning_child_dies_with_its_rank(tmp_path):
     import psutil
-    from tests.conftest import _is_resource_tracker
 
-    rank = mp.get_context("spawn").Process(target=_plan_and_wait, args=(str(tmp_path),))
+    spawn = mp.get_context("spawn")
+    said, planning = spawn.Pipe(duplex=False)
+    rank = spawn.Process(target=_plan_and_wait, args=(str(tmp_path), planning))
     rank.start()
-    parent = psutil.Process(rank.pid)
-    planning: list[psutil.Process] = []
-    deadline = time.monotonic() + 120
-    while not planning and time.monotonic() < deadline and rank.is_alive():
-        planning = [p for p in parent.children() if not _is_resource_tracker(p)]
-        rank.join(0.2)  # wakes early if the rank ends
-    assert planning, "rank 0 never started its planning child"
-    # kill the rank while its child is at work (well into importing and planning): the child
-    # goes with it, not when it next reads from the rank
-    child = planning[0]
-    while rank.is_alive() and child.is_running() and time.monotonic() < deadline:
-        with contextlib.suppress(psutil.Error):
-            if child.cpu_times().user >= 3:
-                break
-        rank.join(0.2)
-    assert rank.is_alive() and child.is_running(), "the plan finished before the kill"
-    rank.kill()
-    rank.join()
-    _, alive = psutil.wait_procs(planning, timeout=3)
-    for p in alive:
-        p.kill()
-    assert not alive
+    child = None
+    try:
+        assert said.poll(300), "rank 0 never started its planning child"
+        child = psutil.Process(said.recv())
+        assert child.ppid() == rank.pid
+        # the rank is killed while its child plans: the child goes with it, not when it next
+        # reads from the rank
+        rank.kill()
+        rank.join()
+        gone, alive = psutil.wait_procs([child], timeout=30)
+        assert not alive, "the planning child outlived its rank"
+    finally:
+        rank.kill()
+        rank.join()
+        if child is not None:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
 
 # -- argument checks, in this process -----------------------------------------------------
