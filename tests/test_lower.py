@@ -216,3 +216,20 @@ def test_devices_too_small_for_the_logits_twice_take_the_model():
     plan, programs = plan_and_lower(captured, cluster_from_dict(data, "tight.json"))
     assert max(p.peak_bytes for p in programs) <= device
     assert len(_gathers(programs[0])) == 1
+
+
+@pytest.mark.parametrize("rows, collectives", [(12, 1), (10, 2)])
+def test_a_move_over_two_axes_is_one_collective_where_that_is_exact(rows, collectives):
+    """Gathering a tensor sharded over both axes of a 3 x 2 mesh is one all-gather over the
+    joined group where its rows divide by 6; 10 rows split 2,2,2,2,1,1 per axis but 2,2,2,2,2,0
+    joined, so they are gathered one axis at a time."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with fake_world(0, (3, 2), ("tp_node", "tp")) as mesh:
+        local = torch.ones(2, 4)  # rank 0's shard either way
+        x = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False,
+                               shape=torch.Size([rows, 4]), stride=(4, 1))  # fmt: skip
+        with CommDebugMode() as comms:
+            whole = x.redistribute(mesh, [Replicate(), Replicate()])
+    assert comms.get_total_counts() == collectives
+    assert whole.to_local().shape == (rows, 4)

@@ -373,7 +373,10 @@ def test_two_nodes_of_two_devices_as_one_tensor_parallel_mesh_of_two_axes(tmp_pa
         ("tp", "within a node"),
     ]
     axes = {c["axis"] for r in data["ranks"] for c in r["collectives"]}
-    assert {"tp", "tp_node"} <= axes
+    assert {"tp", "tp_node", "tp_node+tp"} <= axes
+    for sub in built.manifest.submodels:
+        program = json.loads(built.members[sub.program])
+        assert _gathers_of_gathers(program) == [], sub.rank
     path = tessel.save(built, tmp_path / "tp2x2")
     served = _run_with_node_1_served(session, path, model, token_ids(batch=4, seed=3))
     out, err = capfd.readouterr()

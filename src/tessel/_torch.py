@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -80,9 +81,9 @@ __all__ = [
     "rules_without_costs",
     "export_post_dispatch",
     "fake_process_group",
-    "flatten_mesh_axes",
     "forget_process_groups",
     "group_ranks",
+    "merged_moves",
     "proxy_node",
     "redistribute",
     "sharding_propagator",
@@ -231,23 +232,54 @@ def detached_mesh(
     return DeviceMesh(device_type, ranks, mesh_dim_names=dim_names, _init_backend=False, _rank=0)
 
 
-def flatten_mesh_axes(mesh: DeviceMesh) -> None:
-    """Give DTensor a flattened group for every two or more of `mesh`'s axes.
+@contextlib.contextmanager
+def merged_moves(mesh: DeviceMesh) -> Iterator[None]:
+    """Within the block, a move over several of `mesh`'s axes is one collective over their
+    joined group where the result is the same as the per-axis collectives.
 
-    Moving a tensor over several axes at once (sharded on two axes, wanted replicated on both)
-    is one collective over the axes' joined group where DTensor finds that group flattened
-    (`DeviceMesh._flatten`); without it DTensor runs one collective per axis, in sequence, and
-    warns. The axes are taken in the mesh's order (ranks row-major), the only order DTensor
-    merges. A mesh of one axis, or without axis names, is left as it is.
+    DTensor merges consecutive same-kind collectives over several axes when it finds their
+    group flattened (`DeviceMesh._flatten`); without one it runs a collective per axis, in
+    sequence, and warns. Every combination of axes is flattened here, in the mesh's order (ranks
+    row-major, the only order DTensor merges). A merged all-gather lays the shards out as one
+    split over the joined group, which equals the nested per-axis splits only where the tensor
+    dim divides evenly by the group's size: DTensor checks that for a reduce-scatter but not for
+    an all-gather (a 10-row tensor on 3 x 2 is nested 2,2,2,2,1,1 but joined 2,2,2,2,2,0), so
+    a move with an uneven merged gather keeps its per-axis collectives here.
     """
     import itertools
 
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import _redistribute as module
+
     names = mesh.mesh_dim_names
-    if names is None or mesh.ndim < 2:
+    if names is not None and mesh.ndim >= 2:
+        for count in range(2, mesh.ndim + 1):
+            for axes in itertools.combinations(names, count):
+                mesh[axes]._flatten("+".join(axes))
+    optimize = getattr(module, "_optimize_transform_infos", None)
+    if optimize is None:  # a torch that never merges
+        yield
         return
-    for count in range(2, mesh.ndim + 1):
-        for axes in itertools.combinations(names, count):
-            mesh[axes]._flatten("+".join(axes))
+
+    def even_merges_only(transform_infos: list, device_mesh: DeviceMesh, *args: Any) -> list:
+        merged = optimize(transform_infos, device_mesh, *args)
+        for info in merged:
+            source = info.src_dst_placements[0]
+            if (
+                isinstance(info, module._FlattenedTransformInfo)
+                and info._comm_type_key() == "all_gather"
+                and isinstance(source, Shard)
+            ):
+                size = math.prod(device_mesh.size(d) for d in info.original_mesh_dims)
+                if info.logical_shape[source.dim] % size:
+                    return transform_infos
+        return merged
+
+    module._optimize_transform_infos = even_merges_only
+    try:
+        yield
+    finally:
+        module._optimize_transform_infos = optimize
 
 
 def group_ranks(group_name: str) -> list[int]:

@@ -68,15 +68,22 @@ def test_elimination_finds_the_optimum(problem):
     assert solution.objective == pytest.approx(_objective(problem, solution.choice))
 
 
-@given(problems())
+@pytest.mark.parametrize(
+    "cap",
+    [
+        "MAX_TABLE",  # every bucket split into parts (mini-buckets)
+        "MAX_AXES",  # a bucket over three decisions is split into parts
+    ],
+)
+@given(problem=problems())
 @settings(derandomize=True, max_examples=50, deadline=None)
-def test_capped_tables_still_give_a_valid_choice(problem):
-    saved = dp.MAX_TABLE
-    dp.MAX_TABLE = 2  # every bucket split into parts (mini-buckets)
+def test_capped_buckets_still_give_a_valid_choice(cap, problem):
+    saved = getattr(dp, cap)
+    setattr(dp, cap, 2)
     try:
         choice = dp._eliminate(problem.sizes, _factors(problem))
     finally:
-        dp.MAX_TABLE = saved
+        setattr(dp, cap, saved)
     assert set(choice) == set(problem.sizes)
     assert all(0 <= choice[v] < k for v, k in problem.sizes.items())
     assert _objective(problem, choice) >= _brute_force(problem) - 1e-9
@@ -162,17 +169,3 @@ def test_a_problem_too_wide_for_elimination_goes_to_the_integer_program(monkeypa
     assert "solved by the integer program" in solution.fallback
     assert "span 10 decisions and 1,024 entries" in solution.fallback
     assert solution.objective == pytest.approx(_brute_force(problem))
-
-
-@given(problems())
-@settings(derandomize=True, max_examples=50, deadline=None)
-def test_capped_axes_still_give_a_valid_choice(problem):
-    saved = dp.MAX_AXES
-    dp.MAX_AXES = 2  # a bucket over three decisions is split into parts
-    try:
-        choice = dp._eliminate(problem.sizes, _factors(problem))
-    finally:
-        dp.MAX_AXES = saved
-    assert set(choice) == set(problem.sizes)
-    assert all(0 <= choice[v] < k for v, k in problem.sizes.items())
-    assert _objective(problem, choice) >= _brute_force(problem) - 1e-9

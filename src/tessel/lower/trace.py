@@ -28,6 +28,7 @@ from tessel._torch import (
     MaskPartial,
     clear_dtensor_caches,
     fake_process_group,
+    merged_moves,
     redistribute,
     traced_graph_length,
     traced_nodes_since,
@@ -58,7 +59,8 @@ class LoweringError(TesselError, RuntimeError):
 def fake_world(
     rank: int, mesh_shape: tuple[int, ...], names: tuple[str, ...] | None = None
 ) -> Iterator[DeviceMesh]:
-    """A fake process group over a mesh of `mesh_shape` seen from `rank`, and the mesh.
+    """A fake process group over a mesh of `mesh_shape` seen from `rank`, and the mesh, whose
+    moves over several axes are one collective where that is exact (`merged_moves`).
 
     DTensor's caches are cleared on the way in and out: what it decided while tracing one rank
     must not reach the next rank's program (see `clear_dtensor_caches`).
@@ -72,7 +74,8 @@ def fake_world(
     try:
         with fake_process_group(rank, math.prod(mesh_shape)):
             mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
-            yield mesh
+            with merged_moves(mesh):
+                yield mesh
     finally:
         clear_dtensor_caches()
 
