@@ -228,7 +228,10 @@ def format_plan(manifest: Manifest) -> str:
     lines.extend(_memory_lines(data["memory"]))
     if data["mesh_choices"]:
         lines.append("")
-        lines.append("mesh shapes weighed (estimated time per run, outputs gathered included; bytes a run moves between nodes)")
+        lines.append(
+            "mesh shapes weighed (estimated time per run, outputs gathered included; bytes a "
+            "run moves between nodes)"
+        )
         for c in data["mesh_choices"]:
             shape = " x ".join(f"{n} {s}" for n, s in zip(c.get("dim_names", ()), c["shape"]))
             if "estimated_time_s" in c:
