@@ -178,3 +178,39 @@ def test_gathers_of_uneven_shards_move_padded_shards():
     # an all-reduce moves the whole tensor whatever its shape; without a shape, no padding
     assert t((P,), (R,), 1000, (4,), [LINKS], shape=(10, 25)) == t((P,), (R,), 1000, (4,), [LINKS])
     assert t((S0,), (R,), 1000, (4,), [LINKS]) == cost.all_gather_time(1000, 4, LINKS)
+
+
+def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_session():
+    # dispatching is the same for every strategy of a node: it moves the estimate by what the
+    # planned operators cost and leaves the plan as it was
+    from dataclasses import replace
+
+    from tests.conftest import small_llama, token_ids
+
+    from tessel.capture import capture
+    from tessel.config.parallel_option import ParallelOption
+    from tessel.plan import has_rule, make_plan
+    from tessel.plan.planner import host_share, run_seconds
+
+    captured = capture(small_llama(), (token_ids(),), keep=has_rule)
+    cluster = local_cluster(2)
+
+    def with_soc(**figures: float):
+        return replace(cluster, soc=replace(cluster.soc, **figures))
+
+    quiet = make_plan(captured, with_soc(op_overhead=0.0), ParallelOption())
+    dispatched = make_plan(captured, with_soc(op_overhead=1e-3), ParallelOption())
+    ops = sum(c.kind in ("op", "fallback", "factory") for c in quiet.choices.values())
+    assert ops > 20
+    # each operator once per device, however small its shard, at its share of the host's cores
+    extra = dispatched.estimated_time - quiet.estimated_time
+    assert extra == pytest.approx(1e-3 * ops / host_share(cluster))
+    assert dispatched.choice == quiet.choice
+    # a run: the session's own cost, then rank 0 broadcasts its word and the input to rank 1
+    none = with_soc(run_overhead=0.0)
+    assert run_seconds(captured, none) == pytest.approx(
+        2 * cluster.soc.link_latency + token_ids().numel() * 8 / cluster.bandwidth([0, 1])
+    )
+    assert run_seconds(captured, with_soc(run_overhead=0.5)) - run_seconds(
+        captured, none
+    ) == pytest.approx(0.5)

@@ -78,7 +78,7 @@ from tessel.package.format import (
     write_package,
 )
 from tessel.plan import Plan, PlanError, has_rule, make_plan
-from tessel.plan.planner import layer_name
+from tessel.plan.planner import layer_name, run_seconds
 from tessel.plan.strategies import describe_strategy, strategy_key
 from tessel.plan.why import replicated_weights
 from tessel.plan.why import summary as why_summary
@@ -365,6 +365,8 @@ def build(
         manifest["plan"]["estimated_time_s"] += gather_seconds(
             captured, dims, cluster, micro_batches
         )
+    # what a run costs beside its programs: the session's pipe to rank 0, rank 0's broadcasts
+    manifest["plan"]["estimated_time_s"] += run_seconds(captured, cluster)
     if weighed is not None:
         manifest["plan"]["mesh_choices"] = weighed
     timings["pack"] = time.perf_counter() - t

@@ -49,6 +49,7 @@ def forward_seconds(captured: CapturedModel, soc: SocProfile) -> float:
             cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
         )
         total += cost.compute_time(node_flops(n), moved, soc.peak_flops, soc.memory_bandwidth)
+        total += soc.op_overhead  # dispatching the operator, whatever its size
     return total
 
 

@@ -23,14 +23,25 @@ class SocProfile:
     link_bandwidth: float  # bytes/s between devices of one node
     network_bandwidth: float  # bytes/s between nodes
     link_latency: float  # seconds per collective step (alpha)
+    # measured for "cpu" alone; 0 where not measured (a GPU's launches overlap its kernels)
+    op_overhead: float = 0.0  # seconds of host time to dispatch one operator of a program
+    run_overhead: float = 0.0  # seconds a run costs beside its program (the session's pipe)
 
 
 SOCS: dict[str, SocProfile] = {
     p.name: p
     for p in [
         # Local CPU processes talking through gloo over loopback; the planner divides the
-        # compute figures among the devices that share one host's cores.
-        SocProfile("cpu", "cpu", "gloo", 100e9, 15e9, 16 * GiB, 1e9, 1e9, 200e-6),
+        # compute figures among the devices that share one host's cores. Measured with
+        # `benchmarks/bench_estimate.py --micro` on a 2-core AMD EPYC (AVX2, FMA): one thread's
+        # 256x256 matmul runs at 40-50 GFLOP/s (the figure is per core) and a 16 MiB copy at
+        # 14 GB/s. A lowered program spends about 5 us of host time per operator beside its
+        # arithmetic (1-device programs of the differential zoo: 4.2-6.2 us per call), which at
+        # the zoo's sizes is most of a run; a run_graph of one operator takes about 1 ms (the
+        # session's pipe to rank 0 and back). A gloo all_reduce of 4 B took 2(n-1) x 130-160 us
+        # between n local processes, and of 4 MiB about the 1 GB/s link's time, both on a host
+        # loaded by other work: the 200 us latency stays until a quiet host measures it.
+        SocProfile("cpu", "cpu", "gloo", 50e9, 15e9, 16 * GiB, 1e9, 1e9, 200e-6, 5e-6, 1e-3),
         SocProfile("A100", "cuda", "nccl", 19.5e12, 2.0e12, 80 * GiB, 300e9, 25e9, 8e-6),
         SocProfile("H100", "cuda", "nccl", 67e12, 3.35e12, 80 * GiB, 450e9, 50e9, 6e-6),
         SocProfile("H200", "cuda", "nccl", 67e12, 4.8e12, 141 * GiB, 450e9, 50e9, 6e-6),

@@ -325,6 +325,34 @@ def _owner(choices: dict[fx.Node, NodeChoices], n: fx.Node) -> fx.Node:
     return choices[n].owner or n
 
 
+def host_share(cluster: ClusterConfig) -> float:
+    """The part of one host's cores a CPU device of `cluster` computes with: its devices share
+    the cores of their node (this machine's count stands in for theirs)."""
+    per_node = max(len(n.devices) for n in cluster.nodes)
+    return min(1.0, (os.cpu_count() or 1) / per_node)
+
+
+def run_seconds(captured: CapturedModel, cluster: ClusterConfig) -> float:
+    """What a run costs beside its program: the session hands the inputs to rank 0 and takes
+    the outputs back (`run_overhead`), and rank 0 broadcasts its word to run and each input to
+    the other ranks."""
+    soc = cluster.soc
+    seconds = soc.run_overhead
+    n = cluster.world_size
+    if n > 1:
+        specs = captured.program.graph_signature.input_specs
+        users = {s.arg.name for s in specs if s.kind.name == "USER_INPUT"}
+        sizes = [
+            cost.nbytes(p.meta.get("val"))
+            for p in captured.program.graph.nodes
+            if p.op == "placeholder" and p.name in users
+        ]
+        links = cost.Links.of(cluster)
+        # a broadcast from rank 0 reaches the others one step after another
+        seconds += (1 + len(sizes)) * (n - 1) * links.latency + sum(sizes) / links.bandwidth
+    return seconds
+
+
 def _problem(
     graph: fx.Graph,
     choices: dict[fx.Node, NodeChoices],
@@ -337,12 +365,12 @@ def _problem(
     output index -> the weight whose placement that output is returned in)."""
     like = like or {}
     soc = cluster.soc
-    peak, bandwidth = soc.peak_flops, soc.memory_bandwidth
+    peak, bandwidth, overhead = soc.peak_flops, soc.memory_bandwidth, soc.op_overhead
     if soc.device_type == "cpu":
-        # CPU devices of one node share its cores (this machine's count stands in for theirs).
-        per_node = max(len(n.devices) for n in cluster.nodes)
-        share = min(1.0, (os.cpu_count() or 1) / per_node)
-        peak, bandwidth = peak * share, bandwidth * share
+        # CPU devices of one node share its cores (this machine's count stands in for theirs):
+        # each computes at its share of them and dispatches its operators in turn with the rest
+        share = host_share(cluster)
+        peak, bandwidth, overhead = peak * share, bandwidth * share, overhead / share
     mesh_shape = tuple(mesh.shape)
     links = [cost.Links(a.bandwidth, soc.link_latency) for a in axes]
     sizes: dict[fx.Node, int] = {}
@@ -365,11 +393,15 @@ def _problem(
         val = v.meta.get("val")
         f = node_flops(v)
         moved = cost.nbytes(val) + sum(cost.nbytes(a.meta.get("val")) for a in c.args)
+        # every device dispatches the node whatever its share of the work
         linear[v] = np.array(
             [
                 count
-                * cost.compute_time(f, moved, peak, bandwidth)
-                * cost.largest_share(_placements(s.output), mesh_shape, _shape(s.output))
+                * (
+                    cost.compute_time(f, moved, peak, bandwidth)
+                    * cost.largest_share(_placements(s.output), mesh_shape, _shape(s.output))
+                    + overhead
+                )
                 for s in c.strategies
             ]
         )
