@@ -22,7 +22,7 @@ from tessel.demo import tight_cluster, weight_bytes
 from tessel.plan import has_rule
 from tessel.plan.planner import least_memory_plan
 
-from .conftest import MEMORY_MODEL
+from .conftest import record_memory_model
 from .zoo import FAMILIES
 
 # (devices, memory, batch): each family takes one of these two rotations, so every family meets
@@ -83,14 +83,7 @@ def test_partitioned_model_equals_eager(
     plan = built.manifest["plan"]
     assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
     device_bytes = plan["memory"]["device_bytes"]
-    record_property(
-        MEMORY_MODEL,
-        (
-            plan["memory"]["peak_bytes"],
-            [rank["peak_bytes"] for rank in plan["ranks"]],
-            sum(r["node"] == "(memory)" for r in plan["replanned"]),
-        ),
-    )
+    record_memory_model(record_property, plan)
     for rank in plan["ranks"]:
         assert rank["peak_bytes"] <= device_bytes, rank["rank"]  # the program fits its device
         if memory == "tight":

@@ -18,6 +18,7 @@ from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.demo import tight_cluster, weight_bytes
 from tessel.plan import has_rule
 
+from .conftest import record_memory_model
 from .zoo import FAMILIES
 
 RUNS = [("gpt2", 2, 2), ("llama", 3, 2), ("bert", 2, 3)]  # (family, nodes, devices per node)
@@ -36,7 +37,7 @@ def nodes_of_devices(nodes: int, per_node: int, memory: str) -> dict:
 
 
 @pytest.mark.parametrize("family,nodes,per_node", RUNS, ids=[f"{f}-{n}x{d}" for f, n, d in RUNS])
-def test_a_plan_over_nodes_of_devices_equals_eager(family, nodes, per_node):
+def test_a_plan_over_nodes_of_devices_equals_eager(family, nodes, per_node, record_property):
     spec = FAMILIES[family]
     model = spec.make()
     inputs = spec.inputs(per_node)  # a batch that the whole mesh does not divide
@@ -50,6 +51,7 @@ def test_a_plan_over_nodes_of_devices_equals_eager(family, nodes, per_node):
     assert manifest["mesh"] == {"shape": [nodes, per_node], "dim_names": ["tp_node", "tp"]}
     plan = manifest["plan"]
     assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
+    record_memory_model(record_property, plan)
     for rank in plan["ranks"]:
         assert rank["peak_bytes"] <= plan["memory"]["device_bytes"], rank["rank"]
         assert rank["weight_bytes"] < weight_bytes(captured)
