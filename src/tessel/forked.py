@@ -17,12 +17,26 @@ import ctypes
 import os
 import select
 import signal
+import sys
 from collections.abc import Callable
 from types import TracebackType
 
 import torch
 
 _PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Have the kernel send `signum` to this process when its parent dies, so a child never
+    outlives a parent that was killed outright (Linux's PR_SET_PDEATHSIG). Elsewhere, or where
+    libc cannot be loaded, nothing is set: a caller that must not outlive its parent there also
+    watches `os.getppid()`. The signal follows the parent's thread that started this process:
+    it comes when that thread ends, not only when the whole parent does."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signum)
 
 
 class Child:
@@ -36,9 +50,7 @@ class Child:
             try:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 torch.set_num_threads(1)
-                with contextlib.suppress(OSError, AttributeError):
-                    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-                    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+                die_with_parent()
                 work()
                 status = 0
             finally:

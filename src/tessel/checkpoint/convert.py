@@ -18,7 +18,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from tessel.checkpoint.st_io import (
     write_all,
 )
 from tessel.errors import TesselError
+from tessel.forked import die_with_parent
 from tessel.package.safetensors_io import build_header
 
 MAX_DIRECT_RUNS = 4096
@@ -113,13 +113,7 @@ def run_job(job: FileJob, staging: str) -> int:
 def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     torch.set_num_threads(1)
-    if sys.platform.startswith("linux"):  # die with the parent even if it is killed outright
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    die_with_parent(signal.SIGTERM)  # even if the parent is killed outright
 
 
 def _writer(jobs: Sequence[FileJob], staging: str, next_job, conn) -> None:

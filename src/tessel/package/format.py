@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Union
 
-from tessel.atomic import file_mode
+from tessel.atomic import replace_atomically
 from tessel.package.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -146,36 +145,28 @@ def write_package(
     path = Path(path)
     if path.suffix != SUFFIX:
         path = path.with_name(path.name + SUFFIX)
-    path.parent.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            write_back = _WriteBack(raw)
-            with (
-                zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf,
-                ThreadPoolExecutor(1, thread_name_prefix="tessel-sha") as hasher,
-            ):
-                for name, data in members.items():
-                    with zf.open(name, "w", force_zip64=True) as member:
-                        out = _HashingWriter(member, hasher, write_back)
-                        if isinstance(data, bytes):
-                            out.write(data)
-                        else:
-                            from tessel.package.safetensors_io import write_safetensors
+    with replace_atomically(path) as tmp, open(tmp, "wb") as raw:
+        write_back = _WriteBack(raw)
+        with (
+            zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as zf,
+            ThreadPoolExecutor(1, thread_name_prefix="tessel-sha") as hasher,
+        ):
+            for name, data in members.items():
+                with zf.open(name, "w", force_zip64=True) as member:
+                    out = _HashingWriter(member, hasher, write_back)
+                    if isinstance(data, bytes):
+                        out.write(data)
+                    else:
+                        from tessel.package.safetensors_io import write_safetensors
 
-                            write_safetensors(out, data)
-                    files[name] = out.hexdigest()
-                zf.writestr(
-                    MANIFEST,
-                    json.dumps(manifest.with_files(files).to_json(), indent=1, sort_keys=True),
-                )
-            write_back.finish()
-        os.chmod(tmp, file_mode(path))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+                        write_safetensors(out, data)
+                files[name] = out.hexdigest()
+            zf.writestr(
+                MANIFEST,
+                json.dumps(manifest.with_files(files).to_json(), indent=1, sort_keys=True),
+            )
+        write_back.finish()
     return path
 
 

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from tessel import forked
 from tessel.checkpoint.errors import CheckpointError
 from tessel.log_levels import keep_torch_quiet
 from tessel.package.format import Package, PackageError
@@ -73,10 +74,7 @@ _STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS = 0, 1, 2, 3, 4, 5, 6
 def die_with_parent() -> None:
     """Linux: the kernel kills this worker when its parent dies; elsewhere a watchdog thread does."""
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    forked.die_with_parent()
 
     def watch() -> None:
         while True:

@@ -11,7 +11,6 @@ graph keeps serving the rest.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -29,6 +28,7 @@ from tessel.dataflow.executors.routing import pick
 from tessel.dataflow.placement import GraphPlacement, Instance
 from tessel.dataflow.spec import GraphSpec, NodeSpec
 from tessel.dataflow.transport import Channel
+from tessel.forked import die_with_parent
 
 SLOT_BYTES_OPTION = "tessel.dataflow.slot_bytes"
 PIN_OPTION = "tessel.dataflow.pin_cpu_devices"  # "1": a CPU device's workers run on one core
@@ -137,11 +137,7 @@ class Sender:
 def _set_parent_death_signal() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # PDEATHSIG follows the forking thread; the getppid() check covers this case
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
 
 
 def _pin_to_device(inst: Instance) -> None:
