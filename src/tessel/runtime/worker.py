@@ -72,7 +72,9 @@ _STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS = 0, 1, 2, 3, 4, 5, 6
 
 
 def die_with_parent() -> None:
-    """Linux: the kernel kills this worker when its parent dies; elsewhere a watchdog thread does."""
+    """This worker ends when its parent does: on Linux the kernel kills it
+    (`forked.die_with_parent`), and on every platform a watchdog thread ends it once its
+    parent changes."""
     parent = os.getppid()
     forked.die_with_parent()
 
