@@ -301,6 +301,10 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
         f"planner's estimate per device: weights {human_bytes(memory['weight_bytes'])}, "
         f"peak {human_bytes(memory['peak_bytes'])}, device memory 16.00 GiB" in text
     )
+    # the other ranks' peak is shown where it differs from rank 0's (not here: a small model's
+    # peak is in its layers, before the outputs)
+    assert memory["other_ranks_peak_bytes"] == memory["peak_bytes"]
+    assert "other ranks' peak" not in text
     assert "checked against eager: max relative difference " in text
     assert "re-planned" not in text
     data = inspect_json(manifest)
@@ -468,3 +472,12 @@ def test_the_command_line_starts_without_torch():
         [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_the_report_gives_the_other_ranks_peak_where_it_differs_from_rank_0s():
+    from tessel.report import _memory_lines
+
+    memory = {"weight_bytes": 1 << 20, "peak_bytes": 3 << 20, "device_bytes": 4 << 20}
+    line = _memory_lines({**memory, "other_ranks_peak_bytes": 2 << 20})[1]
+    assert ", peak 3.00 MiB, other ranks' peak (no outputs gathered to them) 2.00 MiB, " in line
+    assert "other ranks" not in _memory_lines({**memory, "other_ranks_peak_bytes": 3 << 20})[1]

@@ -195,8 +195,12 @@ def test_outputs_reach_rank_0_once_and_no_other_rank_holds_them_whole():
         else:
             assert all(math.prod(shape) < math.prod(whole) for shape, _ in rp.shapes.values())
             assert held < logits, (rank, held, logits)
-    # the planner counts what the lowered program holds
+    # the planner counts what the lowered programs hold: rank 0's with the outputs, and a peak
+    # for the other ranks, without them, that bounds theirs
     assert plan.memory["peak_bytes"] == pytest.approx(programs[0].peak_bytes, rel=0.05)
+    others = plan.memory["other_ranks_peak_bytes"]
+    assert others < plan.memory["peak_bytes"] - logits // 2
+    assert all(rp.peak_bytes <= others for rp in programs[1:])
 
 
 def test_devices_too_small_for_the_logits_twice_take_the_model():

@@ -304,9 +304,11 @@ def _memory_lines(memory: dict[str, Any]) -> list[str]:
         for key, label in (
             ("weight_bytes", "weights"),
             ("peak_bytes", "peak"),
+            ("other_ranks_peak_bytes", "other ranks' peak (no outputs gathered to them)"),
             ("device_bytes", "device memory"),
         )
         if memory.get(key) is not None
+        and (key != "other_ranks_peak_bytes" or memory[key] != memory.get("peak_bytes"))
     ]
     return ["", "planner's estimate per device: " + ", ".join(shown)] if shown else [""]
 

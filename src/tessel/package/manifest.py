@@ -617,7 +617,7 @@ def _plan(f: _Field) -> dict:
     memory = f.get("memory", optional=True)
     if memory.value is not None:
         memory.obj()
-        for key in ("device_bytes", "weight_bytes", "peak_bytes"):
+        for key in ("device_bytes", "weight_bytes", "peak_bytes", "other_ranks_peak_bytes"):
             part(memory, key, _Field.int)
     verify = f.get("verify", optional=True)
     if verify.value is not None:

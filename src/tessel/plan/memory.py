@@ -13,7 +13,7 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -168,14 +168,18 @@ class Footprint:
     rows: list[MemoryRow]
     weights: dict[fx.Node, np.ndarray]
     fixed: int
+    # the rows of a rank that receives none of a forward's outputs (every rank but 0)
+    other_rows: list[MemoryRow] = field(default_factory=list)
 
     def weight_bytes(self, choice: dict[fx.Node, int]) -> int:
         return self.fixed + int(sum(b[choice[v]] for v, b in self.weights.items()))
 
-    def peak_bytes(self, choice: dict[fx.Node, int]) -> int:
-        """The most one device holds at once under `choice`, weights included."""
+    def peak_bytes(self, choice: dict[fx.Node, int], rank_0: bool = True) -> int:
+        """The most one device holds at once under `choice`, weights included: rank 0's, or
+        (`rank_0=False`) that of a rank the outputs are not gathered to."""
+        rows = self.rows if rank_0 or not self.other_rows else self.other_rows
         weights = sum(b[choice[v]] for v, b in self.weights.items())
-        return self.fixed + int(max((r.bytes_for(choice) for r in self.rows), default=weights))
+        return self.fixed + int(max((r.bytes_for(choice) for r in rows), default=weights))
 
 
 def footprint(
@@ -244,24 +248,36 @@ def footprint(
         else:
             now.change(b.pair, b.bytes, sign)
 
-    rows: dict[frozenset, MemoryRow] = {}
+    rows: dict[frozenset, MemoryRow] = {}  # rank 0's, the ILP's
+    others: dict[frozenset, MemoryRow] = {}  # those of a rank no output is gathered to
+
+    def take_row(into: dict[frozenset, MemoryRow]) -> None:
+        key = now.key()
+        if key not in into:
+            into[key] = rows.get(key) or others.get(key) or now.row()
+
     i = j = 0
     live = storages(graph, set(weight_tensors))
     for t, started, stopped in sweep(live, {b.start for b in buffers}):
         for s in started:
             storage(s, 1)
+        to_rank_0 = []
         while i < len(by_start) and by_start[i].start <= t:
-            buffer(by_start[i], 1)
+            if by_start[i].rank_0_only:
+                to_rank_0.append(by_start[i])
+            else:
+                buffer(by_start[i], 1)
             i += 1
         for s in stopped:
             storage(s, -1)
         while j < len(by_end) and by_end[j].end < t:
             buffer(by_end[j], -1)
             j += 1
-        key = now.key()
-        if key not in rows:
-            rows[key] = now.row()
-    return Footprint(list(rows.values()), weights, fixed)
+        take_row(others)
+        for b in to_rank_0:
+            buffer(b, 1)
+        take_row(rows)
+    return Footprint(list(rows.values()), weights, fixed, list(others.values()))
 
 
 @dataclass(frozen=True)
@@ -273,6 +289,7 @@ class _Buffer:
     bytes: np.ndarray
     start: int
     end: int
+    rank_0_only: bool = False  # a forward's output, gathered to rank 0
 
 
 def _resharding_buffers(
@@ -339,7 +356,7 @@ def _resharding_buffers(
                         for s in choices[vp].strategies
                     ]
                     if any(sizes):
-                        out.append(_Buffer((vp, vp), np.diag(sizes), t, t))
+                        out.append(_Buffer((vp, vp), np.diag(sizes), t, t, rank_0_only=True))
                 continue
             edges = [(a, None, whole) for i, a in enumerate(leaves) if i not in like]
             vc, end = None, t

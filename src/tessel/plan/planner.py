@@ -162,6 +162,7 @@ def make_plan(
             "device_bytes": device_bytes,
             "weight_bytes": held.weight_bytes(solution.choice),
             "peak_bytes": held.peak_bytes(solution.choice),
+            "other_ranks_peak_bytes": held.peak_bytes(solution.choice, rank_0=False),
         },
         problem=problem,
         footprint=held,
