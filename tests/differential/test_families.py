@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from tests.conftest import record_memory_model
 
 import tessel
 from tessel.builder.verify import tolerance
@@ -22,7 +23,6 @@ from tessel.demo import tight_cluster, weight_bytes
 from tessel.plan import has_rule
 from tessel.plan.planner import least_memory_plan
 
-from .conftest import record_memory_model
 from .zoo import FAMILIES
 
 # (devices, memory, batch): each family takes one of these two rotations, so every family meets

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.conftest import record_memory_model
 
 import tessel
 from tessel.builder.verify import tolerance
@@ -18,7 +19,6 @@ from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.demo import tight_cluster, weight_bytes
 from tessel.plan import has_rule
 
-from .conftest import record_memory_model
 from .zoo import FAMILIES
 
 RUNS = [("gpt2", 2, 2), ("llama", 3, 2), ("bert", 2, 3)]  # (family, nodes, devices per node)
