@@ -251,10 +251,11 @@ def footprint(
     rows: dict[frozenset, MemoryRow] = {}  # rank 0's, the ILP's
     others: dict[frozenset, MemoryRow] = {}  # those of a rank no output is gathered to
 
-    def take_row(into: dict[frozenset, MemoryRow]) -> None:
+    def take_row(into: dict[frozenset, MemoryRow]) -> frozenset:
         key = now.key()
         if key not in into:
             into[key] = rows.get(key) or others.get(key) or now.row()
+        return key
 
     i = j = 0
     live = storages(graph, set(weight_tensors))
@@ -273,10 +274,13 @@ def footprint(
         while j < len(by_end) and by_end[j].end < t:
             buffer(by_end[j], -1)
             j += 1
-        take_row(others)
-        for b in to_rank_0:
-            buffer(b, 1)
-        take_row(rows)
+        if to_rank_0:  # the outputs' step: rank 0 holds more than the others
+            take_row(others)
+            for b in to_rank_0:
+                buffer(b, 1)
+        key = take_row(rows)
+        if not to_rank_0:
+            others[key] = rows[key]
     return Footprint(list(rows.values()), weights, fixed, list(others.values()))
 
 
