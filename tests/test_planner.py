@@ -245,6 +245,7 @@ def test_why_a_weight_is_replicated_is_the_planners_own_estimate():
     from torch.distributed.tensor import Shard
 
     from tessel.plan import ilp
+    from tessel.plan.problem import Problem
     from tessel.plan.why import replicated_weights, summary
 
     captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
@@ -274,7 +275,7 @@ def test_why_a_weight_is_replicated_is_the_planners_own_estimate():
         )
         linear = dict(problem.linear)
         linear[owner] = linear.get(owner, np.zeros(len(strategies))) + off
-        forced = ilp.Problem(
+        forced = Problem(
             problem.sizes, linear, problem.pairs, problem.memory, problem.memory_budget
         )
         best = ilp.solve(forced).objective - plan.estimated_time

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessel.plan import dp, ilp
-from tessel.plan.ilp import MemoryRow, Problem
+from tessel.plan.problem import InfeasibleError, MemoryRow, Problem
 
 
 def _objective(problem: Problem, choice: dict) -> float:
@@ -113,7 +113,7 @@ def test_memory_is_priced_like_o2(problem):
     best = _brute_force(problem)
     try:
         o2 = ilp.solve(problem)
-    except ilp.InfeasibleError:
+    except InfeasibleError:
         assert best is None
         return
     o1 = dp.solve(problem)

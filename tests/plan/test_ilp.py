@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessel.plan.ilp import InfeasibleError, MemoryRow, Problem, least_memory, solve
+from tessel.plan.ilp import least_memory, solve
+from tessel.plan.problem import InfeasibleError, MemoryRow, Problem
 
 
 def _cost(problem: Problem, choice: dict) -> float:

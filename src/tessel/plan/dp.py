@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessel.plan import ilp
-from tessel.plan.ilp import MemoryRow, Problem, Solution, solve_with
+from tessel.plan.ilp import solve_with
+from tessel.plan.problem import MemoryRow, Problem, Solution
 
 MAX_TABLE = 1 << 22  # entries of the largest table built whole (32 MiB of float64)
 MAX_AXES = 32  # decisions one table spans (numpy's arrays have at most 64 axes)

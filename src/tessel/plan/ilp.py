@@ -11,60 +11,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
+
+from tessel.plan.problem import InfeasibleError, MemoryRow, Problem, Solution
+from tessel.plan.repair import Neighbourhood
 
 log = logging.getLogger(__name__)
 
 # a plan within this fraction of the best one is good enough: the last fraction of a percent
 # costs HiGHS most of its time on memory-tight problems, and the cost model is not that exact
 MIP_GAP = 0.01
-
-
-@dataclass(eq=False)
-class MemoryRow:
-    """What one device holds at one moment: bytes per strategy of single decisions, and bytes
-    per (k_a, k_b) of decision pairs (a buffer that exists only for some combinations)."""
-
-    linear: dict[object, np.ndarray] = field(default_factory=dict)
-    pairs: dict[tuple[object, object], np.ndarray] = field(default_factory=dict)
-
-    def bytes_for(self, choice: dict[object, int]) -> float:
-        total = sum(float(b[choice[v]]) for v, b in self.linear.items())
-        return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in self.pairs.items())
-
-
-@dataclass
-class Problem:
-    """One-hot decisions with linear and pairwise costs, under per-device memory limits.
-
-    Each memory row is what one device holds at one moment (its weights plus the activations
-    alive then); every row must stay within `memory_budget`.
-    """
-
-    sizes: dict[object, int]  # decision -> number of strategies
-    linear: dict[object, np.ndarray]  # decision -> cost per strategy
-    pairs: dict[tuple[object, object], np.ndarray]  # (a, b) -> cost[k_a, k_b]
-    memory: list[MemoryRow] = field(default_factory=list)
-    memory_budget: float | None = None
-
-
-@dataclass
-class Solution:
-    choice: dict[object, int]
-    objective: float
-    status: str
-    num_variables: int
-    num_constraints: int
-    # where the solver asked for handed the problem to another method: why, and to which
-    fallback: str = ""
-
-
-class InfeasibleError(RuntimeError):
-    pass
 
 
 def _groups(matrix: np.ndarray) -> list[list[int]]:
@@ -224,8 +183,10 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
     bytes, in units of the budget, times a price of its own; a broken row's price rises and a
     row with room's price falls, and the cheapest answer that fits every row is kept. Each of
     these programs has no memory rows, so HiGHS solves it as fast as the first (memory rows in
-    the program make it hard: its relaxation drifts far from the integers). Where no prices
-    make an answer fit, the memory rows go into the program itself, lazily.
+    the program make it hard: its relaxation drifts far from the integers). An answer a few
+    rows over the budget is also repaired greedily (`repair`), which often fits long before
+    the prices climb far enough. Where nothing fits, the memory rows go into the program
+    itself, lazily.
     """
     start = time.perf_counter()
     budget = problem.memory_budget
@@ -237,6 +198,7 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
     first = 1e-2 * best.objective or 1e-9  # seconds of run time per budget-full of memory
     fitting: Solution | None = None
     since_better = 0
+    neighbourhood = Neighbourhood(problem)
     for step in range(_PRICE_STEPS):
         if time.perf_counter() - start > time_limit / 2:
             break
@@ -249,7 +211,12 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
             len(broken),
             time.perf_counter() - start,
         )
-        if not broken and (fitting is None or candidate.objective < fitting.objective):
+        fits = not broken
+        if 0 < len(broken) <= _ROWS_PER_ROUND:  # a few rows over: worth a greedy repair
+            repaired = _repaired(problem, neighbourhood, candidate)
+            if repaired is not None:
+                candidate, fits = repaired, True
+        if fits and (fitting is None or candidate.objective < fitting.objective):
             fitting, since_better = candidate, 0
         else:
             since_better += 1
@@ -269,6 +236,24 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
         return fitting
     # no prices made an answer fit: the memory rows go into the integer program itself
     return _solve_constrained(problem, time_limit - (time.perf_counter() - start))
+
+
+def _repaired(problem: Problem, neighbourhood: Neighbourhood, near: Solution) -> Solution | None:
+    """`near` changed one decision at a time until every row fits (None where that fails)."""
+    choice = neighbourhood.repair(near.choice)
+    if choice is None:
+        return None
+    objective = sum(float(c[choice[v]]) for v, c in problem.linear.items()) + sum(
+        float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
+    )
+    return Solution(
+        choice,
+        objective,
+        f"{near.status}; repaired to fit memory",
+        near.num_variables,
+        near.num_constraints,
+        near.fallback,
+    )
 
 
 def _fits(problem: Problem, choice: dict[object, int]) -> bool:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from tessel._torch import tree_leaves
 from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
-from tessel.plan.ilp import MemoryRow
+from tessel.plan.problem import MemoryRow
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
 
 # ops that hand back (a view of) their argument though their schema does not say so

@@ -23,9 +23,10 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.errors import TesselError
 from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
-from tessel.plan.ilp import InfeasibleError, Problem, least_memory
+from tessel.plan.ilp import least_memory
 from tessel.plan.layers import layer_of, template_map
 from tessel.plan.memory import Footprint, footprint
+from tessel.plan.problem import InfeasibleError, Problem
 from tessel.plan.strategies import Replicate, Strategy
 from tessel.units import human_bytes, two_sizes
 

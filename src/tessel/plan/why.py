@@ -30,9 +30,10 @@ from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 
 from tessel.plan import dp
-from tessel.plan.ilp import MIP_GAP, Problem
+from tessel.plan.ilp import MIP_GAP
 from tessel.plan.layers import layer_of
 from tessel.plan.planner import Plan
+from tessel.plan.problem import Problem
 from tessel.sharding.placements import placement_str
 from tessel.units import human_bytes
 
