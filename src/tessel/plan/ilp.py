@@ -199,6 +199,8 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
     fitting: Solution | None = None
     since_better = 0
     neighbourhood = Neighbourhood(problem)
+    tried: set[tuple[int, ...]] = set()
+    last: tuple[int, ...] = ()
     for step in range(_PRICE_STEPS):
         if time.perf_counter() - start > time_limit / 2:
             break
@@ -212,11 +214,20 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
             time.perf_counter() - start,
         )
         fits = not broken
-        if 0 < len(broken) <= _ROWS_PER_ROUND:  # a few rows over: worth a greedy repair
+        # a few rows over: worth a greedy repair, where it could beat the best fit so far (a
+        # repair only adds cost) and this answer was not repaired before
+        key = tuple(candidate.choice.values())
+        if (
+            0 < len(broken) <= _ROWS_PER_ROUND
+            and (fitting is None or candidate.objective < fitting.objective)
+            and key not in tried
+        ):
+            tried.add(key)
             repaired = _repaired(problem, neighbourhood, candidate)
             if repaired is not None:
                 candidate, fits = repaired, True
         if fits and (fitting is None or candidate.objective < fitting.objective):
+            log.debug("fits: cost %.6g", candidate.objective)
             fitting, since_better = candidate, 0
         else:
             since_better += 1
@@ -227,6 +238,9 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
         # until an answer fits, prices only rise (falling prices make the answers cycle);
         # then they move gently, towards the cheapest answer that fits
         up, down = (2.0, 1.0) if fitting is None else (1.5, 0.85)
+        if key == last:  # the prices did not move the answer: raise them faster
+            up *= up
+        last = key
         for k in broken:
             prices[k] = prices.get(k, first / up) * up
         for k in set(prices) - broken:
