@@ -11,11 +11,11 @@ script on the whole batch: the losses and the final weights must agree within 1e
 
 MODES is a covering set: each way a wrapped network holds, places and trains its parameters
 runs once. semi_auto (annotated, data parallel, a Pipeline, the micro-batch wrappers,
-full_batch); the planner (recursive_programming, sharding_propagation, its stages,
-GradAccumulation); and hsdp's weights stored sharded: level1 gathers them once per step and
-slices their gradients once reduced whole over any replicas; level3 reduce-scatters the
-gradients over the replicas and the program gathers the weights. level2 is level1's
-gathering with level3's gradients (PlannedNetwork's `gather_in_program` and
+full_batch); the planner (recursive_programming on a network nothing of which pickles, in
+GradAccumulation; sharding_propagation; its stages); and hsdp's weights stored sharded: level1
+gathers them once per step and slices their gradients once reduced whole over any replicas;
+level3 reduce-scatters the gradients over the replicas and the program gathers the weights.
+level2 is level1's gathering with level3's gradients (PlannedNetwork's `gather_in_program` and
 `shard_gradients` act apart), so both of its paths run here; test_training_api trains
 level2 itself.
 """
@@ -227,17 +227,15 @@ MODES: dict[str, tuple] = {
     ),
     "Pipeline": (_pipeline, lambda r: _rows(r, 2), _replicas_of_two_slices, False, False),
     "full_batch_GradAccumulation": (_full_batch_accumulation, _all_rows, _two_slices, True, True),
-    "recursive_programming": (
-        lambda m: AutoParallel(_local_network(m), "recursive_programming"), _rows, _whole, False,
-        True,
-    ),
     "sharding_propagation": (_propagation, _rows, _whole, False, True),
     "hsdp_level1": (_hsdp("level1"), _rows, _whole, False, True),
     "hsdp_level3": (_hsdp("level3"), _rows, _whole, False, True),
     "planner_stages": (_planner_stages, _rows, _whole, False, False),
+    # the planner's own mode: a network nothing of which pickles, in GradAccumulation (one
+    # plan for both; the micro-batches change no parameter's placement or update)
     "planned_GradAccumulation": (
-        lambda m: AutoParallel(GradAccumulation(m, 2), "recursive_programming"), _rows,
-        _two_slices, False, True,
+        lambda m: AutoParallel(GradAccumulation(_local_network(m), 2), "recursive_programming"),
+        _rows, _two_slices, False, True,
     ),
 }  # fmt: skip
 
