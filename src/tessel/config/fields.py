@@ -13,7 +13,7 @@ import ipaddress
 import re
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from tessel.config.errors import ConfigError
 
@@ -200,7 +200,13 @@ class Fields:
             raise fail(f"found {describe(value)}; expected a value like {example!r}")
         return value
 
+    @overload
+    def child(self, key: str) -> Fields: ...
+    @overload
+    def child(self, key: str, default: None) -> Fields | None: ...
+
     def child(self, key: str, default: Any = _MISSING) -> Fields | None:
+        """The object at `key`; without `default` it is required, with None it is optional."""
         value = self.get(key, dict, default)
         return None if value is None else self.at(value, key)
 

@@ -91,7 +91,7 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def loads(text: str | bytes, source: object) -> Any:
+def loads(text: str | bytes, source: str | Path | None) -> Any:
     """`json.loads`, with every failure a ConfigError naming `source`: bad syntax (line and
     column), integers too long to convert, nesting too deep."""
     try:

@@ -157,4 +157,14 @@ def parallel_option_from_dict(
                 "offload",
             )
         switches["optimizer_offload"] = "cpu"
-    return ParallelOption(auto, opt_level, **sizes, source=source, **switches)
+    return ParallelOption(
+        auto,
+        opt_level,
+        tensor_parallel_size=sizes["tensor_parallel_size"],
+        data_parallel_size=sizes["data_parallel_size"],
+        pipe_stage_num=sizes["pipe_stage_num"],
+        micro_batch_num=sizes["micro_batch_num"],
+        global_batch_size=sizes["global_batch_size"],
+        source=source,
+        **switches,
+    )

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Union
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Union
 
 from tessel.atomic import replace_atomically
 from tessel.package.manifest import (
@@ -56,7 +56,7 @@ _READ_CHUNK = 16 << 20  # a member is read into its buffer in pieces this big
 _MAX_MANIFEST = 64 << 20  # a manifest is JSON of a few KiB to a few MiB
 
 
-def _sha(data: bytes) -> str:
+def _sha(data: bytes | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -105,7 +105,7 @@ class _HashingWriter:
 
     _PIECE = 8 << 20
 
-    def __init__(self, out: BinaryIO, hasher: ThreadPoolExecutor, write_back: _WriteBack) -> None:
+    def __init__(self, out: IO[bytes], hasher: ThreadPoolExecutor, write_back: _WriteBack) -> None:
         self.out, self.sha, self.hasher = out, hashlib.sha256(), hasher
         self.write_back = write_back
         self.pending: list[Future] = []
@@ -270,6 +270,13 @@ def _check_members(path: Path, f: BinaryIO, infos: list[zipfile.ZipInfo], cd_off
 class _Members:
     """What a loader reads of a package, whether from a file or still in memory: subclasses
     give `path`, `manifest` and `tensors(name)`."""
+
+    path: str | Path
+    manifest: Manifest
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A safetensors member's tensors, by name."""
+        raise NotImplementedError
 
     def weights(self, submodel: Submodel) -> dict[str, torch.Tensor]:
         """All tensors a submodel loads (see `submodel_weights`)."""

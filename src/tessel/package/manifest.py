@@ -8,6 +8,7 @@ key path. This module needs no torch, so tools that only read a manifest start f
 
 from __future__ import annotations
 
+import builtins
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -141,7 +142,8 @@ class _Field:
             raise self._expect("a finite number")
         return float(self.value)
 
-    def member(self, members: frozenset[str]) -> str:
+    # builtins.str: in this class body `str` names the method above
+    def member(self, members: frozenset[builtins.str]) -> builtins.str:
         name = self.str()
         if not valid_member_name(name):
             raise self.fail(f"{name!r} is not a valid member name")

@@ -14,7 +14,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Protocol
 
 import torch
 
@@ -68,7 +68,13 @@ def build_header(
     return head, {n: (len(head) + o, nb) for n, (o, nb) in rel.items()}
 
 
-def write_safetensors(out: BinaryIO, tensors: Mapping[str, torch.Tensor]) -> int:
+class Writable(Protocol):
+    """A stream that takes bytes: an open file, a zip member, a hashing writer."""
+
+    def write(self, data: bytes | memoryview, /) -> int: ...
+
+
+def write_safetensors(out: Writable, tensors: Mapping[str, torch.Tensor]) -> int:
     """Write `tensors` as one safetensors file onto the stream `out`; returns the bytes written."""
     if any(t.device.type != "cpu" for t in tensors.values()):
         tensors = {k: t.cpu() for k, t in tensors.items()}
@@ -78,7 +84,7 @@ def write_safetensors(out: BinaryIO, tensors: Mapping[str, torch.Tensor]) -> int
     size = len(head)
     for t in tensors.values():
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        out.write(memoryview(data))
+        out.write(data.data)  # the array's bytes as a memoryview, not copied
         size += data.nbytes
     return size
 
@@ -121,8 +127,8 @@ def parse_header(raw: bytes, size: int) -> tuple[list[Entry], dict[str, str]]:
     """Check the JSON header (`raw`, after the 8-byte prefix) of a file of `size` bytes."""
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SafetensorsFormatError(f"has a corrupt safetensors header: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SafetensorsFormatError(f"has a corrupt safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise SafetensorsFormatError("has a corrupt safetensors header (not an object)")
     meta = header.pop("__metadata__", None) or {}

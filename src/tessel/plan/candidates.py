@@ -144,11 +144,12 @@ def _fixed(n: fx.Node, strategies: list[Strategy], wanted: tuple[str, ...]) -> l
     from tessel.plan.planner import PlanError
     from tessel.sharding.placements import placement_str
 
-    found = [
-        s for s in strategies if tuple(placement_str(p) for p in s.output.placements) == wanted
-    ]
+    def placed(s: Strategy) -> tuple[str, ...]:
+        return tuple(placement_str(p) for p in s.single_output().placements)
+
+    found = [s for s in strategies if placed(s) == wanted]
     if not found:
-        allowed = sorted({tuple(placement_str(p) for p in s.output.placements) for s in strategies})
+        allowed = sorted({placed(s) for s in strategies})
         raise PlanError(
             f"weight {n.name}: the placement {list(wanted)} given for it is not one of the "
             f"mesh's ({[list(a) for a in allowed]})"
@@ -248,6 +249,7 @@ def _one_candidate_at_a_time(
 def _replicated(n: fx.Node, mesh: DeviceMesh, kind: str, reason: str) -> NodeChoices:
     val = n.meta.get("val")
     rep = (Replicate(),) * mesh.ndim
+    out: DTensorSpec | tuple[DTensorSpec | None, ...] | None
     if isinstance(val, (tuple, list)):
         out = tuple(
             DTensorSpec(mesh, rep, tensor_meta(v)) if isinstance(v, torch.Tensor) else None

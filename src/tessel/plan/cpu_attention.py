@@ -34,7 +34,7 @@ def _per_dim_strategies(
     for dim in (0, 1):
         if dim == 1 and q[1] % kv[1]:
             continue  # heads that do not group: a q-head shard would need other kv heads
-        row = [Shard(dim)] * (outputs + inputs)
+        row: list[Placement] = [Shard(dim)] * (outputs + inputs)
         if mask is not None:
             row.append(Shard(dim) if mask[dim] == q[dim] and mask[dim] > 1 else Replicate())
         found.append(row)

@@ -66,7 +66,9 @@ def template_map(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[str, lis
     position = {n: i for i, n in enumerate(graph.nodes)}
     for group in identical_layers(graph):
         for nodes in group:
-            family, idx = layer_of(nodes[0])
+            key = layer_of(nodes[0])
+            assert key is not None  # identical_layers groups only nodes inside a layer
+            family, idx = key
             families[family].append(idx)
         # each position's template is its earliest node: a training graph runs the layers'
         # backward passes in reverse, so there the last layer comes first

@@ -13,7 +13,9 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import torch
@@ -25,6 +27,9 @@ from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
+
+if TYPE_CHECKING:
+    from tessel._torch import DTensorSpec
 
 # ops that hand back (a view of) their argument though their schema does not say so
 _UNANNOTATED_VIEWS = {
@@ -114,7 +119,7 @@ def storages(graph: fx.Graph, weights: set[str]) -> list[Storage]:
     return out
 
 
-def _peak_steps(live: list[Storage], also: set[int]) -> list[int]:
+def _peak_steps(live: list[Storage], also: AbstractSet[int]) -> list[int]:
     """The steps at which memory can peak.
 
     Memory can peak only just before something is freed, so a step where a storage dies is
@@ -137,7 +142,7 @@ def _peak_steps(live: list[Storage], also: set[int]) -> list[int]:
 
 
 def sweep(
-    live: list[Storage], also: set[int]
+    live: list[Storage], also: AbstractSet[int]
 ) -> Iterator[tuple[int, list[Storage], list[Storage]]]:
     """Each step memory can peak at, with the storages born and freed since the step before:
     the sets alive at those steps as changes, so a sum over them is kept in time linear in the
@@ -332,6 +337,8 @@ def _resharding_buffers(
                 if weight is None or a not in choices or weight not in choices:
                     continue
                 val = a.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    continue  # nothing is moved
                 vp, vw = choices[a].owner or a, choices[weight].owner or weight
                 src = [
                     _placements(s.output_at(choices[a].out_index)) for s in choices[vp].strategies
@@ -340,9 +347,9 @@ def _resharding_buffers(
                     _placements(choices[weight].out_spec(k))
                     for k in range(len(choices[vw].strategies))
                 ]
-                m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
-                if np.any(m):
-                    out.append(_Buffer((vp, vw), m, t, t))
+                to_weight = [[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src]
+                if np.any(to_weight):
+                    out.append(_Buffer((vp, vw), np.array(to_weight), t, t))
             if forward:  # a forward's outputs are gathered to rank 0, never all-gathered
                 for a in leaves:
                     p, val = choices.get(a), a.meta.get("val")
@@ -362,6 +369,8 @@ def _resharding_buffers(
                     if any(sizes):
                         out.append(_Buffer((vp, vp), np.diag(sizes), t, t, rank_0_only=True))
                 continue
+            # (input, its index among the consumer's inputs, or the placements it must take)
+            edges: list[tuple[fx.Node, int | None, tuple[Placement, ...] | None]]
             edges = [(a, None, whole) for i, a in enumerate(leaves) if i not in like]
             vc, end = None, t
         else:
@@ -382,6 +391,7 @@ def _resharding_buffers(
                 if any(sizes):
                     out.append(_Buffer((vp, vp), np.diag(sizes), t, end))
                 continue
+            assert j is not None and vc is not None  # an op's input: the op, its input index
             dst = [
                 _placements(s.inputs[j]) if j < len(s.inputs) else None
                 for s in choices[vc].strategies
@@ -460,6 +470,10 @@ def _buffer_bytes(
     return float(total)
 
 
+# what a device holds bytes for: a decision, or a pair of them (a buffer between the two)
+Decision = Union[fx.Node, tuple[fx.Node, fx.Node]]
+
+
 class _HeldNow:
     """What one device holds at the current moment, kept up to date as values come and go:
     bytes per decision (or decision pair, for a buffer), with how many values make up each.
@@ -467,16 +481,16 @@ class _HeldNow:
 
     def __init__(self, weights: dict[fx.Node, np.ndarray]) -> None:
         self.weights = weights
-        self.held: dict[object, np.ndarray] = dict(weights)
-        self.makers: Counter = Counter()
-        self.parts = {v: _key_part(v, b) for v, b in weights.items()}
+        self.held: dict[Decision, np.ndarray] = dict(weights.items())
+        self.makers: Counter[Decision] = Counter()
+        self.parts: dict[Decision, bytes] = {v: _key_part(v, b) for v, b in weights.items()}
 
-    def change(self, d: object, add: np.ndarray, sign: int) -> None:
+    def change(self, d: Decision, add: np.ndarray, sign: int) -> None:
         """Add (`sign` 1) or take away (-1) one value's bytes for decision or pair `d`."""
         self.makers[d] += sign
         if self.makers[d]:
             self.held[d] = self.held.get(d, 0) + sign * add
-        elif d in self.weights:
+        elif isinstance(d, fx.Node) and d in self.weights:
             self.held[d] = self.weights[d]
         else:
             del self.held[d], self.parts[d]
@@ -493,18 +507,18 @@ class _HeldNow:
         return MemoryRow(linear, pairs)
 
 
-def _key_part(d: object, held: np.ndarray) -> bytes:
+def _key_part(d: Decision, held: np.ndarray) -> bytes:
     """One decision's (or pair's) part of a memory row's identity: its name and its bytes."""
     name = b",".join(n.name.encode() for n in d) if isinstance(d, tuple) else d.name.encode()
     return name + b"=" + held.tobytes()
 
 
-def _placements(spec: object) -> tuple[Placement, ...] | None:
+def _placements(spec: DTensorSpec | None) -> tuple[Placement, ...] | None:
     return None if spec is None else tuple(spec.placements)
 
 
 def program_peak_bytes(
-    graph: fx.Graph, weights: set[str], aliases: set[str] = frozenset()
+    graph: fx.Graph, weights: set[str], aliases: AbstractSet[str] = frozenset()
 ) -> tuple[int, int]:
     """(weight bytes, peak bytes) of a traced local program: what the device running it holds.
 

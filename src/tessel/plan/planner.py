@@ -8,6 +8,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -223,7 +224,8 @@ def _does_not_fit(
 ) -> PlanError:
     """Why no plan fits: the least memory any plan needs, and what it is made of. `reserve` is
     what lowered programs were found to need beyond the memory model's count."""
-    least, choice = least_memory(problem, time_limit)
+    least, found = least_memory(problem, time_limit)
+    choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
     need = held.fixed + int(math.ceil(least)) + reserve
     weights = held.weight_bytes(choice)
     needs, has = two_sizes(need, device_bytes)  # digits enough that the two differ
@@ -426,7 +428,7 @@ def _problem(
                 tuple(val.shape) if isinstance(val, torch.Tensor) else None,
             )
             edges[key] += 1
-    pairs: dict[tuple, np.ndarray] = defaultdict(lambda: 0)
+    pairs: dict[tuple[fx.Node, fx.Node], np.ndarray] = {}
 
     def add_moves(vp: fx.Node, src: list, vc: fx.Node, dst: list, b: int, shape, count=1):
         """Price moving a value from each of `vp`'s placements to each of `vc`'s."""
@@ -444,7 +446,7 @@ def _problem(
         if vp is vc:
             linear[vp] = linear.get(vp, np.zeros(sizes[vp])) + np.diag(m)
         else:
-            pairs[(vp, vc)] = pairs[(vp, vc)] + m
+            pairs[(vp, vc)] = pairs.get((vp, vc), 0) + m
 
     for (vp, out_index, vc, j, b, shape), count in edges.items():
         src = [_placements(s.output_at(out_index)) for s in choices[vp].strategies]
@@ -516,7 +518,8 @@ def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
     # within the gap) follows the column order
     owners = dict.fromkeys(c.owner or n for n, c in choices.items())
     sizes = {v: len(choices[v].strategies) for v in owners}
-    least, choice = least_memory(Problem(sizes, {}, {}, held.rows))
+    least, found = least_memory(Problem(sizes, {}, {}, held.rows))
+    choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
     return held.fixed + int(math.ceil(least)), held.weight_bytes(choice)
 
 

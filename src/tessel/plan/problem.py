@@ -3,42 +3,47 @@ per-device memory rows, and its solution. Both solvers (`ilp`, `dp`) read and an
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
+# A decision: the planner's are graph nodes; the solvers take any hashable key.
+D = TypeVar("D", bound=Hashable)
+
 
 @dataclass(eq=False)
-class MemoryRow:
+class MemoryRow(Generic[D]):
     """What one device holds at one moment: bytes per strategy of single decisions, and bytes
     per (k_a, k_b) of decision pairs (a buffer that exists only for some combinations)."""
 
-    linear: dict[object, np.ndarray] = field(default_factory=dict)
-    pairs: dict[tuple[object, object], np.ndarray] = field(default_factory=dict)
+    linear: dict[D, np.ndarray] = field(default_factory=dict)
+    pairs: dict[tuple[D, D], np.ndarray] = field(default_factory=dict)
 
-    def bytes_for(self, choice: dict[object, int]) -> float:
+    def bytes_for(self, choice: dict[D, int]) -> float:
         total = sum(float(b[choice[v]]) for v, b in self.linear.items())
         return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in self.pairs.items())
 
 
 @dataclass
-class Problem:
+class Problem(Generic[D]):
     """One-hot decisions with linear and pairwise costs, under per-device memory limits.
 
     Each memory row is what one device holds at one moment (its weights plus the activations
     alive then); every row must stay within `memory_budget`.
     """
 
-    sizes: dict[object, int]  # decision -> number of strategies
-    linear: dict[object, np.ndarray]  # decision -> cost per strategy
-    pairs: dict[tuple[object, object], np.ndarray]  # (a, b) -> cost[k_a, k_b]
-    memory: list[MemoryRow] = field(default_factory=list)
+    sizes: dict[D, int]  # decision -> number of strategies
+    linear: dict[D, np.ndarray]  # decision -> cost per strategy
+    pairs: dict[tuple[D, D], np.ndarray]  # (a, b) -> cost[k_a, k_b]
+    memory: list[MemoryRow[D]] = field(default_factory=list)
     memory_budget: float | None = None
 
 
 @dataclass
-class Solution:
-    choice: dict[object, int]
+class Solution(Generic[D]):
+    choice: dict[D, int]
     objective: float
     status: str
     num_variables: int

@@ -157,7 +157,7 @@ def assign_stages(
     stages = [[indices[i] for i in range(a, b)] for a, b in cuts]
     stage_of_layer = {i: s for s, ls in enumerate(stages) for i in ls}
     weight_stage = {
-        fqn: 0 if where == "before" else pp - 1 if where == "after" else stage_of_layer[where]
+        fqn: stage_of_layer[where] if isinstance(where, int) else 0 if where == "before" else pp - 1
         for fqn, where in weight_layer.items()
     }
     secs = [sum(layer_s[i] for i in range(a, b)) for a, b in cuts]

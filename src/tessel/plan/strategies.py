@@ -57,6 +57,12 @@ class Strategy:
             return self.output[index or 0]
         return self.output
 
+    def single_output(self) -> DTensorSpec:
+        """The spec of the one tensor a weight's (or another single-output node's) strategy
+        places."""
+        assert isinstance(self.output, DTensorSpec), f"not one tensor output: {self.output!r}"
+        return self.output
+
 
 def tensor_meta(val: Any) -> TensorMeta | None:
     if isinstance(val, torch.Tensor):
@@ -109,7 +115,7 @@ def has_rule(op: Any) -> bool:
 
 
 def op_strategies(
-    op: OpOverload,
+    op: object,
     args: tuple,
     kwargs: dict,
     out_val: Any,
@@ -118,8 +124,11 @@ def op_strategies(
     """The strategies DTensor allows for `op` when its tensor args may take the given candidates.
 
     `args`/`kwargs` hold an OpStrategy where the graph passes a tensor. Returns None when DTensor
-    has no rule for the op (the caller replicates it and reports the fallback).
+    has no rule for the op (the caller replicates it and reports the fallback); `op` is a graph
+    node's target, and only an aten OpOverload has rules.
     """
+    if not isinstance(op, OpOverload):
+        return None
     if op in LOCAL_RULES:
         return LOCAL_RULES[op](args, kwargs, out_val, mesh)
     prop = sharding_propagator()
@@ -176,22 +185,32 @@ def _attention_strategies(
     for combo in itertools.product(*[(None, 0, 1) for _ in mesh.shape]):
         if any(d is not None and q.shape[d] < 2 for d in combo):
             continue
-        ins = []
-        for i, m in enumerate(metas):
-            placements = []
-            for d in combo:
-                if d is None or (i >= 3 and m.shape[d] == 1):  # a mask broadcast over this dim
-                    placements.append(Replicate())
-                elif m.shape[d] == q.shape[d]:
-                    placements.append(Shard(d))
-                else:
-                    placements.append(None)
-            ins.append(DTensorSpec(mesh, tuple(placements), m) if None not in placements else None)
+        ins = [_attention_input(mesh, m, q.shape, i >= 3, combo) for i, m in enumerate(metas)]
         if None in ins:
             continue
         placements = tuple(Replicate() if d is None else Shard(d) for d in combo)
         out.append(Strategy(DTensorSpec(mesh, placements, tensor_meta(out_val)), tuple(ins)))
     return out
+
+
+def _attention_input(
+    mesh: DeviceMesh,
+    meta: TensorMeta,
+    q_shape: torch.Size,
+    is_mask: bool,
+    combo: tuple[int | None, ...],
+) -> DTensorSpec | None:
+    """The spec an attention input takes under `combo` (per mesh dim: the sharded tensor dim,
+    or None for replicated), or None where a dim it must shard differs from q's."""
+    placements: list[Placement] = []
+    for d in combo:
+        if d is None or (is_mask and meta.shape[d] == 1):  # a mask broadcast over this dim
+            placements.append(Replicate())
+        elif meta.shape[d] == q_shape[d]:
+            placements.append(Shard(d))
+        else:
+            return None
+    return DTensorSpec(mesh, tuple(placements), meta)
 
 
 LOCAL_RULES = {torch.ops.aten.scaled_dot_product_attention.default: _attention_strategies}

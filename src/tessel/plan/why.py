@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from tessel.plan import dp
 from tessel.plan.ilp import MIP_GAP
 from tessel.plan.layers import layer_of
+from tessel.plan.memory import Footprint
 from tessel.plan.planner import Plan
 from tessel.plan.problem import Problem
 from tessel.sharding.placements import placement_str
@@ -75,7 +76,8 @@ def replicated_weights(plan: Plan, time_budget: float = TIME_BUDGET) -> dict[str
     """Why, by weight FQN, each weight the plan replicates on a tensor-parallel axis of more
     than one device is replicated. Identical layers' weights share one decision and one
     reason. Empty where the plan kept no problem (it was not solved by `make_plan`)."""
-    if plan.problem is None or plan.footprint is None:
+    problem, held = plan.problem, plan.footprint
+    if problem is None or held is None:
         return {}
     placeholders = {n.name: n for n in plan.choices if n.op == "placeholder"}
     by_owner: dict[fx.Node, list[str]] = defaultdict(list)
@@ -84,7 +86,7 @@ def replicated_weights(plan: Plan, time_budget: float = TIME_BUDGET) -> dict[str
         if n is None or plan.choices[n].kind not in ("param", "input"):
             continue
         by_owner[plan.choices[n].owner or n].append(fqn)
-    solver = _Resolver(plan)
+    solver = _Resolver(plan, problem, held)
     start = time.perf_counter()
     out: dict[str, Replicated] = {}
     for owner, fqns in by_owner.items():
@@ -172,7 +174,7 @@ def _why(
     allowed = [
         k
         for k, s in enumerate(c.strategies)
-        if any(isinstance(s.output.placements[i], Shard) for i in index)
+        if any(isinstance(s.single_output().placements[i], Shard) for i in index)
     ]
     if not allowed:
         shape = list(owner.meta["val"].shape)
@@ -194,8 +196,8 @@ def _why(
     alt = solver.best_with(owner, allowed)
     slower = solver.cost(alt) - solver.chosen_cost
     fits = solver.fits(alt)
-    sharded = tuple(placement_str(p) for p in c.strategies[alt[owner]].output.placements)
-    saves = plan.footprint.weight_bytes(plan.choice) - plan.footprint.weight_bytes(alt)
+    sharded = tuple(placement_str(p) for p in c.strategies[alt[owner]].single_output().placements)
+    saves = solver.footprint.weight_bytes(plan.choice) - solver.footprint.weight_bytes(alt)
     shown = "/".join(sharded)
     tail = f" (sharding saves {human_bytes(saves)} per device)" if saves > 0 else ""
     if len(fqns) > 1:  # identical layers and tied weights share one placement
@@ -228,9 +230,9 @@ class _Resolver:
     """Re-solves a weight's neighbourhood of the plan's problem with that weight kept off the
     strategies that replicate it, every other decision as chosen."""
 
-    def __init__(self, plan: Plan) -> None:
-        problem: Problem = plan.problem
+    def __init__(self, plan: Plan, problem: Problem, footprint: Footprint) -> None:
         self.plan, self.problem, self.chosen = plan, problem, plan.choice
+        self.footprint = footprint
         self.pairs_of: dict[object, list[tuple]] = defaultdict(list)
         self.adjacent: dict[object, set] = defaultdict(set)
         for a, b in problem.pairs:
@@ -301,10 +303,8 @@ class _Resolver:
         off[allowed] = 0.0
         linear[v] += off
         factors += [dp._Factor((u,), t) for u, t in linear.items()]
-        choice = dict(chosen)
         order = self.orders.setdefault(frozenset(free), [])
-        choice.update(dp._eliminate(sizes, factors, order))
-        return choice
+        return {**chosen, **dp._eliminate(sizes, factors, order)}
 
 
 def _region(v: object) -> tuple | None:
