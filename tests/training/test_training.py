@@ -454,6 +454,40 @@ def test_gradients_are_placed_like_their_weights():
         assert tuple(node.meta["val"].shape) == tuple(model.get_parameter(name).shape)
 
 
+class _SquaredLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).square().mean()
+
+
+def test_a_capture_offered_for_reuse_is_taken_only_for_that_model_on_equal_inputs():
+    """Planning a job weighs each data-parallel size on its captured replica step; the build
+    then takes the chosen size's capture instead of exporting it again (the packages are the
+    same), but only for the same model object on equal inputs, and only within the context."""
+    from tessel.capture.export import training_capture_reused
+    from tessel.capture.training import gradient_outputs
+
+    torch.manual_seed(0)
+    model, x = _SquaredLoss(), torch.randn(4, 4)
+    first = capture_training(model, (x,), keep=has_rule, held_factor=3.0)
+    with training_capture_reused(model, has_rule, (x,), {}, first):
+        again = capture_training(model, (x.clone(),), keep=has_rule, held_factor=2.0)
+        assert again is first
+        # what the memory model holds per weight byte is the later caller's
+        assert gradient_outputs(first.program.graph_module.graph).held_factor == 2.0
+        for other, inputs, keep in (
+            (model, (x + 1,), has_rule),  # other values
+            (model, (x[:2],), has_rule),  # other rows
+            (model, (x,), None),  # other ops kept whole
+            (_SquaredLoss(), (x,), has_rule),  # another model
+        ):
+            assert capture_training(other, inputs, keep=keep) is not first
+    assert capture_training(model, (x,), keep=has_rule) is not first
+
+
 # ---- bad input: each refused with tessel's own error naming what is wrong
 
 

@@ -333,10 +333,12 @@ def choose_data_parallel(
     policy: ParallelOption,
     time_limit: float,
     held_factor: float,
+    captures: dict[int, tuple[tuple, dict, CapturedModel]] | None = None,
 ) -> tuple[int, list[dict[str, Any]]]:
     """The data-parallel size of the fastest `dp x tp` shape of a training step that fits, and
     what was weighed: each shape's replica program is planned on its share of the batch and
-    timed with the all-reduce of its gradients over the replicas."""
+    timed with the all-reduce of its gradients over the replicas. `captures`, where given,
+    receives each weighed size's replica inputs and captured step, for the build to reuse."""
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
@@ -350,6 +352,8 @@ def choose_data_parallel(
         devices = first_devices(cluster, world // dp)
         a, k = replica_batch(args, kwargs, dp, policy.source) if dp > 1 else (args, kwargs)
         captured = capture_training(model, a, k, keep=has_rule)
+        if captures is not None:
+            captures[dp] = (a, k, captured)
         graph = captured.program.graph_module.graph
         names = gradient_outputs(graph).names
         mark_gradients(graph, GradientOutputs(names, held_factor))

@@ -27,6 +27,7 @@ from tessel.capture.training import (
     check_trainable,
     drop_detach,
     drop_empty_cat_inputs,
+    gradient_outputs,
     mark_gradients,
 )
 from tessel.config.errors import ConfigError
@@ -114,6 +115,61 @@ def capture(
     return CapturedModel(ep, values, names, source, args, kwargs, outputs)
 
 
+# the training captures `training_capture_reused` offers, newest last
+_REUSABLE: list[tuple[torch.nn.Module, Any, tuple, dict, CapturedModel]] = []
+
+
+@contextlib.contextmanager
+def training_capture_reused(
+    model: torch.nn.Module,
+    keep: Callable[[Any], bool] | None,
+    args: tuple,
+    kwargs: dict,
+    captured: CapturedModel | None,
+) -> Iterator[None]:
+    """While the context lasts, `capture_training` of this same `model` object, with `keep`,
+    on inputs equal to `args` and `kwargs` (structure, shapes, dtypes, values) returns
+    `captured` instead of exporting the step again: choosing the data-parallel size has
+    captured the replica step the build then needs. The model must not change meanwhile."""
+    if captured is None:
+        yield
+        return
+    entry = (model, keep, args, kwargs, captured)
+    _REUSABLE.append(entry)
+    try:
+        yield
+    finally:
+        _REUSABLE.remove(entry)
+
+
+def _same_inputs(a: Any, b: Any) -> bool:
+    """Whether two example inputs (nested tuples, lists, dicts of tensors and constants) hold
+    the same structure, tensors equal in shape, dtype and values, and equal constants."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and torch.equal(a, b)
+        )
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_inputs(x, y) for x, y in zip(a, b))
+        )
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and list(a) == list(b)
+            and all(_same_inputs(a[k], b[k]) for k in a)
+        )
+    return type(a) is type(b) and a == b
+
+
 def capture_training(
     model: torch.nn.Module,
     example_inputs: tuple | list | dict | None = None,
@@ -134,6 +190,12 @@ def capture_training(
         raise ConfigError(
             "model", None, f"a training step needs an nn.Module, found {type(model).__name__}"
         )
+    for same, kept, a, k, captured in reversed(_REUSABLE):
+        if same is model and kept is keep and _same_inputs((a, k), (args, kwargs)):
+            graph = captured.program.graph_module.graph
+            names = gradient_outputs(graph).names
+            mark_gradients(graph, GradientOutputs(names, held_factor))
+            return captured
     check_trainable(model)
     step = TrainingStep(model)
     with torch.enable_grad():

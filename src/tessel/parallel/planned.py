@@ -75,7 +75,9 @@ def _build(
     import tessel
     from tessel.builder.mesh_choice import choose_data_parallel
     from tessel.builder.pipeline import cluster_config
+    from tessel.capture.export import training_capture_reused
     from tessel.config.parallel_option import ParallelOption
+    from tessel.plan import has_rule
 
     config = cluster_config(cluster, soc)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -83,25 +85,31 @@ def _build(
     # made after planning, and AdamW is what such scripts most often make
     optimizer = torch.optim.AdamW(trained)
     dp = replicas
+    captures: dict = {}
     if dp is None:
         dp, _ = choose_data_parallel(
-            model, args, kwargs, config, ParallelOption(), _TIME_LIMIT, held_factor=3.0
+            model, args, kwargs, config, ParallelOption(), _TIME_LIMIT, 3.0, captures
         )
-    built = tessel.build(
-        model,
-        args,
-        example_kwargs=kwargs,
-        cluster=config,
-        policy=ParallelOption(
-            data_parallel_size=dp,
-            tensor_parallel_size=config.world_size // dp,
-            fixed_placements=fixed,
-        ),
-        soc_version=soc,
-        optimizer=optimizer,
-        time_limit=_TIME_LIMIT,
-        verify=False,
-    )
+    # the build captures the chosen size's replica step again: it takes the one weighed (the
+    # others are let go)
+    a, k, captured = captures.pop(dp, ((), {}, None))
+    captures.clear()
+    with training_capture_reused(model, has_rule, a, k, captured):
+        built = tessel.build(
+            model,
+            args,
+            example_kwargs=kwargs,
+            cluster=config,
+            policy=ParallelOption(
+                data_parallel_size=dp,
+                tensor_parallel_size=config.world_size // dp,
+                fixed_placements=fixed,
+            ),
+            soc_version=soc,
+            optimizer=optimizer,
+            time_limit=_TIME_LIMIT,
+            verify=False,
+        )
     return str(built.save(path))
 
 
