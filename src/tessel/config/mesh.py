@@ -10,13 +10,11 @@ priced on the axis they run over.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
-from tessel.config.parallel_option import ParallelOption
+from tessel.config.parallel_option import ParallelOption, check_sizes
 
 AXES = ("pp", "dp", "tp")  # outermost first
 POLICY_KEYS = {  # each axis size's key under graph_parallel_option
@@ -97,43 +95,6 @@ def tensor_axes(cluster: ClusterConfig) -> tuple[MeshAxis, ...]:
         )
     every = tuple(range(cluster.world_size))
     return (MeshAxis("tp", cluster.world_size, cluster.bandwidth(every)),)
-
-
-def check_sizes(sizes: dict[str, Any], world_size: int, fail: Callable[..., ConfigError]) -> None:
-    """CANN's rule EF1012, with pipeline stages: the sizes the policy sets multiply to the
-    device count (tensor x data parallel x stages when both are set; the one set x stages when
-    one is), and the stage count divides it. `fail(message, key)` makes the error."""
-    tp, dp = sizes.get("tensor_parallel_size"), sizes.get("data_parallel_size")
-    pp = sizes.get("pipe_stage_num") or 1
-    if world_size % pp:
-        raise fail(
-            f"is {pp}, which does not divide the cluster's {world_size} devices",
-            "pipeline_parallel_option.pipe_stage_num",
-        )
-    given = {k: v for k, v in (("tensor_parallel_size", tp), ("data_parallel_size", dp)) if v}
-    if not given:
-        return
-    product = math.prod(given.values()) * pp
-    if product != world_size:
-        terms = " x ".join(f"{k} {v}" for k, v in given.items())
-        if pp > 1:
-            terms += f" x pipe_stage_num {pp}"
-        rule = (
-            "when both tensor_parallel_option and data_parallel_option are set, their sizes"
-            if len(given) == 2
-            else "the size that is set"
-        )
-        key = (
-            "tensor_parallel_option.tensor_parallel_size"
-            if tp
-            else "data_parallel_option.data_parallel_size"
-        )
-        found = f"{terms} is {product}" if len(given) + (pp > 1) > 1 else f"is {product}"
-        raise fail(
-            f"{found} but the cluster config has {world_size} devices; {rule} (times the stage "
-            "count) must equal the device count (CANN's EF1012)",
-            key,
-        )
 
 
 def parallel_dims(cluster: ClusterConfig, policy: ParallelOption) -> ParallelDims:

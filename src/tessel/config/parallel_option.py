@@ -2,15 +2,19 @@
 `auto`, `opt_level`, `global_batch_size`, `tensor_parallel_option`, `data_parallel_option`,
 `pipeline_parallel_option` and `tensor_sharding`, as CANN's examples and option structs write it.
 
-The axis sizes are read here; whether they fit the cluster (CANN's rule EF1012) is checked where
-the cluster is known too (`tessel.config.mesh`)."""
+The axis sizes are read here; whether they fit the cluster (CANN's rule EF1012, `check_sizes`)
+is checked once the cluster's device count is known (here when it is given, and by
+`tessel.config.mesh`)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tessel.config.errors import ConfigError
 from tessel.config.fields import MAX_ID, Fields, describe
 from tessel.config.jsonfile import load_json
 
@@ -131,8 +135,6 @@ def parallel_option_from_dict(
             "global_batch_size",
         )
     if world_size is not None:
-        from tessel.config.mesh import check_sizes
-
         check_sizes(sizes, world_size, g.error)
     switches: dict[str, Any] = {}
     ts = g.child("tensor_sharding", None)
@@ -168,3 +170,40 @@ def parallel_option_from_dict(
         source=source,
         **switches,
     )
+
+
+def check_sizes(sizes: dict[str, Any], world_size: int, fail: Callable[..., ConfigError]) -> None:
+    """CANN's rule EF1012, with pipeline stages: the sizes the policy sets multiply to the
+    device count (tensor x data parallel x stages when both are set; the one set x stages when
+    one is), and the stage count divides it. `fail(message, key)` makes the error."""
+    tp, dp = sizes.get("tensor_parallel_size"), sizes.get("data_parallel_size")
+    pp = sizes.get("pipe_stage_num") or 1
+    if world_size % pp:
+        raise fail(
+            f"is {pp}, which does not divide the cluster's {world_size} devices",
+            "pipeline_parallel_option.pipe_stage_num",
+        )
+    given = {k: v for k, v in (("tensor_parallel_size", tp), ("data_parallel_size", dp)) if v}
+    if not given:
+        return
+    product = math.prod(given.values()) * pp
+    if product != world_size:
+        terms = " x ".join(f"{k} {v}" for k, v in given.items())
+        if pp > 1:
+            terms += f" x pipe_stage_num {pp}"
+        rule = (
+            "when both tensor_parallel_option and data_parallel_option are set, their sizes"
+            if len(given) == 2
+            else "the size that is set"
+        )
+        key = (
+            "tensor_parallel_option.tensor_parallel_size"
+            if tp
+            else "data_parallel_option.data_parallel_size"
+        )
+        found = f"{terms} is {product}" if len(given) + (pp > 1) > 1 else f"is {product}"
+        raise fail(
+            f"{found} but the cluster config has {world_size} devices; {rule} (times the stage "
+            "count) must equal the device count (CANN's EF1012)",
+            key,
+        )
