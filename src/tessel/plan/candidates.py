@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tessel._torch import OpStrategy, TupleStrategy, rules_without_costs, tree_flatten
 from tessel.plan import cost
+from tessel.plan.errors import PlanError
 from tessel.plan.strategies import (
     DTensorSpec,
     Replicate,
@@ -141,7 +142,6 @@ def _enumerate(
 
 def _fixed(n: fx.Node, strategies: list[Strategy], wanted: tuple[str, ...]) -> list[Strategy]:
     """The one strategy placing weight `n` as `wanted` says."""
-    from tessel.plan.planner import PlanError
     from tessel.sharding.placements import placement_str
 
     def placed(s: Strategy) -> tuple[str, ...]:

@@ -21,9 +21,9 @@ from tessel.capture.training import placed_like
 from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
-from tessel.errors import TesselError
 from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
+from tessel.plan.errors import PlanError
 from tessel.plan.ilp import least_memory
 from tessel.plan.layers import layer_of, template_map
 from tessel.plan.memory import Footprint, footprint
@@ -41,10 +41,6 @@ METHODS = {"O2": "integer program (HiGHS)", "O1": "dynamic programming"}
 # of strategies) by dynamic programming, which hands a problem too wide for its tables back to
 # the integer program under its time limit (see dp.py).
 ILP_MAX_VARIABLES = 20_000
-
-
-class PlanError(TesselError, RuntimeError):
-    """The model cannot be placed on the cluster as asked."""
 
 
 @dataclass
