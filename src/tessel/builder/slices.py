@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tessel import __version__ as tessel_version
+from tessel._version import __version__ as tessel_version
 from tessel.builder.pipeline import BuiltModel
 from tessel.config.cluster import ClusterConfig
 from tessel.lower.program import collectives, groups_in
