@@ -177,14 +177,14 @@ def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypa
     see) makes the planner keep memory free and plan again; the plan says so."""
     from dataclasses import replace
 
-    from tessel.builder import pipeline
+    from tessel.builder import lowering
     from tessel.config.cluster import local_cluster
 
     torch.manual_seed(0)
     captured = capture(small_llama(), (token_ids(),), keep=has_rule)
     cluster = local_cluster(2)
     device = cluster.devices[0].memory_bytes
-    lower_all, calls = pipeline._lower_all, []
+    lower_all, calls = lowering._lower_all, []
 
     def first_program_overflows(*args, **kwargs):
         programs = lower_all(*args, **kwargs)
@@ -193,8 +193,8 @@ def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypa
             programs = [replace(p, peak_bytes=device + 1000) for p in programs]
         return programs
 
-    monkeypatch.setattr(pipeline, "_lower_all", first_program_overflows)
-    plan, _ = pipeline.plan_and_lower(captured, cluster)
+    monkeypatch.setattr(lowering, "_lower_all", first_program_overflows)
+    plan, _ = lowering.plan_and_lower(captured, cluster)
     assert len(calls) == 2
     (memory,) = [r for r in plan.replanned if r["node"] == "(memory)"]
     kept = int(memory["strategy"].removeprefix("keep ").removesuffix(" bytes free"))

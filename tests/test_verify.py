@@ -21,7 +21,7 @@ def captured():
 
 
 def test_a_package_that_disagrees_with_eager_is_refused(captured, monkeypatch):
-    pack = pipeline._pack
+    pack = pipeline.pack
 
     def pack_a_wrong_weight(*args, **kwargs):
         manifest, members = pack(*args, **kwargs)
@@ -32,7 +32,7 @@ def test_a_package_that_disagrees_with_eager_is_refused(captured, monkeypatch):
                 break
         return manifest, members
 
-    monkeypatch.setattr(pipeline, "_pack", pack_a_wrong_weight)
+    monkeypatch.setattr(pipeline, "pack", pack_a_wrong_weight)
     with pytest.raises(VerifyError, match="disagrees with the model on the example inputs"):
         tessel.build(captured, cluster=2, verify=True)
 

@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from tessel.builder.lowering import plan_and_lower
 from tessel.builder.mesh_choice import batch_rows, first_devices, replica_batch
 from tessel.builder.model_record import CONFIG_MEMBER, GENERATION_CONFIG_MEMBER, model_record
+from tessel.builder.packing import pack
 from tessel.builder.stages import build_training_stages, default_micro_batches, more_memory
 from tessel.capture import capture_training
 from tessel.capture.export import split_inputs
@@ -64,8 +66,6 @@ def build_training(
     param_dtype: torch.dtype | str | None = None,
 ) -> tuple[dict, dict, dict[str, float]]:
     """The manifest, members and timings of a training package (see the module docstring)."""
-    from tessel.builder.pipeline import _pack, plan_and_lower
-
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             "model", None, f"a training step needs an nn.Module, found {type(model).__name__}"
@@ -180,7 +180,7 @@ def build_training(
     prefetch = 0
     if _prefetches(level, policy, auto):
         prefetch = _prefetch_bytes(policy, _largest_gathered_unit(captured, plan, units, dp, tp))
-    manifest, members = _pack(
+    manifest, members = pack(
         captured,
         plan,
         every,
