@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from tessel.checkpoint.errors import StrategyError
-from tessel.checkpoint.strategy import ParamLayout
+from tessel.checkpoint.records import ParamLayout
 from tessel.sharding import chunk_range, mesh_coordinate
 
 Box = tuple[tuple[int, int], ...]

@@ -14,7 +14,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
 from tessel.checkpoint.errors import StrategyError
-from tessel.checkpoint.strategy import ParamLayout, Strategy, check_param, merge_stage_prefixed
+from tessel.checkpoint.records import ParamLayout, Strategy, check_param, merge_stage_prefixed
 
 _F = descriptor_pb2.FieldDescriptorProto
 _REQ, _REP = _F.LABEL_REQUIRED, _F.LABEL_REPEATED
