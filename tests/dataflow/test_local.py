@@ -589,3 +589,16 @@ def test_routing_shared_by_both_executors():
     assert pick(3, 1, live({1}), True, True, loads) == 2
     assert [pick(3, t, live(), True, True, flat) for t in range(3)] == [0, 1, 2]
     assert pick(3, 1, live(), False, True, loads) == 0  # a join routes round-robin
+
+
+def test_a_node_runs_only_a_udf_or_a_model_itself():
+    from tessel.dataflow.process_points import ProcessPoint
+
+    sub = df.FlowGraph([inc.fnode(name="sub_inc")(df.FlowData())])
+    with pytest.raises(ValueError, match="'n': a FlowGraphProcessPoint runs only as an invoked"):
+        df.FlowNode(1, 1, "n").add_process_point(df.FlowGraphProcessPoint(sub))
+    for other in (ProcessPoint("bare"), object()):
+        with pytest.raises(TypeError, match="'n': not a process point"):
+            df.FlowNode(1, 1, "n").add_process_point(other)
+    node = df.FlowNode(1, 1, "n").add_process_point(df.FuncProcessPoint(py_func=lambda v: v))
+    assert node.pp is not None and node.pp.name.startswith("FuncProcessPoint_")

@@ -6,12 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from tessel.dataflow.process_points import (
-    FlowGraphProcessPoint,
-    FuncProcessPoint,
-    GraphProcessPoint,
-    ProcessPoint,
-)
+from tessel.dataflow.process_point_base import ProcessPoint
 
 _order = itertools.count()
 _names = itertools.count()
@@ -78,13 +73,9 @@ class FlowNode:
         """Attach the node's single process point; inputs and outputs map in order by default."""
         if self.pp is not None:
             raise ValueError(f"FlowNode {self.name!r}: already has process point {self.pp.name!r}")
-        if isinstance(pp, FlowGraphProcessPoint):
-            raise ValueError(
-                f"FlowNode {self.name!r}: a FlowGraphProcessPoint runs only as an invoked closure "
-                "of a FuncProcessPoint (add_invoked_closure)"
-            )
-        if not isinstance(pp, FuncProcessPoint | GraphProcessPoint):
+        if not isinstance(pp, ProcessPoint):
             raise TypeError(f"FlowNode {self.name!r}: not a process point: {pp!r}")
+        pp.check_runs_in_node(self.name)
         self.pp = pp
         return self
 

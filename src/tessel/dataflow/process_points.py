@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-import enum
 import inspect
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessel.config.jsonfile import load_json
+from tessel.dataflow.nodes import FlowNode
+from tessel.dataflow.process_point_base import Framework, ProcessPoint
+from tessel.dataflow.runners import model_io_counts, model_target_kind
 
 if TYPE_CHECKING:
     from tessel.dataflow.graph import FlowGraph
-    from tessel.dataflow.nodes import FlowNode
-
-_ids = itertools.count()
-
-
-class Framework(enum.Enum):
-    """Model formats. tessel runs PYTORCH (.pt2 ExportedProgram) and TESSEL (offline model)."""
-
-    TENSORFLOW = "tensorflow"
-    ONNX = "onnx"
-    MINDSPORE = "mindspore"
-    PYTORCH = "pytorch"
-    TESSEL = "tessel"
-
-
-class ProcessPoint:
-    """Base: a named unit of work a FlowNode runs."""
-
-    def __init__(self, name: str | None, compile_config_path: str | None = None) -> None:
-        self.name = name or f"{type(self).__name__}_{next(_ids)}"
-        self.compile_config_path = compile_config_path or None
 
 
 @dataclass
@@ -122,6 +102,9 @@ class FuncProcessPoint(ProcessPoint):
         self.invoked[graph_key] = pp
         return self
 
+    def check_runs_in_node(self, node: str) -> None:
+        """A FlowNode runs this kind of process point itself."""
+
     def default_functions(self, input_num: int, output_num: int) -> list[FuncSpec]:
         if self.udf.functions:
             return self.udf.functions
@@ -164,11 +147,12 @@ class GraphProcessPoint(ProcessPoint):
         self.load_params = dict(load_params or {})
         self._target: str | None | bool = False
 
+    def check_runs_in_node(self, node: str) -> None:
+        """A FlowNode runs this kind of process point itself."""
+
     def target_device_type(self) -> str | None:
         """The device kind the model was built for (cpu/cuda/npu), None when it does not say."""
         if self._target is False:
-            from tessel.dataflow.runners import model_target_kind
-
             self._target = model_target_kind(self)
         return self._target  # type: ignore[return-value]
 
@@ -177,9 +161,6 @@ class GraphProcessPoint(ProcessPoint):
     ) -> FlowNode:
         """A FlowNode running this model, inputs and outputs mapped in order; counts default to
         the model's own (a .pt2's user inputs and outputs)."""
-        from tessel.dataflow.nodes import FlowNode
-        from tessel.dataflow.runners import model_io_counts
-
         if input_num is None or output_num is None:
             n_in, n_out = model_io_counts(self)
             input_num = n_in if input_num is None else input_num
@@ -198,3 +179,10 @@ class FlowGraphProcessPoint(ProcessPoint):
     ) -> None:
         super().__init__(name or getattr(flow_graph, "name", None), compile_config_path)
         self.flow_graph = flow_graph
+
+    def check_runs_in_node(self, node: str) -> None:
+        """A nested flow graph runs only inside the UDF it was given to."""
+        raise ValueError(
+            f"FlowNode {node!r}: a FlowGraphProcessPoint runs only as an invoked closure "
+            "of a FuncProcessPoint (add_invoked_closure)"
+        )

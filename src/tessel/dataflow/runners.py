@@ -9,13 +9,16 @@ through tessel.runtime's Session, its ranks on the devices of the package's clus
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.config.errors import ConfigError
-from tessel.dataflow.process_points import Framework, GraphProcessPoint
+from tessel.dataflow.process_point_base import Framework
+
+if TYPE_CHECKING:
+    from tessel.dataflow.process_points import GraphProcessPoint
 
 Runner = Callable[..., list[Any]]
 
