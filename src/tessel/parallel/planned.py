@@ -72,9 +72,8 @@ def _build(
     build the training package and write it to `path`. `soc` names the devices of a cluster
     given as a device count; `fixed` gives weights their placements on the tensor-parallel
     mesh dim."""
-    import tessel
     from tessel.builder.mesh_choice import choose_data_parallel
-    from tessel.builder.pipeline import cluster_config
+    from tessel.builder.pipeline import build, cluster_config
     from tessel.capture.export import training_capture_reused
     from tessel.config.parallel_option import ParallelOption
     from tessel.plan import has_rule
@@ -95,7 +94,7 @@ def _build(
     a, k, captured = captures.pop(dp, ((), {}, None))
     captures.clear()
     with training_capture_reused(model, has_rule, a, k, captured):
-        built = tessel.build(
+        built = build(
             model,
             args,
             example_kwargs=kwargs,
