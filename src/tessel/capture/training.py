@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from tessel.capture.layers import layer_of
 from tessel.config.errors import ConfigError
 
 GRADIENTS_META = "tessel_gradients"
@@ -169,8 +170,6 @@ def attribute_gradients_to_layers(graph: fx.Graph) -> int:
     blocks repeat layer by layer, so the planner's comparison of layers finds the repeats (the
     first and last layer, whose neighbours differ, stay on their own).
     """
-    from tessel.plan.layers import layer_of
-
     backward = [n for n in graph.nodes if _traced_by_grad(n)]
     read_by_grad = set(backward)
     labels: dict[fx.Node, tuple[str, int]] = {}

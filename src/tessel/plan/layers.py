@@ -1,24 +1,14 @@
-"""Find repeated layers so that identical layers share one set of decision variables."""
+"""Find repeated layers so that identical layers share one set of decision variables (which
+layer a node is in: `tessel.capture.layers`)."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import torch
 from torch import fx
 
-_INDEXED = re.compile(r"^(.*)\.(\d+)$")
-
-
-def layer_of(node: fx.Node) -> tuple[str, int] | None:
-    """(`model.layers.*`, 3) for a node inside `model.layers.3`, else None."""
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _cls in stack.values():
-        m = _INDEXED.match(path or "")
-        if m:
-            return m.group(1) + ".*", int(m.group(2))
-    return None
+from tessel.capture.layers import layer_of
 
 
 def _signature(nodes: list[fx.Node]) -> tuple:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tessel._torch import detached_mesh, tree_leaves
 from tessel.capture import CapturedModel
+from tessel.capture.layers import layer_of
 from tessel.capture.training import placed_like
 from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import MeshAxis, tensor_axes
@@ -25,7 +26,7 @@ from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
 from tessel.plan.errors import PlanError
 from tessel.plan.ilp import least_memory
-from tessel.plan.layers import layer_of, template_map
+from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, footprint
 from tessel.plan.problem import InfeasibleError, Problem
 from tessel.plan.strategies import Replicate, Strategy

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from tessel.capture.layers import layer_of
 from tessel.config.cluster import ClusterConfig
 from tessel.errors import TesselError
 from tessel.plan import cost
 from tessel.plan.candidates import node_flops
-from tessel.plan.layers import layer_of
 from tessel.units import two_sizes
 
 _LAYER = re.compile(r"^(.*)\.(\d+)\.")

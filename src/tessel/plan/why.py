@@ -29,9 +29,9 @@ import numpy as np
 from torch import fx
 from torch.distributed.tensor import Replicate, Shard
 
+from tessel.capture.layers import layer_of
 from tessel.plan import dp
 from tessel.plan.ilp import MIP_GAP
-from tessel.plan.layers import layer_of
 from tessel.plan.memory import Footprint
 from tessel.plan.planner import Plan
 from tessel.plan.problem import Problem
