@@ -17,49 +17,20 @@ rank) are shared before rank 0's program departs from the others' at its end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from tessel.lower.program import ProgramError, decode_graph, groups_in
+from tessel.lower.program import OutputLayout, ProgramError, RankProgram, decode_graph, groups_in
 from tessel.plan.memory import program_peak_bytes
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
-
-if TYPE_CHECKING:
-    from tessel.lower.trace import RankProgram
 
 _PERMUTE = "aten.permute.default"
 _CLONE = "aten.clone.default"
 _GATHER = "_c10d_functional.all_to_all_single.default"
 _WAIT = "_c10d_functional.wait_tensor.default"
-
-
-@dataclass(frozen=True)
-class OutputLayout:
-    """How a forward output is spread over the mesh once partial sums are reduced: its whole
-    shape and dtype, per mesh axis the dimension sharded along it (None: replicated), and
-    whether the shard each rank holds is contiguous."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    shards: tuple[int | None, ...]
-    contiguous: bool = True
-
-    def to_json(self) -> dict:
-        return {
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "shards": list(self.shards),
-            "contiguous": self.contiguous,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> OutputLayout:
-        return cls(
-            tuple(data["shape"]), data["dtype"], tuple(data["shards"]), bool(data["contiguous"])
-        )
 
 
 def shards_only(value: DTensor) -> DTensor:

@@ -15,6 +15,7 @@ import keyword
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,47 @@ _UNANNOTATED_VIEWS = {"aten._unsafe_view.default"}
 
 class ProgramError(TesselError, ValueError):
     """A program that calls what tessel does not allow, or is not well formed."""
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """How a forward output is spread over the mesh once partial sums are reduced: its whole
+    shape and dtype, per mesh axis the dimension sharded along it (None: replicated), and
+    whether the shard each rank holds is contiguous."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[int | None, ...]
+    contiguous: bool = True
+
+    def to_json(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shards": list(self.shards),
+            "contiguous": self.contiguous,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> OutputLayout:
+        return cls(
+            tuple(data["shape"]), data["dtype"], tuple(data["shards"]), bool(data["contiguous"])
+        )
+
+
+@dataclass
+class RankProgram:
+    """One rank's lowered program (JSON), the constants it uses and its local tensor shapes,
+    with the bytes its device holds: weights, and at the program's peak."""
+
+    program: dict
+    constants: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[list[int], str]]
+    weight_bytes: int = 0
+    peak_bytes: int = 0
+    # a forward's outputs, returned as each rank's shards until `gather_outputs` brings them
+    # to rank 0 (None: outputs are returned as they are)
+    output_layouts: list[OutputLayout | None] | None = None
 
 
 def op_name(target: Any) -> str:

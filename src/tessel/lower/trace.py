@@ -13,7 +13,6 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -39,8 +38,8 @@ from tessel.capture import CapturedModel
 from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.capture.training import placed_like
 from tessel.errors import TesselError
-from tessel.lower.outputs import OutputLayout, output_layout, shards_only
-from tessel.lower.program import encode, node_shapes
+from tessel.lower.outputs import output_layout, shards_only
+from tessel.lower.program import OutputLayout, RankProgram, encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
@@ -88,21 +87,6 @@ def weight_inputs(captured: CapturedModel, plan: Plan) -> list[tuple[str, str]]:
         for s in sig.input_specs
         if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
     ]
-
-
-@dataclass
-class RankProgram:
-    """One rank's lowered program (JSON), the constants it uses and its local tensor shapes,
-    with the bytes its device holds: weights, and at the program's peak."""
-
-    program: dict
-    constants: dict[str, torch.Tensor]
-    shapes: dict[str, tuple[list[int], str]]
-    weight_bytes: int = 0
-    peak_bytes: int = 0
-    # a forward's outputs, returned as each rank's shards until `gather_outputs` brings them
-    # to rank 0 (None: outputs are returned as they are)
-    output_layouts: list[OutputLayout | None] | None = None
 
 
 def lower_rank(captured: CapturedModel, plan: Plan, rank: int, stitch: bool = True) -> RankProgram:
