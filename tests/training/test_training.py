@@ -992,13 +992,34 @@ def test_a_checkpoint_that_does_not_match_the_step_is_refused_naming_file_and_te
         "state": (no_state, f"optimizer.exp_avg.{weight}: missing"),
         "truncated": (truncated, "checkpoint_1.safetensors: not a readable safetensors file"),
     }
+    # every case as the worker's check reads it, against what rank 1 saved (every tensor it
+    # holds, with its shape and dtype)
+    from safetensors.torch import load_file
+
+    from tessel.checkpoint.errors import CheckpointError
+    from tessel.runtime.worker import _checkpoint_tensors
+
+    layout = {
+        k: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for k, t in load_file(saved / "rank_1" / "checkpoint_1.safetensors").items()
+    }
     for case, (edit, words) in cases.items():
         target = _tampered(saved, tmp_path / case, 1, edit)
-        with pytest.raises(WorkerError) as failure:
-            session.load_graph(0, {"checkpoint": target}, path)
-        message = str(failure.value)
+        with pytest.raises(CheckpointError) as refused:
+            _checkpoint_tensors(target, 1, torch.device("cpu"), layout)
+        message = str(refused.value)
         assert "\n" not in message and "rank_1/checkpoint_1.safetensors" in message, message
         assert words in message, (case, message)
+    # and through a session, where each refusal stops the workers (a new pair starts for the
+    # next load): a weight's dtype, an optimizer state missing (the step's own list of what it
+    # resumes holds the states too) and a file that is no safetensors. A missing weight and a
+    # shape take the dtype's path through the worker (the one comparison above)
+    for case in ("dtype", "state", "truncated"):
+        with pytest.raises(WorkerError) as failure:
+            session.load_graph(0, {"checkpoint": str(tmp_path / case)}, path)
+        message = str(failure.value)
+        assert "\n" not in message and "rank_1/checkpoint_1.safetensors" in message, message
+        assert cases[case][1] in message, (case, message)
     garbage = tmp_path / "garbage"
     shutil.copytree(saved, garbage)
     (garbage / "strategy.json").write_text("{not json")
