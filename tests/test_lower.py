@@ -96,6 +96,28 @@ def test_a_rank_trace_does_not_see_the_rank_traced_before_it():
     assert chunk_taken(0) == [0]
 
 
+def test_a_scalar_an_operator_takes_as_a_tensor_is_made_where_it_is_used():
+    """Tracing lifts `tensor(0.5)` (as DTensor's vocabulary mask writes zeros) into a constant
+    and a fresh copy of it; the program makes the fresh tensor instead and holds no constant the
+    captured graph did not have (the planner's memory model counts only those)."""
+    from tessel.capture.portable import fresh_scalars
+    from tessel.plan.memory import program_peak_bytes
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[y < 0] = torch.tensor(0.5)
+        return y
+
+    gm = make_fx(f, tracing_mode="fake")(torch.zeros(4, 3))
+    assert program_peak_bytes(gm.graph, set())[0] == 4  # the lifted constant
+    assert fresh_scalars(gm) == 1
+    gm.recompile()
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert program_peak_bytes(gm.graph, set())[0] == 0
+    x = torch.tensor([[-1.0, 2.0, -3.0]] * 4)
+    assert torch.equal(gm(x), f(x))
+
+
 def test_capture_takes_the_public_export_when_the_one_trace_path_fails(monkeypatch):
     import torch.export._trace as trace
 

@@ -5,7 +5,9 @@ shards the device-neutral `scaled_dot_product_attention` (by batch or head), and
 for CUDA or NPU devices must call it too, so each device dispatches to its own kernel when the
 program runs. And a program never allocates memory it does not fill (whatever the memory held
 before could otherwise reach an output): `empty` allocations become zero-filled ones. Both the
-captured graph and every traced rank program are rewritten.
+captured graph and every traced rank program are rewritten. A traced rank program also makes
+the scalars its operators take as tensors where it uses them (`fresh_scalars`), rather than
+holding them as constants the captured graph never had.
 """
 
 from __future__ import annotations
@@ -69,4 +71,44 @@ def zero_fill_allocations(gm: fx.GraphModule) -> int:
                 node.kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
             node.target = _ZERO_FILLED[node.target]
             changed += 1
+    return changed
+
+
+_LIFTS = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
+
+
+def fresh_scalars(gm: fx.GraphModule) -> int:
+    """Make each 0-dim tensor constant a traced program lifts where it is used (`scalar_tensor`);
+    returns how many (no recompile).
+
+    Tracing turns a Python scalar an operator takes as a tensor (DTensor's mask of a
+    vocabulary-sharded embedding writes `tensor(0)` through it) into a constant of the program
+    and a fresh copy of it. The copy is what the operator reads, and `scalar_tensor` makes the
+    same fresh tensor from the value alone: the program then holds no constant the captured
+    graph did not have, which the planner, reading the captured graph, cannot know of.
+    """
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _LIFTS:
+            continue
+        const = node.args[0]
+        if not isinstance(const, fx.Node) or const.op != "get_attr":
+            continue
+        name = str(const.target)
+        value = getattr(gm, name, None)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.is_complex():
+            continue
+        with gm.graph.inserting_before(node):
+            made = gm.graph.call_function(
+                torch.ops.aten.scalar_tensor.default,
+                (value.item(),),
+                {"dtype": value.dtype, "device": value.device},
+            )
+        made.meta = dict(node.meta)
+        node.replace_all_uses_with(made)
+        gm.graph.erase_node(node)
+        if not const.users:
+            gm.graph.erase_node(const)
+            delattr(gm, name)
+        changed += 1
     return changed

@@ -35,7 +35,7 @@ from tessel._torch import (
     tree_map,
 )
 from tessel.capture import CapturedModel
-from tessel.capture.portable import portable_attention, zero_fill_allocations
+from tessel.capture.portable import fresh_scalars, portable_attention, zero_fill_allocations
 from tessel.capture.training import placed_like
 from tessel.errors import TesselError
 from tessel.lower.outputs import output_layout, shards_only
@@ -208,6 +208,7 @@ def _trace(
         gm.graph.eliminate_dead_code()
         portable_attention(gm, recompile=False)  # the program is read, never run, here
         zero_fill_allocations(gm)
+        fresh_scalars(gm)
         program, constants = encode(gm)  # resolves collective groups while the world exists
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     # a weight under a second name (tied) loads as the first name's tensor: held once
