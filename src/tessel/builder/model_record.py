@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessel.dtypes import dtype_name
+
 log = logging.getLogger(__name__)
 
 # package members holding a transformers model's config files, as `save_pretrained` writes them
@@ -101,7 +103,7 @@ def _config_json(model: torch.nn.Module) -> bytes:
     weights' dtype as `dtype`, only what differs from the defaults."""
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.dtype = dtype_name(model.dtype)
     return config.to_json_string(use_diff=True).encode()
 
 

@@ -16,6 +16,7 @@ from tessel._version import __version__ as tessel_version
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import RankProgram, weight_inputs
@@ -141,7 +142,7 @@ def pack(
     outputs = [
         {
             "shape": [v.shape[0] * dp * micro_batches, *v.shape[1:]] if v.dim() else [],
-            "dtype": str(v.dtype).removeprefix("torch."),
+            "dtype": dtype_name(v.dtype),
         }
         for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
@@ -155,7 +156,7 @@ def pack(
     layouts = {
         fqn: {
             "shape": list(state[fqn].shape),
-            "dtype": str(state[fqn].dtype).removeprefix("torch."),
+            "dtype": dtype_name(state[fqn].dtype),
             "mesh_shape": mesh_shape,
             "placements": ["R"] * (dp > 1)
             + [placement_str(p) for p in plan.out_placements(placeholders[ph])],
@@ -236,7 +237,7 @@ def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict, d
 def _input_spec(name: str, x: torch.Tensor, dp: int = 1) -> dict:
     """An input as the package takes it: with `dp` replicas, `dp` times the rows of `x`."""
     shape = [x.shape[0] * dp, *x.shape[1:]] if dp > 1 else list(x.shape)
-    spec = {"name": name, "shape": shape, "dtype": str(x.dtype).removeprefix("torch.")}
+    spec = {"name": name, "shape": shape, "dtype": dtype_name(x.dtype)}
     if not x.dtype.is_floating_point and x.dtype != torch.bool and x.numel():
         spec["high"] = int(x.max()) + 1  # `tessel run` draws random inputs below this bound
     return spec

@@ -17,6 +17,7 @@ import torch
 from tessel._version import __version__ as tessel_version
 from tessel.builder.pipeline import BuiltModel
 from tessel.config.cluster import ClusterConfig
+from tessel.dtypes import dtype_name
 from tessel.lower.program import collectives, groups_in
 from tessel.package.format import FORMAT, FORMAT_VERSION, Manifest, Member
 from tessel.slices.read import Slice, read_slices
@@ -177,7 +178,7 @@ def _own_storage(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _spec(shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None) -> dict:
-    spec = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+    spec = {"shape": list(shape), "dtype": dtype_name(dtype)}
     if name is not None:
         spec = {"name": name, **spec}
     return spec

@@ -13,6 +13,7 @@ from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, ParallelDims
+from tessel.dtypes import torch_dtype
 from tessel.lower.program import decode_graph, groups_in
 from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
@@ -238,7 +239,7 @@ def _memory(sp: StagedProgram) -> tuple[int, int]:
     for spec, n in zip(rp.program["nodes"], graph.nodes):  # one graph node per program node
         if spec.get("name") in rp.shapes:
             shape, dtype = rp.shapes[spec["name"]]
-            n.meta["val"] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            n.meta["val"] = torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
         if n.op == "placeholder":
             inputs.append(n.name)
     return program_peak_bytes(graph, set(inputs[: len(sp.weights)]))

@@ -43,6 +43,7 @@ from tessel.config.optimizer import (
     state_name,
 )
 from tessel.config.parallel_option import ParallelOption
+from tessel.dtypes import dtype_name
 from tessel.lower.program import move_groups
 from tessel.lower.trace import weight_inputs
 from tessel.plan import PlanError, has_rule
@@ -208,7 +209,7 @@ def build_training(
         "weight_sharding": level.weights,
         "weight_prefetch_bytes": prefetch,
         "units": [list(u) for u in units],
-        "compute_dtype": str(compute).removeprefix("torch."),
+        "compute_dtype": dtype_name(compute),
         "optimizer_offload": policy.optimizer_offload or "none",
         "pipeline_stages": pp,
         "micro_batches": micro_batches,
@@ -301,7 +302,7 @@ def _dtype_of(model: torch.nn.Module) -> torch.dtype:
     """The one dtype of a model's trained weights (fp32 or bf16), or a ConfigError."""
     found = {p.dtype for p in model.parameters() if p.requires_grad}
     if len(found) > 1:
-        kinds = sorted(str(d).removeprefix("torch.") for d in found)
+        kinds = sorted(dtype_name(d) for d in found)
         raise ConfigError(
             "model", None, f"trains weights of several dtypes ({', '.join(kinds)}); use one"
         )
@@ -311,7 +312,7 @@ def _dtype_of(model: torch.nn.Module) -> torch.dtype:
         raise ConfigError(
             "model",
             name,
-            f"is {str(dtype).removeprefix('torch.')}: a training step takes float32 or bfloat16 "
+            f"is {dtype_name(dtype)}: a training step takes float32 or bfloat16 "
             "weights (float16 would need loss scaling)",
         )
     return dtype

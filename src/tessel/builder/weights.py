@@ -20,6 +20,7 @@ import torch
 from tessel._torch import fake_tensor_mode
 from tessel.checkpoint.stored import StoredWeights
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name
 
 
 @contextlib.contextmanager
@@ -86,8 +87,8 @@ def streamed_weights(model: torch.nn.Module, path: str | Path, option: str = "we
             raise ConfigError(
                 source,
                 getattr(v, "name", name),
-                f"is {str(v.dtype).removeprefix('torch.')}{list(v.shape)}, but the model's "
-                f"{name} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}",
+                f"is {dtype_name(v.dtype)}{list(v.shape)}, but the model's "
+                f"{name} is {dtype_name(t.dtype)}{list(t.shape)}",
             )
     with fake_tensor_mode():
         model.to_empty(device="cpu")

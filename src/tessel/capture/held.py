@@ -11,6 +11,7 @@ from torch.export import ExportedProgram
 
 from tessel._torch import tree_flatten_with_path, tree_unflatten
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name
 
 
 def without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict, bool]:
@@ -70,9 +71,7 @@ def _key_name(key: Any) -> str:
 
 def describe_outputs(names: list[str], values: list[torch.Tensor], cache_off: bool) -> str:
     """One line: what the build took as the model's outputs, and the cache it turned off."""
-    shown = ", ".join(
-        f"{n} {str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for n, v in zip(names, values)
-    )
+    shown = ", ".join(f"{n} {dtype_name(v.dtype)}{list(v.shape)}" for n, v in zip(names, values))
     line = f"outputs: {shown or 'none'}"
     if cache_off:
         line += " (use_cache=False: a forward build keeps no cache between runs)"

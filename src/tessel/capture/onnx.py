@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def _check_input_sizes(inputs: list[tuple[str, tuple[int, ...], torch.dtype]]) -
             raise ConfigError(
                 INPUT_SHAPE,
                 None,
-                f"input {name!r} of shape {list(shape)} ({str(dtype).removeprefix('torch.')}) "
+                f"input {name!r} of shape {list(shape)} ({dtype_name(dtype)}) "
                 f"takes {size:,} bytes; this machine has {available:,} available",
             )
 

@@ -37,6 +37,7 @@ from tessel.checkpoint.st_io import (
     scratch,
     write_all,
 )
+from tessel.dtypes import torch_dtype
 from tessel.errors import TesselError
 from tessel.forked import die_with_parent
 from tessel.package.safetensors_io import build_header
@@ -77,7 +78,7 @@ def _write_param(op: OutParam, out_fd: int, offset: int, fds: _Fds) -> None:
             for so, do in zip(s.tolist(), d.tolist(), strict=False):
                 copy_range(fd, out_fd, so, offset + do, nb, p.loc.path, op.name)
         return
-    buf = scratch(op.shape, getattr(torch, op.dtype))
+    buf = scratch(op.shape, torch_dtype(op.dtype))
     for p in op.pieces:
         fill(buf, p, fds.get(p.loc.path), op.name)
     if buf.numel():
@@ -321,4 +322,4 @@ def nbytes_of(jobs: Sequence[FileJob]) -> int:
 
 
 def shape_bytes(shape: Sequence[int], dtype: str) -> int:
-    return math.prod(shape) * getattr(torch, dtype).itemsize
+    return math.prod(shape) * torch_dtype(dtype).itemsize

@@ -30,9 +30,10 @@ import torch
 from tessel._torch import dcp_storage_info_class, serialization_get_layout
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.st_io import TensorLoc
-from tessel.checkpoint.strategy import dtype_name
+from tessel.checkpoint.strategy import checked_dtype_name
+from tessel.dtypes import dtype_name, torch_dtype
 
-_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in (
+_DTYPE_NAMES = {dtype_name(d) for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128,
@@ -211,14 +212,14 @@ def locate_chunk(path: str, offset: int, length: int, fqn: str) -> TensorLoc:
             raise CheckpointError(path, fqn, "chunk has a corrupt zip entry")
         name_len, extra_len = struct.unpack("<HH", hdr[26:30])
         data_off = offset + info.header_offset + 30 + name_len + extra_len
-    dt = dtype_name(rec.storage.dtype)
+    dt = checked_dtype_name(rec.storage.dtype)
     shape = rec.size
     contiguous = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         contiguous[i] = contiguous[i + 1] * shape[i + 1]
     if any(s > 1 and st != c for s, st, c in zip(shape, rec.stride, contiguous, strict=False)):
         raise CheckpointError(path, fqn, f"chunk is stored with strides {rec.stride}")
-    isz = torch.empty((), dtype=getattr(torch, dt)).element_size()
+    isz = torch.empty((), dtype=torch_dtype(dt)).element_size()
     loc = TensorLoc(path, data_off + rec.offset * isz, dt, shape)
     if rec.offset * isz + loc.nbytes > info.file_size:
         raise CheckpointError(path, fqn, "chunk storage is smaller than its tensor")

@@ -15,24 +15,26 @@ import torch
 from tessel.checkpoint.errors import StrategyError
 from tessel.checkpoint.layout import Layout
 from tessel.config.fields import MAX_ID, key_text, str_value
+from tessel.dtypes import dtype_name
 from tessel.package.safetensors_io import ST_DTYPES, TORCH_TO_ST
 
 FORMAT_NAME = "tessel-strategy"
 
-NAME_TO_TORCH = {str(v).removeprefix("torch."): v for v in ST_DTYPES.values()}
+NAME_TO_TORCH = {dtype_name(v): v for v in ST_DTYPES.values()}
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """Canonical dtype name ("float32"); accepts torch dtypes, names and safetensors codes."""
+def checked_dtype_name(dtype: torch.dtype | str) -> str:
+    """Canonical dtype name ("float32") of a dtype a checkpoint can hold; accepts torch dtypes,
+    names and safetensors codes, and refuses any other with a StrategyError."""
     if isinstance(dtype, torch.dtype):
         if dtype not in TORCH_TO_ST:
             raise StrategyError(None, "dtype", f"{dtype} is not supported")
-        return str(dtype).removeprefix("torch.")
+        return dtype_name(dtype)
     s = str(dtype).removeprefix("torch.")
     if s in NAME_TO_TORCH:
         return s
     if s.upper() in ST_DTYPES:
-        return str(ST_DTYPES[s.upper()]).removeprefix("torch.")
+        return dtype_name(ST_DTYPES[s.upper()])
     raise StrategyError(None, "dtype", f"{dtype!r} is unknown; allowed: {sorted(NAME_TO_TORCH)}")
 
 

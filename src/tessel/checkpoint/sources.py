@@ -265,10 +265,10 @@ class DCPSource(Source):
         for fqn, md in meta.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 continue  # non-tensor entries (BytesIO objects) are not parameters
-            from tessel.checkpoint.strategy import dtype_name
+            from tessel.checkpoint.strategy import checked_dtype_name
 
             shape = tuple(int(s) for s in md.size)
-            self._meta[fqn] = (shape, dtype_name(md.properties.dtype), md.chunks)
+            self._meta[fqn] = (shape, checked_dtype_name(md.properties.dtype), md.chunks)
         self._locs: dict[tuple[str, Box], TensorLoc] = {}
 
     def names(self) -> list[str]:

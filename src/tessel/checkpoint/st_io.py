@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from tessel.checkpoint.errors import CheckpointError
-from tessel.checkpoint.strategy import dtype_name
+from tessel.checkpoint.strategy import checked_dtype_name
+from tessel.dtypes import torch_dtype
 from tessel.package.safetensors_io import (
     SafetensorsFormatError,
     header_length,
@@ -34,7 +35,7 @@ BLOCK_BYTES = 64 << 20
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name such as "bfloat16"."""
-    return getattr(torch, dtype).itemsize
+    return torch_dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorLoc], dict[str
         raise CheckpointError(path, None, "is a directory, expected a safetensors file") from None
     except SafetensorsFormatError as e:
         raise CheckpointError(path, e.name, str(e)) from None
-    locs = {e.name: TensorLoc(path, e.begin, dtype_name(e.dtype), e.shape) for e in entries}
+    locs = {e.name: TensorLoc(path, e.begin, checked_dtype_name(e.dtype), e.shape) for e in entries}
     return locs, meta
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.st_io import Piece, TensorLoc, fill, read_header
+from tessel.dtypes import torch_dtype
 
 INDEX = "model.safetensors.index.json"
 
@@ -32,7 +33,7 @@ class StoredTensor:
         self.name = name
         self.box = box if box is not None else tuple((0, n) for n in loc.shape)
         self.shape = torch.Size(b - a for a, b in self.box)
-        self.dtype = getattr(torch, loc.dtype)
+        self.dtype = torch_dtype(loc.dtype)
 
     def dim(self) -> int:
         return len(self.shape)

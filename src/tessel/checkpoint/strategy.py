@@ -35,7 +35,7 @@ from tessel.checkpoint.records import (
     ParamLayout,
     Strategy,
     check_param,
-    dtype_name,
+    checked_dtype_name,
     merge_stage_prefixed,
 )
 from tessel.config.fields import (
@@ -133,7 +133,7 @@ def _param_from_json(name: str, f: Fields, mindspore: bool, stage: int = 0) -> P
         dtype = f.string("dtype", None) if f.obj.get("dtype") is not None else None
         if dtype is not None:
             try:
-                dtype = dtype_name(dtype)
+                dtype = checked_dtype_name(dtype)
             except StrategyError as e:
                 raise f.error(e.detail, "dtype") from None
         stages = f.int_list("stages", 0, MAX_ID, [0], min_len=1, unique=True)
@@ -313,7 +313,7 @@ def param_from_layout(
         dev_matrix=tuple(layout.device_matrix),
         tensor_map=axes,
         shape=tuple(int(s) for s in shape) if shape is not None else None,
-        dtype=dtype_name(dtype) if dtype is not None else None,
+        dtype=checked_dtype_name(dtype) if dtype is not None else None,
         stages=(stages,) if isinstance(stages, int) else tuple(stages),
         opt_shard_size=opt_shard_size,
         opt_shard_step=opt_shard_step,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from tessel.dtypes import dtype_name, torch_dtype
 from tessel.lower.program import OutputLayout, ProgramError, RankProgram, decode_graph, groups_in
 from tessel.plan.memory import program_peak_bytes
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
@@ -50,7 +51,7 @@ def output_layout(value: Any) -> OutputLayout | None:
     shards = tuple(p.dim if isinstance(p, Shard) else None for p in value.placements)
     return OutputLayout(
         tuple(value.shape),
-        str(value.dtype).removeprefix("torch."),
+        dtype_name(value.dtype),
         shards,
         value.to_local().is_contiguous(),
     )
@@ -159,7 +160,7 @@ def measured(rp: RankProgram, weight_inputs: int) -> RankProgram:
         by_name[spec.get("name")] = n
         if spec.get("name") in rp.shapes:
             shape, dtype = rp.shapes[spec["name"]]
-            n.meta["val"] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            n.meta["val"] = torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
             if spec.get("target") == "getitem":
                 pieces.setdefault(spec["args"][0]["$node"], {})[spec["args"][1]] = n.meta["val"]
         if n.op == "placeholder":

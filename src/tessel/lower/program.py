@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from tessel._torch import OpOverload, group_ranks
+from tessel.dtypes import dtype_name, torch_dtype
 from tessel.errors import TesselError
 from tessel.lower.operators import ALLOWED
 
@@ -240,7 +241,7 @@ def encode(
         if isinstance(a, (list, tuple)):
             return [enc(x, collective) for x in a]
         if isinstance(a, torch.dtype):
-            return {"$dtype": str(a).removeprefix("torch.")}
+            return {"$dtype": dtype_name(a)}
         if isinstance(a, torch.device):
             return {"$device": a.type}
         if isinstance(a, torch.layout):
@@ -405,9 +406,7 @@ def collectives(
             src = node["args"][0]
             if isinstance(src, dict) and src.get("$node") in shapes:
                 shape, dtype = shapes[src["$node"]]
-                size = (
-                    math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-                )
+                size = math.prod(shape) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
                 # bytes of the whole tensor the collective moves (a gather's input is one shard)
                 entry["bytes"] = size * len(group or [1]) if kind.startswith("all_gather") else size
         out.append(entry)
@@ -420,7 +419,7 @@ def node_shapes(gm: fx.GraphModule) -> dict[str, tuple[list[int], str]]:
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
-            shapes[n.name] = (list(val.shape), str(val.dtype).removeprefix("torch."))
+            shapes[n.name] = (list(val.shape), dtype_name(val.dtype))
     return shapes
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tessel.dtypes import torch_dtype
 from tessel.errors import TesselError
 from tessel.lower.trace import RankProgram
 
@@ -115,7 +116,7 @@ def _sub(value: Any, names: dict[str, str], ranks: Any = None) -> Any:
 
 
 def _nbytes(shape: list[int], dtype: str) -> int:
-    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return math.prod(shape) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:

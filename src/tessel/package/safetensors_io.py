@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from tessel.dtypes import dtype_name, torch_dtype
+
 # safetensors dtype codes <-> torch dtypes
 ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -53,7 +55,7 @@ def build_header(
     pos = 0
     rel: dict[str, tuple[int, int]] = {}
     for name, dt, shape in entries:
-        tdt = getattr(torch, dt)
+        tdt = torch_dtype(dt)
         nb = math.prod(shape) * tdt.itemsize
         hdr[name] = {
             "dtype": TORCH_TO_ST[tdt],
@@ -78,7 +80,7 @@ def write_safetensors(out: Writable, tensors: Mapping[str, torch.Tensor]) -> int
     """Write `tensors` as one safetensors file onto the stream `out`; returns the bytes written."""
     if any(t.device.type != "cpu" for t in tensors.values()):
         tensors = {k: t.cpu() for k, t in tensors.items()}
-    entries = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()]
+    entries = [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
     head, _ = build_header(entries, None)
     out.write(head)
     size = len(head)
@@ -146,7 +148,7 @@ def parse_header(raw: bytes, size: int) -> tuple[list[Entry], dict[str, str]]:
         dtype = ST_DTYPES[code]
         nbytes = math.prod(shape) * dtype.itemsize
         if e - b != nbytes or b < 0 or min(shape, default=0) < 0:
-            dt = str(dtype).removeprefix("torch.")
+            dt = dtype_name(dtype)
             raise SafetensorsFormatError(
                 f"header says {e - b} bytes for shape {list(shape)} {dt}", name
             )

@@ -45,6 +45,7 @@ from tessel.checkpoint.strategy import (
     merge_stage_prefixed,
     write_strategy,
 )
+from tessel.dtypes import torch_dtype
 from tessel.parallel.arguments import (
     file_prefix,
     flag,
@@ -690,7 +691,7 @@ def _read_entries(source: Source, entries: list[tuple[str, Box]]) -> dict[str, t
         for name, box in entries:
             job = plan_file(source, [(name, box)], "<memory>")
             op = job.params[0]
-            buf = torch.empty(op.shape, dtype=getattr(torch, op.dtype))
+            buf = torch.empty(op.shape, dtype=torch_dtype(op.dtype))
             for p in op.pieces:
                 fill(buf, p, fds.get(p.loc.path), name)
             out[name] = buf

@@ -34,6 +34,7 @@ from tessel.checkpoint.layout import Layout
 from tessel.checkpoint.mindspore_proto import strategy_to_protobuf, write_group_info
 from tessel.checkpoint.strategy import Strategy, load_strategy, param_from_layout, write_strategy
 from tessel.config.cluster import ClusterConfig
+from tessel.dtypes import dtype_name
 from tessel.parallel.annotate import (
     check_kinds,
     check_layout,
@@ -455,7 +456,7 @@ class AutoParallel(torch.nn.Module):
                 f"AutoParallel: the network was planned for a call of the form {self._form}; "
                 f"this call is {form}"
             )
-        found = [(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]
+        found = [(tuple(x.shape), dtype_name(x.dtype)) for x in inputs]
         wanted = [(tuple(s.shape), s.dtype) for s in self._planned.inputs]
         if found != wanted:
             raise ParallelError(

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from tessel.atomic import replace_atomically
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name, torch_dtype
 from tessel.package import Package
 from tessel.package.manifest import Manifest
 from tessel.runtime.session import Session, finalize, initialize
@@ -25,7 +26,7 @@ def random_inputs(manifest: Manifest) -> list[torch.Tensor]:
     import psutil
 
     available = psutil.virtual_memory().available
-    need = sum(math.prod(s.shape) * getattr(torch, s.dtype).itemsize for s in manifest.inputs)
+    need = sum(math.prod(s.shape) * torch_dtype(s.dtype).itemsize for s in manifest.inputs)
     if need > available:
         raise ConfigError(
             "--inputs",
@@ -35,7 +36,7 @@ def random_inputs(manifest: Manifest) -> list[torch.Tensor]:
         )
     out = []
     for spec in manifest.inputs:
-        dtype = getattr(torch, spec.dtype)
+        dtype = torch_dtype(spec.dtype)
         if dtype.is_floating_point:
             out.append(torch.randn(spec.shape, dtype=dtype))
         elif dtype == torch.bool:
@@ -65,7 +66,7 @@ def read_inputs(path: str, manifest: Manifest) -> list[torch.Tensor]:
         raise ConfigError(path, None, f"unexpected tensors {extra}; expected {names}")
     for name, spec in zip(names, manifest.inputs):
         x = tensors[name]
-        dtype = str(x.dtype).removeprefix("torch.")
+        dtype = dtype_name(x.dtype)
         if tuple(x.shape) != spec.shape or dtype != spec.dtype:
             raise ConfigError(
                 path,
@@ -112,7 +113,7 @@ def run_command(args: argparse.Namespace) -> int:
         times.sort()
         print(f"run_graph: {1e3 * times[len(times) // 2]:.1f} ms (median of {len(times)})")
         for i, o in enumerate(outputs):
-            print(f"output_{i}: {list(o.shape)} {str(o.dtype).removeprefix('torch.')}")
+            print(f"output_{i}: {list(o.shape)} {dtype_name(o.dtype)}")
         if args.output:
             write_outputs(args.output, outputs)
             print(f"wrote {args.output}")

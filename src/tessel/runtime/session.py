@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import TensorSpec
@@ -675,12 +676,12 @@ def _check_inputs(expected: tuple[TensorSpec, ...], inputs: Any) -> list[torch.T
             raise ConfigError(
                 "inputs", f"input_{i}", f"expected a tensor, found {type(x).__name__}"
             )
-        if tuple(x.shape) != e.shape or str(x.dtype).removeprefix("torch.") != e.dtype:
+        if tuple(x.shape) != e.shape or dtype_name(x.dtype) != e.dtype:
             raise ConfigError(
                 "inputs",
                 f"input_{i} ({e.name})",
                 f"expected shape {list(e.shape)} {e.dtype}, found {list(x.shape)} "
-                f"{str(x.dtype).removeprefix('torch.')}",
+                f"{dtype_name(x.dtype)}",
             )
     return [x.detach().cpu().contiguous() for x in inputs]
 

@@ -37,6 +37,7 @@ from tessel.config.optimizer import (
     state_keys,
     state_name,
 )
+from tessel.dtypes import dtype_name, torch_dtype
 from tessel.package.manifest import Manifest, Submodel
 from tessel.runtime.flat import FlatLayout, Owned
 from tessel.runtime.step_program import gather_weights, hand_over_gradients
@@ -116,7 +117,7 @@ class TrainingStep:
         )
         self.ties = {name: tie for name, tie in sub.tied.items() if tie.source in self.names}
         # the program computes in `compute` (bf16: on a copy of the fp32 master weights)
-        self.compute = getattr(torch, t.compute_dtype)
+        self.compute = torch_dtype(t.compute_dtype)
 
         # the weights: whole in the flat buffer, or only this replica's chunks in its segment
         self.flat: torch.Tensor | None = None
@@ -409,8 +410,8 @@ class TrainingStep:
     def checkpoint_layout(self, names: Sequence[str]) -> dict[str, tuple[tuple[int, ...], str]]:
         """The shape and dtype of every tensor `state_dict(names)` gives, without gathering or
         copying: what a checkpoint must hold, exactly so, to resume this rank."""
-        dtype = str(self.master_dtype).removeprefix("torch.")
-        held = {n: (tuple(w.shape), str(w.dtype).removeprefix("torch.")) for n, w in
+        dtype = dtype_name(self.master_dtype)
+        held = {n: (tuple(w.shape), dtype_name(w.dtype)) for n, w in
                 zip(self.order, self.weights)}  # fmt: skip
         for n in self.names:
             held[n] = (tuple(self.shapes[n]), dtype)

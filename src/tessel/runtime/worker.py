@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tessel import forked
 from tessel.checkpoint.errors import CheckpointError
+from tessel.dtypes import torch_dtype
 from tessel.log_levels import keep_torch_quiet
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
@@ -454,7 +455,7 @@ def _serve(
             # the session checked the inputs against the manifest, so only rank 0's travel
             if not leader:
                 inputs = [
-                    torch.empty(x.shape, dtype=getattr(torch, x.dtype), device=device)
+                    torch.empty(x.shape, dtype=torch_dtype(x.dtype), device=device)
                     for x in loaded.inputs
                 ]
             for x in inputs:

@@ -22,6 +22,7 @@ import torch
 from tessel._torch import OpOverload, tree_leaves
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.config.errors import ConfigError
+from tessel.dtypes import dtype_name
 from tessel.lower.operators import ALLOWED
 from tessel.lower.program import ProgramError, encode, node_shapes, op_name
 from tessel.slices.relation import ModelRelation, SliceEntry
@@ -205,7 +206,7 @@ def _collectives(gm: torch.fx.GraphModule, group_of) -> list[tuple]:
         group = _argument(n, "group_name")
         value = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
-        dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else ""
+        dtype = dtype_name(value.dtype) if isinstance(value, torch.Tensor) else ""
         reduce_op = str(_argument(n, "reduce_op") or "")
         out.append((kind, tuple(group_of(group)) if group else (), shape, dtype, reduce_op))
     return out
@@ -234,7 +235,7 @@ def _check_inputs_agree(slices: list[Slice]) -> None:
 
 
 def _show(items: list[tuple]) -> str:
-    return "[" + ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in items) + "]"
+    return "[" + ", ".join(f"{dtype_name(d)}{list(s)}" for s, d in items) + "]"
 
 
 def _check_collectives_agree(
