@@ -71,7 +71,13 @@ HigherOrderOperator = torch._ops.HigherOrderOperator
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+# the op namespace of torch's functional collectives (private by its leading underscore): the
+# collectives a lowered program calls, as `torch.ops._c10d_functional.<name>` and, written in a
+# program or a slice, as targets named "_c10d_functional.<name>.<overload>"
+C10D_FUNCTIONAL = "_c10d_functional"
+
 __all__ = [
+    "C10D_FUNCTIONAL",
     "all_gather_single",
     "reduce_scatter_single",
     "OpOverload",

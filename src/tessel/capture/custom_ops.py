@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from tessel._torch import OpOverload
+from tessel._torch import C10D_FUNCTIONAL, OpOverload
 from tessel.errors import TesselError
 
-BUILT_IN_NAMESPACES = {"aten", "prims", "_c10d_functional"}
+BUILT_IN_NAMESPACES = {"aten", "prims", C10D_FUNCTIONAL}
 
 
 class CaptureError(TesselError, ValueError):

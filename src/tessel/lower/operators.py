@@ -9,6 +9,8 @@ that names anything else is refused when it is built and when it is loaded (see
 
 from __future__ import annotations
 
+from tessel._torch import C10D_FUNCTIONAL
+
 _COLLECTIVES = {
     "all_reduce.default",
     "all_reduce_coalesced.default",
@@ -291,7 +293,7 @@ IN_PLACE = frozenset({"aten.index_put_.default", "aten.masked_fill_.Scalar"})
 
 ALLOWED: frozenset[str] = (
     frozenset(
-        {f"aten.{name}" for name in _ATEN} | {f"_c10d_functional.{name}" for name in _COLLECTIVES}
+        {f"aten.{name}" for name in _ATEN} | {f"{C10D_FUNCTIONAL}.{name}" for name in _COLLECTIVES}
     )
     | IN_PLACE
 )

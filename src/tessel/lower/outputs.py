@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from tessel._torch import C10D_FUNCTIONAL
 from tessel.dtypes import dtype_name, torch_dtype
 from tessel.lower.program import OutputLayout, ProgramError, RankProgram, decode_graph, groups_in
 from tessel.plan.memory import program_peak_bytes
@@ -30,8 +31,8 @@ from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placem
 
 _PERMUTE = "aten.permute.default"
 _CLONE = "aten.clone.default"
-_GATHER = "_c10d_functional.all_to_all_single.default"
-_WAIT = "_c10d_functional.wait_tensor.default"
+_GATHER = f"{C10D_FUNCTIONAL}.all_to_all_single.default"
+_WAIT = f"{C10D_FUNCTIONAL}.wait_tensor.default"
 
 
 def shards_only(value: DTensor) -> DTensor:

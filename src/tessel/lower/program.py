@@ -21,13 +21,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from tessel._torch import OpOverload, group_ranks
+from tessel._torch import C10D_FUNCTIONAL, OpOverload, group_ranks
 from tessel.dtypes import dtype_name, torch_dtype
 from tessel.errors import TesselError
 from tessel.lower.operators import ALLOWED
 
 FORMAT = "tessel.program/1"
-_COLLECTIVES = "_c10d_functional"
 _NODE_KINDS = ("input", "constant", "call", "output")
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}  # what `repr` gives non-finite
 _VALUE_KEYS = ("$node", "$dtype", "$device", "$layout", "$memory_format", "$float", "$group")
@@ -264,7 +263,7 @@ def encode(
             nodes.append({"op": "constant", "name": n.name})
         elif n.op == "call_function":
             target = op_name(n.target)
-            groups = _group_arguments(n.target) if target.startswith(_COLLECTIVES) else set()
+            groups = _group_arguments(n.target) if target.startswith(C10D_FUNCTIONAL) else set()
             nodes.append(
                 {
                     "op": "call",
@@ -393,7 +392,7 @@ def collectives(
     """The collectives of a program: kind, group and bytes moved per call (from input shapes)."""
     out = []
     for node in program["nodes"]:
-        if node.get("op") != "call" or not node["target"].startswith(_COLLECTIVES):
+        if node.get("op") != "call" or not node["target"].startswith(C10D_FUNCTIONAL):
             continue
         kind = node["target"].split(".")[1]
         if kind == "wait_tensor":

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tessel._torch import C10D_FUNCTIONAL
 from tessel.dtypes import torch_dtype
 from tessel.errors import TesselError
 from tessel.lower.trace import RankProgram
@@ -35,10 +36,10 @@ from tessel.lower.trace import RankProgram
 _SLICE = "aten.slice.Tensor"
 _ZEROS = "aten.zeros.default"
 _CAT = "aten.cat.default"
-_BROADCAST = "_c10d_functional.broadcast.default"
-_GATHER = "_c10d_functional.all_to_all_single.default"
+_BROADCAST = f"{C10D_FUNCTIONAL}.broadcast.default"
+_GATHER = f"{C10D_FUNCTIONAL}.all_to_all_single.default"
 _CLONE = "aten.clone.default"
-_WAIT = "_c10d_functional.wait_tensor.default"
+_WAIT = f"{C10D_FUNCTIONAL}.wait_tensor.default"
 
 
 class StageError(TesselError, ValueError):

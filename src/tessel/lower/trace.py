@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tessel._torch import (
+    C10D_FUNCTIONAL,
     MaskPartial,
     clear_dtensor_caches,
     fake_process_group,
@@ -370,7 +371,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return getattr(node.target, "namespace", None) == "_c10d_functional"
+    return getattr(node.target, "namespace", None) == C10D_FUNCTIONAL
 
 
 def _as_planned(out: Any, strategy: Any, n: fx.Node, checked: _Checked) -> Any:

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from tessel._torch import tree_leaves
+from tessel._torch import C10D_FUNCTIONAL, tree_leaves
 from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # ops that hand back (a view of) their argument though their schema does not say so
 _UNANNOTATED_VIEWS = {
     torch.ops.aten._unsafe_view.default,
-    torch.ops._c10d_functional.wait_tensor.default,
+    getattr(torch.ops, C10D_FUNCTIONAL).wait_tensor.default,
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from tessel._torch import C10D_FUNCTIONAL
 from tessel.errors import TesselError
 from tessel.runtime.loader import load_rank
 
@@ -112,7 +113,7 @@ class _Rank(fx.Interpreter):
         }
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if getattr(target, "namespace", None) == "_c10d_functional":
+        if getattr(target, "namespace", None) == C10D_FUNCTIONAL:
             name = target._schema.name.split("::")[1]
             if name not in self.impl:
                 raise InProcessError(f"collective {name} is not supported in process")

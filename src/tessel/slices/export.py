@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tessel._torch import group_ranks, tree_leaves, tree_map
+from tessel._torch import C10D_FUNCTIONAL, group_ranks, tree_leaves, tree_map
 from tessel.atomic import replace_atomically
 from tessel.config.errors import ConfigError
 
@@ -133,7 +133,7 @@ def _groups_named(gm: torch.fx.GraphModule) -> dict[str, list[int]]:
     """Every process group the traced collectives name, with its global ranks."""
     found = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not str(n.target).startswith("_c10d_functional"):
+        if n.op != "call_function" or not str(n.target).startswith(C10D_FUNCTIONAL):
             continue
         schema = n.target._schema.arguments
         for i, a in enumerate(n.args):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tessel._torch import OpOverload, tree_leaves
+from tessel._torch import C10D_FUNCTIONAL, OpOverload, tree_leaves
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.config.errors import ConfigError
 from tessel.dtypes import dtype_name
@@ -30,7 +30,6 @@ from tessel.slices.relation import ModelRelation, SliceEntry
 log = logging.getLogger(__name__)
 
 _WEIGHT_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
-_COLLECTIVES = "_c10d_functional"
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ def _group_lookup(
 def _collectives(gm: torch.fx.GraphModule, group_of) -> list[tuple]:
     out = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not str(n.target).startswith(_COLLECTIVES):
+        if n.op != "call_function" or not str(n.target).startswith(C10D_FUNCTIONAL):
             continue
         kind = str(n.target).split(".")[1]
         if kind == "wait_tensor":
