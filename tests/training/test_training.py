@@ -304,7 +304,8 @@ def test_a_deep_model_lowered_from_copies_of_one_layer_trains_as_torch(
 ):
     # six layers: the forward and the backward pass of the identical ones are each traced
     # twice and copied for the rest (lowering's stitching), on two tensor-parallel ranks
-    from tessel.lower.stitch import MIN_LAYERS, Stitcher
+    from tessel.capture.layers import MIN_LAYERS
+    from tessel.lower.stitch import Stitcher
 
     stitched: list[int] = []  # per stitched rank, how many runs of layers were copied
     stitch = Stitcher.stitch

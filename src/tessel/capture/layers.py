@@ -10,6 +10,11 @@ from torch import fx
 
 _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
+# the fewest identical layers a stack needs before a trace is shared: capture traces layer 0 and
+# copies it for the rest (stamp.py), lowering traces two and copies the second (stitch.py, for
+# which three is the least that saves a trace); a shorter stack is traced layer by layer
+MIN_LAYERS = 3
+
 
 def layer_of(node: fx.Node) -> tuple[str, int] | None:
     """(`model.layers.*`, 3) for a node inside `model.layers.3`, else None."""

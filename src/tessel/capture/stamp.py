@@ -27,10 +27,9 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 
 from tessel._torch import OpOverload, tree_flatten, tree_unflatten
+from tessel.capture.layers import MIN_LAYERS
 
 log = logging.getLogger(__name__)
-
-MIN_LAYERS = 3  # a stack this deep saves at least one layer's trace
 
 
 class CannotStamp(Exception):

@@ -22,11 +22,10 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from tessel._torch import local_tensor, proxy_node, traced_graph_length, tree_leaves
+from tessel.capture.layers import MIN_LAYERS
 from tessel.capture.stamp import marker_op
 from tessel.plan import Plan
 from tessel.plan.layers import identical_layers
-
-MIN_LAYERS = 3
 
 
 class StitchError(RuntimeError):
