@@ -11,10 +11,10 @@ from tessel._torch import detached_mesh
 from tessel.plan.planner import mesh_for
 from tessel.plan.strategies import (
     DTensorSpec,
+    NodeStrategy,
     Partial,
     Replicate,
     Shard,
-    Strategy,
     as_op_strategy,
     describe_strategy,
     has_rule,
@@ -38,7 +38,7 @@ def _replicated(t: torch.Tensor):
     return as_op_strategy([None], MESH, tensor_meta(t))
 
 
-def _placements(strategy: Strategy):
+def _placements(strategy: NodeStrategy):
     out = strategy.output
     ins = tuple(tuple(s.placements) if s is not None else None for s in strategy.inputs)
     return ins, tuple(out.placements)
@@ -142,16 +142,16 @@ def test_describe_strategy_and_strategy_key():
     mesh = MESH
     meta = tensor_meta(torch.empty(4, 4))
     spec = lambda *p: DTensorSpec(mesh, p, meta)  # noqa: E731
-    mm = Strategy(spec(Partial()), (spec(Shard(1)), spec(Shard(0))))
+    mm = NodeStrategy(spec(Partial()), (spec(Shard(1)), spec(Shard(0))))
     assert describe_strategy(mm) == "S(1), S(0) -> P(sum)"
     assert strategy_key(mm) == "S(1), S(0) -> P(sum)"
-    weight = Strategy(spec(Shard(0)), ())
+    weight = NodeStrategy(spec(Shard(0)), ())
     assert describe_strategy(weight) == " -> S(0)"
-    split = Strategy((spec(Shard(0)), None), (spec(Shard(0)), None))
+    split = NodeStrategy((spec(Shard(0)), None), (spec(Shard(0)), None))
     assert describe_strategy(split) == "S(0), - -> (S(0), -)"
     assert split.output_at(0) is split.output[0] and split.output_at(1) is None
     assert mm.output_at(None) is mm.output and mm.output_at(3) is mm.output
-    two_d = Strategy(
+    two_d = NodeStrategy(
         DTensorSpec(GRID, (Shard(0), Partial()), meta),
         (DTensorSpec(GRID, (Replicate(), Shard(1)), meta),),
     )

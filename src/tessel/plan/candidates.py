@@ -15,9 +15,9 @@ from tessel.plan import cost
 from tessel.plan.errors import PlanError
 from tessel.plan.strategies import (
     DTensorSpec,
+    NodeStrategy,
     Replicate,
     Shard,
-    Strategy,
     as_op_strategy,
     op_strategies,
     placement_strategies,
@@ -37,10 +37,10 @@ class NodeChoices:
 
     node: fx.Node
     kind: str  # "param", "input", "const", "op", "getitem", "fallback", "factory", "drop"
-    strategies: list[Strategy]
+    strategies: list[NodeStrategy]
     args: list[fx.Node] = field(
         default_factory=list
-    )  # tensor args, in the order of Strategy.inputs
+    )  # tensor args, in the order of NodeStrategy.inputs
     owner: fx.Node | None = (
         None  # the node whose decision this one shares (getitem, repeated layer)
     )
@@ -93,7 +93,7 @@ def _enumerate(
             continue
         if n.op == "placeholder":
             if not isinstance(val, torch.Tensor):
-                choices[n] = NodeChoices(n, "const", [Strategy(None, ())])
+                choices[n] = NodeChoices(n, "const", [NodeStrategy(None, ())])
             elif n.name in param_names:
                 strategies = placement_strategies(mesh, val)
                 if n.name in fixed:
@@ -130,7 +130,7 @@ def _enumerate(
             )
             continue
         if n.target in DROPPED:
-            choices[n] = NodeChoices(n, "drop", [Strategy(None, ())])
+            choices[n] = NodeChoices(n, "drop", [NodeStrategy(None, ())])
             continue
         args = tensor_args(n)
         if not args:
@@ -140,11 +140,13 @@ def _enumerate(
     return choices
 
 
-def _fixed(n: fx.Node, strategies: list[Strategy], wanted: tuple[str, ...]) -> list[Strategy]:
+def _fixed(
+    n: fx.Node, strategies: list[NodeStrategy], wanted: tuple[str, ...]
+) -> list[NodeStrategy]:
     """The one strategy placing weight `n` as `wanted` says."""
     from tessel.sharding.placements import placement_str
 
-    def placed(s: Strategy) -> tuple[str, ...]:
+    def placed(s: NodeStrategy) -> tuple[str, ...]:
         return tuple(placement_str(p) for p in s.single_output().placements)
 
     found = [s for s in strategies if placed(s) == wanted]
@@ -199,7 +201,7 @@ def _op_choices(
     return NodeChoices(n, "op", found, args)
 
 
-def _shards_dims_it_has(s: Strategy, n: fx.Node, args: list[fx.Node]) -> bool:
+def _shards_dims_it_has(s: NodeStrategy, n: fx.Node, args: list[fx.Node]) -> bool:
     """Whether each value the strategy shards has the dim it shards: a rule may give a
     result it reduces to 0 dims its input's Shard (sum over an empty dim list, which sums
     every dim), and that placement places nothing."""
@@ -216,7 +218,7 @@ def _shards_dims_it_has(s: Strategy, n: fx.Node, args: list[fx.Node]) -> bool:
     )
 
 
-def _replicated_on_single_axes(s: Strategy, mesh: DeviceMesh) -> bool:
+def _replicated_on_single_axes(s: NodeStrategy, mesh: DeviceMesh) -> bool:
     single = [i for i, size in enumerate(mesh.shape) if size == 1]
     outputs = s.output if isinstance(s.output, tuple) else (s.output,)
     return all(
@@ -227,10 +229,10 @@ def _replicated_on_single_axes(s: Strategy, mesh: DeviceMesh) -> bool:
 
 def _one_candidate_at_a_time(
     n: fx.Node, s_args: tuple, s_kwargs: dict, mesh: DeviceMesh
-) -> list[Strategy]:
+) -> list[NodeStrategy]:
     """Rules such as view's reject a whole candidate list for one bad layout: ask per layout."""
     index = next(i for i, a in enumerate(s_args) if isinstance(a, OpStrategy))
-    found: list[Strategy] = []
+    found: list[NodeStrategy] = []
     for spec in s_args[index].strategies:
         args = s_args[:index] + (OpStrategy([spec]),) + s_args[index + 1 :]
         try:
@@ -261,7 +263,7 @@ def _replicated(n: fx.Node, mesh: DeviceMesh, kind: str, reason: str) -> NodeCho
     ins = tuple(DTensorSpec(mesh, rep, tensor_meta(a.meta.get("val"))) for a in args)
     if reason:
         log.debug("replicating %s (%s): %s", n.name, n.target, reason)
-    return NodeChoices(n, kind, [Strategy(out, ins)], args, reason=reason)
+    return NodeChoices(n, kind, [NodeStrategy(out, ins)], args, reason=reason)
 
 
 def node_flops(n: fx.Node) -> float:

@@ -29,7 +29,7 @@ from tessel.plan.ilp import least_memory
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, footprint
 from tessel.plan.problem import InfeasibleError, Problem
-from tessel.plan.strategies import Replicate, Strategy
+from tessel.plan.strategies import NodeStrategy, Replicate
 from tessel.units import human_bytes, two_sizes
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Plan:
     footprint: Footprint | None = field(default=None, repr=False)
     fixed: frozenset[str] = frozenset()  # FQNs of the weights the policy places
 
-    def strategy(self, node: fx.Node) -> Strategy:
+    def strategy(self, node: fx.Node) -> NodeStrategy:
         c = self.choices[node]
         return c.strategies[self.choice[c.owner or node]]
 

@@ -31,13 +31,13 @@ from tessel.plan import cpu_attention  # noqa: F401  (DTensor learns CPU attenti
 
 __all__ = [
     "DTensorSpec",
+    "NodeStrategy",
     "OpSpec",
     "OpStrategy",
     "Partial",
     "Placement",
     "Replicate",
     "Shard",
-    "Strategy",
     "op_strategies",
     "placement_strategies",
     "tensor_meta",
@@ -45,7 +45,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Strategy:
+class NodeStrategy:
     """One way to run a node: the spec of its output and the spec each tensor input must have."""
 
     output: DTensorSpec | tuple[DTensorSpec | None, ...] | None
@@ -72,7 +72,7 @@ def tensor_meta(val: Any) -> TensorMeta | None:
 
 def placement_strategies(
     mesh: DeviceMesh, val: torch.Tensor, replicate_only: bool = False
-) -> list[Strategy]:
+) -> list[NodeStrategy]:
     """Every (Replicate | Shard(d)) per mesh dim, for graph inputs and weights.
 
     Shards follow torch.chunk, as DTensor's do: where a dimension does not divide, the first
@@ -88,7 +88,7 @@ def placement_strategies(
     out = []
     for combo in itertools.product(*options):
         if _splittable(val.shape, combo, mesh.shape):
-            out.append(Strategy(DTensorSpec(mesh, tuple(combo), meta), ()))
+            out.append(NodeStrategy(DTensorSpec(mesh, tuple(combo), meta), ()))
     return out
 
 
@@ -120,7 +120,7 @@ def op_strategies(
     kwargs: dict,
     out_val: Any,
     mesh: DeviceMesh,
-) -> list[Strategy] | None:
+) -> list[NodeStrategy] | None:
     """The strategies DTensor allows for `op` when its tensor args may take the given candidates.
 
     `args`/`kwargs` hold an OpStrategy where the graph passes a tensor. Returns None when DTensor
@@ -170,7 +170,7 @@ def op_strategies(
 
 def _attention_strategies(
     args: tuple, kwargs: dict, out_val: Any, mesh: DeviceMesh
-) -> list[Strategy]:
+) -> list[NodeStrategy]:
     """Attention is independent per batch row and per head: shard q, k, v (and a mask that has
     the dim) on dim 0 or 1, get the output sharded the same way.
 
@@ -189,7 +189,7 @@ def _attention_strategies(
         if None in ins:
             continue
         placements = tuple(Replicate() if d is None else Shard(d) for d in combo)
-        out.append(Strategy(DTensorSpec(mesh, placements, tensor_meta(out_val)), tuple(ins)))
+        out.append(NodeStrategy(DTensorSpec(mesh, placements, tensor_meta(out_val)), tuple(ins)))
     return out
 
 
@@ -217,9 +217,9 @@ LOCAL_RULES = {torch.ops.aten.scaled_dot_product_attention.default: _attention_s
 """Ops tessel places itself and lowers by running them on the local shards."""
 
 
-def _dedup(result: OpStrategy) -> list[Strategy]:
+def _dedup(result: OpStrategy) -> list[NodeStrategy]:
     seen: set = set()
-    out: list[Strategy] = []
+    out: list[NodeStrategy] = []
     for spec in result.strategies:
         output = spec.output_specs
         if isinstance(output, list):
@@ -230,7 +230,7 @@ def _dedup(result: OpStrategy) -> list[Strategy]:
         if key in seen or _strided(output) or any(_strided(s) for s in inputs):
             continue
         seen.add(key)
-        out.append(Strategy(output, inputs))
+        out.append(NodeStrategy(output, inputs))
     return out
 
 
@@ -271,12 +271,12 @@ def _placement_text(spec: DTensorSpec | tuple | None) -> str:
     return "/".join(str(p) for p in spec.placements)
 
 
-def describe_strategy(strategy: Strategy) -> str:
+def describe_strategy(strategy: NodeStrategy) -> str:
     """`S(0), R -> S(0)`: the input placements, then the output's."""
     ins = ", ".join(_placement_text(s) for s in strategy.inputs)
     return f"{ins} -> {_placement_text(strategy.output)}"
 
 
-def strategy_key(strategy: Strategy) -> str:
+def strategy_key(strategy: NodeStrategy) -> str:
     """A name for a strategy that is the same in every planning of one graph."""
     return describe_strategy(strategy)
