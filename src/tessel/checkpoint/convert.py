@@ -26,7 +26,7 @@ from typing import NoReturn
 import torch
 
 from tessel.checkpoint.errors import CheckpointError
-from tessel.checkpoint.plan import FileJob, OutParam
+from tessel.checkpoint.fill import FileJob, OutParam
 from tessel.checkpoint.publish import StagedTree, pause_point, staged_file, sync_file
 from tessel.checkpoint.st_io import (
     DIRECT_RUN_BYTES,

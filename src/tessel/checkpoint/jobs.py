@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tessel.checkpoint.boxes import Box, device_box
 from tessel.checkpoint.errors import CheckpointError, StrategyError
-from tessel.checkpoint.plan import FileJob, plan_file
+from tessel.checkpoint.fill import FileJob, plan_file
 from tessel.checkpoint.sources import (
     DCPSource,
     FullSource,

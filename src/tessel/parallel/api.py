@@ -19,6 +19,7 @@ import torch
 from tessel.checkpoint.boxes import Box, device_box
 from tessel.checkpoint.convert import execute, execute_file, shape_bytes
 from tessel.checkpoint.errors import CheckpointError, StrategyError
+from tessel.checkpoint.fill import FileJob, needed_holders, plan_file
 from tessel.checkpoint.jobs import (
     StrategyArg,
     full_dst,
@@ -29,7 +30,6 @@ from tessel.checkpoint.jobs import (
     rank_jobs,
     resolve_dst,
 )
-from tessel.checkpoint.plan import FileJob, needed_holders, plan_file
 from tessel.checkpoint.sources import (
     DCPSource,
     FullSource,

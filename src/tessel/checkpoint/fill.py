@@ -1,4 +1,4 @@
-"""Planning: which stored chunks (and which copy of each) fill each output slice.
+"""Which stored chunks (and which copy of each) fill each output slice.
 
 Each output slice is filled from the chunks whose boxes intersect it. When a chunk has several
 holders (replicas), the holders are chosen so that the set of source files read per output file is
