@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Union
 import numpy as np
 import torch
 from torch import fx
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from tessel._torch import C10D_FUNCTIONAL, tree_leaves
 from tessel.capture.training import gradient_outputs
@@ -236,7 +236,9 @@ def footprint(
         else:
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
-    buffers = _resharding_buffers(graph, choices, mesh_shape, like or {}, marks is None)
+    buffers = _resharding_buffers(
+        graph, choices, mesh_shape, like or {}, marks is None, frozenset(weight_tensors)
+    )
     by_start = sorted(buffers, key=lambda b: b.start)
     by_end = sorted(buffers, key=lambda b: b.end)
     now = _HeldNow(weights)
@@ -267,24 +269,31 @@ def footprint(
     for t, started, stopped in sweep(live, {b.start for b in buffers}):
         for s in started:
             storage(s, 1)
-        to_rank_0 = []
+        to_rank_0, to_others = [], []
         while i < len(by_start) and by_start[i].start <= t:
             if by_start[i].rank_0_only:
                 to_rank_0.append(by_start[i])
+            elif by_start[i].others_only:
+                to_others.append(by_start[i])
             else:
                 buffer(by_start[i], 1)
             i += 1
         for s in stopped:
             storage(s, -1)
         while j < len(by_end) and by_end[j].end < t:
-            buffer(by_end[j], -1)
+            if not by_end[j].others_only:
+                buffer(by_end[j], -1)
             j += 1
-        if to_rank_0:  # the outputs' step: rank 0 holds more than the others
+        if to_rank_0 or to_others:  # the outputs' step: rank 0 holds more than the others
+            for b in to_others:
+                buffer(b, 1)
             take_row(others)
+            for b in to_others:
+                buffer(b, -1)
             for b in to_rank_0:
                 buffer(b, 1)
         key = take_row(rows)
-        if not to_rank_0:
+        if not (to_rank_0 or to_others):
             others[key] = rows[key]
     return Footprint(list(rows.values()), weights, fixed, list(others.values()))
 
@@ -299,6 +308,7 @@ class _Buffer:
     start: int
     end: int
     rank_0_only: bool = False  # a forward's output, gathered to rank 0
+    others_only: bool = False  # what the other ranks hold as they send it
 
 
 def _resharding_buffers(
@@ -307,14 +317,23 @@ def _resharding_buffers(
     mesh_shape: tuple[int, ...],
     like: dict[int, fx.Node],
     forward: bool = False,
+    weights: frozenset[str] = frozenset(),
 ) -> list[_Buffer]:
     """The buffers that moving nodes' inputs to their placements allocates.
 
     An input whose producer's placement differs from the one the consumer takes is copied (a
     gather, a reduction, a slice): the copy, at the consumer's placement, lives while the
-    consumer runs, or, where the consumer is a view, as long as the view does. At the end a
+    consumer runs, or, where the consumer is a view, as long as the view does (the moved value
+    alone: the copies made on the way to it are freed as the move ends). At the end a
     forward's outputs are gathered to rank 0 (`gathered_output_bytes`); a training step's are
     gathered whole, or placed like their weights.
+
+    A view that moves its input reads the copy, not the storage its input aliases: that
+    storage (or an earlier move's copy) is no longer kept alive by the view and views of it.
+    `storages` keeps it alive through them whatever the plan, so from the step after the move
+    to the view's last step, where nothing else reads it, a buffer of negative bytes (the
+    input's, for the pairs that move it) takes it away again. `weights` names the weight
+    placeholders: they are held throughout, and nothing is taken away from them.
     """
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -326,6 +345,8 @@ def _resharding_buffers(
             if is_view(u):
                 end = max(end, lives[u])
         lives[n] = max(end, position[n])
+    read_apart = _read_apart(nodes, position, weights)
+    others = range(1, math.prod(mesh_shape))
     whole = tuple(Replicate() for _ in mesh_shape)
     out: list[_Buffer] = []
     matrices: dict[tuple, np.ndarray] = {}
@@ -360,14 +381,19 @@ def _resharding_buffers(
                     ):
                         continue
                     vp = p.owner or a
-                    sizes = [
-                        gathered_output_bytes(
-                            val, _placements(s.output_at(p.out_index)), mesh_shape
-                        )
-                        for s in choices[vp].strategies
-                    ]
+                    src = [_placements(s.output_at(p.out_index)) for s in choices[vp].strategies]
+                    sizes = [gathered_output_bytes(val, s, mesh_shape) for s in src]
                     if any(sizes):
                         out.append(_Buffer((vp, vp), np.diag(sizes), t, t, rank_0_only=True))
+                    sent = [
+                        max(
+                            (gathered_output_bytes(val, s, mesh_shape, r) for r in others),
+                            default=0.0,
+                        )
+                        for s in src
+                    ]
+                    if any(sent):
+                        out.append(_Buffer((vp, vp), np.diag(sent), t, t, others_only=True))
                 continue
             # (input, its index among the consumer's inputs, or the placements it must take)
             edges: list[tuple[fx.Node, int | None, tuple[Placement, ...] | None]]
@@ -398,34 +424,89 @@ def _resharding_buffers(
             ]
             # identical layers repeat the same shapes and strategies: each matrix made once
             key = (tuple(val.shape), val.element_size(), tuple(src), tuple(dst))
-            m = matrices.get(key)
-            if m is None:
-                m = np.array([[_buffer_bytes(val, s, d, mesh_shape) for d in dst] for s in src])
-                matrices[key] = m
-            if np.any(m):
-                out.append(_Buffer((vp, vc), m, t, end))
+            if key not in matrices:
+                moves = [[_move_bytes(val, s, d, mesh_shape) for d in dst] for s in src]
+                matrices[key] = np.array(moves).reshape(len(src), len(dst), 2)
+            m = matrices[key]
+            if not np.any(m[..., 0]):
+                continue
+            if end == t:
+                out.append(_Buffer((vp, vc), m[..., 0], t, t))
+                continue
+            # a view reads the moved value later; the copies made on the way are freed now
+            if np.any(m[..., 0] - m[..., 1]):
+                out.append(_Buffer((vp, vc), m[..., 0] - m[..., 1], t, t))
+            out.append(_Buffer((vp, vc), m[..., 1], t, end))
+            apart = read_apart.get(n) if a is n.args[0] else None
+            if apart is not None and apart < end:  # its input is freed once moved
+                held = np.array([local_bytes(val, s, mesh_shape) for s in src], dtype=float)
+                freed = np.where(m[..., 0] > 0, -held[:, None], 0.0)
+                out.append(_Buffer((vp, vc), freed, apart + 1, end))
+    return out
+
+
+def _read_apart(
+    nodes: list[fx.Node], position: dict[fx.Node, int], weights: frozenset[str]
+) -> dict[fx.Node, int]:
+    """For each view of an activation, the last step at which the storage it aliases is read
+    other than by the view and views of it (at least the view's own step, which reads it)."""
+    last = len(nodes) - 1
+    root: dict[fx.Node, fx.Node] = {}
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:  # the storages as `storages` finds them; weights and their views held
+        if is_view(n):
+            base = n.args[0]
+            if not isinstance(base, fx.Node) or base not in root:
+                continue
+            root[n] = root[base]
+        elif n.op == "call_function" or (n.op == "placeholder" and n.name not in weights):
+            root[n] = n
+        else:
+            continue
+        members.setdefault(root[n], []).append(n)
+    # the last step each alias is read at: a view's own step reads what it views
+    read = {
+        n: max((last if u.op == "output" else position[u] for u in n.users), default=position[n])
+        for n in root
+    }
+    out: dict[fx.Node, int] = {}
+    for tree in members.values():
+        if len(tree) == 1:
+            continue
+        for u in tree[1:]:
+            under = {u}  # u and the views of it (a view comes after what it views)
+            for n in tree[1:]:
+                if n.args[0] in under:
+                    under.add(n)
+            out[u] = max([position[u], *(read[n] for n in tree if n not in under)])
     return out
 
 
 def gathered_output_bytes(
-    val: torch.Tensor, src: tuple[Placement, ...] | None, mesh_shape: tuple[int, ...]
+    val: torch.Tensor,
+    src: tuple[Placement, ...] | None,
+    mesh_shape: tuple[int, ...],
+    rank: int = 0,
 ) -> float:
-    """What rank 0 holds, beyond the output's own value, while a forward's output of `src`
-    placements is brought to it whole (`tessel.lower.outputs`): a partial sum's scattered
-    shard, then at each gather what is sent (the shard, or the previous gather's buffer, or a
-    copy of it with the gathered dimension first, its original freed) and the buffer it is
-    received into."""
+    """What `rank` holds, beyond the output's own value, while a forward's output of `src`
+    placements is brought whole to rank 0 (`tessel.lower.outputs`): a partial sum's scattered
+    shard, then at each gather it takes part in what it sends (the shard, or the previous
+    gather's buffer; a copy of it with the gathered dimension first where that is not the
+    first or the buffer was permuted, its original freed once copied) and the buffer it
+    receives into (empty on all but the first rank of the gather's group)."""
     if src is None:
         return 0.0
     shards = partial_to_shards(val.shape, src, mesh_shape)
     now = list(shards)
     shard = before = local_bytes(val, shard_placements(shards), mesh_shape)
     held = float(shard) if any(p.is_partial() for p in src) else 0.0
-    for step in gather_steps(val.shape, shards, mesh_shape, 0):
+    contiguous = True
+    for step in gather_steps(val.shape, shards, mesh_shape, rank):
         now[step.axis] = None
-        after = local_bytes(val, shard_placements(tuple(now)), mesh_shape)
-        held = max(held, before + after - shard)  # the shard itself is counted apart
-        before = after
+        after = local_bytes(val, shard_placements(tuple(now)), mesh_shape) if step.me == 0 else 0
+        sent = max(before, after) if step.dim != 0 or not contiguous else after
+        held = max(held, before + sent - shard)  # the shard itself is counted apart
+        before, contiguous = after, step.dim == 0
     return held
 
 
@@ -435,7 +516,19 @@ def _buffer_bytes(
     dst: tuple[Placement, ...] | None,
     mesh_shape: tuple[int, ...],
 ) -> float:
-    """Bytes a device allocates to move `val` from `src` to `dst` placements.
+    """Bytes a device allocates to move `val` from `src` to `dst` placements (`_move_bytes`)."""
+    return _move_bytes(val, src, dst, mesh_shape)[0]
+
+
+def _move_bytes(
+    val: torch.Tensor,
+    src: tuple[Placement, ...] | None,
+    dst: tuple[Placement, ...] | None,
+    mesh_shape: tuple[int, ...],
+) -> tuple[float, float]:
+    """Bytes a device allocates to move `val` from `src` to `dst` placements, all told, and
+    those of the last allocation alone: the moved value, which outlives the move where a view
+    of it is read later, while the copies made on the way are freed as the move ends.
 
     The copy has the target's size. Gathering a shard (to replicate it, or to shard another
     dimension: the programs are traced on CPU meshes, where DTensor has no all-to-all) gathers
@@ -444,8 +537,8 @@ def _buffer_bytes(
     first and then joined along its own (a second buffer of the gathered size).
     """
     if src is None or dst is None or src == dst:
-        return 0.0
-    total = 0.0
+        return 0.0, 0.0
+    total = last = 0.0
     here = list(src)
     for m, (a, b) in enumerate(zip(src, dst)):
         if not isinstance(a, Shard) or a == b:
@@ -460,14 +553,84 @@ def _buffer_bytes(
         padded = -(-rows // n) * n
         gathered = local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)
         total += gathered
+        last = gathered
         if padded != rows:
             total += local_bytes(val, tuple(here), mesh_shape)  # the padded shard
         if a.dim != 0:
-            total += local_bytes(val, tuple(whole), mesh_shape)  # joined along its own dim
+            last = local_bytes(val, tuple(whole), mesh_shape)  # joined along its own dim
+            total += last
         here = whole
     if tuple(here) != tuple(dst):
-        total += local_bytes(val, dst, mesh_shape)  # then sliced, reduced or made partial
-    return float(total)
+        if total and _sliced_in_place(val, tuple(here), dst):
+            pass  # the shard kept is a view of what was gathered, which stays whole
+        else:
+            # a reduce-scatter sends blocks of the first dim, of one size: the value is
+            # rearranged into them first (padded where the dim does not split evenly, then
+            # joined along the first dim where it is another), copies of its whole local size
+            copies = _scatter_copies(val, tuple(here), dst, mesh_shape)
+            total += copies * local_bytes(val, tuple(here), mesh_shape)
+            last = local_bytes(val, dst, mesh_shape)  # then sliced, reduced or made partial
+            total += last
+    if total and _relaid(val):
+        # a collective's result is contiguous: the shard it sends is made so first, and a
+        # replicated result is copied into the captured layout (lower/trace._laid_out)
+        if any(isinstance(p, Shard) for p in src):
+            total += local_bytes(val, src, mesh_shape)
+        if all(isinstance(p, Replicate) for p in dst):
+            last = local_bytes(val, dst, mesh_shape)
+            total += last
+    return float(total), float(last)
+
+
+def _blocks(val: torch.Tensor, dim: int) -> bool:
+    """Whether the shards of `dim` are contiguous blocks of `val` (every dim before it has
+    one element)."""
+    return all(val.shape[d] == 1 for d in range(dim))
+
+
+def _scatter_copies(val: torch.Tensor, here: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> int:
+    """Whole-size copies DTensor makes of a partial value to reduce-scatter it."""
+    copies = 0
+    for m, (a, b) in enumerate(zip(here, dst)):
+        if isinstance(a, Partial) and isinstance(b, Shard):
+            copies += (val.shape[b.dim] % mesh_shape[m] != 0) + (b.dim != 0)
+    return copies
+
+
+def _sliced_in_place(val: torch.Tensor, here: tuple, dst: tuple) -> bool:
+    """Whether going from `here` to `dst` only keeps a shard of replicated dims, each of whose
+    shards is a contiguous block (every dim before it has one element), which DTensor takes as
+    a view rather than a copy."""
+    for a, b in zip(here, dst):
+        if a == b:
+            continue
+        if not (isinstance(a, Replicate) and isinstance(b, Shard)):
+            return False
+        if not _blocks(val, b.dim):
+            return False
+    return True
+
+
+def _relaid(val: torch.Tensor) -> bool:
+    """Whether `val`'s layout is dense but not contiguous (a transposed value): the lowering
+    remakes such a layout with a copy where a collective hands back a contiguous tensor."""
+    if val.dim() == 0 or val.stride() == _contiguous_strides(tuple(val.shape)):
+        return False
+    want = tuple(val.stride())
+    order = sorted(range(val.dim()), key=lambda d: (-want[d], d))  # outermost first
+    strides = _contiguous_strides(tuple(val.shape[d] for d in order))
+    remade = [0] * val.dim()
+    for d, stride in zip(order, strides):
+        remade[d] = stride
+    return tuple(remade) == want
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # what a device holds bytes for: a decision, or a pair of them (a buffer between the two)
