@@ -289,9 +289,9 @@ def test_a_view_moved_off_a_shard_holds_only_the_moved_value():
 
 
 class _ReducedToColumns(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, columns: int) -> None:
         super().__init__()
-        self.proj = torch.nn.Linear(16, 64, bias=False)  # 4096 bytes
+        self.proj = torch.nn.Linear(16, columns, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
@@ -306,9 +306,7 @@ def test_a_partial_value_reduce_scattered_by_columns_counts_its_rearranged_copie
     # planner counts a move's copies, its result and mm at one step (the program frees mm and
     # the copies on the way), so it may count more than the program holds, never less
     torch.manual_seed(0)
-    model = _ReducedToColumns()
-    model.proj = torch.nn.Linear(16, columns, bias=False)
-    captured = capture(model.eval(), (torch.randn(4, 16),), keep=has_rule)
+    captured = capture(_ReducedToColumns(columns).eval(), (torch.randn(4, 16),), keep=has_rule)
     plan = make_plan(captured, local_cluster(2), ParallelOption())
     S0, S1, P = (Shard(0),), (Shard(1),), (Partial(),)
     wanted = {"p_proj_weight": S1, "t": S0, "mm": P, "view": S1, "relu": S1}
