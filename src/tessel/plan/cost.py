@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from tessel.config.cluster import ClusterConfig
+from tessel.sharding.placements import unnested
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 
@@ -91,7 +92,13 @@ def _moves(
     """The collectives that move a tensor of `nbytes` (global, of `shape` where given) from
     placements `src` to `dst`: (mesh dim, kind, the bytes of the tensor that collective moves).
     A gather or reduce-scatter of a dim the devices split unevenly moves every shard padded to
-    the largest (10 rows over 4 devices move as 12)."""
+    the largest (10 rows over 4 devices move as 12). An axis nested inside one that changes is
+    gathered first (`unnested`)."""
+    first = unnested(src, dst)
+    if first != tuple(src):
+        return _moves(src, first, nbytes, mesh_shape, shape) + _moves(
+            first, dst, nbytes, mesh_shape, shape
+        )
     out = []
     for d, (a, b) in enumerate(zip(src, dst)):
         kind = transition(a, b)

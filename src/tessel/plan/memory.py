@@ -27,6 +27,7 @@ from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
+from tessel.sharding.placements import unnested
 
 if TYPE_CHECKING:
     from tessel._torch import DTensorSpec
@@ -350,6 +351,14 @@ def _resharding_buffers(
     whole = tuple(Replicate() for _ in mesh_shape)
     out: list[_Buffer] = []
     matrices: dict[tuple, np.ndarray] = {}
+    moved: dict[tuple, tuple[float, float]] = {}
+
+    def counted(val: torch.Tensor, like_val: tuple, s: tuple | None, d: tuple | None) -> tuple:
+        key = (like_val, s, d)
+        if key not in moved:
+            moved[key] = _move_bytes(val, s, d, mesh_shape)
+        return moved[key]
+
     for t, n in enumerate(nodes):
         if n.op == "output":
             leaves = [a for a in tree_leaves(n.args[0]) if isinstance(a, fx.Node)]
@@ -422,10 +431,12 @@ def _resharding_buffers(
                 _placements(s.inputs[j]) if j < len(s.inputs) else None
                 for s in choices[vc].strategies
             ]
-            # identical layers repeat the same shapes and strategies: each matrix made once
-            key = (tuple(val.shape), val.element_size(), tuple(src), tuple(dst))
+            # identical layers repeat the same shapes and strategies: each matrix made once,
+            # and strategies repeat placements: each move counted once
+            like_val = (tuple(val.shape), tuple(val.stride()), val.element_size())
+            key = (like_val, tuple(src), tuple(dst))
             if key not in matrices:
-                moves = [[_move_bytes(val, s, d, mesh_shape) for d in dst] for s in src]
+                moves = [[counted(val, like_val, s, d) for d in dst] for s in src]
                 matrices[key] = np.array(moves).reshape(len(src), len(dst), 2)
             m = matrices[key]
             if not np.any(m[..., 0]):
@@ -540,23 +551,19 @@ def _move_bytes(
         return 0.0, 0.0
     total = last = 0.0
     here = list(src)
-    for m, (a, b) in enumerate(zip(src, dst)):
-        if not isinstance(a, Shard) or a == b:
-            continue
+    for dim, axes in _gathers(val, src, dst, mesh_shape):
         whole = list(here)
-        whole[m] = Replicate()
-        rows = val.shape[a.dim]
-        for p, n in zip(whole, mesh_shape):  # the rows of this dim other mesh dims leave
-            if isinstance(p, Shard) and p.dim == a.dim:
-                rows = -(-rows // n)
-        n = mesh_shape[m]
+        for m in axes:
+            whole[m] = Replicate()
+        rows = _rows_left(val, whole, dim, mesh_shape)
+        n = math.prod(mesh_shape[m] for m in axes)
         padded = -(-rows // n) * n
         gathered = local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)
         total += gathered
         last = gathered
         if padded != rows:
             total += local_bytes(val, tuple(here), mesh_shape)  # the padded shard
-        if a.dim != 0:
+        if dim != 0:
             last = local_bytes(val, tuple(whole), mesh_shape)  # joined along its own dim
             total += last
         here = whole
@@ -580,6 +587,39 @@ def _move_bytes(
             last = local_bytes(val, dst, mesh_shape)
             total += last
     return float(total), float(last)
+
+
+def _rows_left(val: torch.Tensor, placements: list, dim: int, mesh_shape: tuple[int, ...]) -> int:
+    """The rows of `dim` a device holds under `placements` (the largest shard's)."""
+    rows = val.shape[dim]
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard) and p.dim == dim:
+            rows = -(-rows // n)
+    return rows
+
+
+def _gathers(
+    val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
+) -> list[tuple[int, tuple[int, ...]]]:
+    """The all-gathers the lowering runs to move `val` from `src` towards `dst`: (tensor dim,
+    the mesh axes gathered at once). Axes nested inside one that changes are gathered too
+    (`unnested`). Several axes gathering one dim are one collective over their joined group
+    where the dim splits evenly over it (`tessel._torch.merged_moves`), else one per axis,
+    innermost first."""
+    first = unnested(src, dst)
+    by_dim: dict[int, list[int]] = {}
+    for m, a in enumerate(src):
+        if isinstance(a, Shard) and (a != dst[m] or first[m] != a):
+            by_dim.setdefault(a.dim, []).append(m)
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for dim, axes in by_dim.items():
+        kept = [Replicate() if m in axes else p for m, p in enumerate(src)]
+        joined = math.prod(mesh_shape[m] for m in axes)
+        if len(axes) > 1 and _rows_left(val, kept, dim, mesh_shape) % joined == 0:
+            out.append((dim, tuple(axes)))
+        else:
+            out.extend((dim, (m,)) for m in reversed(axes))
+    return out
 
 
 def _blocks(val: torch.Tensor, dim: int) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from tessel.sharding.geometry import chunk_range, mesh_coordinate
@@ -61,6 +61,23 @@ def local_shard_shape(
     return tuple(b - a for a, b in rank_box(shape, placements, mesh_shape, rank))
 
 
+def unnested(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple[Placement, ...]:
+    """The placements a move from `src` to `dst` passes through first.
+
+    A tensor dim sharded over several mesh axes is cut outer axis first, so an axis's shard can
+    only be undone once every later axis that shards the same dim is gathered: changing an
+    axis gathers those inner axes too (DTensor cuts them again afterwards where `dst` keeps
+    them). `src` itself where no such axis exists.
+    """
+    out = list(src)
+    for m, (a, b) in enumerate(zip(src, dst)):
+        if isinstance(a, Shard) and a != b:
+            for k in range(m + 1, len(src)):
+                if src[k] == a:
+                    out[k] = Replicate()
+    return tuple(out)
+
+
 def placement_str(p: Placement) -> str:
     """`S(d)`, `R` or `P`: a placement as layouts and `tessel inspect` write it."""
     if isinstance(p, Shard):
@@ -71,8 +88,6 @@ def placement_str(p: Placement) -> str:
 
 def placement_from_str(text: str) -> Placement:
     """The placement `placement_str` wrote: `S(d)` or `R` (a stored weight is never Partial)."""
-    from torch.distributed.tensor import Replicate
-
     if text == "R":
         return Replicate()
     if text.startswith("S(") and text.endswith(")") and text[2:-1].isdigit():
