@@ -426,17 +426,20 @@ def _problem(
             )
             edges[key] += 1
     pairs: dict[tuple[fx.Node, fx.Node], np.ndarray] = {}
+    # strategies repeat placements, and identical layers repeat shapes: each move priced once
+    priced: dict[tuple, float] = {}
+
+    def move_time(sp: tuple, dp: tuple, b: int, shape) -> float:
+        key = (sp, dp, b, shape)
+        if key not in priced:
+            priced[key] = cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
+        return priced[key]
 
     def add_moves(vp: fx.Node, src: list, vc: fx.Node, dst: list, b: int, shape, count=1):
         """Price moving a value from each of `vp`'s placements to each of `vc`'s."""
         m = count * np.array(
             [
-                [
-                    0.0
-                    if (sp is None or dp is None)
-                    else cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
-                    for dp in dst
-                ]
+                [0.0 if (sp is None or dp is None) else move_time(sp, dp, b, shape) for dp in dst]
                 for sp in src
             ]
         )
@@ -466,14 +469,7 @@ def _problem(
         src = [_placements(s.output_at(c.out_index)) for s in choices[v].strategies]
         weight = like.get(i)
         if weight is None or weight not in choices:
-            extra = np.array(
-                [
-                    0.0
-                    if p is None
-                    else cost.redistribute_time(p, rep, b, mesh_shape, links, shape)
-                    for p in src
-                ]
-            )
+            extra = np.array([0.0 if p is None else move_time(p, rep, b, shape) for p in src])
             linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
             continue
         vw = _owner(choices, weight)
