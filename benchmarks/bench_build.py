@@ -15,6 +15,15 @@ checks the built model against eager where that costs less than the build (`veri
                                      [--batch 8] [--seq 512] [--profile FILE]
     python benchmarks/bench_build.py --nodes 2 --layers 32   # autoparallel: 110 s on a 2x4 mesh
     python benchmarks/bench_build.py --training --layers 32  # a training step, as autoparallel
+    python benchmarks/bench_build.py --llama3-8b [--layers 32]  # meta model + 16 GB checkpoint
+
+`--llama3-8b` builds a Llama-3-8B-shaped model (width 4096, MLP 14336, 32/8 heads, vocab 128,256,
+bf16; batch 8 x 2048 tokens, autoparallel's "big" preset) from the meta device on 2 nodes of 4
+H100s, with `weights=` a checkpoint it first writes itself (random bf16 values in safetensors
+shards of about 2 GB, with an index, as the hub gives one). It prints the plan's time (everything
+but writing the weights: capture, mesh choice, solve, lowering) beside autoparallel's 211 s for
+the same model and mesh, and the save's time, which streams every rank's slices from the
+checkpoint, against the disk's speed measured by copying the checkpoint's files.
 
 `--profile FILE` profiles each build and save with cProfile and writes the statistics to FILE
 (FILE.<layers>L for each count when several are given); read them with `python -m pstats FILE`.
@@ -34,6 +43,31 @@ import torch
 
 PEER_TOTAL_S = {2: 6.9, 8: 14.7, 32: 56.1}  # autoparallel, gpt2, mesh (4,), tp mode
 PEER_2X4_S = {32: 110.0}  # autoparallel, gpt2 32 layers, mesh (2, 4)
+PEER_LLAMA3_8B_S = 210.6  # autoparallel, Llama-3-8B, mesh (2, 4), end to end
+H100_2X4 = {
+    "cluster": [
+        {
+            "cluster_nodes": [
+                {
+                    "node_id": n,
+                    "node_type": "DGX",
+                    "ipaddr": f"10.0.0.{n + 1}",
+                    "port": 29500,
+                    "is_local": n == 0,
+                    "item_list": [{"item_id": d, "device_id": d} for d in range(4)],
+                }
+                for n in range(2)
+            ],
+            "nodes_topology": {
+                "type": "star",
+                "protocol": "RDMA:400Gb",
+                "topos": [{"plane_id": 0, "devices": [0, 1, 2, 3]}],
+            },
+        }
+    ],
+    "item_def": [{"item_type": "H100", "memory": "[HBM:80GB]"}],
+    "node_def": [{"node_type": "DGX", "item_topology": [{"links_mode": "HCCS:3600Gb"}]}],
+}
 
 
 def gpt2(layers: int, training: bool = False):
@@ -45,6 +79,120 @@ def gpt2(layers: int, training: bool = False):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     return model if training else model.eval()
+
+
+def llama3_8b(layers: int):
+    """Llama-3-8B's shapes in bf16, its parameters on the meta device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tessel
+
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with tessel.empty_weights():
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model
+
+
+def write_checkpoint(model, folder: str, shard_bytes: int = 2 << 30) -> int:
+    """Random values for every parameter of the meta `model`, written as the hub writes a
+    checkpoint: safetensors shards and `model.safetensors.index.json`. Returns the bytes."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+    generator = torch.Generator().manual_seed(0)
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, p in model.named_parameters():
+        value = torch.empty(p.shape, dtype=p.dtype)
+        value.uniform_(-0.02, 0.02, generator=generator)
+        shard[name] = value
+        total += value.nbytes
+        if sum(t.nbytes for t in shard.values()) >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    return total
+
+
+def disk_seconds(folder: str) -> float:
+    """Seconds to read every file of `folder` and write a copy beside it (then removed)."""
+    import shutil
+
+    copy = folder.rstrip("/") + ".copy"
+    t = time.perf_counter()
+    shutil.copytree(folder, copy)
+    os.sync()
+    seconds = time.perf_counter() - t
+    shutil.rmtree(copy)
+    return seconds
+
+
+def bench_llama3_8b(layers: int, batch: int, seq: int) -> None:
+    """The meta-device Llama-3-8B case on 2 x 4 H100s (see the module's docstring)."""
+    import tessel
+    from tessel.config.cluster import cluster_from_dict
+
+    model = llama3_8b(layers)
+    ids = torch.randint(0, 128256, (batch, seq))
+    cluster = cluster_from_dict(H100_2X4, "2 x 4 H100", "H100")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        folder = os.path.join(tmp, "llama3_8b")
+        t = time.perf_counter()
+        size = write_checkpoint(model, folder)
+        print(
+            f"wrote a {size / 1e9:.1f} GB checkpoint in {time.perf_counter() - t:.1f} s", flush=True
+        )
+        disk = disk_seconds(folder)
+        t = time.perf_counter()
+        built = tessel.build(
+            model, {"input_ids": ids, "use_cache": False}, cluster=cluster, weights=folder
+        )
+        plan_s = time.perf_counter() - t
+        t = time.perf_counter()
+        package = built.save(os.path.join(tmp, "llama3_8b.tessel"))
+        save_s = time.perf_counter() - t
+        row = {
+            "layers": layers,
+            "tokens": [batch, seq],
+            "mesh": built.manifest["mesh"],
+            "phases_s": {k: round(v, 2) for k, v in built.timings.items()},
+            "plan_s": round(plan_s, 2),
+            "peer_total_s": PEER_LLAMA3_8B_S if layers == 32 else None,
+            "checkpoint_GB": round(size / 1e9, 2),
+            "package_GB": round(package.stat().st_size / 1e9, 2),
+            "save_s": round(save_s, 2),
+            "disk_copy_s": round(disk, 2),
+        }
+    print(json.dumps(row), flush=True)
+    print()
+    peer = f"{PEER_LLAMA3_8B_S / plan_s:.1f}x" if layers == 32 else "n/a"
+    print(f"plan (all but the weights): {plan_s:.1f} s; autoparallel end to end 210.6 s: {peer}")
+    print(f"save (weights streamed): {save_s:.1f} s; copying the checkpoint: {disk:.1f} s, "
+          f"ratio {save_s / disk:.2f}")  # fmt: skip
 
 
 def profile_path(base: str, layers: int, counts: int) -> str:
@@ -69,6 +217,11 @@ def main() -> None:
         "autoparallel plans",
     )
     parser.add_argument(
+        "--llama3-8b",
+        action="store_true",
+        help="Llama-3-8B's shapes from the meta device with a generated checkpoint, on 2 x 4 H100s",
+    )
+    parser.add_argument(
         "--verify", action="store_true", help="check every build against eager, whatever it costs"
     )
     parser.add_argument(
@@ -77,6 +230,11 @@ def main() -> None:
         help="write cProfile statistics of each build and save to FILE (FILE.<layers>L if several)",
     )
     args = parser.parse_args()
+    if args.llama3_8b:
+        layers = args.layers[0] if args.layers != [2, 8, 32] else 32
+        seq = args.seq if args.seq != 512 else 2048
+        bench_llama3_8b(layers, args.batch, seq)
+        return
 
     import tessel
 
