@@ -301,25 +301,46 @@ _PASSED_THROUGH = {
 }  # fmt: skip
 
 
+def _sources(value) -> list[str]:
+    """The names of the nodes an argument (or a list of them) reads."""
+    if isinstance(value, dict) and "$node" in value:
+        return [value["$node"]]
+    return [n for v in value for n in _sources(v)] if isinstance(value, list) else []
+
+
 def _gathers_of_gathers(program: dict) -> list[tuple[str, str]]:
     """(gather, earlier gather) for each all-gather of a program whose input is, but for views
-    and waits, another all-gather's result over another group: one move in two collectives."""
+    and waits, another all-gather's result over another group along the same tensor dim: one
+    move in two collectives. (A block of a weight cut along two dims is gathered one dim per
+    axis: no one collective does that.)"""
     nodes = {n["name"]: n for n in program["nodes"] if "name" in n}
+    readers: dict[str, list[dict]] = {}
+    for n in nodes.values():
+        for name in _sources(n.get("args", [])):
+            readers.setdefault(name, []).append(n)
+
+    def gathered_dim(name: str) -> int:
+        """The dim a gather joins its blocks along: 0, or the dim of the cat of the pieces its
+        wait's result is split into."""
+        for wait in readers.get(name, []):
+            for split in readers.get(wait["name"], []):
+                if split.get("target") != "aten.split.Tensor":
+                    continue
+                for piece in readers.get(split["name"], []):
+                    for cat in readers.get(piece["name"], []):
+                        if cat.get("target") == "aten.cat.default":
+                            return cat["args"][1] if len(cat["args"]) > 1 else 0
+        return 0
 
     def group(node: dict) -> list[int] | None:
         return next((a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a),
                     None)  # fmt: skip
 
-    def sources(value) -> list[str]:
-        if isinstance(value, dict) and "$node" in value:
-            return [value["$node"]]
-        return [n for v in value for n in sources(v)] if isinstance(value, list) else []
-
     found = []
     for node in program["nodes"]:
         if not node.get("target", "").startswith("_c10d_functional.all_gather"):
             continue
-        seen, todo = set(), sources(node["args"][0])
+        seen, todo = set(), _sources(node["args"][0])
         while todo:
             before = nodes.get(todo.pop())
             if before is None or before["name"] in seen:
@@ -327,10 +348,12 @@ def _gathers_of_gathers(program: dict) -> list[tuple[str, str]]:
             seen.add(before["name"])
             target = before.get("target", "")
             if target.startswith("_c10d_functional.all_gather"):
-                if group(before) != group(node):
+                if group(before) != group(node) and gathered_dim(before["name"]) == gathered_dim(
+                    node["name"]
+                ):
                     found.append((node["name"], before["name"]))
             elif target in _PASSED_THROUGH:
-                todo += sources(before["args"])
+                todo += _sources(before["args"])
     return found
 
 
@@ -351,7 +374,14 @@ def test_gathers_of_gathers_are_found():
         call("w1", wait, {"$node": "g1"}),
         call("m", "aten.mul.Tensor", {"$node": "w1"}, {"$node": "w1"}),
         call("g2", gather, {"$node": "m"}, 2, group([0, 1])),
-        {"op": "output", "args": [{"$node": "g2"}]},
+        # a block cut along dims 0 and 1: dim 1 joined over one axis, then dim 0 over the other
+        call("w2", wait, {"$node": "g2"}),
+        call("s", "aten.split.Tensor", {"$node": "w2"}, 4),
+        call("p0", "getitem", {"$node": "s"}, 0),
+        call("p1", "getitem", {"$node": "s"}, 1),
+        call("c", "aten.cat.default", [{"$node": "p0"}, {"$node": "p1"}], 1),
+        call("g3", gather, {"$node": "c"}, 2, group([0, 2])),
+        {"op": "output", "args": [{"$node": "g3"}]},
     ]}  # fmt: skip
     assert _gathers_of_gathers(program) == [("g1", "g0")]
 
