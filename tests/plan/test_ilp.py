@@ -191,3 +191,20 @@ def test_least_memory_is_the_brute_force_minimum_of_the_largest_row(problem):
     truth = min(max(r.bytes_for(c) for r in problem.memory) for c in _choices(problem))
     assert least == pytest.approx(truth, abs=1e-6)
     assert max(r.bytes_for(choice) for r in problem.memory) == pytest.approx(truth, abs=1e-6)
+
+
+def test_pairwise_computes_each_distinct_pair_once_and_fills_every_cell():
+    from tessel.plan.problem import pairwise
+
+    calls = []
+
+    def f(s, d):
+        calls.append((s, d))
+        return (10 * s + d, -d)
+
+    m = pairwise([1, 2, 1], [3, 3, 4], f)
+    assert sorted(calls) == [(1, 3), (1, 4), (2, 3), (2, 4)]
+    assert m.shape == (3, 3, 2)
+    assert m[..., 0].tolist() == [[13, 13, 14], [23, 23, 24], [13, 13, 14]]
+    assert m[2, 2].tolist() == [14, -4]
+    assert pairwise([None, 1], [2], lambda s, d: 0.0 if s is None else s + d).tolist() == [[0], [3]]

@@ -9,6 +9,7 @@ tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import Counter
@@ -25,7 +26,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from tessel._torch import C10D_FUNCTIONAL, tree_leaves
 from tessel.capture.training import gradient_outputs
 from tessel.plan.candidates import NodeChoices
-from tessel.plan.problem import MemoryRow
+from tessel.plan.problem import MemoryRow, pairwise
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
 from tessel.sharding.placements import unnested
 
@@ -432,12 +433,12 @@ def _resharding_buffers(
                 for s in choices[vc].strategies
             ]
             # identical layers repeat the same shapes and strategies: each matrix made once,
-            # and strategies repeat placements: each move counted once
+            # and strategies repeat placements: each move counted once (`pairwise`)
             like_val = (tuple(val.shape), tuple(val.stride()), val.element_size())
             key = (like_val, tuple(src), tuple(dst))
             if key not in matrices:
-                moves = [[counted(val, like_val, s, d) for d in dst] for s in src]
-                matrices[key] = np.array(moves).reshape(len(src), len(dst), 2)
+                moves = pairwise(src, dst, functools.partial(counted, val, like_val))
+                matrices[key] = moves.reshape(len(src), len(dst), 2)
             m = matrices[key]
             if not np.any(m[..., 0]):
                 continue

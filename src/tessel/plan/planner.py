@@ -28,7 +28,7 @@ from tessel.plan.errors import PlanError
 from tessel.plan.ilp import least_memory
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, footprint
-from tessel.plan.problem import InfeasibleError, Problem
+from tessel.plan.problem import InfeasibleError, Problem, pairwise
 from tessel.plan.strategies import NodeStrategy, Replicate
 from tessel.units import human_bytes, two_sizes
 
@@ -437,11 +437,10 @@ def _problem(
 
     def add_moves(vp: fx.Node, src: list, vc: fx.Node, dst: list, b: int, shape, count=1):
         """Price moving a value from each of `vp`'s placements to each of `vc`'s."""
-        m = count * np.array(
-            [
-                [0.0 if (sp is None or dp is None) else move_time(sp, dp, b, shape) for dp in dst]
-                for sp in src
-            ]
+        m = count * pairwise(
+            src,
+            dst,
+            lambda sp, dp: 0.0 if sp is None or dp is None else move_time(sp, dp, b, shape),
         )
         if vp is vc:
             linear[vp] = linear.get(vp, np.zeros(sizes[vp])) + np.diag(m)

@@ -3,9 +3,9 @@ per-device memory rows, and its solution. Both solvers (`ilp`, `dp`) read and an
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -54,3 +54,22 @@ class Solution(Generic[D]):
 
 class InfeasibleError(RuntimeError):
     """No choice fits the memory budget."""
+
+
+def pairwise(
+    src: Sequence[Hashable], dst: Sequence[Hashable], f: Callable[[Any, Any], Any]
+) -> np.ndarray:
+    """`f(s, d)` for every `s` of `src` and `d` of `dst`, as an array with a row per `s`: each
+    distinct pair is computed once (the strategies of a node repeat placements)."""
+    rows, row_of = _distinct(src)
+    cols, col_of = _distinct(dst)
+    table = np.array([[f(s, d) for d in cols] for s in rows], dtype=float)
+    table = table.reshape(len(rows), len(cols), *table.shape[2:])
+    return table[np.ix_(row_of, col_of)]
+
+
+def _distinct(items: Sequence[Hashable]) -> tuple[list, list[int]]:
+    """The distinct items in first-seen order, and each item's index among them."""
+    first: dict = {}
+    index = [first.setdefault(x, len(first)) for x in items]
+    return list(first), index
