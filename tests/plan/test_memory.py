@@ -283,7 +283,8 @@ def test_a_view_moved_off_a_shard_holds_only_the_moved_value():
     choice = _choice_for(plan, wanted)
     forced = dataclasses.replace(plan, choice=choice)
     assert {n.name: forced.out_placements(n) for n in plan.choices if n.name in wanted} == wanted
-    predicted = [plan.footprint.peak_bytes(choice, rank_0=r == 0) for r in range(2)]
+    held = plan.memory_model.held(choice)
+    predicted = [held.peak_bytes] + [held.other_ranks_peak_bytes]
     lowered = [lower_rank(captured, forced, r).peak_bytes for r in range(2)]
     assert predicted == lowered == [2048 + 4096 + 3 * 1024] * 2
 
@@ -313,7 +314,8 @@ def test_a_partial_value_reduce_scattered_by_columns_counts_its_rearranged_copie
     choice = _choice_for(plan, wanted)
     forced = dataclasses.replace(plan, choice=choice)
     assert forced.out_placements(next(n for n in plan.choices if n.name == "mm")) == P
-    predicted = [plan.footprint.peak_bytes(choice, rank_0=r == 0) for r in range(2)]
+    held = plan.memory_model.held(choice)
+    predicted = [held.peak_bytes] + [held.other_ranks_peak_bytes]
     lowered = [lower_rank(captured, forced, r).peak_bytes for r in range(2)]
     assert all(low <= pred for low, pred in zip(lowered, predicted)), (lowered, predicted)
 
@@ -338,7 +340,8 @@ def test_undoing_an_outer_shard_of_a_nested_dim_gathers_the_inner_axes_too(colum
     choice = _choice_for(plan, wanted | {"relu": (R, S1)})
     forced = dataclasses.replace(plan, choice=choice)
     assert {n.name: forced.out_placements(n) for n in plan.choices if n.name in wanted} == wanted
-    predicted = [plan.footprint.peak_bytes(choice, rank_0=r == 0) for r in range(4)]
+    held = plan.memory_model.held(choice)
+    predicted = [held.peak_bytes] + [held.other_ranks_peak_bytes] * 3
     lowered = [lower_rank(captured, forced, r).peak_bytes for r in range(4)]
     assert all(low <= pred for low, pred in zip(lowered, predicted)), (lowered, predicted)
     # the cost model sends what a gather of the whole sends, not a gather of one axis's shards
@@ -406,3 +409,42 @@ def test_each_memory_row_is_the_sum_over_what_is_alive_at_its_moment():
     assert len(expected) > 50
     assert {key(r.linear, r.pairs) for r in held.rows} == expected
     assert len(held.rows) == len(expected)
+
+
+@pytest.mark.parametrize("case", ["llama-3", "llama-2x2", "gpt2-training-2"])
+def test_one_choice_counted_alone_equals_the_solvers_rows(case):
+    # the planner counts the plan it chose with every node cut to its one strategy, and builds
+    # the solver's rows (every strategy, every pair) only where that plan does not fit: both
+    # counts must agree on any choice, the chosen one and arbitrary others
+    from tests.test_mesh import policy, two_nodes
+
+    from tessel.capture.training import placed_like
+    from tessel.plan.memory import MemoryModel
+
+    ids = token_ids()
+    if case.startswith("gpt2"):
+        captured = capture_training(hf_gpt2(), {"input_ids": ids, "labels": ids}, keep=has_rule)
+    else:
+        captured = capture(small_llama().eval(), (ids,), keep=has_rule)
+    cluster, option = {
+        "llama-3": (local_cluster(3), ParallelOption()),
+        "llama-2x2": (two_nodes(2), policy(tp=4)),
+        "gpt2-training-2": (local_cluster(2), ParallelOption()),
+    }[case]
+    plan = make_plan(captured, cluster, option)
+    graph = captured.program.graph_module.graph
+    state = {**captured.program.state_dict, **captured.program.constants}
+    weights = {n: state[fqn] for n, fqn in plan.param_targets.items() if fqn in state}
+    args = (graph, plan.choices, weights, plan.mesh_shape, placed_like(graph, plan.param_targets))
+    rows = footprint(*args)
+    rng = np.random.default_rng(0)
+    sizes = {v: len(plan.choices[v].strategies) for v in plan.choice}
+    choices = [plan.choice] + [
+        {v: int(rng.integers(k)) for v, k in sizes.items()} for _ in range(6)
+    ]
+    for choice in choices:
+        alone = MemoryModel(*args).held(choice)
+        assert alone.weight_bytes == rows.weight_bytes(choice)
+        assert alone.peak_bytes == rows.peak_bytes(choice)
+        assert alone.other_ranks_peak_bytes == rows.peak_bytes(choice, rank_0=False)
+    assert plan.memory["peak_bytes"] == rows.peak_bytes(plan.choice)

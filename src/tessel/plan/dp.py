@@ -75,11 +75,11 @@ class TooWide(Exception):
         self.width = width
 
 
-def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
+def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None = None) -> Solution:
     """The cheapest choice whose every memory row fits, found by dynamic programming; past the
     width elimination can afford, by the integer program under `time_limit` (said in the
     solution's `fallback`)."""
-    return solve_with(problem, _solve_priced, time_limit)
+    return solve_with(problem, _solve_priced, time_limit, fastest)
 
 
 def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:

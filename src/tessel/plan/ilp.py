@@ -166,15 +166,20 @@ def variable_count(problem: Problem) -> int:
     return _Model(problem, []).width
 
 
-def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
+def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None = None) -> Solution:
     """The cheapest choice whose every memory row fits `memory_budget` (see `solve_with`)."""
-    return solve_with(problem, solve_priced, time_limit)
+    return solve_with(problem, solve_priced, time_limit, fastest)
 
 
 PricedSolver = Callable[[Problem, dict[MemoryRow, float], float], Solution]
 
 
-def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0) -> Solution:
+def solve_with(
+    problem: Problem,
+    priced: PricedSolver,
+    time_limit: float = 60.0,
+    fastest: Solution | None = None,
+) -> Solution:
     """The cheapest choice whose every memory row fits `memory_budget`; `priced` solves the
     problem without memory rows, each priced row's bytes charged at its price.
 
@@ -186,11 +191,11 @@ def solve_with(problem: Problem, priced: PricedSolver, time_limit: float = 60.0)
     the program make it hard: its relaxation drifts far from the integers). An answer a few
     rows over the budget is also repaired greedily (`repair`), which often fits long before
     the prices climb far enough. Where nothing fits, the memory rows go into the program
-    itself, lazily.
+    itself, lazily. `fastest` is the answer without memory rows, where the caller has it.
     """
     start = time.perf_counter()
     budget = problem.memory_budget
-    best = priced(problem, {}, time_limit)
+    best = fastest or priced(problem, {}, time_limit)
     if budget is None or _fits(problem, best.choice):
         return best
     prices: dict[int, float] = {}

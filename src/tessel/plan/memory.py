@@ -15,7 +15,7 @@ import operator
 from collections import Counter
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
@@ -187,6 +187,78 @@ class Footprint:
         rows = self.rows if rank_0 or not self.other_rows else self.other_rows
         weights = sum(b[choice[v]] for v, b in self.weights.items())
         return self.fixed + int(max((r.bytes_for(choice) for r in rows), default=weights))
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a device holds under one choice of every decision."""
+
+    weight_bytes: int
+    peak_bytes: int  # rank 0's, the outputs gathered to it
+    other_ranks_peak_bytes: int  # a rank no output is gathered to
+
+
+class MemoryModel:
+    """Each device's bytes under the planner's choices.
+
+    The solver's rows (`footprint`: every decision's every strategy, every resharding pair's
+    buffers) cost more to build than most solves; they are built only when a solve needs them,
+    where the fastest plan does not fit. One choice's figures (`held`) cost a sweep of the
+    graph with each node cut to the strategy it takes.
+    """
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        choices: dict[fx.Node, NodeChoices],
+        weight_tensors: dict[str, torch.Tensor],
+        mesh_shape: tuple[int, ...],
+        like: dict[int, fx.Node] | None = None,
+        limit: int | None = None,
+    ) -> None:
+        self._args = (graph, choices, weight_tensors, mesh_shape, like)
+        self._footprint: Footprint | None = None
+        self._held: dict[tuple, Held] = {}
+        self.limit = limit  # the bytes a device may hold (None: no limit)
+
+    @property
+    def footprint(self) -> Footprint:
+        """The memory rows of every choice, built on first use."""
+        if self._footprint is None:
+            self._footprint = footprint(*self._args)
+        return self._footprint
+
+    def held(self, choice: dict[fx.Node, int]) -> Held:
+        """Weights and peaks per device under `choice` (decision owner -> strategy index)."""
+        key = tuple(choice.items())
+        if key not in self._held:
+            self._held[key] = self._count(choice)
+        return self._held[key]
+
+    def _count(self, choice: dict[fx.Node, int]) -> Held:
+        if self._footprint is None:
+            graph, choices, weight_tensors, mesh_shape, like = self._args
+            taken = {
+                n: replace(c, strategies=[c.strategies[choice[c.owner or n]]])
+                for n, c in choices.items()
+            }
+            held = footprint(graph, taken, weight_tensors, mesh_shape, like)
+            choice = dict.fromkeys(choice, 0)
+        else:
+            held = self._footprint
+        return Held(
+            held.weight_bytes(choice),
+            held.peak_bytes(choice),
+            held.peak_bytes(choice, rank_0=False),
+        )
+
+    def fits(self, choice: dict[fx.Node, int]) -> bool:
+        """Whether every device's peak under `choice` is within `limit`."""
+        return self.limit is None or self.held(choice).peak_bytes <= self.limit
+
+    def budget(self) -> float:
+        """The solver's memory budget: `limit` less what every plan holds (`footprint.fixed`)."""
+        return float((self.limit or 0) - self.footprint.fixed)
 
 
 def footprint(

@@ -7,7 +7,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import cast
 
 import numpy as np
@@ -27,7 +27,7 @@ from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
 from tessel.plan.errors import PlanError
 from tessel.plan.ilp import least_memory
 from tessel.plan.layers import template_map
-from tessel.plan.memory import Footprint, footprint
+from tessel.plan.memory import Footprint, MemoryModel, footprint
 from tessel.plan.problem import InfeasibleError, Problem, pairwise
 from tessel.plan.strategies import NodeStrategy, Replicate
 from tessel.units import human_bytes, two_sizes
@@ -60,7 +60,7 @@ class Plan:
     replanned: list[dict[str, str]] = field(default_factory=list)  # strategies lowering dropped
     # what the solver weighed, kept so the plan can say why it replicates a weight (plan/why.py)
     problem: Problem | None = field(default=None, repr=False)
-    footprint: Footprint | None = field(default=None, repr=False)
+    memory_model: MemoryModel | None = field(default=None, repr=False)
     fixed: frozenset[str] = frozenset()  # FQNs of the weights the policy places
 
     def strategy(self, node: fx.Node) -> NodeStrategy:
@@ -119,10 +119,7 @@ def make_plan(
     t1 = time.perf_counter()
     like = placed_like(graph, param_targets)
     problem = _problem(graph, choices, cluster, mesh, axes, like)
-    held = footprint(graph, choices, weight_tensors, tuple(mesh.shape), like)
     device_bytes = min(d.memory_bytes for d in cluster.devices)
-    problem.memory = held.rows
-    problem.memory_budget = float(device_bytes - held.fixed - reserve)
     method = option.opt_level
     switched = ""
     if method == "O2" and (columns := ilp.variable_count(problem)) > ILP_MAX_VARIABLES:
@@ -131,11 +128,23 @@ def make_plan(
             f"the integer program would have {columns:,} columns (more than "
             f"{ILP_MAX_VARIABLES:,}): solved by dynamic programming"
         )
+    # the fastest plan first, without memory rows: where it fits, it is the answer, and the
+    # rows (the costliest part of a problem to build) are never built
+    memory = MemoryModel(
+        graph, choices, weight_tensors, tuple(mesh.shape), like, limit=device_bytes - reserve
+    )
     try:
         solution = SOLVERS[method](problem, time_limit)
+        held = memory.held(solution.choice)
+        if held.peak_bytes > device_bytes - reserve:
+            problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
+            left = max(1.0, time_limit - (time.perf_counter() - t1))
+            solution = SOLVERS[method](problem, left, fastest=solution)
+            held = memory.held(solution.choice)
     except InfeasibleError:
+        problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
         raise _does_not_fit(
-            problem, held, choices, cluster, device_bytes, time_limit, reserve
+            problem, memory.footprint, choices, cluster, device_bytes, time_limit, reserve
         ) from None
     timings["solve"] = time.perf_counter() - t1
     layers = {f: len(ix) for f, ix in families.items()}
@@ -157,14 +166,9 @@ def make_plan(
             "decisions": len(problem.sizes),
             "repeated_layers": layers,
         },
-        memory={
-            "device_bytes": device_bytes,
-            "weight_bytes": held.weight_bytes(solution.choice),
-            "peak_bytes": held.peak_bytes(solution.choice),
-            "other_ranks_peak_bytes": held.peak_bytes(solution.choice, rank_0=False),
-        },
+        memory={"device_bytes": device_bytes, **asdict(held)},
         problem=problem,
-        footprint=held,
+        memory_model=memory,
         fixed=frozenset(fixed),
     )
 

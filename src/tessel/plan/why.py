@@ -32,7 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from tessel.capture.layers import layer_of
 from tessel.plan import dp
 from tessel.plan.ilp import MIP_GAP
-from tessel.plan.memory import Footprint
+from tessel.plan.memory import MemoryModel
 from tessel.plan.planner import Plan
 from tessel.plan.problem import Problem
 from tessel.sharding.placements import placement_str
@@ -76,7 +76,7 @@ def replicated_weights(plan: Plan, time_budget: float = TIME_BUDGET) -> dict[str
     """Why, by weight FQN, each weight the plan replicates on a tensor-parallel axis of more
     than one device is replicated. Identical layers' weights share one decision and one
     reason. Empty where the plan kept no problem (it was not solved by `make_plan`)."""
-    problem, held = plan.problem, plan.footprint
+    problem, held = plan.problem, plan.memory_model
     if problem is None or held is None:
         return {}
     placeholders = {n.name: n for n in plan.choices if n.op == "placeholder"}
@@ -197,7 +197,7 @@ def _why(
     slower = solver.cost(alt) - solver.chosen_cost
     fits = solver.fits(alt)
     sharded = tuple(placement_str(p) for p in c.strategies[alt[owner]].single_output().placements)
-    saves = solver.footprint.weight_bytes(plan.choice) - solver.footprint.weight_bytes(alt)
+    saves = solver.memory.held(plan.choice).weight_bytes - solver.memory.held(alt).weight_bytes
     shown = "/".join(sharded)
     tail = f" (sharding saves {human_bytes(saves)} per device)" if saves > 0 else ""
     if len(fqns) > 1:  # identical layers and tied weights share one placement
@@ -230,9 +230,9 @@ class _Resolver:
     """Re-solves a weight's neighbourhood of the plan's problem with that weight kept off the
     strategies that replicate it, every other decision as chosen."""
 
-    def __init__(self, plan: Plan, problem: Problem, footprint: Footprint) -> None:
+    def __init__(self, plan: Plan, problem: Problem, memory: MemoryModel) -> None:
         self.plan, self.problem, self.chosen = plan, problem, plan.choice
-        self.footprint = footprint
+        self.memory = memory
         self.pairs_of: dict[object, list[tuple]] = defaultdict(list)
         self.adjacent: dict[object, set] = defaultdict(set)
         for a, b in problem.pairs:
@@ -253,10 +253,7 @@ class _Resolver:
         return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in p.pairs.items())
 
     def fits(self, choice: dict) -> bool:
-        budget = self.problem.memory_budget
-        if budget is None:
-            return True
-        return all(r.bytes_for(choice) <= budget * (1 + 1e-9) for r in self.problem.memory)
+        return self.memory.fits(choice)
 
     def neighbourhood(self, v: object) -> list[object]:
         """The decisions nearest `v` (breadth first over the costs that join them) in its
