@@ -366,7 +366,7 @@ def test_each_memory_row_is_the_sum_over_what_is_alive_at_its_moment():
     # a training step of a 3-layer GPT-2 on 2 devices: the rows, kept up to date as values
     # come and go, against the bytes counted afresh at each moment from the live ranges
     from tessel.capture.training import placed_like
-    from tessel.plan.memory import _peak_steps, _resharding_buffers
+    from tessel.plan.memory import Steps, _peak_steps, _resharding_buffers
 
     ids = token_ids()
     captured = capture_training(hf_gpt2(layers=3), {"input_ids": ids, "labels": ids}, keep=has_rule)
@@ -387,7 +387,7 @@ def test_each_memory_row_is_the_sum_over_what_is_alive_at_its_moment():
         )
 
     live = storages(graph, set(weights))
-    buffers = _resharding_buffers(graph, plan.choices, (2,), like, weights=frozenset(weights))
+    buffers = _resharding_buffers(Steps.of(graph, frozenset(weights)), plan.choices, (2,), like)
     expected = set()
     for t in _peak_steps(live, {b.start for b in buffers}):
         linear, pairs = dict(held.weights), {}

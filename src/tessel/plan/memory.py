@@ -163,6 +163,36 @@ def sweep(
         yield t, started, stopped
 
 
+@dataclass(frozen=True)
+class Steps:
+    """What of a graph's memory no plan changes: its nodes in order, every storage's live
+    range, each view's last step (through views of it) and the last step the storage it
+    aliases is read apart from it (`_read_apart`). Built once per graph and weights, it serves
+    every count of that graph's memory."""
+
+    nodes: list[fx.Node]
+    live: list[Storage]
+    lives: dict[fx.Node, int]
+    read_apart: dict[fx.Node, int]
+    views: frozenset[fx.Node]
+
+    @classmethod
+    def of(cls, graph: fx.Graph, weights: frozenset[str]) -> Steps:
+        nodes = list(graph.nodes)
+        position = {n: i for i, n in enumerate(nodes)}
+        views = frozenset(n for n in nodes if is_view(n))
+        last = len(nodes) - 1
+        lives: dict[fx.Node, int] = {}
+        for n in reversed(nodes):
+            end = max((last if u.op == "output" else position[u] for u in n.users), default=0)
+            for u in n.users:
+                if u in views:
+                    end = max(end, lives[u])
+            lives[n] = max(end, position[n])
+        read_apart = _read_apart(nodes, position, weights)
+        return cls(nodes, storages(graph, set(weights)), lives, read_apart, views)
+
+
 @dataclass
 class Footprint:
     """The memory rows of a plan's ILP: what one device holds at each moment memory can peak.
@@ -217,6 +247,7 @@ class MemoryModel:
         limit: int | None = None,
     ) -> None:
         self._args = (graph, choices, weight_tensors, mesh_shape, like)
+        self._steps = Steps.of(graph, frozenset(weight_tensors))
         self._footprint: Footprint | None = None
         self._held: dict[tuple, Held] = {}
         self.limit = limit  # the bytes a device may hold (None: no limit)
@@ -225,7 +256,7 @@ class MemoryModel:
     def footprint(self) -> Footprint:
         """The memory rows of every choice, built on first use."""
         if self._footprint is None:
-            self._footprint = footprint(*self._args)
+            self._footprint = footprint(*self._args, steps=self._steps)
         return self._footprint
 
     def held(self, choice: dict[fx.Node, int]) -> Held:
@@ -242,7 +273,7 @@ class MemoryModel:
                 n: replace(c, strategies=[c.strategies[choice[c.owner or n]]])
                 for n, c in choices.items()
             }
-            held = footprint(graph, taken, weight_tensors, mesh_shape, like)
+            held = footprint(graph, taken, weight_tensors, mesh_shape, like, self._steps)
             choice = dict.fromkeys(choice, 0)
         else:
             held = self._footprint
@@ -267,11 +298,14 @@ def footprint(
     weight_tensors: dict[str, torch.Tensor],
     mesh_shape: tuple[int, ...],
     like: dict[int, fx.Node] | None = None,
+    steps: Steps | None = None,
 ) -> Footprint:
     """Memory rows for the ILP. `weight_tensors` maps each weight placeholder to its tensor: one
     tensor under two names (tied weights) is held once. A training graph's weights are held
     with their optimizer state beside them, and its gradients are outputs placed like their
-    weights (`like`: output index -> weight placeholder)."""
+    weights (`like`: output index -> weight placeholder). `steps` is the graph's `Steps`,
+    where the caller keeps them."""
+    steps = steps or Steps.of(graph, frozenset(weight_tensors))
     marks = gradient_outputs(graph)
     held_per_weight = marks.held_factor if marks is not None else 1.0
 
@@ -310,9 +344,7 @@ def footprint(
         else:
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
-    buffers = _resharding_buffers(
-        graph, choices, mesh_shape, like or {}, marks is None, frozenset(weight_tensors)
-    )
+    buffers = _resharding_buffers(steps, choices, mesh_shape, like or {}, marks is None)
     by_start = sorted(buffers, key=lambda b: b.start)
     by_end = sorted(buffers, key=lambda b: b.end)
     now = _HeldNow(weights)
@@ -339,8 +371,7 @@ def footprint(
         return key
 
     i = j = 0
-    live = storages(graph, set(weight_tensors))
-    for t, started, stopped in sweep(live, {b.start for b in buffers}):
+    for t, started, stopped in sweep(steps.live, {b.start for b in buffers}):
         for s in started:
             storage(s, 1)
         to_rank_0, to_others = [], []
@@ -386,12 +417,11 @@ class _Buffer:
 
 
 def _resharding_buffers(
-    graph: fx.Graph,
+    steps: Steps,
     choices: dict[fx.Node, NodeChoices],
     mesh_shape: tuple[int, ...],
     like: dict[int, fx.Node],
     forward: bool = False,
-    weights: frozenset[str] = frozenset(),
 ) -> list[_Buffer]:
     """The buffers that moving nodes' inputs to their placements allocates.
 
@@ -406,20 +436,10 @@ def _resharding_buffers(
     storage (or an earlier move's copy) is no longer kept alive by the view and views of it.
     `storages` keeps it alive through them whatever the plan, so from the step after the move
     to the view's last step, where nothing else reads it, a buffer of negative bytes (the
-    input's, for the pairs that move it) takes it away again. `weights` names the weight
-    placeholders: they are held throughout, and nothing is taken away from them.
+    input's, for the pairs that move it) takes it away again. Weights are held throughout,
+    and nothing is taken away from them.
     """
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    last = len(nodes) - 1
-    lives: dict[fx.Node, int] = {}  # a view's last step, through views of it
-    for n in reversed(nodes):
-        end = max((last if u.op == "output" else position[u] for u in n.users), default=0)
-        for u in n.users:
-            if is_view(u):
-                end = max(end, lives[u])
-        lives[n] = max(end, position[n])
-    read_apart = _read_apart(nodes, position, weights)
+    lives, read_apart = steps.lives, steps.read_apart
     others = range(1, math.prod(mesh_shape))
     whole = tuple(Replicate() for _ in mesh_shape)
     out: list[_Buffer] = []
@@ -432,7 +452,7 @@ def _resharding_buffers(
             moved[key] = _move_bytes(val, s, d, mesh_shape)
         return moved[key]
 
-    for t, n in enumerate(nodes):
+    for t, n in enumerate(steps.nodes):
         if n.op == "output":
             leaves = [a for a in tree_leaves(n.args[0]) if isinstance(a, fx.Node)]
             for i, a in enumerate(leaves):
@@ -487,7 +507,7 @@ def _resharding_buffers(
                 continue
             vc = c.owner or n
             edges = [(a, j, None) for j, a in enumerate(c.args)]
-            end = lives[n] if is_view(n) else t
+            end = lives[n] if n in steps.views else t
         for a, j, fixed_dst in edges:
             p, val = choices.get(a), a.meta.get("val")
             if p is None or p.kind in ("const", "drop") or not isinstance(val, torch.Tensor):
