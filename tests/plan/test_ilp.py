@@ -208,3 +208,19 @@ def test_pairwise_computes_each_distinct_pair_once_and_fills_every_cell():
     assert m[..., 0].tolist() == [[13, 13, 14], [23, 23, 24], [13, 13, 14]]
     assert m[2, 2].tolist() == [14, -4]
     assert pairwise([None, 1], [2], lambda s, d: 0.0 if s is None else s + d).tolist() == [[0], [3]]
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(_problem_strategy(min_rows=1))
+def test_constrained_rounds_past_their_time_limit_still_end_in_the_optimum(problem):
+    # with no time left every broken row goes into the program at once: still the optimum
+    from tessel.plan.ilp import _solve_constrained
+
+    best = _brute_force(problem)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            _solve_constrained(problem, 0.0)
+        return
+    solution = _solve_constrained(problem, 0.0)
+    assert _fits(problem, solution.choice)
+    assert _cost(problem, solution.choice) == pytest.approx(best)

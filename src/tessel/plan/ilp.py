@@ -303,18 +303,23 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
 
 
 def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
-    """Memory rows in the program, added as answers break them, until none is broken."""
+    """Memory rows in the program, added as answers break them, until none is broken.
+
+    The rounds share `time_limit`: each solves within what is left of it (at least a second),
+    and once it has passed every broken row goes in at once, so few rounds remain."""
     active: list[MemoryRow] = []
     budget = problem.memory_budget or 0.0
     scale = 1.0 / max(budget, 1.0)  # in units of the budget, so every coefficient is near 1
+    deadline = time.perf_counter() + time_limit
     while True:
+        left = deadline - time.perf_counter()
         model = _Model(problem, active)
         for row in active:
             entries = [(col, v * scale) for col, v in model.memory_entries(row)]
             model.add_row(entries, -np.inf, budget * scale)
         c = np.concatenate([model.cost, np.asarray(model.extra)])
         c_scale = float(np.abs(c).max()) or 1.0
-        result = model.run(c / c_scale, model.n, np.ones(model.width), max(1.0, time_limit))
+        result = model.run(c / c_scale, model.n, np.ones(model.width), max(1.0, left))
         if result.x is None:
             raise InfeasibleError(result.message)
         choice = model.choice(result.x)
@@ -323,7 +328,7 @@ def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
             return Solution(
                 choice, float(result.fun) * c_scale, result.message, model.width, len(model.lo)
             )
-        active += broken[:_ROWS_PER_ROUND]
+        active += broken if left <= 0 else broken[:_ROWS_PER_ROUND]
 
 
 _LIMIT_GROWTH = 16  # how far past its time limit a solve goes to find any answer
