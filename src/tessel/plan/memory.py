@@ -630,9 +630,10 @@ def _move_bytes(
     dst: tuple[Placement, ...] | None,
     mesh_shape: tuple[int, ...],
 ) -> tuple[float, float]:
-    """Bytes a device allocates to move `val` from `src` to `dst` placements, all told, and
-    those of the last allocation alone: the moved value, which outlives the move where a view
-    of it is read later, while the copies made on the way are freed as the move ends.
+    """The most bytes a device holds at once, its source aside, to move `val` from `src` to
+    `dst` placements, and those of the last allocation alone: the moved value, which outlives
+    the move where a view of it is read later, while the copies made on the way are freed as
+    the move goes on (each once the next is made from it).
 
     The copy has the target's size. Gathering a shard (to replicate it, or to shard another
     dimension: the programs are traced on CPU meshes, where DTensor has no all-to-all) gathers
@@ -642,7 +643,7 @@ def _move_bytes(
     """
     if src is None or dst is None or src == dst:
         return 0.0, 0.0
-    total = last = 0.0
+    made: list[float] = []  # the move's allocations, in order, each made from the one before
     here = list(src)
     for dim, axes in _gathers(val, src, dst, mesh_shape):
         whole = list(here)
@@ -651,35 +652,33 @@ def _move_bytes(
         rows = _rows_left(val, whole, dim, mesh_shape)
         n = math.prod(mesh_shape[m] for m in axes)
         padded = -(-rows // n) * n
-        gathered = local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)
-        total += gathered
-        last = gathered
         if padded != rows:
-            total += local_bytes(val, tuple(here), mesh_shape)  # the padded shard
+            made.append(local_bytes(val, tuple(here), mesh_shape))  # the padded shard
+        made.append(local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1))
         if dim != 0:
-            last = local_bytes(val, tuple(whole), mesh_shape)  # joined along its own dim
-            total += last
+            made.append(local_bytes(val, tuple(whole), mesh_shape))  # joined along its own dim
         here = whole
-    if tuple(here) != tuple(dst):
-        if total and _sliced_in_place(val, tuple(here), dst):
-            pass  # the shard kept is a view of what was gathered, which stays whole
-        else:
-            # a reduce-scatter sends blocks of the first dim, of one size: the value is
-            # rearranged into them first (padded where the dim does not split evenly, then
-            # joined along the first dim where it is another), copies of its whole local size
-            copies = _scatter_copies(val, tuple(here), dst, mesh_shape)
-            total += copies * local_bytes(val, tuple(here), mesh_shape)
-            last = local_bytes(val, dst, mesh_shape)  # then sliced, reduced or made partial
-            total += last
-    if total and _relaid(val):
+    if tuple(here) != tuple(dst) and not (made and _sliced_in_place(val, tuple(here), dst)):
+        # (a shard kept of what was gathered is a view of it, which stays whole.) A
+        # reduce-scatter sends blocks of the first dim, of one size: the value is rearranged
+        # into them first (padded where the dim does not split evenly, then joined along the
+        # first dim where it is another), copies of its whole local size; then it is sliced,
+        # reduced or made partial
+        copies = _scatter_copies(val, tuple(here), dst, mesh_shape)
+        made += [local_bytes(val, tuple(here), mesh_shape)] * copies
+        made.append(local_bytes(val, dst, mesh_shape))
+    if made and _relaid(val):
         # a collective's result is contiguous: the shard it sends is made so first, and a
         # replicated result is copied into the captured layout (lower/trace._laid_out)
         if any(isinstance(p, Shard) for p in src):
-            total += local_bytes(val, src, mesh_shape)
+            made.insert(0, local_bytes(val, src, mesh_shape))
         if all(isinstance(p, Replicate) for p in dst):
-            last = local_bytes(val, dst, mesh_shape)
-            total += last
-    return float(total), float(last)
+            made.append(local_bytes(val, dst, mesh_shape))
+    if not made:
+        return 0.0, 0.0
+    # each allocation is freed once the next is made from it: two are held at once at most
+    peak = max(a + b for a, b in zip([0.0, *made], made))
+    return float(peak), float(made[-1])
 
 
 def _rows_left(val: torch.Tensor, placements: list, dim: int, mesh_shape: tuple[int, ...]) -> int:
