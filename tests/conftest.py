@@ -180,14 +180,19 @@ def record_memory_model(record_property, plan: dict) -> None:
     """Records a build's predicted peak, each rank's lowered peak and its memory re-plans for
     the summary below."""
     memory = plan["memory"]
+    # rank 0 receives the outputs; the others have a peak of their own, and the last ranks of
+    # an uneven split hold smaller shards (counted for one tensor-parallel group, without
+    # replicas or stages)
+    by_rank = memory.get("rank_peak_bytes") or []
+    if len(by_rank) != len(plan["ranks"]):
+        by_rank = [
+            memory["peak_bytes"] if r == 0 else memory["other_ranks_peak_bytes"]
+            for r in range(len(plan["ranks"]))
+        ]
     record_property(
         MEMORY_MODEL,
         (
-            # rank 0 receives the outputs; the others have a peak of their own
-            [
-                memory["peak_bytes"] if rank["rank"] == 0 else memory["other_ranks_peak_bytes"]
-                for rank in plan["ranks"]
-            ],
+            [by_rank[rank["rank"]] for rank in plan["ranks"]],
             [rank["peak_bytes"] for rank in plan["ranks"]],
             sum(r["node"] == "(memory)" for r in plan["replanned"]),
         ),

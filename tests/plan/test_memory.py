@@ -448,3 +448,22 @@ def test_one_choice_counted_alone_equals_the_solvers_rows(case):
         assert alone.peak_bytes == rows.peak_bytes(choice)
         assert alone.other_ranks_peak_bytes == rows.peak_bytes(choice, rank_0=False)
     assert plan.memory["peak_bytes"] == rows.peak_bytes(plan.choice)
+
+
+def test_the_last_ranks_of_an_uneven_split_are_counted_with_their_smaller_shards():
+    # 64 rows over 3 devices are cut 22, 22, 20 (torch.chunk): the last rank holds less of
+    # every weight split by rows, and its own count says so
+    torch.manual_seed(0)
+    captured = capture(_MLP().eval(), (torch.randn(4, 16),), keep=has_rule)
+    plan = make_plan(captured, local_cluster(3), ParallelOption())
+    S0, S1 = (Shard(0),), (Shard(1),)
+    choice = _choice_for(plan, {"p_up_weight": S0, "p_down_weight": S1, "t": S1, "mm": S1})
+    forced = dataclasses.replace(plan, choice=choice)
+    held = plan.memory_model.held(choice)
+    lowered = [lower_rank(captured, forced, r).peak_bytes for r in range(3)]
+    assert held.rank_peak_bytes[0] == held.peak_bytes
+    assert held.rank_peak_bytes[1] == held.other_ranks_peak_bytes
+    # up (64 x 16) and down (16 x 64) floats: rank 2 holds 2 x 2 x 16 x 4 bytes less
+    assert held.rank_peak_bytes[1] - held.rank_peak_bytes[2] == 2 * 2 * 16 * 4
+    assert all(0.95 <= low / pred <= 1.05 for low, pred in zip(lowered, held.rank_peak_bytes))
+    assert lowered[1] - lowered[2] == held.rank_peak_bytes[1] - held.rank_peak_bytes[2]

@@ -621,6 +621,8 @@ def _plan(f: _Field) -> dict:
         memory.obj()
         for key in ("device_bytes", "weight_bytes", "peak_bytes", "other_ranks_peak_bytes"):
             part(memory, key, _Field.int)
+        for peak in memory.get("rank_peak_bytes", optional=True).optional(_Field.list) or ():
+            peak.int()
     verify = f.get("verify", optional=True)
     if verify.value is not None:
         verify.obj()

@@ -55,13 +55,18 @@ def is_view(node: fx.Node) -> bool:
 
 
 def local_bytes(
-    val: torch.Tensor, placements: tuple[Placement, ...] | None, mesh_shape: tuple[int, ...]
+    val: torch.Tensor,
+    placements: tuple[Placement, ...] | None,
+    mesh_shape: tuple[int, ...],
+    at: tuple[int, ...] | None = None,
 ) -> int:
-    """Bytes of the largest piece of `val` one device holds under `placements`."""
+    """Bytes of the piece of `val` one device holds under `placements`: the largest piece, or
+    that of the device at mesh coordinates `at`."""
     shape = list(val.shape)
-    for p, n in zip(placements or (), mesh_shape):
+    for i, (p, n) in enumerate(zip(placements or (), mesh_shape)):
         if isinstance(p, Shard):
-            shape[p.dim] = -(-shape[p.dim] // n)  # torch.chunk: the first pieces are the largest
+            chunk = -(-shape[p.dim] // n)  # torch.chunk: the first pieces are the largest
+            shape[p.dim] = chunk if at is None else max(0, min(chunk, shape[p.dim] - at[i] * chunk))
     return math.prod(shape) * val.element_size()
 
 
@@ -226,6 +231,8 @@ class Held:
     weight_bytes: int
     peak_bytes: int  # rank 0's, the outputs gathered to it
     other_ranks_peak_bytes: int  # a rank no output is gathered to
+    # each rank's: where a dim splits unevenly, the last ranks hold smaller weight shards
+    rank_peak_bytes: tuple[int, ...] = ()
 
 
 class MemoryModel:
@@ -267,21 +274,45 @@ class MemoryModel:
         return self._held[key]
 
     def _count(self, choice: dict[fx.Node, int]) -> Held:
+        graph, choices, weight_tensors, mesh_shape, like = self._args
         if self._footprint is None:
-            graph, choices, weight_tensors, mesh_shape, like = self._args
             taken = {
                 n: replace(c, strategies=[c.strategies[choice[c.owner or n]]])
                 for n, c in choices.items()
             }
             held = footprint(graph, taken, weight_tensors, mesh_shape, like, self._steps)
-            choice = dict.fromkeys(choice, 0)
+            index = dict.fromkeys(choice, 0)
         else:
-            held = self._footprint
+            held, index = self._footprint, choice
+        peak, other = held.peak_bytes(index), held.peak_bytes(index, rank_0=False)
         return Held(
-            held.weight_bytes(choice),
-            held.peak_bytes(choice),
-            held.peak_bytes(choice, rank_0=False),
+            held.weight_bytes(index),
+            peak,
+            other,
+            tuple(
+                (peak if r == 0 else other) - self._weights_short_of_largest(choice, r)
+                for r in range(math.prod(mesh_shape))
+            ),
         )
+
+    def _weights_short_of_largest(self, choice: dict[fx.Node, int], rank: int) -> int:
+        """The weight bytes `rank` holds less than the largest shards `held` counts: torch.chunk
+        leaves the last pieces of an uneven dim smaller (or empty). Weights are held
+        throughout, so they lower every moment of the rank's memory alike."""
+        graph, choices, weight_tensors, mesh_shape, _ = self._args
+        at = tuple(int(c) for c in np.unravel_index(rank, mesh_shape))
+        if not any(at):
+            return 0
+        marks = gradient_outputs(graph)
+        factor = marks.held_factor if marks is not None else 1.0
+        short = 0
+        for v, n in held_weights(graph, choices, weight_tensors):
+            placements = _placements(choices[v].strategies[choice[v]].output_at(None))
+            val = n.meta["val"]
+            short += local_bytes(val, placements, mesh_shape) - local_bytes(
+                val, placements, mesh_shape, at
+            )
+        return int(short * factor)
 
     def fits(self, choice: dict[fx.Node, int]) -> bool:
         """Whether every device's peak under `choice` is within `limit`."""
@@ -290,6 +321,22 @@ class MemoryModel:
     def budget(self) -> float:
         """The solver's memory budget: `limit` less what every plan holds (`footprint.fixed`)."""
         return float((self.limit or 0) - self.footprint.fixed)
+
+
+def held_weights(
+    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], weight_tensors: dict[str, torch.Tensor]
+) -> list[tuple[fx.Node, fx.Node]]:
+    """(decision owner, placeholder) of each weight a device holds: one tensor under two names
+    (tied weights) is held once."""
+    out, seen = [], set()
+    for n in graph.nodes:
+        if n.op != "placeholder" or n.name not in weight_tensors:
+            continue
+        v = choices[n].owner or n
+        if (v, id(weight_tensors[n.name])) not in seen:
+            seen.add((v, id(weight_tensors[n.name])))
+            out.append((v, n))
+    return out
 
 
 def footprint(
@@ -330,14 +377,7 @@ def footprint(
 
     fixed = 0
     weights: dict[fx.Node, np.ndarray] = {}
-    held: set[tuple[fx.Node, int]] = set()
-    for n in graph.nodes:
-        if n.op != "placeholder" or n.name not in weight_tensors:
-            continue
-        v, tensor = owner(n), weight_tensors[n.name]
-        if (v, id(tensor)) in held:
-            continue
-        held.add((v, id(tensor)))
+    for v, n in held_weights(graph, choices, weight_tensors):
         bytes_per_strategy = sizes(v, n, n.meta["val"], None) * held_per_weight
         if len(bytes_per_strategy) == 1:
             fixed += int(bytes_per_strategy[0])
