@@ -467,3 +467,21 @@ def test_the_last_ranks_of_an_uneven_split_are_counted_with_their_smaller_shards
     assert held.rank_peak_bytes[1] - held.rank_peak_bytes[2] == 2 * 2 * 16 * 4
     assert all(0.95 <= low / pred <= 1.05 for low, pred in zip(lowered, held.rank_peak_bytes))
     assert lowered[1] - lowered[2] == held.rank_peak_bytes[1] - held.rank_peak_bytes[2]
+
+
+@pytest.mark.parametrize("columns", [64, 63], ids=["even", "uneven"])
+def test_a_views_source_read_by_nothing_else_is_freed_once_the_gather_has_copied_it(columns):
+    # mm split by columns, its view wanted whole: the gather copies mm's shard (padded where
+    # uneven), and mm, read by nothing else, is freed before the gathered buffer is joined
+    # along its columns; counting mm through the join over-counted by its shard
+    torch.manual_seed(0)
+    captured = capture(_ReducedToColumns(columns).eval(), (torch.randn(4, 16),), keep=has_rule)
+    plan = make_plan(captured, local_cluster(2), ParallelOption())
+    R, S0, S1 = (Replicate(),), (Shard(0),), (Shard(1),)
+    wanted = {"p_proj_weight": S0, "t": S1, "mm": S1, "view": R, "relu": R}
+    choice = _choice_for(plan, wanted)
+    forced = dataclasses.replace(plan, choice=choice)
+    assert {n.name: forced.out_placements(n) for n in plan.choices if n.name in wanted} == wanted
+    held = plan.memory_model.held(choice)
+    lowered = [lower_rank(captured, forced, r).peak_bytes for r in range(2)]
+    assert lowered == list(held.rank_peak_bytes), (lowered, held)

@@ -484,7 +484,7 @@ def _resharding_buffers(
     whole = tuple(Replicate() for _ in mesh_shape)
     out: list[_Buffer] = []
     matrices: dict[tuple, np.ndarray] = {}
-    moved: dict[tuple, tuple[float, float]] = {}
+    moved: dict[tuple, tuple[float, float, float]] = {}
 
     def counted(val: torch.Tensor, like_val: tuple, s: tuple | None, d: tuple | None) -> tuple:
         key = (like_val, s, d)
@@ -570,7 +570,7 @@ def _resharding_buffers(
             key = (like_val, tuple(src), tuple(dst))
             if key not in matrices:
                 moves = pairwise(src, dst, functools.partial(counted, val, like_val))
-                matrices[key] = moves.reshape(len(src), len(dst), 2)
+                matrices[key] = moves.reshape(len(src), len(dst), 3)
             m = matrices[key]
             if not np.any(m[..., 0]):
                 continue
@@ -578,14 +578,19 @@ def _resharding_buffers(
                 out.append(_Buffer((vp, vc), m[..., 0], t, t))
                 continue
             # a view reads the moved value later; the copies made on the way are freed now
-            if np.any(m[..., 0] - m[..., 1]):
-                out.append(_Buffer((vp, vc), m[..., 0] - m[..., 1], t, t))
-            out.append(_Buffer((vp, vc), m[..., 1], t, end))
+            peak = m[..., 0]
             apart = read_apart.get(n) if a is n.args[0] else None
             if apart is not None and apart < end:  # its input is freed once moved
                 held = np.array([local_bytes(val, s, mesh_shape) for s in src], dtype=float)
-                freed = np.where(m[..., 0] > 0, -held[:, None], 0.0)
-                out.append(_Buffer((vp, vc), freed, apart + 1, end))
+                moves = m[..., 0] > 0
+                if apart == t:
+                    # read by nothing else: freed as soon as the move's first copy is made
+                    peak = np.where(moves, np.maximum(peak, held[:, None] + m[..., 2]), 0.0)
+                freed = np.where(moves, -held[:, None], 0.0)
+                out.append(_Buffer((vp, vc), freed, apart if apart == t else apart + 1, end))
+            if np.any(peak - m[..., 1]):
+                out.append(_Buffer((vp, vc), peak - m[..., 1], t, t))
+            out.append(_Buffer((vp, vc), m[..., 1], t, end))
     return out
 
 
@@ -669,11 +674,12 @@ def _move_bytes(
     src: tuple[Placement, ...] | None,
     dst: tuple[Placement, ...] | None,
     mesh_shape: tuple[int, ...],
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """The most bytes a device holds at once, its source aside, to move `val` from `src` to
-    `dst` placements, and those of the last allocation alone: the moved value, which outlives
-    the move where a view of it is read later, while the copies made on the way are freed as
-    the move goes on (each once the next is made from it).
+    `dst` placements; those of the last allocation alone: the moved value, which outlives the
+    move where a view of it is read later, while the copies made on the way are freed as the
+    move goes on (each once the next is made from it); and what is made while the source is
+    still read (a gather's first copy; a reduce-scatter's whole peak).
 
     The copy has the target's size. Gathering a shard (to replicate it, or to shard another
     dimension: the programs are traced on CPU meshes, where DTensor has no all-to-all) gathers
@@ -682,10 +688,11 @@ def _move_bytes(
     first and then joined along its own (a second buffer of the gathered size).
     """
     if src is None or dst is None or src == dst:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     made: list[float] = []  # the move's allocations, in order, each made from the one before
     here = list(src)
-    for dim, axes in _gathers(val, src, dst, mesh_shape):
+    gathered = _gathers(val, src, dst, mesh_shape)
+    for dim, axes in gathered:
         whole = list(here)
         for m in axes:
             whole[m] = Replicate()
@@ -694,9 +701,11 @@ def _move_bytes(
         padded = -(-rows // n) * n
         if padded != rows:
             made.append(local_bytes(val, tuple(here), mesh_shape))  # the padded shard
-        made.append(local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1))
-        if dim != 0:
-            made.append(local_bytes(val, tuple(whole), mesh_shape))  # joined along its own dim
+        # gathered along the first dim, then joined along its own (still padded: the padding
+        # is cut off by a view)
+        made += [local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)] * (
+            1 if dim == 0 else 2
+        )
         here = whole
     if tuple(here) != tuple(dst) and not (made and _sliced_in_place(val, tuple(here), dst)):
         # (a shard kept of what was gathered is a view of it, which stays whole.) A
@@ -715,10 +724,13 @@ def _move_bytes(
         if all(isinstance(p, Replicate) for p in dst):
             made.append(local_bytes(val, dst, mesh_shape))
     if not made:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     # each allocation is freed once the next is made from it: two are held at once at most
     peak = max(a + b for a, b in zip([0.0, *made], made))
-    return float(peak), float(made[-1])
+    # a gather's first copy (the padded or contiguous shard, or the gathered buffer) is all
+    # that reads the source; a reduce-scatter's rearranging reads it longer: the whole peak
+    first = made[0] if gathered else peak
+    return float(peak), float(made[-1]), float(first)
 
 
 def _rows_left(val: torch.Tensor, placements: list, dim: int, mesh_shape: tuple[int, ...]) -> int:
