@@ -430,22 +430,32 @@ def _problem(
             )
             edges[key] += 1
     pairs: dict[tuple[fx.Node, fx.Node], np.ndarray] = {}
-    # strategies repeat placements, and identical layers repeat shapes: each move priced once
-    priced: dict[tuple, float] = {}
+    # strategies repeat placements, and identical layers repeat shapes: each move priced once,
+    # its placements numbered (a tuple of placements hashes slowly, and is looked up often)
+    priced: dict[tuple, dict[tuple[int, int], float]] = {}
+    numbered: dict[tuple | None, int] = {None: -1}
+    placements: dict[int, tuple] = {}
 
-    def move_time(sp: tuple, dp: tuple, b: int, shape) -> float:
-        key = (sp, dp, b, shape)
-        if key not in priced:
-            priced[key] = cost.redistribute_time(sp, dp, b, mesh_shape, links, shape)
-        return priced[key]
+    def number(p: tuple | None) -> int:
+        if p not in numbered:
+            numbered[p] = len(placements)
+            placements[len(placements)] = cast(tuple, p)
+        return numbered[p]
 
     def add_moves(vp: fx.Node, src: list, vc: fx.Node, dst: list, b: int, shape, count=1):
         """Price moving a value from each of `vp`'s placements to each of `vc`'s."""
-        m = count * pairwise(
-            src,
-            dst,
-            lambda sp, dp: 0.0 if sp is None or dp is None else move_time(sp, dp, b, shape),
-        )
+        table = priced.setdefault((b, shape), {})
+
+        def move_time(sp: int, dp: int) -> float:
+            if sp < 0 or dp < 0:
+                return 0.0
+            if (sp, dp) not in table:
+                table[sp, dp] = cost.redistribute_time(
+                    placements[sp], placements[dp], b, mesh_shape, links, shape
+                )
+            return table[sp, dp]
+
+        m = count * pairwise([number(p) for p in src], [number(p) for p in dst], move_time)
         if vp is vc:
             linear[vp] = linear.get(vp, np.zeros(sizes[vp])) + np.diag(m)
         else:
@@ -472,7 +482,14 @@ def _problem(
         src = [_placements(s.output_at(c.out_index)) for s in choices[v].strategies]
         weight = like.get(i)
         if weight is None or weight not in choices:
-            extra = np.array([0.0 if p is None else move_time(p, rep, b, shape) for p in src])
+            extra = np.array(
+                [
+                    0.0
+                    if p is None
+                    else cost.redistribute_time(p, rep, b, mesh_shape, links, shape)
+                    for p in src
+                ]
+            )
             linear[v] = linear.get(v, np.zeros(sizes[v])) + extra
             continue
         vw = _owner(choices, weight)
