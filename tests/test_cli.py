@@ -291,13 +291,15 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
     text = capsys.readouterr().out
     manifest = Package.open(gpt2_package).manifest
     plan = manifest.plan
+    memory = plan["memory"]
     for r in plan["ranks"]:  # the device's memory: 16 GiB, the cpu soc's default
+        estimate = human_bytes(memory["rank_peak_bytes"][r["rank"]])
         assert (
             f"rank {r['rank']} ({r['logical_device']}): weights {human_bytes(r['weight_bytes'])}, "
-            f"peak {human_bytes(r['peak_bytes'])} of 16.00 GiB, " in text
+            f"peak {human_bytes(r['peak_bytes'])} of 16.00 GiB (planner's estimate {estimate}), "
+            in text
         )
         assert r["weight_bytes"] <= r["peak_bytes"]
-    memory = plan["memory"]
     assert (
         f"planner's estimate per device: weights {human_bytes(memory['weight_bytes'])}, "
         f"peak {human_bytes(memory['peak_bytes'])}, device memory 16.00 GiB" in text

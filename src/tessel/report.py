@@ -206,6 +206,10 @@ def format_plan(manifest: Manifest) -> str:
             )
     lines.append("")
     lines.append("per device (peak: weights plus the most activation bytes alive at once)")
+    # the planner's count of each rank (one tensor-parallel group, no replicas or stages)
+    predicted = data["memory"].get("rank_peak_bytes") or []
+    if len(predicted) != len(data["ranks"]):
+        predicted = []
     for r in data["ranks"]:
         collectives = r.get("collectives") or []
         counts = Counter(f"{c.get('kind', '?')} over {c.get('axis', '?')}" for c in collectives)
@@ -216,6 +220,8 @@ def format_plan(manifest: Manifest) -> str:
             memory += f", peak {human_bytes(r['peak_bytes'])}"
         if r.get("device_bytes"):
             memory += f" of {human_bytes(r['device_bytes'])}"
+        if predicted and isinstance(r.get("rank"), int):
+            memory += f" (planner's estimate {human_bytes(predicted[r['rank']])})"
         lines.append(
             f"  rank {r.get('rank', '?')} ({r.get('logical_device', '?')}): {memory}, "
             f"collectives {colls}, {human_bytes(volume)} per run"
