@@ -255,6 +255,9 @@ class MemoryModel:
     ) -> None:
         self._args = (graph, choices, weight_tensors, mesh_shape, like)
         self._steps = Steps.of(graph, frozenset(weight_tensors))
+        self._weights = held_weights(graph, choices, weight_tensors)
+        marks = gradient_outputs(graph)  # a training step holds optimizer state per weight
+        self._held_per_weight = marks.held_factor if marks is not None else 1.0
         self._footprint: Footprint | None = None
         self._held: dict[tuple, Held] = {}
         self.limit = limit  # the bytes a device may hold (None: no limit)
@@ -299,20 +302,18 @@ class MemoryModel:
         """The weight bytes `rank` holds less than the largest shards `held` counts: torch.chunk
         leaves the last pieces of an uneven dim smaller (or empty). Weights are held
         throughout, so they lower every moment of the rank's memory alike."""
-        graph, choices, weight_tensors, mesh_shape, _ = self._args
+        _, choices, _, mesh_shape, _ = self._args
         at = tuple(int(c) for c in np.unravel_index(rank, mesh_shape))
         if not any(at):
             return 0
-        marks = gradient_outputs(graph)
-        factor = marks.held_factor if marks is not None else 1.0
         short = 0
-        for v, n in held_weights(graph, choices, weight_tensors):
+        for v, n in self._weights:
             placements = _placements(choices[v].strategies[choice[v]].output_at(None))
             val = n.meta["val"]
             short += local_bytes(val, placements, mesh_shape) - local_bytes(
                 val, placements, mesh_shape, at
             )
-        return int(short * factor)
+        return int(short * self._held_per_weight)
 
     def fits(self, choice: dict[fx.Node, int]) -> bool:
         """Whether every device's peak under `choice` is within `limit`."""
