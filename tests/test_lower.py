@@ -259,3 +259,32 @@ def test_a_move_over_two_axes_is_one_collective_where_that_is_exact(rows, collec
             whole = x.redistribute(mesh, [Replicate(), Replicate()])
     assert comms.get_total_counts() == collectives
     assert whole.to_local().shape == (rows, 4)
+
+
+def test_a_lowered_program_is_priced_by_its_calls_and_its_collectives_links():
+    """`program_seconds` prices each call with the planner's formulas: the collectives' time
+    has a term in 1 / bandwidth of their link (a rank alone has none), the rest does not."""
+    from dataclasses import replace
+
+    from tessel.config.cluster import cluster_from_dict
+    from tessel.demo import tight_cluster
+    from tessel.lower.estimate import program_seconds
+
+    captured = capture(small_llama(layers=1), (token_ids(),))
+    for world in (1, 2):  # devices too small for the whole weights: the plan shards them
+        cluster = cluster_from_dict(tight_cluster(captured, world), "tight.json")
+        plan, programs = plan_and_lower(captured, cluster)
+
+        for rank, rp in enumerate(programs):
+            slower, base, quicker = (
+                program_seconds(rp, rank, replace(cluster, link_bandwidth=b * scale))
+                for b in [cluster.link_bandwidth]
+                for scale in (0.5, 1, 2)
+            )
+            if world == 1:
+                assert slower == base == quicker > 0
+                assert not [
+                    n for n in programs[0].program["nodes"] if "c10d" in n.get("target", "")
+                ]
+            else:  # T(b) = C + B / b
+                assert slower - base == pytest.approx(2 * (base - quicker)) and base > quicker

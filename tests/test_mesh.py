@@ -227,7 +227,7 @@ def test_auto_on_two_tight_nodes_fits_where_a_replica_fits_and_equals_eager():
 
 
 def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():
-    from tessel.builder.mesh_choice import _prefer_quiet_links
+    from tessel.builder.mesh_choice import Weighed, _prefer_quiet_links
 
     cluster = two_nodes(2)
     over, inside = parallel_dims(cluster, policy(tp=4)), parallel_dims(cluster, policy(dp=2, tp=2))
@@ -236,17 +236,90 @@ def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():
     for over_time, wanted in ((0.95, "inside"), (0.85, "over")):
         spans = {"estimated_time_s": over_time, "internode_bytes": 10.0, **over_shape}
         stays = {"estimated_time_s": 1.0, "internode_bytes": 1.0, **inside_shape}
-        fitting = [(spans, over, None, 1, None), (stays, inside, None, 1, None)]
-        chosen = _prefer_quiet_links(fitting, cluster)
-        assert chosen[0] is (spans if wanted == "over" else stays)
-        assert "preferred" in chosen[0]
+        fitting = [Weighed(spans, over, None, 1, None), Weighed(stays, inside, None, 1, None)]
+        chosen, rival = _prefer_quiet_links(fitting, cluster)
+        assert chosen.entry is (spans if wanted == "over" else stays)
+        assert "preferred" in chosen.entry
+        # a shape chosen over the quieter one by its margin is to be confirmed as lowered
+        assert rival == (fitting[1] if wanted == "over" else None)
     # the fastest moving no more between nodes is chosen without a word
     spans = {"estimated_time_s": 0.5, "internode_bytes": 1.0}
     stays = {"estimated_time_s": 1.0, "internode_bytes": 1.0}
-    chosen = _prefer_quiet_links(
-        [(spans, over, None, 1, None), (stays, inside, None, 1, None)], cluster
+    chosen, rival = _prefer_quiet_links(
+        [Weighed(spans, over, None, 1, None), Weighed(stays, inside, None, 1, None)], cluster
     )
-    assert chosen[0] is spans and "preferred" not in spans
+    assert chosen.entry is spans and "preferred" not in spans and rival is None
+
+
+def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monkeypatch):
+    """Where the planner's estimates let a shape moving more bytes between the nodes win by the
+    margin, both shapes are lowered, priced as lowered, and the margin must hold there too:
+    the winner's programs are the ones the build packs."""
+    from tessel.builder import mesh_choice as mc
+    from tessel.lower.estimate import program_seconds
+    from tessel.plan import make_plan
+
+    torch.manual_seed(0)
+    model, ids, cluster = small_llama(), token_ids(4), two_nodes(1)
+    whole, half = capture(model, (ids,), keep=has_rule), capture(model, (ids[:2],), keep=has_rule)
+    over, inside = parallel_dims(cluster, policy(tp=2)), parallel_dims(cluster, policy(dp=2))
+    plans = (
+        make_plan(whole, cluster, policy()),
+        make_plan(half, mc.first_devices(cluster, 1), policy(), reserve=mc.gathered_bytes(half, 2)),
+    )
+
+    def confirm(margin: float):
+        monkeypatch.setattr(mc, "SLOW_LINK_MARGIN", margin)
+        fast = mc.Weighed(
+            {
+                "shape": [1, 2],
+                "dim_names": ["dp", "tp_node"],
+                "estimated_time_s": 0.5,
+                "internode_bytes": 10.0,
+            },
+            over,
+            whole,
+            1,
+            plans[0],
+        )
+        quiet = mc.Weighed(
+            {
+                "shape": [2, 1],
+                "dim_names": ["dp", "tp"],
+                "estimated_time_s": 1.0,
+                "internode_bytes": 1.0,
+            },
+            inside,
+            half,
+            1,
+            plans[1],
+        )
+        assert mc._prefer_quiet_links([fast, quiet], cluster) == (fast, quiet)
+        chosen, programs = mc._confirmed_after_lowering(fast, quiet, cluster, policy(), 60, True)
+        devices = mc.first_devices(cluster, chosen.dims.size("tp"))
+        assert len(programs) == chosen.dims.size("tp")
+        seconds = max(program_seconds(rp, r, devices) for r, rp in enumerate(programs))
+        gathered = mc.gather_seconds(chosen.captured, chosen.dims, cluster)
+        assert chosen.entry["lowered_time_s"] == pytest.approx(seconds + gathered)
+        return chosen, fast.entry, quiet.entry
+
+    chosen, fast, quiet = confirm(-1.0)  # any gain keeps the planner's choice
+    assert chosen.entry is fast and "as lowered" in fast["preferred"]
+    gain = 1 - fast["lowered_time_s"] / quiet["lowered_time_s"]
+    chosen, fast, quiet = confirm(gain + 0.01)  # a margin the lowered programs miss
+    assert chosen.entry is quiet and "preferred" not in fast
+    assert (
+        "faster as lowered" in quiet["preferred"] and "faster by the planner" in quiet["preferred"]
+    )
+    text = format_plan_of_choices([fast, {**quiet, "chosen": True}])
+    assert f"{1e3 * quiet['lowered_time_s']:.3f} ms as lowered" in text
+
+
+def format_plan_of_choices(choices: list[dict]) -> str:
+    """The `inspect` lines of a plan weighing `choices`."""
+    from tessel.report import mesh_choice_lines
+
+    return "\n".join(mesh_choice_lines(choices))
 
 
 def test_auto_sets_aside_shapes_the_batch_cannot_split():
@@ -266,9 +339,14 @@ def test_the_data_parallel_choice_prices_exchanging_gradients_not_optimizer_stat
     estimates = {}
     for held in (1.0, 3.0):  # weights alone; weights with Adam's two moments beside them
         _, weighed = choose_data_parallel(
-            model, (), {"input_ids": ids, "labels": ids}, local_cluster(2), ParallelOption(),
-            30.0, held_factor=held,
-        )  # fmt: skip
+            model,
+            (),
+            {"input_ids": ids, "labels": ids},
+            local_cluster(2),
+            ParallelOption(),
+            30.0,
+            held_factor=held,
+        )
         estimates[held] = {e["data_parallel"]: e["estimated_time_s"] for e in weighed}
     # the replicas all-reduce their gradients, placed like the weights; the states stay put
     assert estimates[1.0] == pytest.approx(estimates[3.0], rel=1e-9)

@@ -126,6 +126,30 @@ def inspect_json(manifest: Manifest) -> dict:
     }
 
 
+def mesh_choice_lines(choices: list[dict]) -> list[str]:
+    """The mesh shapes `auto` weighed: each one's estimated time (and as lowered, where its
+    programs were priced), its bytes between nodes or why it was set aside, and why the chosen
+    one was preferred where the fastest was not chosen."""
+    lines = [
+        "mesh shapes weighed (estimated time per run, outputs gathered included; bytes a "
+        "run moves between nodes)"
+    ]
+    for c in choices:
+        shape = " x ".join(f"{n} {s}" for n, s in zip(c.get("dim_names", ()), c["shape"]))
+        if "estimated_time_s" in c and not c.get("set_aside"):
+            what = f"{1e3 * c['estimated_time_s']:.3f} ms"
+            if c.get("lowered_time_s") is not None:
+                what += f" ({1e3 * c['lowered_time_s']:.3f} ms as lowered)"
+            if "internode_bytes" in c:
+                what += f", {human_bytes(c['internode_bytes'])} between nodes"
+        else:
+            what = f"set aside: {c.get('set_aside', '?')}"
+        lines.append(f"  {shape}: {what}" + (" (chosen)" if c.get("chosen") else ""))
+        if c.get("preferred"):
+            lines.append(f"    chosen because it {c['preferred']}")
+    return lines
+
+
 def _rate(bytes_per_s: float) -> str:
     """A link's bandwidth as a cluster config writes it (`392Gb` per second)."""
     return f"{bytes_per_s * 8 / 1e9:g}Gb/s"
@@ -234,21 +258,7 @@ def format_plan(manifest: Manifest) -> str:
     lines.extend(_memory_lines(data["memory"]))
     if data["mesh_choices"]:
         lines.append("")
-        lines.append(
-            "mesh shapes weighed (estimated time per run, outputs gathered included; bytes a "
-            "run moves between nodes)"
-        )
-        for c in data["mesh_choices"]:
-            shape = " x ".join(f"{n} {s}" for n, s in zip(c.get("dim_names", ()), c["shape"]))
-            if "estimated_time_s" in c:
-                what = f"{1e3 * c['estimated_time_s']:.3f} ms"
-                if "internode_bytes" in c:
-                    what += f", {human_bytes(c['internode_bytes'])} between nodes"
-            else:
-                what = f"set aside: {c.get('set_aside', '?')}"
-            lines.append(f"  {shape}: {what}" + (" (chosen)" if c.get("chosen") else ""))
-            if c.get("preferred"):
-                lines.append(f"    chosen because it {c['preferred']}")
+        lines.extend(mesh_choice_lines(data["mesh_choices"]))
     lines.extend(_verify_lines(data["verify"]))
     if data["replanned"]:
         lines.append("")

@@ -39,6 +39,7 @@ def plan_and_lower(
     timings: dict[str, float] | None = None,
     reserve: int = 0,
     first: Plan | None = None,
+    lowered: list[RankProgram] | None = None,
 ) -> tuple[Plan, list[RankProgram]]:
     """Plan for `cluster`, then lower every rank exactly as planned.
 
@@ -48,13 +49,14 @@ def plan_and_lower(
     would hold more than its device's memory (buffers the memory model does not see), the
     model is planned again with that much kept free; `reserve` bytes are kept free from the
     start (what the caller adds to the programs afterwards). `first` is a plan already made
-    for this cluster, policy and reserve (the one `auto` weighed): it is lowered as it is.
+    for this cluster, policy and reserve (the one `auto` weighed): it is lowered as it is, or,
+    with `lowered`, its programs are those (the ones this function returned with it).
     """
     policy = policy or ParallelOption()
     timings = {} if timings is None else timings
     world = cluster.world_size
     banned: dict[str, set] = {}
-    replanned: list[dict[str, str]] = []
+    replanned: list[dict[str, str]] = list(first.replanned) if lowered and first else []
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     # bytes to keep free: `fits_below` too few (a program overflowed), `too_many` leaves no plan
     fits_below, too_many = 0, None
@@ -79,8 +81,11 @@ def plan_and_lower(
             timings[step] = timings.get(step, 0.0) + plan.timings.get(step, 0.0)
         t = time.perf_counter()
         try:
-            with phase(f"lowering the program of each of {world} ranks"):
-                programs = _lower_all(captured, plan, world, reuse_layers)
+            if lowered is not None:
+                programs, lowered = lowered, None
+            else:
+                with phase(f"lowering the program of each of {world} ranks"):
+                    programs = _lower_all(captured, plan, world, reuse_layers)
         except NotAsPlanned as exc:
             before = {owner: set(keys) for owner, keys in banned.items()}
             for node, strategy, reason in exc.failures:

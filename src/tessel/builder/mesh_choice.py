@@ -13,8 +13,10 @@ The fastest shape that fits is chosen, with one exception: the slow link between
 it moves more bytes between nodes than the fastest shape that keeps tensor parallelism inside
 the nodes, it must be estimated at least `SLOW_LINK_MARGIN` faster, or that shape is chosen
 instead: the estimate of traffic over a shared network is the least certain term of the cost
-model. Every shape weighed, its bytes between nodes, and why one was set aside or preferred,
-go into the plan for `inspect`. Shapes with pipeline stages are weighed only where no shape
+model. Where the planner's estimates grant the margin, both shapes are lowered and their
+programs priced as lowered (`tessel.lower.estimate`), and the margin must hold there too. Every
+shape weighed, its bytes between nodes, both estimates where taken, and why one was set aside
+or preferred, go into the plan for `inspect`. Shapes with pipeline stages are weighed only where no shape
 without them fits: a stage-replica does the same work as a replica holding every layer, plus
 the time its micro-batches wait while the stages fill and drain.
 
@@ -26,11 +28,12 @@ all-reduce of its gradients over the replicas.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tessel._torch import tree_leaves, tree_map
+from tessel.builder.lowering import plan_and_lower
 from tessel.builder.stages import default_micro_batches, more_memory, pipeline_estimate
 from tessel.capture import CapturedModel, capture, capture_training
 from tessel.capture.training import GradientOutputs, gradient_outputs, mark_gradients
@@ -38,9 +41,13 @@ from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import ParallelDims, axis_groups, parallel_dims, tensor_axes
 from tessel.config.parallel_option import ParallelOption
+from tessel.lower.estimate import program_seconds
+from tessel.lower.program import RankProgram
+from tessel.lower.trace import LoweringError
 from tessel.plan import PlanError, cost, has_rule, make_plan
 from tessel.plan.planner import Plan
 from tessel.plan.traffic import sent_bytes
+from tessel.progress import phase
 
 # how much faster (by estimate) a shape moving more bytes between nodes must be to be chosen
 SLOW_LINK_MARGIN = 0.10
@@ -55,6 +62,17 @@ class MeshChoice:
     weighed: list[dict[str, Any]]
     micro_batches: int = 1
     plan: Plan | None = None  # the plan weighed for the chosen shape: the build lowers it
+    programs: list[RankProgram] | None = None  # that plan's programs, where already lowered
+
+
+class Weighed(NamedTuple):
+    """A shape that fits: its line in the plan's report, its mesh, capture and plan."""
+
+    entry: dict[str, Any]
+    dims: ParallelDims
+    captured: CapturedModel
+    micro_batches: int
+    plan: Plan
 
 
 def wants_choice(cluster: ClusterConfig, policy: ParallelOption, model: Any) -> bool:
@@ -82,7 +100,7 @@ def choose_mesh(
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
-    fitting: list[tuple[dict[str, Any], ParallelDims, CapturedModel, int, Plan]] = []
+    fitting: list[Weighed] = []
     captures: dict[int, CapturedModel] = {}  # by the parts the example batch is split into
     shapes = [
         (pp, dp, world // (pp * dp))
@@ -144,41 +162,106 @@ def choose_mesh(
             continue
         entry["estimated_time_s"] = seconds + gather_seconds(captured, dims, cluster, micro)
         entry["internode_bytes"] = internode_bytes(plan, captured, dims, cluster, micro)
-        fitting.append((entry, dims, captured, micro, plan))
+        fitting.append(Weighed(entry, dims, captured, micro, plan))
     if not fitting:
         reasons = "; ".join(f"{e['shape']}: {e.get('set_aside')}" for e in weighed)
         raise PlanError(f"no mesh shape of this cluster fits the model ({reasons})")
-    chosen = _prefer_quiet_links(fitting, cluster)
+    chosen, rival = _prefer_quiet_links(fitting, cluster)
+    programs = None
+    if rival is not None:
+        chosen, programs = _confirmed_after_lowering(
+            chosen, rival, cluster, policy, time_limit, reuse_layers
+        )
     for entry in weighed:
-        entry["chosen"] = entry is chosen[0]
-    _, dims, captured, micro, plan = chosen
-    return MeshChoice(dims, captured, weighed, micro, plan)
+        entry["chosen"] = entry is chosen.entry
+    return MeshChoice(
+        chosen.dims, chosen.captured, weighed, chosen.micro_batches, chosen.plan, programs
+    )
 
 
-def _prefer_quiet_links(fitting: list[tuple], cluster: ClusterConfig) -> tuple:
+def _prefer_quiet_links(
+    fitting: list[Weighed], cluster: ClusterConfig
+) -> tuple[Weighed, Weighed | None]:
     """The fastest shape, unless it moves more bytes between nodes than the fastest shape
-    keeping tensor parallelism inside the nodes and is not `SLOW_LINK_MARGIN` faster."""
-    fastest = min(fitting, key=lambda f: f[0]["estimated_time_s"])
-    inside = [f for f in fitting if not _tensor_axes_cross_nodes(f[1], cluster)]
+    keeping tensor parallelism inside the nodes and is not `SLOW_LINK_MARGIN` faster; and,
+    where it is chosen over that quieter shape by its margin, the quieter shape (else None)."""
+    fastest = min(fitting, key=lambda f: f.entry["estimated_time_s"])
+    inside = [f for f in fitting if not _tensor_axes_cross_nodes(f.dims, cluster)]
     if not inside or len(cluster.nodes) < 2:
-        return fastest
-    quiet = min(inside, key=lambda f: f[0]["estimated_time_s"])
-    fast, calm = fastest[0], quiet[0]
+        return fastest, None
+    quiet = min(inside, key=lambda f: f.entry["estimated_time_s"])
+    fast, calm = fastest.entry, quiet.entry
     if fast is calm or fast["internode_bytes"] <= calm["internode_bytes"]:
-        return fastest
+        return fastest, None
     gain = 1 - fast["estimated_time_s"] / calm["estimated_time_s"]
     if gain >= SLOW_LINK_MARGIN:
         fast["preferred"] = (
             f"is {100 * gain:.0f}% faster by estimate than the fastest shape keeping tensor "
             f"parallelism inside the nodes, though it moves more bytes between them"
         )
-        return fastest
+        return fastest, quiet
     calm["preferred"] = (
         f"moves {_mib(calm['internode_bytes'])} between nodes per run against "
         f"{_mib(fast['internode_bytes'])} for {_shape_text(fast)}, which is estimated only "
         f"{100 * gain:.0f}% faster (less than {100 * SLOW_LINK_MARGIN:.0f}%)"
     )
-    return quiet
+    return quiet, None
+
+
+def _confirmed_after_lowering(
+    fast: Weighed,
+    quiet: Weighed,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    time_limit: float,
+    reuse_layers: bool,
+) -> tuple[Weighed, list[RankProgram] | None]:
+    """`fast`, chosen over `quiet` by the planner's estimates though it moves more bytes
+    between nodes, where its lowered programs keep the margin too; `quiet` otherwise. Each is
+    lowered as the build would lower it and timed as `lowered_time_s` in its entry; the winner's
+    programs come back for the build to use. Shapes with pipeline stages keep the planner's
+    verdict (their stage programs are cut after lowering)."""
+    if fast.dims.size("pp") > 1 or quiet.dims.size("pp") > 1:
+        fast.entry["preferred"] += " (pipeline stages: not estimated after lowering)"
+        return fast, None
+    lowered: dict[int, tuple[Weighed, list[RankProgram]]] = {}
+    for i, shape in enumerate((fast, quiet)):
+        devices = first_devices(cluster, shape.dims.size("tp"))
+        try:
+            with phase(f"lowering {_shape_text(shape.entry)} to estimate it as lowered"):
+                plan, programs = plan_and_lower(
+                    shape.captured,
+                    devices,
+                    policy,
+                    time_limit=time_limit,
+                    reuse_layers=reuse_layers,
+                    reserve=gathered_bytes(shape.captured, shape.dims.size("dp")),
+                    first=shape.plan,
+                )
+        except (PlanError, LoweringError) as exc:
+            shape.entry["lowered_time_s"] = None
+            shape.entry["set_aside"] = f"could not be lowered: {exc}"
+            continue
+        seconds = max(program_seconds(rp, r, devices) for r, rp in enumerate(programs))
+        shape.entry["lowered_time_s"] = seconds + gather_seconds(
+            shape.captured, shape.dims, cluster
+        )
+        lowered[i] = shape._replace(plan=plan), programs
+    if len(lowered) < 2:  # the one that lowers
+        return next(iter(lowered.values()), (fast, None))
+    gain = 1 - fast.entry["lowered_time_s"] / quiet.entry["lowered_time_s"]
+    if gain >= SLOW_LINK_MARGIN:
+        fast.entry["preferred"] += f", and {100 * gain:.0f}% faster as lowered"
+        return lowered[0]
+    del fast.entry["preferred"]
+    quiet.entry["preferred"] = (
+        f"moves {_mib(quiet.entry['internode_bytes'])} between nodes per run against "
+        f"{_mib(fast.entry['internode_bytes'])} for {_shape_text(fast.entry)}, which is "
+        f"estimated {100 * (1 - fast.entry['estimated_time_s'] / quiet.entry['estimated_time_s']):.0f}% "
+        f"faster by the planner but only {100 * gain:.0f}% faster as lowered (less than "
+        f"{100 * SLOW_LINK_MARGIN:.0f}%)"
+    )
+    return lowered[1]
 
 
 def _mib(nbytes: float) -> str:

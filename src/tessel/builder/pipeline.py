@@ -206,7 +206,7 @@ def build(
     micro_batches = 1
 
     t = time.perf_counter()
-    whole_batch, weighed, weighed_plan = None, None, None
+    whole_batch, weighed, weighed_plan, weighed_programs = None, None, None, None
     if isinstance(model, CapturedModel):
         captured = model
     else:
@@ -223,7 +223,7 @@ def build(
                     time_limit=time_limit,
                 )
             dims, captured, weighed = choice.dims, choice.captured, choice.weighed
-            weighed_plan = choice.plan
+            weighed_plan, weighed_programs = choice.plan, choice.programs
             dp, pp, micro_batches = dims.size("dp"), dims.size("pp"), choice.micro_batches
         else:
             if pp > 1:
@@ -253,6 +253,7 @@ def build(
     reserve = gathered_bytes(captured, dp, micro_batches)  # rank 0 puts the outputs together
     while True:
         first, weighed_plan = weighed_plan, None  # a second try plans anew
+        lowered, weighed_programs = weighed_programs, None
         try:
             plan, programs = plan_and_lower(
                 captured,
@@ -263,6 +264,7 @@ def build(
                 timings=timings,
                 reserve=reserve,
                 first=first,
+                lowered=lowered,
             )
         except PlanError:
             if overflows is None or overflows - scale < 0.02:

@@ -192,15 +192,22 @@ def nbytes(val: object) -> int:
 
 def flops(op_name: str, out_val: object, in_vals: list[object]) -> float:
     """Floating-point operations of one node (matmuls exactly; others one per output element)."""
+    if not isinstance(out_val, torch.Tensor):
+        return 0.0
+    shapes = [tuple(v.shape) for v in in_vals if isinstance(v, torch.Tensor)]
+    return shape_flops(op_name, tuple(out_val.shape), shapes)
+
+
+def shape_flops(
+    op_name: str, out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
+) -> float:
+    """`flops` from the shapes alone: of an output and of the tensors a node reads."""
     base = op_name.split(".")[1] if "." in op_name else op_name
-    if base in _MATMUL_OPS and isinstance(out_val, torch.Tensor):
-        tensors = [v for v in in_vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
-        if tensors:
-            k = tensors[-1].shape[-2]
-            return 2.0 * out_val.numel() * k
-    if isinstance(out_val, torch.Tensor):
-        return float(out_val.numel())
-    return 0.0
+    if base in _MATMUL_OPS:
+        matrices = [s for s in in_shapes if len(s) >= 2]
+        if matrices:
+            return 2.0 * math.prod(out_shape) * matrices[-1][-2]
+    return float(math.prod(out_shape))
 
 
 def compute_time(op_flops: float, moved_bytes: float, peak_flops: float, bandwidth: float) -> float:

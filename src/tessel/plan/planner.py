@@ -337,6 +337,19 @@ def host_share(cluster: ClusterConfig) -> float:
     return min(1.0, (os.cpu_count() or 1) / per_node)
 
 
+def device_rates(cluster: ClusterConfig) -> tuple[float, float, float]:
+    """What one device of `cluster` has to run its program with: FLOP/s, memory bytes/s, and
+    the seconds it takes to dispatch one operator. CPU devices of one node share its cores
+    (this machine's count stands in for theirs): each computes at its share of them and
+    dispatches its operators in turn with the rest."""
+    soc = cluster.soc
+    peak, bandwidth, overhead = soc.peak_flops, soc.memory_bandwidth, soc.op_overhead
+    if soc.device_type == "cpu":
+        share = host_share(cluster)
+        peak, bandwidth, overhead = peak * share, bandwidth * share, overhead / share
+    return peak, bandwidth, overhead
+
+
 def run_seconds(captured: CapturedModel, cluster: ClusterConfig) -> float:
     """What a run costs beside its program: the session hands the inputs to rank 0 and takes
     the outputs back (`run_overhead`), and rank 0 broadcasts its word to run and each input to
@@ -370,12 +383,7 @@ def _problem(
     output index -> the weight whose placement that output is returned in)."""
     like = like or {}
     soc = cluster.soc
-    peak, bandwidth, overhead = soc.peak_flops, soc.memory_bandwidth, soc.op_overhead
-    if soc.device_type == "cpu":
-        # CPU devices of one node share its cores (this machine's count stands in for theirs):
-        # each computes at its share of them and dispatches its operators in turn with the rest
-        share = host_share(cluster)
-        peak, bandwidth, overhead = peak * share, bandwidth * share, overhead / share
+    peak, bandwidth, overhead = device_rates(cluster)
     mesh_shape = tuple(mesh.shape)
     links = [cost.Links(a.bandwidth, soc.link_latency) for a in axes]
     sizes: dict[fx.Node, int] = {}
