@@ -207,6 +207,7 @@ def _trace(
         if stitcher is not None:
             stitcher.stitch(gm.graph)
         gm.graph.eliminate_dead_code()
+        _drop_identity_views(gm.graph)
         portable_attention(gm, recompile=False)  # the program is read, never run, here
         zero_fill_allocations(gm)
         fresh_scalars(gm)
@@ -221,6 +222,35 @@ def _trace(
     }
     held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]) - aliases, aliases)
     return RankProgram(program, constants, node_shapes(gm), held, peak, layouts or None)
+
+
+_VIEWS = (
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.alias.default,
+)
+
+
+def _drop_identity_views(graph: fx.Graph) -> int:
+    """Read the tensor itself where a program views it as it already is (DTensor views each
+    local shard it wraps or unwraps to its own shape): each such call costs a dispatch at run
+    time and computes nothing. Views an output returns stay; returns how many were dropped."""
+    dropped = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in _VIEWS:
+            continue
+        source = n.args[0]
+        out, val = n.meta.get("val"), getattr(source, "meta", {}).get("val")
+        if not isinstance(out, torch.Tensor) or not isinstance(val, torch.Tensor):
+            continue
+        if (out.shape, out.stride(), out.dtype) != (val.shape, val.stride(), val.dtype):
+            continue
+        if any(u.op == "output" for u in n.users):
+            continue
+        n.replace_all_uses_with(source)
+        graph.erase_node(n)
+        dropped += 1
+    return dropped
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: tuple, whole: torch.Tensor) -> DTensor:
