@@ -149,6 +149,41 @@ def test_flops_of_matmuls_are_two_m_n_k():
     assert bmm == 2 * 4 * 8 * 16 * 32
 
 
+def test_flops_of_attention_count_every_query_key_pair():
+    """Attention as the matmuls of its math: scores = q @ k^T, then scores @ v; the backward
+    recomputes the scores and does four more (the gradients of v, the scores, q and k)."""
+    b, h, lq, lk, d = 2, 4, 16, 24, 8
+    q, k, v = torch.empty(b, h, lq, d), torch.empty(b, h, lk, d), torch.empty(b, h, lk, d)
+    out, scores = torch.empty(b, h, lq, d), torch.empty(b * h, lq, lk)
+    one = cost.flops("aten.bmm.default", scores, [q.view(-1, lq, d), torch.empty(b * h, d, lk)])
+    assert one == cost.flops("aten.bmm.default", out.view(-1, lq, d), [scores, v.view(-1, lk, d)])
+    forward = cost.flops("aten.scaled_dot_product_attention.default", out, [q, k, v])
+    assert forward == 2 * one
+    # the CPU kernel also returns the log-sum-exp
+    cpu = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert cost.flops(cpu, (out, torch.empty(b, h, lq)), [q, k, v]) == forward
+    backward = cost.flops(
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+        (q, k, v),
+        [out, q, k, v, out, torch.empty(b, h, lq)],
+    )
+    assert backward == 5 * one
+    assert forward > 10 * out.numel()  # far more than one per output element
+
+
+def test_an_optimizer_step_costs_a_dispatch_per_operation_and_passes_over_its_bytes():
+    dispatch = 1e-6
+    # AdamW: 9 operations per weight and one per state; SGD without momentum: one
+    assert cost.update_time("AdamW", 2, 10, 0, 1e9, dispatch) == pytest.approx(10 * 11 * dispatch)
+    assert cost.update_time("SGD", 0, 10, 0, 1e9, dispatch) == pytest.approx(10 * dispatch)
+    # SGD reads the weight and its gradient and writes the weight; each state is read and written
+    assert cost.update_time("SGD", 0, 0, 1e9, 1e9, 0) == pytest.approx(3.0)
+    assert cost.update_time("SGD", 1, 0, 1e9, 1e9, 0) == pytest.approx(5.0)
+    assert cost.update_time("Adam", 2, 1, 1e6, 1e9, dispatch) < cost.update_time(
+        "AdamW", 2, 1, 1e6, 1e9, dispatch
+    )
+
+
 def test_flops_of_other_ops_are_one_per_output_element():
     x = torch.empty(6, 7)
     assert cost.flops("aten.add.Tensor", x, [x, x]) == 42

@@ -1026,3 +1026,39 @@ def test_a_checkpoint_that_does_not_match_the_step_is_refused_naming_file_and_te
     (garbage / "strategy.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"strategy.json: is not a strategy file's JSON"):
         session.load_graph(0, {"checkpoint": str(garbage)}, path)
+
+
+def test_a_step_is_estimated_with_its_update_and_its_gradient_exchange(tmp_path, monkeypatch):
+    """Beside its program, a step's estimate counts the optimizer's update (AdamW's more than
+    SGD's, by the update's own cost) and, over replicas, each unit's gradient all-reduce and
+    the loss's."""
+    from tessel.config.cluster import local_cluster
+    from tessel.plan import cost
+    from tessel.plan.planner import device_rates
+
+    x = torch.randn(4, 4)
+
+    def estimate(make, dp: int) -> float:
+        torch.manual_seed(0)
+        model = _SquaredLoss()
+        built = tessel.build(
+            model,
+            (x,),
+            cluster=dp,
+            policy=_policy(tmp_path, dp, 1),
+            optimizer=make(model.parameters(), lr=0.1),
+        )
+        return built.manifest["plan"]["estimated_time_s"]
+
+    _, bandwidth, dispatch = device_rates(local_cluster(1))
+    weights = (2 * 4 + 2) * 4  # lin.weight and lin.bias, fp32
+    update = cost.update_time("AdamW", 2, 2, weights, bandwidth, dispatch) - cost.update_time(
+        "SGD", 0, 2, weights, bandwidth, dispatch
+    )
+    assert estimate(torch.optim.AdamW, 1) - estimate(torch.optim.SGD, 1) == pytest.approx(update)
+    replicas = local_cluster(2)
+    link = cost.Links(replicas.link_bandwidth, replicas.soc.link_latency)
+    exchange = cost.all_reduce_time(weights, 2, link) + cost.all_reduce_time(4, 2, link)
+    with_exchange = estimate(torch.optim.SGD, 2)
+    monkeypatch.setattr(cost, "all_reduce_time", lambda *a: 0.0)
+    assert with_exchange - estimate(torch.optim.SGD, 2) == pytest.approx(exchange)

@@ -46,7 +46,8 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.dtypes import dtype_name
 from tessel.lower.program import move_groups
 from tessel.lower.trace import weight_inputs
-from tessel.plan import PlanError, has_rule
+from tessel.plan import PlanError, cost, has_rule
+from tessel.plan.planner import device_rates, run_seconds
 from tessel.progress import phase
 from tessel.sharding.placements import local_shard_shape
 
@@ -227,6 +228,10 @@ def build_training(
             "peak_bytes": max(sp.program.peak_bytes for sp in staged),
             "device_bytes": min(d.memory_bytes for d in cluster.devices),
         }
+    # and what a run costs beside its programs: the session's pipe, rank 0's broadcasts
+    manifest["plan"]["estimated_time_s"] += _exchange_and_update_seconds(
+        captured, plan, units, first_devices(cluster, tp), dims, level, spec
+    ) + run_seconds(captured, cluster)
     if weighed:
         manifest["plan"]["training"]["levels_weighed"] = weighed
     manifest["plan"]["verify"] = {
@@ -400,6 +405,46 @@ def _largest_gathered_unit(captured: Any, plan: Any, units: list, dp: int, tp: i
     return size * max(
         (math.ceil(sum(local[n][r] for n in unit) / dp) * dp for unit in units for r in range(tp)),
         default=0,
+    )
+
+
+def _exchange_and_update_seconds(
+    captured: Any,
+    plan: Any,
+    units: list,
+    devices: ClusterConfig,
+    dims: Any,
+    level: Any,
+    spec: OptimizerSpec,
+) -> float:
+    """What a step costs a rank beside its program: each unit's gradients all-reduced (or
+    reduce-scattered) over the replicas, and gathered again where states or weights are
+    sharded (once per unit); the loss averaged over them; the optimizer's update of the weights
+    the rank holds (a 1/dp part of each where states are sharded). Exchanges are counted in
+    full, as if none overlapped the backward pass."""
+    dp = dims.size("dp")
+    _, bandwidth, overhead = device_rates(devices)
+    placeholders = {n.name: n for n in captured.program.graph_module.graph.nodes}
+    grad_bytes: dict[str, int] = {}  # fp32 gradient bytes of each weight on tensor rank 0
+    for ph, fqn in weight_inputs(captured, plan):
+        node = placeholders[ph]
+        shard = local_shard_shape(
+            node.meta["val"].shape, plan.out_placements(node), plan.mesh_shape, 0
+        )
+        grad_bytes[fqn] = 4 * math.prod(shard)
+    seconds = 0.0
+    if dp > 1:
+        link = cost.Links(dims.axis("dp").bandwidth, devices.soc.link_latency)
+        exchange = cost.reduce_scatter_time if level.gradients else cost.all_reduce_time
+        for unit in units:
+            size = sum(grad_bytes.get(n, 0) for n in unit)
+            seconds += exchange(size, dp, link)
+            if level.states or level.weights:
+                seconds += cost.all_gather_time(size, dp, link)
+        seconds += cost.all_reduce_time(4, dp, link)
+    held = sum(grad_bytes.values()) / (dp if level.states else 1)
+    return seconds + cost.update_time(
+        spec.name, spec.state_per_weight, len(grad_bytes), held, bandwidth, overhead
     )
 
 

@@ -191,7 +191,10 @@ def nbytes(val: object) -> int:
 
 
 def flops(op_name: str, out_val: object, in_vals: list[object]) -> float:
-    """Floating-point operations of one node (matmuls exactly; others one per output element)."""
+    """Floating-point operations of one node (matmuls and attention exactly; others one per
+    output element)."""
+    if isinstance(out_val, (tuple, list)) and "scaled_dot_product" in op_name:
+        out_val = next((v for v in out_val if isinstance(v, torch.Tensor)), None)
     if not isinstance(out_val, torch.Tensor):
         return 0.0
     shapes = [tuple(v.shape) for v in in_vals if isinstance(v, torch.Tensor)]
@@ -201,13 +204,38 @@ def flops(op_name: str, out_val: object, in_vals: list[object]) -> float:
 def shape_flops(
     op_name: str, out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
 ) -> float:
-    """`flops` from the shapes alone: of an output and of the tensors a node reads."""
+    """`flops` from the shapes alone: of an output and of the tensors a node reads.
+
+    Attention (`scaled_dot_product_*`, [batch, heads, length, head dim]) does two matmuls over
+    every (query, key) pair; its backward recomputes the scores and does three more."""
     base = op_name.split(".")[1] if "." in op_name else op_name
+    if "scaled_dot_product" in base:
+        four = [s for s in in_shapes if len(s) == 4]
+        backward = base.endswith("_backward")
+        if len(four) >= 2 + backward:  # the backward's first input is the output's gradient
+            q, k = four[backward], four[backward + 1]
+            pairs = 2.0 * q[0] * q[1] * q[2] * k[2] * q[3]  # one matmul's FLOPs
+            return pairs * (5 if backward else 2)
     if base in _MATMUL_OPS:
         matrices = [s for s in in_shapes if len(s) >= 2]
         if matrices:
             return 2.0 * math.prod(out_shape) * matrices[-1][-2]
     return float(math.prod(out_shape))
+
+
+# per weight, the tensor operations torch's single-tensor optimizer runs beside the ones for
+# its states, and the passes over the weight's bytes (the weight read and written, its
+# gradient read), each state adding an operation and a read and a write
+_UPDATE = {"SGD": (1, 3), "Adam": (8, 3), "AdamW": (9, 4)}
+
+
+def update_time(
+    optimizer: str, states: float, tensors: int, nbytes: float, bandwidth: float, overhead: float
+) -> float:
+    """An optimizer step over `tensors` weights of `nbytes` in all, each with `states` states
+    of its size: memory-bound passes over them, and one dispatch per operation."""
+    ops, passes = _UPDATE[optimizer]
+    return tensors * (ops + states) * overhead + (passes + 2 * states) * nbytes / bandwidth
 
 
 def compute_time(op_flops: float, moved_bytes: float, peak_flops: float, bandwidth: float) -> float:
