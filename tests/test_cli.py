@@ -310,6 +310,14 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
     assert "other ranks' peak" not in text
     assert "checked against eager: max relative difference " in text
     assert "re-planned" not in text
+    # the run as the planner priced it, and as its lowered programs price it: one model of
+    # one run, apart only by what the lowering adds (the outputs' gather to rank 0)
+    planned, lowered = plan["estimated_time_s"], plan["lowered_time_s"]
+    assert 0.8 < lowered / planned < 1.25
+    assert (
+        f"estimated time per run: {1e3 * planned:.2f} ms ({1e3 * lowered:.2f} ms as its "
+        "programs were lowered)" in text
+    )
     data = inspect_json(manifest)
     assert data["verify"]["max_relative_diff"] <= 1e-4 and data["replanned"] == []
     assert [r["device_bytes"] for r in data["ranks"]] == [16 << 30] * 2
@@ -325,6 +333,10 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
     assert "checked against eager: no" in text
     edited["plan"]["ranks"][0]["peak_bytes"] = "1 GiB"  # what inspect shows has its type
     with pytest.raises(PackageError, match=r"plan.ranks\[0\].peak_bytes: expected an integer"):
+        Manifest.from_json(edited, "edited")
+    edited = json.loads(json.dumps(manifest.to_json()))
+    edited["plan"]["lowered_time_s"] = "fast"
+    with pytest.raises(PackageError, match=r"plan.lowered_time_s: expected a finite number"):
         Manifest.from_json(edited, "edited")
 
 

@@ -109,6 +109,7 @@ def inspect_json(manifest: Manifest) -> dict:
         "inputs": [i.to_json() for i in manifest.inputs],
         "outputs": [o.to_json() for o in manifest.outputs or ()],
         "estimated_time_s": plan.get("estimated_time_s"),
+        "lowered_time_s": plan.get("lowered_time_s"),
         "solver": plan.get("solver"),
         "timings": dict(manifest.timings),
         "layers": plan.get("layers") or {},
@@ -181,7 +182,10 @@ def format_plan(manifest: Manifest) -> str:
             + ", ".join(f"rank {r.get('rank')} {r.get('slice')}" for r in data["ranks"])
         )
     else:
-        lines.append(f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms")
+        line = f"estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.2f} ms"
+        if data["lowered_time_s"] is not None:
+            line += f" ({1e3 * data['lowered_time_s']:.2f} ms as its programs were lowered)"
+        lines.append(line)
     training = data.get("training")
     if training:
         lines.append(

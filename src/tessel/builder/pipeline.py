@@ -48,6 +48,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.log_levels import torch_kept_quiet
+from tessel.lower.estimate import program_seconds
 from tessel.package.format import BuiltPackage, Manifest, Member, write_package
 from tessel.plan import PlanError, has_rule
 from tessel.plan.planner import run_seconds
@@ -336,6 +337,10 @@ def build(
         )
     # what a run costs beside its programs: the session's pipe to rank 0, rank 0's broadcasts
     manifest["plan"]["estimated_time_s"] += run_seconds(captured, cluster)
+    if pp == 1 and graph_parallel:  # the same run priced from the programs as lowered
+        ranks = cluster if dp > 1 else plan_cluster  # replicas' programs gather their outputs
+        slowest = max(program_seconds(rp, r, ranks) for r, rp in enumerate(programs))
+        manifest["plan"]["lowered_time_s"] = slowest + run_seconds(captured, cluster)
     if weighed is not None:
         manifest["plan"]["mesh_choices"] = weighed
     timings["pack"] = time.perf_counter() - t

@@ -614,6 +614,7 @@ def _plan(f: _Field) -> dict:
             read(value)
 
     part(f, "estimated_time_s", _Field.number)
+    part(f, "lowered_time_s", _Field.number)
     part(f, "solver", _Field.obj)
     part(f, "fallback_ops", _Field.obj)
     memory = f.get("memory", optional=True)
@@ -633,6 +634,7 @@ def _plan(f: _Field) -> dict:
         choice.obj()
         _shape(choice.get("shape"))
         part(choice, "estimated_time_s", _Field.number)
+        part(choice, "lowered_time_s", _Field.number)
         part(choice, "internode_bytes", _Field.number)
         part(choice, "set_aside", _Field.str)
         part(choice, "preferred", _Field.str)
