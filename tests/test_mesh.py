@@ -270,30 +270,13 @@ def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monk
 
     def confirm(margin: float):
         monkeypatch.setattr(mc, "SLOW_LINK_MARGIN", margin)
-        fast = mc.Weighed(
-            {
-                "shape": [1, 2],
-                "dim_names": ["dp", "tp_node"],
-                "estimated_time_s": 0.5,
-                "internode_bytes": 10.0,
-            },
-            over,
-            whole,
-            1,
-            plans[0],
-        )
-        quiet = mc.Weighed(
-            {
-                "shape": [2, 1],
-                "dim_names": ["dp", "tp"],
-                "estimated_time_s": 1.0,
-                "internode_bytes": 1.0,
-            },
-            inside,
-            half,
-            1,
-            plans[1],
-        )
+        # the planner's estimates give the shape over the slow link twice the speed
+        over_entry = {"shape": [1, 2], "dim_names": ["dp", "tp_node"]}
+        inside_entry = {"shape": [2, 1], "dim_names": ["dp", "tp"]}
+        over_entry |= {"estimated_time_s": 0.5, "internode_bytes": 10.0}
+        inside_entry |= {"estimated_time_s": 1.0, "internode_bytes": 1.0}
+        fast = mc.Weighed(over_entry, over, whole, 1, plans[0])
+        quiet = mc.Weighed(inside_entry, inside, half, 1, plans[1])
         assert mc._prefer_quiet_links([fast, quiet], cluster) == (fast, quiet)
         chosen, programs = mc._confirmed_after_lowering(fast, quiet, cluster, policy(), 60, True)
         devices = mc.first_devices(cluster, chosen.dims.size("tp"))
