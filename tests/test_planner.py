@@ -184,7 +184,7 @@ def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypa
     captured = capture(small_llama(), (token_ids(),), keep=has_rule)
     cluster = local_cluster(2)
     device = cluster.devices[0].memory_bytes
-    lower_all, calls = lowering._lower_all, []
+    lower_all, calls = lowering.lower_every_rank, []
 
     def first_program_overflows(*args, **kwargs):
         programs = lower_all(*args, **kwargs)
@@ -193,7 +193,7 @@ def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypa
             programs = [replace(p, peak_bytes=device + 1000) for p in programs]
         return programs
 
-    monkeypatch.setattr(lowering, "_lower_all", first_program_overflows)
+    monkeypatch.setattr(lowering, "lower_every_rank", first_program_overflows)
     plan, _ = lowering.plan_and_lower(captured, cluster)
     assert len(calls) == 2
     (memory,) = [r for r in plan.replanned if r["node"] == "(memory)"]
