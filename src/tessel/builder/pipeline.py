@@ -45,12 +45,13 @@ from tessel.config.cluster import (
     read_cluster_config,
 )
 from tessel.config.errors import ConfigError
-from tessel.config.mesh import POLICY_KEYS, parallel_dims
+from tessel.config.mesh import POLICY_KEYS, ParallelDims, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
 from tessel.log_levels import torch_kept_quiet
 from tessel.lower.estimate import program_seconds
+from tessel.lower.program import RankProgram
 from tessel.package.format import BuiltPackage, Manifest, Member, write_package
-from tessel.plan import PlanError, has_rule
+from tessel.plan import Plan, PlanError, has_rule
 from tessel.plan.planner import run_seconds
 from tessel.progress import phase
 from tessel.summary import build_summary
@@ -146,31 +147,13 @@ def build(
     default the step computes in the dtype of the model's parameters (fp32 or bf16).
     """
     timings: dict[str, float] = {}
-    stored = None
-    if weights is not None:
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(
-                "weights", None, "streams into an nn.Module (its parameters on the meta device)"
-            )
-        if verify:
-            raise ConfigError(
-                "verify", None, "needs the model's weights in memory; they are streamed here"
-            )
-        stored = streamed_weights(model, weights)
-        verify = False
-    elif isinstance(model, torch.nn.Module):
-        check_weights_present(model)
+    stored, verify = _streamed(model, weights, verify)
     cluster = cluster_config(cluster, soc_version)
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
-    if param_dtype is not None and optimizer is None:
-        raise ConfigError("build()", "param_dtype", "is taken with optimizer= (a training step)")
-    if optimizer is not None:
-        if weights is not None or verify or not graph_parallel:
-            given = "weights" if weights is not None else "verify" if verify else "graph_parallel"
-            raise ConfigError("build()", given, "is not taken with optimizer= (a training step)")
-        manifest, members, timings = build_training(
+    if optimizer is not None or param_dtype is not None:
+        return _training_step(
             model,
             example_inputs,
             example_kwargs,
@@ -180,11 +163,100 @@ def build(
             soc_version,
             time_limit,
             param_dtype,
+            weights,
+            verify,
+            graph_parallel,
         )
-        manifest["timings"] = timings
-        return BuiltModel(
-            Manifest.from_json(manifest, "the built model", members), members, timings
+    _check_inference(model, cluster, policy, graph_parallel)
+
+    t = time.perf_counter()
+    shape = _capture_or_choose(
+        model,
+        example_inputs,
+        example_kwargs,
+        cluster,
+        policy,
+        graph_parallel,
+        reuse_layers,
+        time_limit,
+    )
+    timings["capture"] = time.perf_counter() - t
+    fitted = _fit(
+        shape, cluster, policy, graph_parallel, soc_version, time_limit, reuse_layers, timings
+    )
+    t = time.perf_counter()
+    with phase("packing"):
+        manifest, members = _pack(shape, fitted, cluster, soc_version, graph_parallel, stored)
+    if stored is not None:
+        manifest["plan"]["verify"] = {
+            "skipped": f"weights streamed from {weights}: the build never held the model"
+        }
+    timings["pack"] = time.perf_counter() - t
+    if verify is not False and shape.captured.source is not None:
+        manifest["plan"]["verify"] = _verify(shape, manifest, members, verify, timings)
+    manifest["timings"] = timings
+    # checked as a loader checks it, so a model that would be refused is never saved
+    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
+
+
+def _streamed(model: Any, weights: str | Path | None, verify: bool | None) -> tuple[Any, Any]:
+    """The checkpoint a meta-device model's weights stream from (None: the model holds them),
+    and `verify` as it stands with it (streamed weights leave no eager model to check)."""
+    if weights is None:
+        if isinstance(model, torch.nn.Module):
+            check_weights_present(model)
+        return None, verify
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            "weights", None, "streams into an nn.Module (its parameters on the meta device)"
         )
+    if verify:
+        raise ConfigError(
+            "verify", None, "needs the model's weights in memory; they are streamed here"
+        )
+    return streamed_weights(model, weights), False
+
+
+def _training_step(
+    model: Any,
+    example_inputs: Any,
+    example_kwargs: dict | None,
+    optimizer: Any,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    soc_version: str,
+    time_limit: float,
+    param_dtype: Any,
+    weights: Any,
+    verify: bool | None,
+    graph_parallel: bool,
+) -> BuiltModel:
+    """A training package (see `tessel.builder.training`), after the arguments it refuses."""
+    if optimizer is None:
+        raise ConfigError("build()", "param_dtype", "is taken with optimizer= (a training step)")
+    if weights is not None or verify or not graph_parallel:
+        given = "weights" if weights is not None else "verify" if verify else "graph_parallel"
+        raise ConfigError("build()", given, "is not taken with optimizer= (a training step)")
+    manifest, members, timings = build_training(
+        model,
+        example_inputs,
+        example_kwargs,
+        optimizer,
+        cluster,
+        policy,
+        soc_version,
+        time_limit,
+        param_dtype,
+    )
+    manifest["timings"] = timings
+    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
+
+
+def _check_inference(
+    model: Any, cluster: ClusterConfig, policy: ParallelOption, graph_parallel: bool
+) -> None:
+    """Refuse what an inference build cannot take: training settings, and replicas or stages
+    without the planner or without the model whose example batch they split."""
     if policy.training_keys:
         raise ConfigError(
             policy.source,
@@ -193,68 +265,128 @@ def build(
             "a --model function returning (module, example_inputs, optimizer)), or remove it",
         )
     dims = parallel_dims(cluster, policy)
-    dp, pp = dims.size("dp"), dims.size("pp")
-    for axis, size in (("dp", dp), ("pp", pp)):
+    for axis in ("dp", "pp"):
+        size = dims.size(axis)
         if size > 1 and (not graph_parallel or isinstance(model, CapturedModel)):
-            key = POLICY_KEYS[axis]
             raise ConfigError(
                 policy.source,
-                f"graph_parallel_option.{key}",
+                f"graph_parallel_option.{POLICY_KEYS[axis]}",
                 f"is {size}: {'data parallelism' if axis == 'dp' else 'pipeline stages'} need "
                 "graph_parallel and the model itself (not a captured model), whose example batch "
                 "it splits",
             )
-    micro_batches = 1
 
-    t = time.perf_counter()
-    whole_batch, weighed, weighed_plan, weighed_programs = None, None, None, None
+
+@dataclass
+class _Shape:
+    """The mesh a build runs on and the capture of what one of its replicas runs: one
+    micro-batch of its share of the batch."""
+
+    dims: ParallelDims
+    captured: CapturedModel
+    micro_batches: int = 1
+    whole_batch: tuple[tuple, dict] | None = None  # the example, where a replica takes part
+    weighed: list[dict[str, Any]] | None = None  # the shapes `auto` weighed, where it chose
+    plan: Plan | None = None  # the plan weighed for this shape, where `auto` made one
+    programs: list[RankProgram] | None = None  # and its programs, where it lowered them
+
+    @property
+    def dp(self) -> int:
+        return self.dims.size("dp")
+
+    @property
+    def pp(self) -> int:
+        return self.dims.size("pp")
+
+
+def _capture_or_choose(
+    model: Any,
+    example_inputs: Any,
+    example_kwargs: dict | None,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    graph_parallel: bool,
+    reuse_layers: bool,
+    time_limit: float,
+) -> _Shape:
+    """The model captured on the policy's mesh, or, where tessel chooses the mesh (`auto`, no
+    sizes, several nodes), on the one it chose."""
+    dims = parallel_dims(cluster, policy)
     if isinstance(model, CapturedModel):
-        captured = model
-    else:
-        args, kwargs = split_inputs(example_inputs, example_kwargs)
-        if graph_parallel and wants_choice(cluster, policy, model):
-            with phase("weighing the mesh shapes the cluster allows"):
-                choice = choose_mesh(
-                    model,
-                    args,
-                    kwargs,
-                    cluster,
-                    policy,
-                    reuse_layers=reuse_layers,
-                    time_limit=time_limit,
-                )
-            dims, captured, weighed = choice.dims, choice.captured, choice.weighed
-            weighed_plan, weighed_programs = choice.plan, choice.programs
-            dp, pp, micro_batches = dims.size("dp"), dims.size("pp"), choice.micro_batches
-        else:
-            if pp > 1:
-                micro_batches = policy.micro_batch_num or default_micro_batches(
-                    pp, batch_rows(args, kwargs) // dp
-                )
-            parts = dp * micro_batches
-            split = (
-                replica_batch(args, kwargs, dp, policy.source, micro_batches)
-                if parts > 1
-                else (args, kwargs)
+        return _Shape(dims, model)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if graph_parallel and wants_choice(cluster, policy, model):
+        with phase("weighing the mesh shapes the cluster allows"):
+            choice = choose_mesh(
+                model,
+                args,
+                kwargs,
+                cluster,
+                policy,
+                reuse_layers=reuse_layers,
+                time_limit=time_limit,
             )
-            with phase("capturing the model"):
-                captured = capture(model, *split, keep=has_rule, reuse_layers=reuse_layers)
-        if dp * micro_batches > 1:
-            whole_batch = args, kwargs
-    timings["capture"] = time.perf_counter() - t
+        parts = choice.dims.size("dp") * choice.micro_batches
+        return _Shape(
+            choice.dims,
+            choice.captured,
+            choice.micro_batches,
+            (args, kwargs) if parts > 1 else None,
+            choice.weighed,
+            choice.plan,
+            choice.programs,
+        )
+    dp, pp = dims.size("dp"), dims.size("pp")
+    micro_batches = 1
+    if pp > 1:
+        rows = batch_rows(args, kwargs) // dp
+        micro_batches = policy.micro_batch_num or default_micro_batches(pp, rows)
+    parts = dp * micro_batches
+    split = (
+        replica_batch(args, kwargs, dp, policy.source, micro_batches)
+        if parts > 1
+        else (args, kwargs)
+    )
+    with phase("capturing the model"):
+        captured = capture(model, *split, keep=has_rule, reuse_layers=reuse_layers)
+    return _Shape(dims, captured, micro_batches, (args, kwargs) if parts > 1 else None)
 
+
+@dataclass
+class _Fitted:
+    """The plan and every rank's program, with the stages cut from them where the mesh has
+    replicas or stages."""
+
+    plan: Plan
+    programs: list[RankProgram]
+    staged: list[Any] | None = None
+    stages: Any = None
+
+
+def _fit(
+    shape: _Shape,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    graph_parallel: bool,
+    soc_version: str,
+    time_limit: float,
+    reuse_layers: bool,
+    timings: dict[str, float],
+) -> _Fitted:
+    """Plan and lower until every rank's program fits its device.
+
+    A stage holds about 1/pp of the weights: the model is planned on its devices with pp times
+    their memory, then less where a stage overflows its devices (bisecting between the most
+    memory that overflows and the least that leaves no plan). With replicas and no stages,
+    rank 0 also holds the other replicas' outputs: what it overflows by is kept free."""
+    captured, dims, dp, pp = shape.captured, shape.dims, shape.dp, shape.pp
     plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
     if dp * pp > 1:
         plan_cluster = first_devices(cluster, dims.size("tp"))
-    staged, stages = None, None
-    # a stage holds about 1/pp of the weights: the model is planned on its devices with pp
-    # times their memory, then less where a stage overflows its devices (bisecting between
-    # the most memory that overflows and the least that leaves no plan)
     scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
-    reserve = gathered_bytes(captured, dp, micro_batches)  # rank 0 puts the outputs together
+    reserve = gathered_bytes(captured, dp, shape.micro_batches)  # rank 0 joins the outputs
+    first, lowered = shape.plan, shape.programs  # the first try lowers what `auto` weighed
     while True:
-        first, weighed_plan = weighed_plan, None  # a second try plans anew
-        lowered, weighed_programs = weighed_programs, None
         try:
             plan, programs = plan_and_lower(
                 captured,
@@ -272,16 +404,18 @@ def build(
                 raise
             no_plan, scale = scale, (scale + overflows) / 2
             continue
+        finally:
+            first, lowered = None, None  # a second try plans anew
         if pp * dp == 1:
-            break
+            return _Fitted(plan, programs)
         t = time.perf_counter()
         try:
             with phase("making every rank's stage program"):
                 staged, stages = build_stages(
-                    captured, plan, programs, cluster, dims, micro_batches, policy.source
+                    captured, plan, programs, cluster, dims, shape.micro_batches, policy.source
                 )
         except StageMemoryError as exc:
-            if pp == 1:  # rank 0 also holds the other replicas' outputs: keep that free
+            if pp == 1:
                 tries += 1
                 if tries > 3:
                     raise
@@ -295,82 +429,99 @@ def build(
             continue
         finally:
             timings["stages"] = timings.get("stages", 0.0) + time.perf_counter() - t
-        programs = [sp.program for sp in staged]
-        break
-    t = time.perf_counter()
-    with phase("packing"):
-        manifest, members = pack(
-            captured,
-            plan,
-            programs,
-            cluster,
-            soc_version,
-            graph_parallel,
-            dp,
-            staged=staged,
-            pp=pp,
-            micro_batches=micro_batches,
-            stored=stored,
-        )
-    if stored is not None:
-        manifest["plan"]["verify"] = {
-            "skipped": f"weights streamed from {weights}: the build never held the model"
-        }
+        return _Fitted(plan, [sp.program for sp in staged], staged, stages)
+
+
+def _pack(
+    shape: _Shape,
+    fitted: _Fitted,
+    cluster: ClusterConfig,
+    soc_version: str,
+    graph_parallel: bool,
+    stored: Any,
+) -> tuple[dict, dict]:
+    """The manifest and members of the package, and the plan's account of a run: its stages,
+    what their programs hold, and its estimated time (stages pipelined, the replicas' outputs
+    gathered, the session's own cost), also as its programs price it once lowered."""
+    captured, dims, dp, pp, micro = (
+        shape.captured,
+        shape.dims,
+        shape.dp,
+        shape.pp,
+        shape.micro_batches,
+    )
+    plan, programs, staged, stages = fitted.plan, fitted.programs, fitted.staged, fitted.stages
+    manifest, members = pack(
+        captured,
+        plan,
+        programs,
+        cluster,
+        soc_version,
+        graph_parallel,
+        dp,
+        staged=staged,
+        pp=pp,
+        micro_batches=micro,
+        stored=stored,
+    )
+    account = manifest["plan"]
     if stages is not None:
-        manifest["plan"]["stages"] = [
+        account["stages"] = [
             {**entry, "ranks": [r for r, sp in enumerate(staged) if sp.stage == entry["stage"]]}
             for entry in stages.to_json()
         ]
         # what the stages' programs hold, not the whole model the planner weighed on pp x memory
-        manifest["plan"]["memory"] = {
+        account["memory"] = {
             "weight_bytes": max(rp.weight_bytes for rp in programs),
             "peak_bytes": max(rp.peak_bytes for rp in programs),
             "device_bytes": min(d.memory_bytes for d in cluster.devices),
         }
-        manifest["plan"]["micro_batches"] = micro_batches
-        manifest["plan"]["estimated_time_s"] = stages.pipelined_seconds(
-            micro_batches, send_seconds(staged, dims, cluster, micro_batches)
+        account["micro_batches"] = micro
+        account["estimated_time_s"] = stages.pipelined_seconds(
+            micro, send_seconds(staged, dims, cluster, micro)
         )
     if dp > 1:  # the replicas run at once; then their outputs are gathered
-        manifest["plan"]["estimated_time_s"] += gather_seconds(
-            captured, dims, cluster, micro_batches
-        )
+        account["estimated_time_s"] += gather_seconds(captured, dims, cluster, micro)
     # what a run costs beside its programs: the session's pipe to rank 0, rank 0's broadcasts
-    manifest["plan"]["estimated_time_s"] += run_seconds(captured, cluster)
+    account["estimated_time_s"] += run_seconds(captured, cluster)
     if pp == 1 and graph_parallel:  # the same run priced from the programs as lowered
-        ranks = cluster if dp > 1 else plan_cluster  # replicas' programs gather their outputs
+        # replicas' programs gather their outputs over the whole cluster's ranks
+        ranks = cluster if dp > 1 else first_devices(cluster, dims.size("tp"))
         slowest = max(program_seconds(rp, r, ranks) for r, rp in enumerate(programs))
-        manifest["plan"]["lowered_time_s"] = slowest + run_seconds(captured, cluster)
-    if weighed is not None:
-        manifest["plan"]["mesh_choices"] = weighed
-    timings["pack"] = time.perf_counter() - t
-    if verify is not False and captured.source is not None:  # streamed weights: verify False
-        skipped = (
-            None
-            if verify
-            else worth_checking(captured, sum(timings.values()) / (dp * micro_batches))
-        )
-        if skipped is None:
-            t = time.perf_counter()
-            package = BuiltPackage(
-                Manifest.from_json(manifest, "the built model", members), members
-            )
-            if whole_batch is None:
-                inputs, expected = captured.example_inputs, captured.eager_outputs()
-            else:
-                inputs = [x for x in tree_leaves(whole_batch) if isinstance(x, torch.Tensor)]
-                with torch.no_grad():
-                    out = captured.source(*whole_batch[0], **whole_batch[1])
-                expected = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
-            with phase("checking the built model against the eager one"):
-                manifest["plan"]["verify"] = check_against_eager(package, inputs, expected)
-            timings["verify"] = time.perf_counter() - t
-        else:
-            log.info("not checked against the eager model: %s", skipped)
-            manifest["plan"]["verify"] = {"skipped": skipped}
-    manifest["timings"] = timings
-    # checked as a loader checks it, so a model that would be refused is never saved
-    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
+        account["lowered_time_s"] = slowest + run_seconds(captured, cluster)
+    if shape.weighed is not None:
+        account["mesh_choices"] = shape.weighed
+    return manifest, members
+
+
+def _verify(
+    shape: _Shape, manifest: dict, members: dict, verify: bool | None, timings: dict[str, float]
+) -> dict[str, Any]:
+    """The built model run on the example in this process against the eager model, where
+    asked or where the cost model puts the check below what the build took; why not else."""
+    captured = shape.captured
+    skipped = (
+        None
+        if verify
+        else worth_checking(captured, sum(timings.values()) / (shape.dp * shape.micro_batches))
+    )
+    if skipped is not None:
+        log.info("not checked against the eager model: %s", skipped)
+        return {"skipped": skipped}
+    t = time.perf_counter()
+    package = BuiltPackage(Manifest.from_json(manifest, "the built model", members), members)
+    if shape.whole_batch is None:
+        inputs, expected = captured.example_inputs, captured.eager_outputs()
+    else:
+        args, kwargs = shape.whole_batch
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        with torch.no_grad():
+            out = captured.source(*args, **kwargs)
+        expected = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+    with phase("checking the built model against the eager one"):
+        result = check_against_eager(package, inputs, expected)
+    timings["verify"] = time.perf_counter() - t
+    return result
 
 
 def cluster_config(cluster: Any, soc_version: str) -> ClusterConfig:
