@@ -153,19 +153,19 @@ def build(
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
     if optimizer is not None or param_dtype is not None:
-        return _training_step(
-            model,
-            example_inputs,
-            example_kwargs,
-            optimizer,
-            cluster,
-            policy,
-            soc_version,
-            time_limit,
-            param_dtype,
-            weights,
-            verify,
-            graph_parallel,
+        _check_training(optimizer, weights, verify, graph_parallel)
+        return _built(
+            *build_training(
+                model,
+                example_inputs,
+                example_kwargs,
+                optimizer,
+                cluster,
+                policy,
+                soc_version,
+                time_limit,
+                param_dtype,
+            )
         )
     _check_inference(model, cluster, policy, graph_parallel)
 
@@ -194,8 +194,13 @@ def build(
     timings["pack"] = time.perf_counter() - t
     if verify is not False and shape.captured.source is not None:
         manifest["plan"]["verify"] = _verify(shape, manifest, members, verify, timings)
+    return _built(manifest, members, timings)
+
+
+def _built(manifest: dict, members: dict, timings: dict[str, float]) -> BuiltModel:
+    """The built model, its manifest checked as a loader checks it, so a model that would be
+    refused is never saved."""
     manifest["timings"] = timings
-    # checked as a loader checks it, so a model that would be refused is never saved
     return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
 
 
@@ -217,39 +222,15 @@ def _streamed(model: Any, weights: str | Path | None, verify: bool | None) -> tu
     return streamed_weights(model, weights), False
 
 
-def _training_step(
-    model: Any,
-    example_inputs: Any,
-    example_kwargs: dict | None,
-    optimizer: Any,
-    cluster: ClusterConfig,
-    policy: ParallelOption,
-    soc_version: str,
-    time_limit: float,
-    param_dtype: Any,
-    weights: Any,
-    verify: bool | None,
-    graph_parallel: bool,
-) -> BuiltModel:
-    """A training package (see `tessel.builder.training`), after the arguments it refuses."""
+def _check_training(
+    optimizer: Any, weights: str | Path | None, verify: bool | None, graph_parallel: bool
+) -> None:
+    """Refuse what a training step cannot take."""
     if optimizer is None:
         raise ConfigError("build()", "param_dtype", "is taken with optimizer= (a training step)")
     if weights is not None or verify or not graph_parallel:
         given = "weights" if weights is not None else "verify" if verify else "graph_parallel"
         raise ConfigError("build()", given, "is not taken with optimizer= (a training step)")
-    manifest, members, timings = build_training(
-        model,
-        example_inputs,
-        example_kwargs,
-        optimizer,
-        cluster,
-        policy,
-        soc_version,
-        time_limit,
-        param_dtype,
-    )
-    manifest["timings"] = timings
-    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
 
 
 def _check_inference(
