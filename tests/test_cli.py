@@ -124,11 +124,11 @@ def test_policy_size_must_match_cluster(files, capsys, tmp_path):
 
 
 def test_trace_every_layer_reaches_capture_and_lowering(files, monkeypatch):
-    import tessel.builder.lowering as lowering
     import tessel.builder.pipeline as pipeline
+    import tessel.lower.ranks as ranks
 
     seen: dict = {}
-    real_capture, real_lower = pipeline.capture, lowering.lower_rank
+    real_capture, real_lower = pipeline.capture, ranks.lower_rank
 
     def capture(*args, **kwargs):
         seen["capture"] = kwargs.get("reuse_layers")
@@ -139,7 +139,7 @@ def test_trace_every_layer_reaches_capture_and_lowering(files, monkeypatch):
         return real_lower(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "capture", capture)
-    monkeypatch.setattr(lowering, "lower_rank", lower_rank)
+    monkeypatch.setattr(ranks, "lower_rank", lower_rank)
     assert main(_build_args(files) + ["--trace_every_layer"]) == 0
     assert seen == {"capture": False, "lower": {False}}
 
