@@ -297,6 +297,21 @@ def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monk
     text = format_plan_of_choices([fast, {**quiet, "chosen": True}])
     assert f"{1e3 * quiet['lowered_time_s']:.3f} ms as lowered" in text
 
+    # a shape that cannot be lowered is set aside, and says nothing of being preferred
+    from tessel.lower.trace import LoweringError
+
+    real = mc.plan_and_lower
+
+    def fails_over_the_nodes(captured, *args, **kwargs):
+        if captured is whole:
+            raise LoweringError("no rule")
+        return real(captured, *args, **kwargs)
+
+    monkeypatch.setattr(mc, "plan_and_lower", fails_over_the_nodes)
+    chosen, fast, quiet = confirm(-1.0)
+    assert chosen.entry is quiet and "could not be lowered: no rule" in fast["set_aside"]
+    assert "preferred" not in fast
+
 
 def format_plan_of_choices(choices: list[dict]) -> str:
     """The `inspect` lines of a plan weighing `choices`."""

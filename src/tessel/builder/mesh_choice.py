@@ -241,6 +241,7 @@ def _confirmed_after_lowering(
         except (PlanError, LoweringError) as exc:
             shape.entry["lowered_time_s"] = None
             shape.entry["set_aside"] = f"could not be lowered: {exc}"
+            shape.entry.pop("preferred", None)
             continue
         seconds = max(program_seconds(rp, r, devices) for r, rp in enumerate(programs))
         shape.entry["lowered_time_s"] = seconds + gather_seconds(
