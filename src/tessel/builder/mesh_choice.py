@@ -255,12 +255,12 @@ def _confirmed_after_lowering(
         fast.entry["preferred"] += f", and {100 * gain:.0f}% faster as lowered"
         return lowered[0]
     del fast.entry["preferred"]
+    planned = 1 - fast.entry["estimated_time_s"] / quiet.entry["estimated_time_s"]
     quiet.entry["preferred"] = (
         f"moves {_mib(quiet.entry['internode_bytes'])} between nodes per run against "
         f"{_mib(fast.entry['internode_bytes'])} for {_shape_text(fast.entry)}, which is "
-        f"estimated {100 * (1 - fast.entry['estimated_time_s'] / quiet.entry['estimated_time_s']):.0f}% "
-        f"faster by the planner but only {100 * gain:.0f}% faster as lowered (less than "
-        f"{100 * SLOW_LINK_MARGIN:.0f}%)"
+        f"estimated {100 * planned:.0f}% faster by the planner but only {100 * gain:.0f}% "
+        f"faster as lowered (less than {100 * SLOW_LINK_MARGIN:.0f}%)"
     )
     return lowered[1]
 

@@ -228,7 +228,8 @@ def build_training(
             "peak_bytes": max(sp.program.peak_bytes for sp in staged),
             "device_bytes": min(d.memory_bytes for d in cluster.devices),
         }
-    # and what a run costs beside its programs: the session's pipe, rank 0's broadcasts
+    # what a step costs beside its program: the exchange and the update, and the session's
+    # pipe and rank 0's broadcasts
     manifest["plan"]["estimated_time_s"] += _exchange_and_update_seconds(
         captured, plan, units, first_devices(cluster, tp), dims, level, spec
     ) + run_seconds(captured, cluster)
@@ -391,21 +392,28 @@ def weight_units(names: tuple[str, ...]) -> list[tuple[str, ...]]:
 def _largest_gathered_unit(captured: Any, plan: Any, units: list, dp: int, tp: int) -> int:
     """The most bytes a rank gathers for one unit: the unit's shards on its tensor-parallel
     rank, padded to a multiple of dp as the step lays them out."""
-    placeholders = {n.name: n for n in captured.program.graph_module.graph.nodes}
-    local: dict[str, list[int]] = {}  # each trained weight's elements on each tp rank
-    size = 0
-    for ph, fqn in weight_inputs(captured, plan):
-        node = placeholders[ph]
-        val, placements = node.meta["val"], plan.out_placements(node)
-        size = val.element_size()  # the program reads every trained weight in one dtype
-        local[fqn] = [
-            math.prod(local_shard_shape(val.shape, placements, plan.mesh_shape, r))
-            for r in range(tp)
-        ]
+    local, size = _local_elements(captured, plan, tp)
     return size * max(
         (math.ceil(sum(local[n][r] for n in unit) / dp) * dp for unit in units for r in range(tp)),
         default=0,
     )
+
+
+def _local_elements(captured: Any, plan: Any, tp: int) -> tuple[dict[str, list[int]], int]:
+    """Each trained weight's elements on each tensor-parallel rank, and the bytes of one
+    element as the program reads them (every trained weight in one dtype)."""
+    placeholders = {n.name: n for n in captured.program.graph_module.graph.nodes}
+    local: dict[str, list[int]] = {}
+    size = 0
+    for ph, fqn in weight_inputs(captured, plan):
+        node = placeholders[ph]
+        val, placements = node.meta["val"], plan.out_placements(node)
+        size = val.element_size()
+        local[fqn] = [
+            math.prod(local_shard_shape(val.shape, placements, plan.mesh_shape, r))
+            for r in range(tp)
+        ]
+    return local, size
 
 
 def _exchange_and_update_seconds(
@@ -424,14 +432,8 @@ def _exchange_and_update_seconds(
     full, as if none overlapped the backward pass."""
     dp = dims.size("dp")
     _, bandwidth, overhead = device_rates(devices)
-    placeholders = {n.name: n for n in captured.program.graph_module.graph.nodes}
-    grad_bytes: dict[str, int] = {}  # fp32 gradient bytes of each weight on tensor rank 0
-    for ph, fqn in weight_inputs(captured, plan):
-        node = placeholders[ph]
-        shard = local_shard_shape(
-            node.meta["val"].shape, plan.out_placements(node), plan.mesh_shape, 0
-        )
-        grad_bytes[fqn] = 4 * math.prod(shard)
+    local, _ = _local_elements(captured, plan, 1)
+    grad_bytes = {fqn: 4 * ranks[0] for fqn, ranks in local.items()}  # fp32, on tensor rank 0
     seconds = 0.0
     if dp > 1:
         link = cost.Links(dims.axis("dp").bandwidth, devices.soc.link_latency)

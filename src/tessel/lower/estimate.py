@@ -10,12 +10,9 @@ crosses.
 
 from __future__ import annotations
 
-import math
-
 from tessel._torch import C10D_FUNCTIONAL
 from tessel.config.cluster import ClusterConfig
-from tessel.dtypes import torch_dtype
-from tessel.lower.program import RankProgram
+from tessel.lower.program import RankProgram, group_of, node_refs, tensor_bytes
 from tessel.plan import cost
 from tessel.plan.planner import device_rates
 
@@ -32,7 +29,7 @@ def program_seconds(rp: RankProgram, rank: int, cluster: ClusterConfig) -> float
         if node.get("op") != "call":
             continue
         target = node["target"]
-        reads = [shapes[a["$node"]] for a in _node_args(node["args"]) if a["$node"] in shapes]
+        reads = [shapes[name] for name in node_refs(node["args"]) if name in shapes]
         if target.startswith(C10D_FUNCTIONAL + "."):
             seconds += _collective_seconds(target.split(".")[1], node, reads, rank, cluster)
             continue
@@ -40,7 +37,7 @@ def program_seconds(rp: RankProgram, rank: int, cluster: ClusterConfig) -> float
             seconds += overhead  # no tensor made (a getitem of a tuple, a scalar)
             continue
         out_shape, dtype = shapes[node["name"]]
-        moved = _bytes(out_shape, dtype) + sum(_bytes(s, d) for s, d in reads)
+        moved = tensor_bytes(out_shape, dtype) + sum(tensor_bytes(s, d) for s, d in reads)
         f = cost.shape_flops(target, tuple(out_shape), [tuple(s) for s, _ in reads])
         seconds += cost.compute_time(f, moved, peak, bandwidth) + overhead
     return seconds
@@ -51,13 +48,13 @@ def _collective_seconds(
 ) -> float:
     if kind in _FREE or not reads:
         return 0.0
-    group = next((a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a), [])
+    group = group_of(node) or []
     n = len(group)
     if n <= 1:
         return 0.0
     links = cost.Links.of(cluster, list(group))
     shape, dtype = reads[0]
-    size = _bytes(shape, dtype)
+    size = tensor_bytes(shape, dtype)
     if kind.startswith("all_gather"):
         return cost.all_gather_time(size * n, n, links)
     if kind.startswith("reduce_scatter"):
@@ -82,18 +79,3 @@ def _all_to_all_seconds(
     row = size / shape[0] if shape[0] else 0.0
     rows = max(sum(received) - received[me], sum(sent) - sent[me])
     return (n - 1) * links.latency + rows * row / links.bandwidth
-
-
-def _node_args(value: object) -> list[dict]:
-    """Every `{"$node": name}` reference in a node's arguments."""
-    if isinstance(value, dict):
-        if "$node" in value:
-            return [value]
-        return [r for v in value.values() for r in _node_args(v)]
-    if isinstance(value, list):
-        return [r for v in value for r in _node_args(v)]
-    return []
-
-
-def _bytes(shape: list[int], dtype: str) -> int:
-    return math.prod(shape) * torch_dtype(dtype).itemsize

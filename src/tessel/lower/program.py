@@ -386,6 +386,27 @@ def groups_in(program: dict) -> list[list[int]]:
     return found
 
 
+def node_refs(value: Any) -> list[str]:
+    """The node names a node's arguments read, in order (`{"$node": name}` at any depth)."""
+    if isinstance(value, dict):
+        if "$node" in value:
+            return [value["$node"]]
+        return [name for v in value.values() for name in node_refs(v)]
+    if isinstance(value, list):
+        return [name for v in value for name in node_refs(v)]
+    return []
+
+
+def tensor_bytes(shape: list[int], dtype: str) -> int:
+    """Bytes of a tensor of `shape` and `dtype` (a name as programs write it)."""
+    return math.prod(shape) * torch_dtype(dtype).itemsize
+
+
+def group_of(node: dict) -> list[int] | None:
+    """The ranks of a collective call's group (None where it names none)."""
+    return next((a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a), None)
+
+
 def collectives(
     program: dict, shapes: dict[str, tuple[list[int], str]] | None = None
 ) -> list[dict]:
@@ -397,15 +418,12 @@ def collectives(
         kind = node["target"].split(".")[1]
         if kind == "wait_tensor":
             continue
-        group = next(
-            (a["$group"] for a in node["args"] if isinstance(a, dict) and "$group" in a), None
-        )
+        group = group_of(node)
         entry = {"kind": kind, "group": group, "node": node["name"]}
         if shapes is not None:
             src = node["args"][0]
             if isinstance(src, dict) and src.get("$node") in shapes:
-                shape, dtype = shapes[src["$node"]]
-                size = math.prod(shape) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
+                size = tensor_bytes(*shapes[src["$node"]])
                 # bytes of the whole tensor the collective moves (a gather's input is one shard)
                 entry["bytes"] = size * len(group or [1]) if kind.startswith("all_gather") else size
         out.append(entry)

@@ -22,16 +22,12 @@ Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from tessel._torch import C10D_FUNCTIONAL
-from tessel.dtypes import torch_dtype
 from tessel.errors import TesselError
-from tessel.lower.trace import RankProgram
+from tessel.lower.program import RankProgram, node_refs, tensor_bytes
 
 _SLICE = "aten.slice.Tensor"
 _ZEROS = "aten.zeros.default"
@@ -92,17 +88,6 @@ def stage_programs(
     return out  # type: ignore[return-value]
 
 
-def _refs(value: Any) -> list[str]:
-    """The node names a node's arguments read, in order."""
-    if isinstance(value, dict):
-        if "$node" in value:
-            return [value["$node"]]
-        return [name for v in value.values() for name in _refs(v)]
-    if isinstance(value, list):
-        return [name for v in value for name in _refs(v)]
-    return []
-
-
 def _sub(value: Any, names: dict[str, str], ranks: Any = None) -> Any:
     """`value` with node names renamed and, given `ranks`, collective groups moved."""
     if isinstance(value, list):
@@ -114,10 +99,6 @@ def _sub(value: Any, names: dict[str, str], ranks: Any = None) -> Any:
             return {"$group": sorted(ranks(r) for r in value["$group"])}
         return {k: _sub(v, names, ranks) for k, v in value.items()}
     return value
-
-
-def _nbytes(shape: list[int], dtype: str) -> int:
-    return math.prod(shape) * torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
 def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:
@@ -140,7 +121,7 @@ def latest_allowed(
         later = [place[r] for r in readers[name] if r not in pieces.get(name, ())]
         if name in pieces:
             later = [place[g] for g in pieces[name]]
-        joins = len({a for a in _refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
+        joins = len({a for a in node_refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
         if name in fixed or not later or joins:
             place[name] = earliest[name]
         else:
@@ -190,7 +171,7 @@ class _Cut:
         constants = {c["name"] for c in self.constants}
         readers: dict[str, list[str]] = {n["name"]: [] for n in self.calls}
         for n in self.calls:
-            name, stage, args = n["name"], 0, _refs([n["args"], n["kwargs"]])
+            name, stage, args = n["name"], 0, node_refs([n["args"], n["kwargs"]])
             for a in args:
                 if a in self.fqn:
                     stage = max(stage, weight_stage[self.fqn[a]])
@@ -204,10 +185,10 @@ class _Cut:
                 if any(a in self.fqn or a in of_weights for a in args):
                     of_weights.add(name)
             earliest[name] = min(stage, pp - 1)
-        returned = set(_refs(self.output["args"]))
+        returned = set(node_refs(self.output["args"]))
         stage = latest_allowed(self.calls, readers, earliest, pinned | returned)
         for n in self.calls:
-            for a in _refs([n["args"], n["kwargs"]]):
+            for a in node_refs([n["args"], n["kwargs"]]):
                 if a in stage and stage[a] > stage[n["name"]]:
                     raise StageError(f"{n['name']} runs on a stage before {a}, which it reads")
                 if a in stage and stage[a] != stage[n["name"]] and a not in self.rp.shapes:
@@ -221,7 +202,7 @@ class _Cut:
         split = self.split
         shapes = dict(self.rp.shapes)
         mine = [n for n in self.calls if self.stage[n["name"]] == s]
-        reads = [a for n in mine for a in _refs([n["args"], n["kwargs"]])]
+        reads = [a for n in mine for a in node_refs([n["args"], n["kwargs"]])]
         weights = [n for n in self.weight_nodes if n["name"] in reads]
         constants = [n for n in self.constants if n["name"] in reads]
         received = sorted(
@@ -230,7 +211,7 @@ class _Cut:
         )
         sends: dict[str, list[int]] = {}
         for n in self.calls:
-            for a in _refs([n["args"], n["kwargs"]]):
+            for a in node_refs([n["args"], n["kwargs"]]):
                 if a in self.stage and self.stage[a] == s and self.stage[n["name"]] > s:
                     targets = sends.setdefault(a, [])
                     if self.stage[n["name"]] not in targets:
@@ -314,7 +295,7 @@ class _Cut:
         rows to rank 0 (`_replicas_to_first`)."""
         split = self.split
         m = split.micro_batches
-        returned = list(dict.fromkeys(a for a in _refs(self.output["args"]) if a in self.stage))
+        returned = list(dict.fromkeys(a for a in node_refs(self.output["args"]) if a in self.stage))
         if t > 0:
             return [{"args": []}]
         waits: list[dict] = []
@@ -421,6 +402,6 @@ class _Transfers:
         name = f"{value}_to{target}"
         self.shapes[name] = self.shapes[value]
         if forward:
-            self.sent += _nbytes(*self.shapes[value])
+            self.sent += tensor_bytes(*self.shapes[value])
         waits.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
         return _call(name, _BROADCAST, [{"$node": value}, me, group])

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tessel.lower.program import RankProgram, node_refs
 from tessel.lower.stages import (
     _SLICE,
     _ZEROS,
@@ -40,12 +41,10 @@ from tessel.lower.stages import (
     StagedProgram,
     StageError,
     _call,
-    _refs,
     _sub,
     _Transfers,
     latest_allowed,
 )
-from tessel.lower.trace import RankProgram
 
 _ADD = "aten.add.Tensor"
 _DIV = "aten.div.Tensor"
@@ -156,7 +155,7 @@ class _TrainingCut:
         pinned: set[str] = set()
         readers: dict[str, list[str]] = {n["name"]: [] for n in self.calls}
         for n in self.calls:
-            name, args = n["name"], _refs([n["args"], n["kwargs"]])
+            name, args = n["name"], node_refs([n["args"], n["kwargs"]])
             stages = [self.weight_stage[a] for a in args if a in self.weight_stage]
             stages += [made_of_weights[a] for a in args if a in made_of_weights]
             others = [earliest[a] for a in args if a in earliest and a not in made_of_weights]
@@ -183,7 +182,7 @@ class _TrainingCut:
                 made_of_weights[name] = w
         pos = latest_allowed(self.calls, readers, earliest, pinned | {self.loss, *self.gradients})
         for n in self.calls:
-            for a in _refs([n["args"], n["kwargs"]]):
+            for a in node_refs([n["args"], n["kwargs"]]):
                 where = pos.get(a, self._f(self.weight_stage.get(a, 0)))
                 if a in pos or a in self.weight_stage:
                     if where > pos[n["name"]]:
@@ -217,7 +216,7 @@ class _TrainingCut:
             where = self.pos[n["name"]]
             if self.stage_of(where) != s:
                 continue
-            for a in _refs([n["args"], n["kwargs"]]):
+            for a in node_refs([n["args"], n["kwargs"]]):
                 if (a in self.pos or a in self.weight_stage) and self.stage_of(
                     self._position(a)
                 ) != s:
@@ -324,7 +323,7 @@ class _TrainingCut:
             for n in self.calls:
                 if self.pos[n["name"]] != here:
                     continue
-                args = _refs([n["args"], n["kwargs"]])
+                args = node_refs([n["args"], n["kwargs"]])
                 names = {a: name_of(a) for a in args}
                 new = f"{n['name']}__mb{k}"
                 if n["name"] in shapes:
@@ -377,7 +376,7 @@ class _TrainingCut:
         outputs = [{"$node": loss}] + [
             {"$node": accumulated[i]} for i, stage in enumerate(self.gradient_stage) if stage == s
         ]
-        reads = {a for n in body for a in _refs([n["args"], n["kwargs"]])}
+        reads = {a for n in body for a in node_refs([n["args"], n["kwargs"]])}
         constants = [c for c in self.constants if c["name"] in reads]
         program = {
             **self.rp.program,

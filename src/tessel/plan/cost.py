@@ -207,7 +207,8 @@ def shape_flops(
     """`flops` from the shapes alone: of an output and of the tensors a node reads.
 
     Attention (`scaled_dot_product_*`, [batch, heads, length, head dim]) does two matmuls over
-    every (query, key) pair; its backward recomputes the scores and does three more."""
+    every (query, key) pair; its backward recomputes the scores and does four more (the
+    gradients of v, the scores, q and k)."""
     base = op_name.split(".")[1] if "." in op_name else op_name
     if "scaled_dot_product" in base:
         four = [s for s in in_shapes if len(s) == 4]
