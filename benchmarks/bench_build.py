@@ -178,7 +178,7 @@ def bench_llama3_8b(layers: int, batch: int, seq: int) -> None:
         row = {
             "layers": layers,
             "tokens": [batch, seq],
-            "mesh": built.manifest["mesh"],
+            "mesh": built.manifest.mesh.to_json(),
             "phases_s": {k: round(v, 2) for k, v in built.timings.items()},
             "plan_s": round(plan_s, 2),
             "peer_total_s": PEER_LLAMA3_8B_S if layers == 32 else None,
@@ -277,18 +277,18 @@ def main() -> None:
             profiler.dump_stats(out)
             print(f"wrote the profile of {layers} layers to {out}", flush=True)
         phases = {k: round(v, 2) for k, v in built.timings.items()}
-        solver = built.manifest["plan"]["solver"]
+        solver = built.manifest.plan.solver
         rows.append(
             {
                 "layers": layers,
                 "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                 "phases_s": phases,
                 "total_s": round(total, 2),
-                "mesh": built.manifest["mesh"],
+                "mesh": built.manifest.mesh.to_json(),
                 "peer_total_s": peers.get(layers),
                 "ratio": round(total / peers[layers], 3) if layers in peers else None,
-                "decisions": solver["decisions"],
-                "ilp_variables": solver["variables"],
+                "decisions": solver.decisions,
+                "ilp_variables": solver.variables,
                 "package_MiB": round(size / 2**20, 1),
             }
         )

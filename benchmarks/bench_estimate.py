@@ -3,7 +3,7 @@
 Every family of the differential suite (tests/differential/zoo.py: width 64, 2 layers, seq 16)
 is built for 2, 3 and 4 CPU devices of the default cluster, and a training step (the Llama of
 the zoo with AdamW, data_parallel_size 2 x tensor_parallel_size 1 and tensor parallel 2).
-For each, the table sets the plan's estimate (`manifest["plan"]["estimated_time_s"]`) beside
+For each, the table sets the plan's estimate (`manifest.plan.estimated_time_s`) beside
 the median of `Session.run_graph` over 10 runs after 3 warm-up runs (one session; workers are
 reused between packages of the same device count), and the ratio measured / estimated. The
 cost model is meant to keep that ratio within 0.67-1.5; the last line counts the rows that do.
@@ -89,7 +89,7 @@ def inference_rows(families, devices: list[int], batch: int, tmp: str) -> list[t
                 inputs = spec.inputs(batch)
                 built = tessel.build(model, inputs, cluster=world)
                 path = str(built.save(os.path.join(tmp, f"{name}_{world}")))
-                estimate = built.manifest["plan"]["estimated_time_s"]
+                estimate = built.manifest.plan.estimated_time_s
                 measured = measure(session, path, list(inputs))
                 rows.append((name, world, estimate, measured))
                 print(f"  {name} x{world}: {fmt(rows[-1])}", flush=True)
@@ -119,7 +119,7 @@ def training_rows(families, batch: int, tmp: str) -> list[tuple]:
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 built = tessel.build(model, data, cluster=2, policy=policy, optimizer=optimizer)
                 path = str(built.save(os.path.join(tmp, label.replace(" ", "_"))))
-                estimate = built.manifest["plan"]["estimated_time_s"]
+                estimate = built.manifest.plan.estimated_time_s
                 rows.append((label, 2, estimate, measure(session, path, data)))
                 print(f"  {label}: {fmt(rows[-1])}", flush=True)
     finally:
@@ -218,7 +218,7 @@ def session_overhead(devices: list[int]) -> None:
                     built = tessel.build(One(), (x,), cluster=world)
                     path = str(built.save(os.path.join(tmp, f"one_{world}")))
                     seconds = measure(session, path, [x])
-                    estimate = built.manifest["plan"]["estimated_time_s"]
+                    estimate = built.manifest.plan.estimated_time_s
                     print(f"{world:>7} {1e3 * seconds:>24.3f} {1e3 * estimate:>12.3f}", flush=True)
         finally:
             tessel.finalize()

@@ -105,8 +105,8 @@ def main() -> None:
                 graph_parallel=n > 1,
                 verify=False,
             ).save(os.path.join(tmp, "small"))
-            ranks = Package.open(path).manifest.plan["ranks"]
-            predicted = [r["peak_bytes"] for r in sorted(ranks, key=lambda r: r["rank"])]
+            ranks = Package.open(path).manifest.plan.ranks
+            predicted = [r.peak_bytes for r in sorted(ranks, key=lambda r: r.rank)]
             idle, loaded, first, ran, run_s = measure(path, ids, warm, small_ids)
             ratios = [m / p for m, p in zip(ran, predicted)]
             spread = f"{min(ratios):.2f}" + (f"-{max(ratios):.2f}" if n > 1 else "")

@@ -199,15 +199,15 @@ def tessel_run(
                     times.append(time.perf_counter() - t)
         finally:
             tessel.finalize()
-    ranks = built.manifest["plan"]["ranks"]
+    ranks = built.manifest.plan.ranks
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    largest = max(r["weight_bytes"] for r in ranks)
+    largest = max(r.weight_bytes for r in ranks)
     return {
         "median_ms": 1e3 * statistics.median(times),
         "max_abs_diff": (logits - reference).abs().max().item(),
         "weight_MiB_per_rank": round(largest / 2**20, 2),
         "weight_share_x_N": round(largest / weights * world, 3),
-        "collectives_per_run": max(len(r["collectives"]) for r in ranks),
+        "collectives_per_run": max(len(r.collectives) for r in ranks),
     }
 
 

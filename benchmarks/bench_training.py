@@ -276,8 +276,8 @@ def activation_bytes(path: str) -> int:
     """The plan's activations at their peak: its predicted peak less what the weights take."""
     from tessel.package.format import Package
 
-    memory = Package.open(path).manifest.plan["memory"]
-    return int(memory["peak_bytes"] - memory["weight_bytes"])
+    memory = Package.open(path).manifest.plan.memory
+    return int(memory.peak_bytes - memory.weight_bytes)
 
 
 def largest_layer_bytes(path: str) -> int:

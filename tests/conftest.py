@@ -17,6 +17,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from tessel.package.plan_report import PlanReport
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # every property test draws the same examples on every run (a fixed seed), wherever its own
 # settings leave it unsaid
@@ -176,25 +178,25 @@ def no_leftover_workers():
 MEMORY_MODEL = "memory_model"
 
 
-def record_memory_model(record_property, plan: dict) -> None:
+def record_memory_model(record_property, plan: PlanReport) -> None:
     """Records a build's predicted peak, each rank's lowered peak and its memory re-plans for
     the summary below."""
-    memory = plan["memory"]
+    memory = plan.memory
     # rank 0 receives the outputs; the others have a peak of their own, and the last ranks of
     # an uneven split hold smaller shards (counted for one tensor-parallel group, without
     # replicas or stages)
-    by_rank = memory.get("rank_peak_bytes") or []
-    if len(by_rank) != len(plan["ranks"]):
+    by_rank = list(memory.rank_peak_bytes)
+    if len(by_rank) != len(plan.ranks):
         by_rank = [
-            memory["peak_bytes"] if r == 0 else memory["other_ranks_peak_bytes"]
-            for r in range(len(plan["ranks"]))
+            memory.peak_bytes if r == 0 else memory.other_ranks_peak_bytes
+            for r in range(len(plan.ranks))
         ]
     record_property(
         MEMORY_MODEL,
         (
-            [by_rank[rank["rank"]] for rank in plan["ranks"]],
-            [rank["peak_bytes"] for rank in plan["ranks"]],
-            sum(r["node"] == "(memory)" for r in plan["replanned"]),
+            [by_rank[rank.rank] for rank in plan.ranks],
+            [rank.peak_bytes for rank in plan.ranks],
+            sum(r.node == "(memory)" for r in plan.replanned),
         ),
     )
 

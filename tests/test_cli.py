@@ -291,28 +291,28 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
     text = capsys.readouterr().out
     manifest = Package.open(gpt2_package).manifest
     plan = manifest.plan
-    memory = plan["memory"]
-    for r in plan["ranks"]:  # the device's memory: 16 GiB, the cpu soc's default
-        estimate = human_bytes(memory["rank_peak_bytes"][r["rank"]])
+    memory = plan.memory
+    for r in plan.ranks:  # the device's memory: 16 GiB, the cpu soc's default
+        estimate = human_bytes(memory.rank_peak_bytes[r.rank])
         assert (
-            f"rank {r['rank']} ({r['logical_device']}): weights {human_bytes(r['weight_bytes'])}, "
-            f"peak {human_bytes(r['peak_bytes'])} of 16.00 GiB (planner's estimate {estimate}), "
+            f"rank {r.rank} ({r.logical_device}): weights {human_bytes(r.weight_bytes)}, "
+            f"peak {human_bytes(r.peak_bytes)} of 16.00 GiB (planner's estimate {estimate}), "
             in text
         )
-        assert r["weight_bytes"] <= r["peak_bytes"]
+        assert r.weight_bytes <= r.peak_bytes
     assert (
-        f"planner's estimate per device: weights {human_bytes(memory['weight_bytes'])}, "
-        f"peak {human_bytes(memory['peak_bytes'])}, device memory 16.00 GiB" in text
+        f"planner's estimate per device: weights {human_bytes(memory.weight_bytes)}, "
+        f"peak {human_bytes(memory.peak_bytes)}, device memory 16.00 GiB" in text
     )
     # the other ranks' peak is shown where it differs from rank 0's (not here: a small model's
     # peak is in its layers, before the outputs)
-    assert memory["other_ranks_peak_bytes"] == memory["peak_bytes"]
+    assert memory.other_ranks_peak_bytes == memory.peak_bytes
     assert "other ranks' peak" not in text
     assert "checked against eager: max relative difference " in text
     assert "re-planned" not in text
     # the run as the planner priced it, and as its lowered programs price it: one model of
     # one run, apart only by what the lowering adds (the outputs' gather to rank 0)
-    planned, lowered = plan["estimated_time_s"], plan["lowered_time_s"]
+    planned, lowered = plan.estimated_time_s, plan.lowered_time_s
     assert 0.8 < lowered / planned < 1.25
     assert (
         f"estimated time per run: {1e3 * planned:.2f} ms ({1e3 * lowered:.2f} ms as its "
@@ -338,13 +338,21 @@ def test_inspect_shows_predicted_memory_the_check_against_eager_and_replans(gpt2
     edited["plan"]["lowered_time_s"] = "fast"
     with pytest.raises(PackageError, match=r"plan.lowered_time_s: expected a finite number"):
         Manifest.from_json(edited, "edited")
+    # the report is a closed format: a key this tessel does not write is refused, not dropped
+    edited = json.loads(json.dumps(manifest.to_json()))
+    edited["plan"]["memory"]["spare_bytes"] = 1
+    with pytest.raises(PackageError, match=r"plan.memory: unknown key 'spare_bytes'"):
+        Manifest.from_json(edited, "edited")
+    # and it reads back as it was written
+    assert Manifest.from_json(manifest.to_json(), "again").plan == plan
 
 
 def test_inspect_says_why_each_replicated_weight_is_replicated(gpt2_package, capsys, tmp_path):
     """The small GPT-2 on two devices of 16 GiB is replicated whole: each weight says that
     sharding it is estimated slower and memory allows the replicas, by the planner's costs."""
     from tessel.package import Package, PackageError
-    from tessel.package.manifest import REPLICATION_REASONS, Manifest
+    from tessel.package.manifest import Manifest
+    from tessel.package.plan_report import REPLICATION_REASONS
     from tessel.plan.why import REASONS
 
     assert REPLICATION_REASONS == REASONS  # the manifest reads what the planner writes
@@ -490,9 +498,12 @@ def test_the_command_line_starts_without_torch():
 
 
 def test_the_report_gives_the_other_ranks_peak_where_it_differs_from_rank_0s():
+    from tessel.package.plan_report import MemoryLine
     from tessel.report import _memory_lines
 
     memory = {"weight_bytes": 1 << 20, "peak_bytes": 3 << 20, "device_bytes": 4 << 20}
-    line = _memory_lines({**memory, "other_ranks_peak_bytes": 2 << 20})[1]
+    line = _memory_lines(MemoryLine(**memory, other_ranks_peak_bytes=2 << 20))[1]
     assert ", peak 3.00 MiB, other ranks' peak (no outputs gathered to them) 2.00 MiB, " in line
-    assert "other ranks" not in _memory_lines({**memory, "other_ranks_peak_bytes": 3 << 20})[1]
+    assert (
+        "other ranks" not in _memory_lines(MemoryLine(**memory, other_ranks_peak_bytes=3 << 20))[1]
+    )

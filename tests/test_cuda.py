@@ -65,7 +65,7 @@ def test_session_runs_on_cuda_devices_with_nccl(tmp_path, devices, graph_paralle
     built = tessel.build(
         model, (ids,), cluster=cluster, soc_version="H100", graph_parallel=graph_parallel
     )
-    assert built.manifest["device_type"] == "cuda" and built.manifest["backend"] == "nccl"
+    assert built.manifest.device_type == "cuda" and built.manifest.backend == "nccl"
     path = tessel.save(built, tmp_path / "llama")
     tessel.initialize()
     try:

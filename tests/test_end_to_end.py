@@ -45,7 +45,7 @@ def test_replicated_mode_balances_runs_over_replicas(tmp_path, session):
     with torch.no_grad():
         reference = model(ids)
     built = tessel.build(model, (ids,), cluster=2, graph_parallel=False)
-    assert built.manifest["mode"] == "replicated"
+    assert built.manifest.mode == "replicated"
     session.load_graph(3, {}, tessel.save(built, tmp_path / "rep"))
     graph = session._graphs[3]
     for _ in range(4):
@@ -81,6 +81,6 @@ def test_cann_build_api_names(tmp_path):
     path = tessel.save_model(tmp_path / "cann_api", built)
     tessel.build_finalize()
     manifest = built.manifest
-    assert manifest["mode"] == "partitioned" and manifest["world_size"] == 2
-    assert [s["logical_device"] for s in manifest["submodels"]] == ["0:0:0", "0:0:1"]
+    assert manifest.mode == "partitioned" and manifest.world_size == 2
+    assert [s.logical_device for s in manifest.submodels] == ["0:0:0", "0:0:1"]
     assert path.exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tests.conftest import hf_llama, small_llama, token_ids
@@ -13,6 +15,8 @@ from tessel.config.cluster import local_cluster_dict
 from tessel.config.mesh import parallel_dims
 from tessel.config.parallel_option import parallel_option_from_dict
 from tessel.demo import tight_cluster, weight_bytes
+from tessel.package.manifest import Mesh
+from tessel.package.plan_report import ShapeWeighed
 from tessel.plan import has_rule
 from tessel.report import format_plan
 
@@ -133,16 +137,16 @@ def test_data_parallel_replicas_of_a_tensor_parallel_plan_equal_eager(tight):
         memory = int(memory.removeprefix("[DDR:").removesuffix("B]"))
     built = tessel.build(model, (ids,), cluster=_cluster_of(4, memory), policy=policy(tp=2, dp=2))
     manifest = built.manifest
-    assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    assert manifest["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
-    groups = {tuple(g) for s in manifest["submodels"] for g in s["comm_groups"]}
+    assert manifest.plan.verify.max_relative_diff <= 1e-4
+    assert manifest.mesh == Mesh((2, 2), ("dp", "tp"))
+    groups = {g for s in manifest.submodels for g in s.comm_groups}
     assert (0, 2) in groups  # replica 1's first rank sends its rows to rank 0
     assert (1, 3) not in groups  # the other ranks' copies of the outputs stay put
     if tight:
         assert {(0, 1), (2, 3)} <= groups  # each replica's tensor-parallel collectives
-        assert max(r["weight_bytes"] for r in manifest["plan"]["ranks"]) < weight_bytes(half)
-    assert manifest["inputs"][0]["shape"] == [4, 16]
-    assert manifest["outputs"][0]["shape"] == [4, 16, 256]
+        assert max(r.weight_bytes for r in manifest.plan.ranks) < weight_bytes(half)
+    assert manifest.inputs[0].shape == (4, 16)
+    assert manifest.outputs[0].shape == (4, 16, 256)
     # the build ran every rank in process against eager; a Session runs such a package across
     # processes and nodes in tests/test_runtime.py
 
@@ -150,29 +154,29 @@ def test_data_parallel_replicas_of_a_tensor_parallel_plan_equal_eager(tight):
 def test_three_replicas_on_three_devices():
     torch.manual_seed(0)
     built = tessel.build(small_llama(), (token_ids(3),), cluster=3, policy=policy(dp=3))
-    assert built.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    assert built.manifest["mesh"]["shape"] == [3, 1]
+    assert built.manifest.plan.verify.max_relative_diff <= 1e-4
+    assert built.manifest.mesh.shape == (3, 1)
 
 
-def _tensor_parallel_inside_nodes(choice: dict) -> bool:
+def _tensor_parallel_inside_nodes(choice: ShapeWeighed) -> bool:
     """Whether a weighed shape keeps its tensor-parallel groups inside one node."""
-    return "tp_node" not in choice["dim_names"]
+    return "tp_node" not in choice.dim_names
 
 
-def _keeps_the_slow_link_quiet(choices: list[dict]) -> None:
+def _keeps_the_slow_link_quiet(choices: tuple[ShapeWeighed, ...]) -> None:
     """The chosen shape moves no more bytes between nodes than the fastest shape keeping
     tensor parallelism inside the nodes, or is 10% faster by estimate and says so."""
-    timed = [c for c in choices if "estimated_time_s" in c]
-    (chosen,) = [c for c in choices if c["chosen"]]
+    timed = [c for c in choices if c.estimated_time_s is not None]
+    (chosen,) = [c for c in choices if c.chosen]
     quiet = min(
-        (c for c in timed if _tensor_parallel_inside_nodes(c)), key=lambda c: c["estimated_time_s"]
+        (c for c in timed if _tensor_parallel_inside_nodes(c)), key=lambda c: c.estimated_time_s
     )
-    if chosen["internode_bytes"] > quiet["internode_bytes"]:
-        assert chosen["estimated_time_s"] <= 0.9 * quiet["estimated_time_s"]
-        assert "faster by estimate" in chosen["preferred"]
+    if chosen.internode_bytes > quiet.internode_bytes:
+        assert chosen.estimated_time_s <= 0.9 * quiet.estimated_time_s
+        assert "faster by estimate" in chosen.preferred
     else:
-        fastest = min(c["estimated_time_s"] for c in timed)
-        assert chosen["estimated_time_s"] == fastest or "between nodes" in chosen["preferred"]
+        fastest = min(c.estimated_time_s for c in timed)
+        assert chosen.estimated_time_s == fastest or "between nodes" in chosen.preferred
 
 
 def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
@@ -180,26 +184,26 @@ def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
     model = small_llama()
     built = tessel.build(model, (token_ids(4),), cluster=two_nodes(2), policy=policy())
     manifest = built.manifest
-    choices = manifest["plan"]["mesh_choices"]
+    choices = manifest.plan.mesh_choices
     # pp x dp x tp, where tp over both nodes is meshed as tp_node x tp
-    shapes = [[1, 2, 2], [2, 2], [4, 1], [2, 1, 2], [2, 2, 1], [4, 1, 1]]
-    assert [c["shape"] for c in choices] == shapes
-    assert choices[0]["dim_names"] == ["dp", "tp_node", "tp"]
-    timed = [c for c in choices if "estimated_time_s" in c]
-    assert [c["shape"] for c in timed] == shapes[:3]
+    shapes = [(1, 2, 2), (2, 2), (4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    assert [c.shape for c in choices] == shapes
+    assert choices[0].dim_names == ("dp", "tp_node", "tp")
+    timed = [c for c in choices if c.estimated_time_s is not None]
+    assert [c.shape for c in timed] == shapes[:3]
     # stages are weighed only where nothing without them fits
-    assert all("without pipeline stages fits" in c["set_aside"] for c in choices[3:])
+    assert all("without pipeline stages fits" in c.set_aside for c in choices[3:])
     # replicas move only their outputs between the nodes: the rows of the replicas on the
     # other node (tensor parallelism over both nodes moves its collectives, where it has any)
     logits = 4 * 16 * 256 * 4
-    assert choices[1]["internode_bytes"] == logits / 2  # dp 2: one replica of 2 rows away
-    assert choices[2]["internode_bytes"] == logits / 2  # dp 4: two replicas of 1 row away
+    assert choices[1].internode_bytes == logits / 2  # dp 2: one replica of 2 rows away
+    assert choices[2].internode_bytes == logits / 2  # dp 4: two replicas of 1 row away
     _keeps_the_slow_link_quiet(choices)
-    (chosen,) = [c for c in choices if c["chosen"]]
+    (chosen,) = [c for c in choices if c.chosen]
     # the manifest's mesh leaves out a data-parallel axis of one replica
-    kept = [(n, s) for n, s in zip(chosen["dim_names"], chosen["shape"]) if (n, s) != ("dp", 1)]
-    assert list(zip(manifest["mesh"]["dim_names"], manifest["mesh"]["shape"])) == kept
-    assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    kept = [(n, s) for n, s in zip(chosen.dim_names, chosen.shape) if (n, s) != ("dp", 1)]
+    assert list(zip(manifest.mesh.dim_names, manifest.mesh.shape)) == kept
+    assert manifest.plan.verify.max_relative_diff <= 1e-4
     text = format_plan(manifest)
     assert "mesh shapes weighed" in text and "between nodes" in text
 
@@ -217,13 +221,13 @@ def test_auto_on_two_tight_nodes_fits_where_a_replica_fits_and_equals_eager():
     memory = tight_cluster(half, 2)["item_def"][0]["memory"]
     memory = int(memory.removeprefix("[DDR:").removesuffix("B]")) + gathered_bytes(half, 2)
     built = tessel.build(model, (ids,), cluster=two_nodes(2, memory), policy=policy())
-    plan = built.manifest["plan"]
-    choices = {tuple(c["shape"]): c for c in plan["mesh_choices"]}
-    assert "estimated_time_s" in choices[(2, 2)]  # dp 2 x tp 2: a replica per node fits
-    assert "set_aside" in choices[(4, 1)]  # whole weights on every device do not
-    _keeps_the_slow_link_quiet(plan["mesh_choices"])
-    assert all(r["peak_bytes"] <= memory for r in plan["ranks"])
-    assert plan["verify"]["max_relative_diff"] <= 1e-4
+    plan = built.manifest.plan
+    choices = {c.shape: c for c in plan.mesh_choices}
+    assert choices[(2, 2)].estimated_time_s is not None  # dp 2 x tp 2: a replica per node fits
+    assert choices[(4, 1)].set_aside  # whole weights on every device do not
+    _keeps_the_slow_link_quiet(plan.mesh_choices)
+    assert all(r.peak_bytes <= memory for r in plan.ranks)
+    assert plan.verify.max_relative_diff <= 1e-4
 
 
 def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():
@@ -231,24 +235,24 @@ def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():
 
     cluster = two_nodes(2)
     over, inside = parallel_dims(cluster, policy(tp=4)), parallel_dims(cluster, policy(dp=2, tp=2))
-    over_shape = {"shape": [1, 2, 2], "dim_names": ["dp", "tp_node", "tp"]}
-    inside_shape = {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    over_shape = dict(shape=(1, 2, 2), dim_names=("dp", "tp_node", "tp"))
+    inside_shape = dict(shape=(2, 2), dim_names=("dp", "tp"))
     for over_time, wanted in ((0.95, "inside"), (0.85, "over")):
-        spans = {"estimated_time_s": over_time, "internode_bytes": 10.0, **over_shape}
-        stays = {"estimated_time_s": 1.0, "internode_bytes": 1.0, **inside_shape}
+        spans = ShapeWeighed(**over_shape, estimated_time_s=over_time, internode_bytes=10.0)
+        stays = ShapeWeighed(**inside_shape, estimated_time_s=1.0, internode_bytes=1.0)
         fitting = [Weighed(spans, over, None, 1, None), Weighed(stays, inside, None, 1, None)]
         chosen, rival = _prefer_quiet_links(fitting, cluster)
         assert chosen.entry is (spans if wanted == "over" else stays)
-        assert "preferred" in chosen.entry
+        assert chosen.entry.preferred
         # a shape chosen over the quieter one by its margin is to be confirmed as lowered
         assert rival == (fitting[1] if wanted == "over" else None)
     # the fastest moving no more between nodes is chosen without a word
-    spans = {"estimated_time_s": 0.5, "internode_bytes": 1.0}
-    stays = {"estimated_time_s": 1.0, "internode_bytes": 1.0}
+    spans = ShapeWeighed(**over_shape, estimated_time_s=0.5, internode_bytes=1.0)
+    stays = ShapeWeighed(**inside_shape, estimated_time_s=1.0, internode_bytes=1.0)
     chosen, rival = _prefer_quiet_links(
         [Weighed(spans, over, None, 1, None), Weighed(stays, inside, None, 1, None)], cluster
     )
-    assert chosen.entry is spans and "preferred" not in spans and rival is None
+    assert chosen.entry is spans and spans.preferred is None and rival is None
 
 
 def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monkeypatch):
@@ -271,10 +275,8 @@ def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monk
     def confirm(margin: float):
         monkeypatch.setattr(mc, "SLOW_LINK_MARGIN", margin)
         # the planner's estimates give the shape over the slow link twice the speed
-        over_entry = {"shape": [1, 2], "dim_names": ["dp", "tp_node"]}
-        inside_entry = {"shape": [2, 1], "dim_names": ["dp", "tp"]}
-        over_entry |= {"estimated_time_s": 0.5, "internode_bytes": 10.0}
-        inside_entry |= {"estimated_time_s": 1.0, "internode_bytes": 1.0}
+        over_entry = ShapeWeighed((1, 2), ("dp", "tp_node"), 0.5, internode_bytes=10.0)
+        inside_entry = ShapeWeighed((2, 1), ("dp", "tp"), 1.0, internode_bytes=1.0)
         fast = mc.Weighed(over_entry, over, whole, 1, plans[0])
         quiet = mc.Weighed(inside_entry, inside, half, 1, plans[1])
         assert mc._prefer_quiet_links([fast, quiet], cluster) == (fast, quiet)
@@ -283,19 +285,17 @@ def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monk
         assert len(programs) == chosen.dims.size("tp")
         seconds = max(program_seconds(rp, r, devices) for r, rp in enumerate(programs))
         gathered = mc.gather_seconds(chosen.captured, chosen.dims, cluster)
-        assert chosen.entry["lowered_time_s"] == pytest.approx(seconds + gathered)
+        assert chosen.entry.lowered_time_s == pytest.approx(seconds + gathered)
         return chosen, fast.entry, quiet.entry
 
     chosen, fast, quiet = confirm(-1.0)  # any gain keeps the planner's choice
-    assert chosen.entry is fast and "as lowered" in fast["preferred"]
-    gain = 1 - fast["lowered_time_s"] / quiet["lowered_time_s"]
+    assert chosen.entry is fast and "as lowered" in fast.preferred
+    gain = 1 - fast.lowered_time_s / quiet.lowered_time_s
     chosen, fast, quiet = confirm(gain + 0.01)  # a margin the lowered programs miss
-    assert chosen.entry is quiet and "preferred" not in fast
-    assert (
-        "faster as lowered" in quiet["preferred"] and "faster by the planner" in quiet["preferred"]
-    )
-    text = format_plan_of_choices([fast, {**quiet, "chosen": True}])
-    assert f"{1e3 * quiet['lowered_time_s']:.3f} ms as lowered" in text
+    assert chosen.entry is quiet and fast.preferred is None
+    assert "faster as lowered" in quiet.preferred and "faster by the planner" in quiet.preferred
+    text = format_plan_of_choices([fast, replace(quiet, chosen=True)])
+    assert f"{1e3 * quiet.lowered_time_s:.3f} ms as lowered" in text
 
     # a shape that cannot be lowered is set aside, and says nothing of being preferred
     from tessel.lower.trace import LoweringError
@@ -309,11 +309,11 @@ def test_a_shape_preferred_over_the_slow_link_keeps_its_margin_once_lowered(monk
 
     monkeypatch.setattr(mc, "plan_and_lower", fails_over_the_nodes)
     chosen, fast, quiet = confirm(-1.0)
-    assert chosen.entry is quiet and "could not be lowered: no rule" in fast["set_aside"]
-    assert "preferred" not in fast
+    assert chosen.entry is quiet and "could not be lowered: no rule" in fast.set_aside
+    assert fast.preferred is None
 
 
-def format_plan_of_choices(choices: list[dict]) -> str:
+def format_plan_of_choices(choices: list[ShapeWeighed]) -> str:
     """The `inspect` lines of a plan weighing `choices`."""
     from tessel.report import mesh_choice_lines
 
@@ -323,8 +323,8 @@ def format_plan_of_choices(choices: list[dict]) -> str:
 def test_auto_sets_aside_shapes_the_batch_cannot_split():
     torch.manual_seed(0)
     built = tessel.build(small_llama(), (token_ids(2),), cluster=two_nodes(2), policy=policy())
-    choices = {tuple(c["shape"]): c for c in built.manifest["plan"]["mesh_choices"]}
-    assert "divisible by 4" in choices[(4, 1)]["set_aside"]
+    choices = {c.shape: c for c in built.manifest.plan.mesh_choices}
+    assert "divisible by 4" in choices[(4, 1)].set_aside
 
 
 def test_the_data_parallel_choice_prices_exchanging_gradients_not_optimizer_states():

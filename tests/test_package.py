@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 import warnings
@@ -101,7 +102,7 @@ def test_manifest_records_what_a_loader_needs(built):
     assert m.mesh.shape == (2,) and len(m.submodels) == 2
     assert [s.rank for s in m.submodels] == [0, 1]
     assert m.to_json() == json.loads(zipfile.ZipFile(path).read(MANIFEST))
-    assert dict(m) == m.to_json()  # the mapping view is the JSON form
+    assert Manifest.from_json(m.to_json(), "again") == m  # the JSON form reads back the same
     layouts = Package.open(path).json(m.layouts)
     assert all({"shape", "dtype", "placements"} <= set(v) for v in layouts.values())
     Package.open(path).verify()
@@ -378,7 +379,7 @@ def test_a_manifest_that_disagrees_with_its_members_is_not_written(built, tmp_pa
     members = {name: package.read(name) for name in package.manifest.files}
     members.pop(package.manifest.layouts)
     with pytest.raises(PackageError, match="manifest layouts: names the member 'layouts.json'"):
-        fmt.write_package(tmp_path / "x", dict(package.manifest), members)
+        fmt.write_package(tmp_path / "x", package.manifest.to_json(), members)
     with pytest.raises(PackageError, match="names members that are not written: .'layouts.json'"):
         fmt.write_package(tmp_path / "x", package.manifest, members)
     assert list(tmp_path.iterdir()) == []
@@ -561,7 +562,7 @@ def test_writing_back_while_saving_leaves_the_same_file(built, tmp_path, monkeyp
     pkg = Package.open(path)
     names = [n for n in zipfile.ZipFile(path).namelist() if n != MANIFEST]
     members = {name: pkg.read(name) for name in names}  # in the order they were written
-    manifest = {k: v for k, v in pkg.manifest.items() if k != "files"}
+    manifest = {k: v for k, v in pkg.manifest.to_json().items() if k != "files"}
     again = package_format.write_package(tmp_path / "again", manifest, members)
     assert len(syncs) > 5 and syncs[-1] == again.stat().st_size
     Package.open(again).verify()
@@ -884,6 +885,30 @@ def test_a_training_manifests_model_record_is_checked(training_manifest_json, ke
     m = json.loads(json.dumps(training_manifest_json))
     m["training"][key] = value
     with pytest.raises(PackageError, match=re.escape(f"edited: manifest {words}")):
+        Manifest.from_json(m, "edited")
+
+
+def test_the_mesh_is_recorded_once_and_earlier_packages_repeating_it_must_agree(
+    training_manifest_json,
+):
+    """A training step reads its replicas, stages and tensor-parallel ranks from the mesh; a
+    package of an earlier tessel also gives them in `training`, where they must agree."""
+    m = json.loads(json.dumps(training_manifest_json))
+    mesh = Manifest.from_json(m, "now").mesh
+    assert not {"data_parallel", "tensor_parallel", "pipeline_stages"} & set(m["training"])
+    sizes = {
+        "data_parallel": mesh.size("dp"),
+        "tensor_parallel": mesh.tensor_parallel,
+        "pipeline_stages": mesh.size("pp"),
+    }
+    assert math.prod(sizes.values()) == m["world_size"]
+    m["training"].update(sizes)
+    assert (
+        Manifest.from_json(m, "earlier").training
+        == Manifest.from_json(training_manifest_json, "now").training
+    )
+    m["training"]["data_parallel"] = sizes["data_parallel"] + 1
+    with pytest.raises(PackageError, match=r"training.data_parallel: is \d+, but the mesh"):
         Manifest.from_json(m, "edited")
 
 

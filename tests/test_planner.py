@@ -12,6 +12,8 @@ import tessel
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluster_dict
 from tessel.config.parallel_option import ParallelOption
+from tessel.package.manifest import Manifest
+from tessel.package.plan_report import Fallback
 from tessel.plan import PlanError, has_rule, make_plan
 from tessel.plan.planner import least_memory_plan
 from tessel.units import human_bytes, two_sizes
@@ -39,13 +41,12 @@ def _tight_build(layers: int):
     return built, matrices, vectors
 
 
-def _ring_volume(manifest: dict) -> int:
+def _ring_volume(manifest: Manifest) -> int:
     """Bytes a rank sends, up to the common (n-1)/n factor: an all-reduce is a reduce-scatter
     plus an all-gather of the same tensor, so it counts twice."""
-    ranks = manifest["plan"]["ranks"]
+    ranks = manifest.plan.ranks
     return max(
-        sum(c["bytes"] * (2 if c["kind"] == "all_reduce" else 1) for c in r["collectives"])
-        for r in ranks
+        sum(c.bytes * (2 if c.kind == "all_reduce" else 1) for c in r.collectives) for r in ranks
     )
 
 
@@ -53,10 +54,10 @@ def test_tight_memory_shards_weights_and_communicates_no_more_than_megatron():
     two, matrices2, vectors2 = _tight_build(2)
     four, matrices4, vectors4 = _tight_build(4)
     for built, matrices, vectors in ((two, matrices2, vectors2), (four, matrices4, vectors4)):
-        memory = built.manifest["plan"]["memory"]
-        assert memory["peak_bytes"] <= memory["device_bytes"]
-        for r in built.manifest["plan"]["ranks"]:
-            assert r["weight_bytes"] < matrices + vectors, r  # some weights are sharded
+        memory = built.manifest.plan.memory
+        assert memory.peak_bytes <= memory.device_bytes
+        for r in built.manifest.plan.ranks:
+            assert r.weight_bytes < matrices + vectors, r  # some weights are sharded
     # Megatron: two all-reduces of batch x seq x hidden per layer (fp32), a vocabulary-sharded
     # embedding's all-reduce, and the vocabulary-sharded logits gathered at the end
     activation = BATCH * SEQ * HIDDEN * 4
@@ -65,9 +66,7 @@ def test_tight_memory_shards_weights_and_communicates_no_more_than_megatron():
         megatron = layers * 2 * 2 * activation + 2 * activation + logits
         assert 0 < _ring_volume(built.manifest) <= megatron, layers
     # the layers share decisions: 4 layers need no more decisions than 2
-    assert (
-        four.manifest["plan"]["solver"]["decisions"] == two.manifest["plan"]["solver"]["decisions"]
-    )
+    assert four.manifest.plan.solver.decisions == two.manifest.plan.solver.decisions
 
 
 def test_impossible_memory_is_a_clear_error():
@@ -118,11 +117,11 @@ def test_a_refusal_by_a_byte_gives_two_different_sizes():
 def test_plan_explains_layers_and_reports_no_fallback_for_a_llama():
     model = small_llama(layers=2)
     built = tessel.build(model, (token_ids(),), cluster=2)
-    plan = built.manifest["plan"]
-    assert plan["fallbacks"] == []  # every op of a Llama has a sharding rule
-    assert plan["fallback_ops"] == {}
-    assert "lm.model.layers.0" in plan["layers"] and "lm.model.layers.1" in plan["layers"]
-    assert plan["estimated_time_s"] > 0
+    plan = built.manifest.plan
+    assert plan.fallbacks == ()  # every op of a Llama has a sharding rule
+    assert plan.fallback_ops == {}
+    assert "lm.model.layers.0" in plan.layers and "lm.model.layers.1" in plan.layers
+    assert plan.estimated_time_s > 0
 
 
 class _Bucketed(torch.nn.Module):
@@ -144,15 +143,11 @@ def test_plan_reports_an_op_without_a_rule_as_a_fallback():
     model = _Bucketed().eval()
     x = torch.randn(4, 8)
     built = tessel.build(model, (x,), cluster=2)  # verified against the eager model
-    plan = built.manifest["plan"]
-    assert plan["fallbacks"] == [
-        {
-            "node": "searchsorted",
-            "op": "aten.searchsorted.Tensor",
-            "reason": "no DTensor sharding rule",
-        }
-    ]
-    assert plan["fallback_ops"] == {"aten.searchsorted.Tensor": 1}
+    plan = built.manifest.plan
+    assert plan.fallbacks == (
+        Fallback("searchsorted", "aten.searchsorted.Tensor", "no DTensor sharding rule"),
+    )
+    assert plan.fallback_ops == {"aten.searchsorted.Tensor": 1}
 
 
 class _SumOfAll(torch.nn.Module):
@@ -169,7 +164,7 @@ class _SumOfAll(torch.nn.Module):
 def test_a_strategy_sharding_a_dim_its_value_lacks_is_not_planned():
     torch.manual_seed(0)
     built = tessel.build(_SumOfAll().eval(), (torch.randn(4, 8),), cluster=2)  # checks eager
-    assert built.manifest["plan"]["fallbacks"] == []
+    assert built.manifest.plan.fallbacks == ()
 
 
 def test_a_program_over_its_device_is_planned_again_keeping_memory_free(monkeypatch):

@@ -18,6 +18,7 @@ from tessel.config.cluster import local_cluster_dict
 from tessel.config.parallel_option import parallel_option_from_dict
 from tessel.demo import tight_cluster
 from tessel.package.format import BuiltPackage
+from tessel.package.manifest import Mesh
 from tessel.plan import has_rule
 from tessel.plan.stages import _cut
 from tessel.report import format_plan, inspect_json
@@ -75,20 +76,20 @@ def test_pipeline_stages_equal_eager(family, pp, tp, dp, micro, tight):
         verify=True,
     )
     manifest = built.manifest
-    assert manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    assert manifest["mesh"] == {"shape": [pp, dp, tp], "dim_names": ["pp", "dp", "tp"]}
-    stages = manifest["plan"]["stages"]
-    assert [s["stage"] for s in stages] == list(range(pp))
-    assert manifest["plan"]["micro_batches"] == micro
+    assert manifest.plan.verify.max_relative_diff <= 1e-4
+    assert manifest.mesh == Mesh((pp, dp, tp), ("pp", "dp", "tp"))
+    stages = manifest.plan.stages
+    assert [s.stage for s in stages] == list(range(pp))
+    assert manifest.plan.micro_batches == micro
     # each stage's ranks take only the weights of their own layers (and the stage's ends)
-    held = [_layers_of(sub["weight_order"]) for sub in manifest["submodels"]]
+    held = [_layers_of(sub.weight_order) for sub in manifest.submodels]
     for s, stage in enumerate(stages):
-        for r in stage["ranks"]:
-            assert held[r] and all(r // (dp * tp) == s for r in stage["ranks"])
-        others = set().union(*(held[r] for r in range(len(held)) if r not in stage["ranks"]))
-        assert not held[stage["ranks"][0]] & others
+        for r in stage.ranks:
+            assert held[r] and all(r // (dp * tp) == s for r in stage.ranks)
+        others = set().union(*(held[r] for r in range(len(held)) if r not in stage.ranks))
+        assert not held[stage.ranks[0]] & others
     if tight:  # a stage's devices share its layers' weights
-        device = manifest["plan"]["memory"]["device_bytes"]
+        device = manifest.plan.memory.device_bytes
         ranks = inspect_json(manifest)["ranks"]
         assert max(r["peak_bytes"] for r in ranks) <= device
         assert all(any(c["axis"] == "tp" for c in r["collectives"]) for r in ranks)

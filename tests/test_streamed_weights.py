@@ -43,7 +43,7 @@ def test_a_meta_model_streamed_from_a_sharded_checkpoint_equals_the_loaded_model
     model = _meta_llama()
     assert all(p.device.type == "meta" for p in model.parameters())
     built = tessel.build(model, (ids,), cluster=cluster, weights=checkpoint)
-    assert "weights streamed from" in built.manifest.plan["verify"]["skipped"]
+    assert "weights streamed from" in built.manifest.plan.verify.skipped
     path = built.save(checkpoint.parent / "llama")
     tessel.initialize()
     try:
@@ -54,7 +54,7 @@ def test_a_meta_model_streamed_from_a_sharded_checkpoint_equals_the_loaded_model
         tessel.finalize()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # each rank holds a third of a sharded weight, read from the checkpoint
-    sizes = [r["weight_bytes"] for r in built.manifest.plan["ranks"]]
+    sizes = [r.weight_bytes for r in built.manifest.plan.ranks]
     whole = sum(p.numel() * 4 for p in loaded.parameters())
     assert max(sizes) < 0.5 * whole
 

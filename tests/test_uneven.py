@@ -16,7 +16,7 @@ def _build_tight(model, ids, devices):
     captured = capture(model, (ids,), keep=has_rule)
     cluster = cluster_from_dict(tight_cluster(captured, devices), "tight.json")
     built = tessel.build(captured, cluster=cluster)  # checks itself against eager
-    share = max(r["weight_bytes"] for r in built.manifest["plan"]["ranks"]) / weight_bytes(captured)
+    share = max(r.weight_bytes for r in built.manifest.plan.ranks) / weight_bytes(captured)
     return captured, built, share
 
 
@@ -39,7 +39,7 @@ def test_28_heads_and_4_kv_heads_on_8_devices():
     model = LogitsOnly(Qwen2ForCausalLM(cfg)).eval()
     ids = token_ids(2, 8)
     _, built, share = _build_tight(model, ids, 8)
-    assert built.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    assert built.manifest.plan.verify.max_relative_diff <= 1e-4
     assert share <= 1.15 / 8, share
 
 
@@ -52,14 +52,14 @@ def test_gpt2_vocabulary_of_50257_on_4_devices(tmp_path):
     ids = token_ids(4, 8, vocab=50257)
     _, built, share = _build_tight(model, ids, 4)
     assert share <= 1.15 / 4, share
-    embedding = built.manifest["plan"]["layers"]["(outside layers)"]["lm.transformer.wte.weight"]
-    assert embedding in (["S(0)"], ["S(1)"])  # the 12.3 MiB table is never replicated
+    embedding = built.manifest.plan.layers["(outside layers)"]["lm.transformer.wte.weight"]
+    assert embedding in (("S(0)",), ("S(1)",))  # the 12.3 MiB table is never replicated
     # the 6.4 MB of logits, the largest tensor, reach rank 0 once (a gather of uneven shards
     # into one buffer, not an all-gather of padded ones and a copy); no other rank holds them
     logits = 4 * 8 * 50257 * 4
-    for r in built.manifest["plan"]["ranks"]:
-        held = r["peak_bytes"] - r["weight_bytes"]
-        assert held < (1.5 if r["rank"] == 0 else 1.0) * logits, (r["rank"], held, logits)
+    for r in built.manifest.plan.ranks:
+        held = r.peak_bytes - r.weight_bytes
+        assert held < (1.5 if r.rank == 0 else 1.0) * logits, (r.rank, held, logits)
     path = tessel.save(built, tmp_path / "gpt2")
     other = token_ids(4, 8, vocab=50257, seed=5)
     with torch.no_grad():
@@ -91,6 +91,6 @@ def test_cohere_at_3_devices_where_a_gathered_value_is_viewed():
     )
     model = LogitsOnly(CohereForCausalLM(cfg)).eval()
     _, built, _ = _build_tight(model, token_ids(1, 16), 3)
-    plan = built.manifest["plan"]
-    assert plan["verify"]["max_relative_diff"] <= 1e-4
-    assert not [r for r in plan["replanned"] if r["op"] == "aten.view.default"], plan["replanned"]
+    plan = built.manifest.plan
+    assert plan.verify.max_relative_diff <= 1e-4
+    assert not [r for r in plan.replanned if r.op == "aten.view.default"], plan.replanned

@@ -11,6 +11,7 @@ from tessel.builder import pipeline
 from tessel.builder.verify import VerifyError, forward_seconds, worth_checking
 from tessel.capture import capture
 from tessel.config.soc import soc_profile
+from tessel.package.plan_report import Verified
 from tessel.plan import has_rule
 
 
@@ -39,14 +40,14 @@ def test_a_package_that_disagrees_with_eager_is_refused(captured, monkeypatch):
 
 def test_the_check_runs_by_default_where_it_costs_less_than_the_build(captured, monkeypatch):
     built = tessel.build(captured, cluster=2)
-    assert built.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
+    assert built.manifest.plan.verify.max_relative_diff <= 1e-4
 
     monkeypatch.setattr(pipeline, "worth_checking", lambda *a: "skipped: too dear")
     skipped = tessel.build(captured, cluster=2)
-    assert skipped.manifest["plan"]["verify"] == {"skipped": "skipped: too dear"}
+    assert skipped.manifest.plan.verify == Verified(skipped="skipped: too dear")
     forced = tessel.build(captured, cluster=2, verify=True)
-    assert forced.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    assert "verify" not in tessel.build(captured, cluster=2, verify=False).manifest["plan"]
+    assert forced.manifest.plan.verify.max_relative_diff <= 1e-4
+    assert tessel.build(captured, cluster=2, verify=False).manifest.plan.verify is None
 
 
 def test_the_cost_of_a_check_grows_with_the_example_inputs(captured):

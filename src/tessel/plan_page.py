@@ -17,7 +17,8 @@ from typing import Any
 
 from tessel.atomic import replace_atomically
 from tessel.package.manifest import Manifest
-from tessel.report import inspect_json
+from tessel.package.plan_report import PlanReport
+from tessel.report import Inspected, inspect
 from tessel.units import human_bytes
 
 _STYLE = """
@@ -37,40 +38,39 @@ th { background: #f4f4f4; text-align: left; }
 _STAGE_COLOURS = ("#dbe9f6", "#fde2c8", "#d9f0d3", "#efd9f2", "#fff3b0", "#d0ecec")
 
 
-def traffic(data: dict) -> list[list[int]]:
+def traffic(seen: Inspected) -> list[list[int]]:
     """Bytes each pair of ranks exchanges per run: every collective's bytes on a rank, split
     evenly over the other ranks of its group."""
-    world = data["world_size"]
+    world = seen.manifest.world_size
     cells = [[0] * world for _ in range(world)]
-    for r in data["ranks"]:
-        me = r.get("rank", 0)
-        for c in r.get("collectives") or []:
-            others = [q for q in c.get("group") or [] if q != me]
+    for r in seen.plan.ranks:
+        for c in r.collectives:
+            others = [q for q in c.group if q != r.rank]
             for q in others:
-                cells[me][q] += (c.get("bytes") or 0) // len(others)
+                cells[r.rank][q] += c.bytes // len(others)
     return cells
 
 
 def render(manifest: Manifest) -> str:
     """The page for `manifest`."""
-    data = inspect_json(manifest)
+    seen = inspect(manifest)
     esc = html.escape
-    mesh = " x ".join(f"{n} {s}" for n, s in zip(data["mesh"]["dim_names"], data["mesh"]["shape"]))
+    mesh = " x ".join(f"{a.name} {a.size}" for a in seen.axes)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8"><title>tessel plan</title>',
         f"<style>{_STYLE}</style></head><body>",
-        f"<h1>tessel plan: {data['world_size']} devices, mesh {esc(mesh)}</h1>",
-        f"<p>estimated time per run: {1e3 * (data['estimated_time_s'] or 0):.3f} ms; "
-        f"soc {esc(str(data['soc_version']))}</p>",
+        f"<h1>tessel plan: {manifest.world_size} devices, mesh {esc(mesh)}</h1>",
+        f"<p>estimated time per run: {1e3 * (seen.plan.estimated_time_s or 0):.3f} ms; "
+        f"soc {esc(str(manifest.soc_version))}</p>",
     ]
-    parts += _mesh(data)
-    parts += _stages(data)
-    parts += _memory(data)
-    parts += _heat(data)
-    parts += _layers(data)
+    parts += _mesh(seen)
+    parts += _stages(seen.plan)
+    parts += _memory(seen)
+    parts += _heat(seen)
+    parts += _layers(seen.plan)
     # the figures as `tessel inspect --json` gives them; `</` cannot end the script early
-    payload = json.dumps(data).replace("</", "<\\/")
+    payload = json.dumps(seen.to_json()).replace("</", "<\\/")
     parts.append(f'<script type="application/json" id="plan-data">{payload}</script>')
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -84,21 +84,16 @@ def write_page(manifest: Manifest, path: str | Path) -> Path:
     return path
 
 
-def _stage_of(data: dict) -> dict[int, int]:
-    return {r: st.get("stage", 0) for st in data["stages"] for r in st.get("ranks") or []}
-
-
-def _mesh(data: dict) -> list[str]:
-    names, shape = data["mesh"]["dim_names"], data["mesh"]["shape"]
-    stage_of = _stage_of(data)
-    by_node: dict[Any, list[dict]] = defaultdict(list)
-    for r in data["ranks"]:
-        by_node[r.get("node_id", 0)].append(r)
+def _mesh(seen: Inspected) -> list[str]:
+    names, shape = seen.manifest.mesh.dim_names, seen.manifest.mesh.shape
+    stage_of = {r: st.stage for st in seen.plan.stages for r in st.ranks}
+    by_node: dict[Any, list[int]] = defaultdict(list)
+    for r in seen.ranks:
+        by_node[r.node_id].append(r.line.rank)
     out = ["<h2>Mesh</h2>", '<div id="mesh">']
     for node, ranks in sorted(by_node.items(), key=lambda kv: str(kv[0])):
         out.append(f'<div class="node"><b>node {html.escape(str(node))}</b><br>')
-        for r in ranks:
-            rank = r.get("rank", 0)
+        for rank in ranks:
             coord, rest = [], rank
             for size in reversed(shape):
                 rest, c = divmod(rest, size)
@@ -114,39 +109,39 @@ def _mesh(data: dict) -> list[str]:
     return out
 
 
-def _stages(data: dict) -> list[str]:
-    if not data["stages"]:
+def _stages(plan: PlanReport) -> list[str]:
+    if not plan.stages:
         return []
     out = [
         "<h2>Pipeline stages</h2>",
-        f"<p>{data['micro_batches']} micro-batches per run</p>",
+        f"<p>{plan.micro_batches} micro-batches per run</p>",
         '<table id="stages"><tr><th>stage</th><th>layers</th><th>ranks</th>'
         "<th>weights per device</th><th>ms per micro-batch</th></tr>",
     ]
-    for st in data["stages"]:
+    for st in plan.stages:
         out.append(
-            f"<tr><td>{st.get('stage')}</td><td>{html.escape(str(st.get('layers')))}</td>"
-            f"<td>{', '.join(map(str, st.get('ranks') or []))}</td>"
-            f"<td>{human_bytes(st.get('weight_bytes') or 0)}</td>"
-            f"<td>{1e3 * (st.get('estimated_time_s') or 0):.3f}</td></tr>"
+            f"<tr><td>{st.stage}</td><td>{html.escape(st.layers)}</td>"
+            f"<td>{', '.join(map(str, st.ranks))}</td>"
+            f"<td>{human_bytes(st.weight_bytes)}</td>"
+            f"<td>{1e3 * st.estimated_time_s:.3f}</td></tr>"
         )
     out.append("</table>")
     return out
 
 
-def _memory(data: dict) -> list[str]:
+def _memory(seen: Inspected) -> list[str]:
     out = [
         "<h2>Memory per device</h2>",
         '<table id="memory"><tr><th>rank</th><th>weights</th><th>peak</th><th>device</th>'
         "<th></th></tr>",
     ]
-    for r in data["ranks"]:
-        peak, device = r.get("peak_bytes") or 0, r.get("device_bytes")
+    for r in seen.ranks:
+        rank, peak, device = r.line.rank, r.line.peak_bytes or 0, r.device_bytes
         share = min(1.0, peak / device) if device else 0.0
         over = ' class="over"' if device and peak > device else ""
         out.append(
-            f'<tr data-rank="{r.get("rank")}" data-peak="{peak}"><td>{r.get("rank")}</td>'
-            f"<td>{human_bytes(r.get('weight_bytes') or 0)}</td><td>{human_bytes(peak)}</td>"
+            f'<tr data-rank="{rank}" data-peak="{peak}"><td>{rank}</td>'
+            f"<td>{human_bytes(r.line.weight_bytes)}</td><td>{human_bytes(peak)}</td>"
             f"<td>{human_bytes(device) if device else '?'}</td>"
             f'<td><div class="bar"><span{over} style="width:{100 * share:.1f}%"></span></div>'
             "</td></tr>"
@@ -155,10 +150,10 @@ def _memory(data: dict) -> list[str]:
     return out
 
 
-def _heat(data: dict) -> list[str]:
-    cells = traffic(data)
+def _heat(seen: Inspected) -> list[str]:
+    cells = traffic(seen)
     top = max((v for row in cells for v in row), default=0) or 1
-    node_of = {r.get("rank"): r.get("node_id") for r in data["ranks"]}
+    node_of = {r.line.rank: r.node_id for r in seen.ranks}
     out = [
         "<h2>Bytes moved per run, rank by rank</h2>",
         "<p>Darker is more; a cell between ranks of different nodes has a red border.</p>",
@@ -181,16 +176,16 @@ def _heat(data: dict) -> list[str]:
     return out
 
 
-def _layers(data: dict) -> list[str]:
+def _layers(plan: PlanReport) -> list[str]:
     out = [
         "<h2>Placements per layer</h2>",
         '<table id="layers"><tr><th>layer</th><th>weight</th><th>placement</th>'
         "<th>why replicated</th></tr>",
     ]
-    why = data.get("replicated") or {}
-    for layer, params in data["layers"].items():
+    for layer, params in plan.layers.items():
         for name, placements in params.items():
-            text = (why.get(name) or {}).get("text", "")
+            why = plan.replicated.get(name)
+            text = why.text if why else ""
             out.append(
                 f"<tr><td>{html.escape(layer)}</td><td>{html.escape(name)}</td>"
                 f"<td>{html.escape('/'.join(placements))}</td><td>{html.escape(text)}</td></tr>"

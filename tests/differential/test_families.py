@@ -80,14 +80,14 @@ def test_partitioned_model_equals_eager(
         cluster = devices
     built = tessel.build(captured, cluster=cluster)
 
-    plan = built.manifest["plan"]
-    assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
-    device_bytes = plan["memory"]["device_bytes"]
+    plan = built.manifest.plan
+    assert plan.verify.max_relative_diff <= tolerance(torch.float32)
+    device_bytes = plan.memory.device_bytes
     record_memory_model(record_property, plan)
-    for rank in plan["ranks"]:
-        assert rank["peak_bytes"] <= device_bytes, rank["rank"]  # the program fits its device
+    for rank in plan.ranks:
+        assert rank.peak_bytes <= device_bytes, rank.rank  # the program fits its device
         if memory == "tight":
-            assert rank["weight_bytes"] < replicated
+            assert rank.weight_bytes < replicated
 
     path = tessel.save(built, tmp_path / family)
     session = sessions.setdefault(devices, tessel.Session())

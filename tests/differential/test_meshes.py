@@ -17,6 +17,7 @@ from tessel.builder.verify import tolerance
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster_dict
 from tessel.demo import tight_cluster, weight_bytes
+from tessel.package.manifest import Mesh
 from tessel.plan import has_rule
 
 from .zoo import FAMILIES
@@ -48,18 +49,18 @@ def test_a_plan_over_nodes_of_devices_equals_eager(family, nodes, per_node, reco
     built = tessel.build(captured, cluster=cluster, verify=True)
 
     manifest = built.manifest
-    assert manifest["mesh"] == {"shape": [nodes, per_node], "dim_names": ["tp_node", "tp"]}
-    plan = manifest["plan"]
-    assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
+    assert manifest.mesh == Mesh((nodes, per_node), ("tp_node", "tp"))
+    plan = manifest.plan
+    assert plan.verify.max_relative_diff <= tolerance(torch.float32)
     record_memory_model(record_property, plan)
-    for rank in plan["ranks"]:
-        assert rank["peak_bytes"] <= plan["memory"]["device_bytes"], rank["rank"]
-        assert rank["weight_bytes"] < weight_bytes(captured)
-    placements = [p for layer in plan["layers"].values() for p in layer.values()]
+    for rank in plan.ranks:
+        assert rank.peak_bytes <= plan.memory.device_bytes, rank.rank
+        assert rank.weight_bytes < weight_bytes(captured)
+    placements = [p for layer in plan.layers.values() for p in layer.values()]
     assert any(all(p.startswith("S") for p in ps) for ps in placements)  # cut on both axes
     # what a collective's group spans is what the plan's axis says: a `tp` group is one node's
-    node_of = {s["rank"]: s["node_id"] for s in manifest["submodels"]}
-    groups = {tuple(g) for s in manifest["submodels"] for g in s["comm_groups"]}
+    node_of = {s.rank: s.node_id for s in manifest.submodels}
+    groups = {g for s in manifest.submodels for g in s.comm_groups}
     for g in groups:
         if len(g) == per_node and len({node_of[r] for r in g}) == 1:
             continue

@@ -47,10 +47,10 @@ def test_an_o1_build_equals_eager():
     captured = capture(model, inputs, keep=has_rule)
     cluster = cluster_from_dict(tight_cluster(captured, 3), "tight.json")
     built = tessel.build(model, inputs, cluster=cluster, policy=policy, verify=True)
-    assert built.manifest["plan"]["solver"]["opt_level"] == "O1"
-    assert built.manifest["plan"]["verify"]["max_relative_diff"] <= 1e-4
-    memory = built.manifest["plan"]["memory"]
-    assert memory["peak_bytes"] <= memory["device_bytes"]
+    assert built.manifest.plan.solver.opt_level == "O1"
+    assert built.manifest.plan.verify.max_relative_diff <= 1e-4
+    memory = built.manifest.plan.memory
+    assert memory.peak_bytes <= memory.device_bytes
 
 
 def _jamba() -> torch.nn.Module:
@@ -88,6 +88,6 @@ def test_jamba_builds_on_two_devices():
         {"graph_parallel_option": {"auto": False, "opt_level": "O1"}}, "policy.json"
     )
     built = tessel.build(model, inputs, cluster=2, policy=policy, verify=True)
-    plan = built.manifest["plan"]
-    assert plan["solver"]["method"] == "dynamic programming"
-    assert plan["verify"]["max_relative_diff"] <= tolerance(torch.float32)
+    plan = built.manifest.plan
+    assert plan.solver.method == "dynamic programming"
+    assert plan.verify.max_relative_diff <= tolerance(torch.float32)

@@ -119,7 +119,7 @@ def test_random_graph_partitions_to_eager(case):
         else devices
     )
     built = tessel.build(captured, cluster=cluster)  # checks itself against eager
-    assert built.manifest["plan"]["verify"]["max_relative_diff"] <= tolerance(torch.float32)
+    assert built.manifest.plan.verify.max_relative_diff <= tolerance(torch.float32)
 
     fresh = torch.randint(0, case["vocab"], ids.shape, generator=g)
     (got,) = run_in_process(BuiltPackage(built.manifest, built.members), [fresh])

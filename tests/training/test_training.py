@@ -236,12 +236,8 @@ def check_steps(name, devices, pp, dp, tp, sharding, tight, sessions, tmp_path) 
         optimizer=_adamw(model),
         time_limit=TIME_LIMIT,
     )
-    training = built.manifest.training
-    assert (training.pipeline_stages, training.data_parallel, training.tensor_parallel) == (
-        pp,
-        dp,
-        tp,
-    )
+    training, mesh = built.manifest.training, built.manifest.mesh  # the step reads the mesh
+    assert (mesh.size("pp"), mesh.size("dp"), mesh.tensor_parallel) == (pp, dp, tp)
     # the stages run micro-batches: as many as the stages, where the replica's rows allow
     assert training.micro_batches == (pp if pp > 1 else 1)
     if pp > 1:
@@ -254,7 +250,7 @@ def check_steps(name, devices, pp, dp, tp, sharding, tight, sessions, tmp_path) 
     assert training.weight_sharding == zero3
     # with prefetch, the buffer holds the largest gathered layer (the policy names no size)
     assert (training.weight_prefetch_bytes > 0) == ("model_weight_prefetch" in sharding)
-    placements = [p for layout in built.manifest.plan["layers"].values() for p in layout.values()]
+    placements = [p for layout in built.manifest.plan.layers.values() for p in layout.values()]
     if tight:  # the weights had to be sharded to fit
         assert any(any(s.startswith("S") for s in p) for p in placements), placements
     stats: dict = {}
@@ -363,10 +359,7 @@ def test_three_pipeline_stages_on_three_devices(sessions, tmp_path):
         optimizer=_adamw(model),
         time_limit=TIME_LIMIT,
     )
-    assert (built.manifest.training.pipeline_stages, built.manifest.training.micro_batches) == (
-        3,
-        3,
-    )
+    assert (built.manifest.mesh.size("pp"), built.manifest.training.micro_batches) == (3, 3)
     got = _run(sessions, built.save(tmp_path / "train"), batches)
     assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
 
@@ -893,7 +886,7 @@ def test_auto_chooses_the_least_sharding_that_fits(sessions, tmp_path):
     policy.write_text(json.dumps({"graph_parallel_option": {
         "auto": True, "data_parallel_option": {"data_parallel_size": 2}}}))  # fmt: skip
     built = _build(model, tmp_path, policy=str(policy), cluster=_tight(model, 2))
-    weighed = built.manifest.plan["training"]["levels_weighed"]
+    weighed = built.manifest.plan.training.levels_weighed
     assert weighed[0].startswith("no sharding: does not fit"), weighed
     assert weighed[-1].endswith("chosen, the least sharding that fits"), weighed
     assert built.manifest.training.optimizer_state_sharding
@@ -1048,7 +1041,7 @@ def test_a_step_is_estimated_with_its_update_and_its_gradient_exchange(tmp_path,
             policy=_policy(tmp_path, dp, 1),
             optimizer=make(model.parameters(), lr=0.1),
         )
-        return built.manifest["plan"]["estimated_time_s"]
+        return built.manifest.plan.estimated_time_s
 
     _, bandwidth, dispatch = device_rates(local_cluster(1))
     weights = (2 * 4 + 2) * 4  # lin.weight and lin.bias, fp32

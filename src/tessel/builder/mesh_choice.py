@@ -44,6 +44,7 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.lower.estimate import program_seconds
 from tessel.lower.program import RankProgram
 from tessel.lower.trace import LoweringError
+from tessel.package.plan_report import ShapeWeighed
 from tessel.plan import PlanError, cost, has_rule, make_plan
 from tessel.plan.planner import Plan
 from tessel.plan.traffic import sent_bytes
@@ -59,7 +60,7 @@ class MeshChoice:
 
     dims: ParallelDims
     captured: CapturedModel
-    weighed: list[dict[str, Any]]
+    weighed: list[ShapeWeighed]
     micro_batches: int = 1
     plan: Plan | None = None  # the plan weighed for the chosen shape: the build lowers it
     programs: list[RankProgram] | None = None  # that plan's programs, where already lowered
@@ -68,7 +69,7 @@ class MeshChoice:
 class Weighed(NamedTuple):
     """A shape that fits: its line in the plan's report, its mesh, capture and plan."""
 
-    entry: dict[str, Any]
+    entry: ShapeWeighed
     dims: ParallelDims
     captured: CapturedModel
     micro_batches: int
@@ -99,7 +100,7 @@ def choose_mesh(
     """Weigh every `pp x dp x tp` shape of `cluster` and return the fastest that fits."""
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
-    weighed: list[dict[str, Any]] = []
+    weighed: list[ShapeWeighed] = []
     fitting: list[Weighed] = []
     captures: dict[int, CapturedModel] = {}  # by the parts the example batch is split into
     shapes = [
@@ -113,14 +114,11 @@ def choose_mesh(
         devices = first_devices(cluster, tp)
         outer = [("pp", pp), ("dp", dp)] if pp > 1 else [("dp", dp)]
         axes = [*outer, *((a.name, a.size) for a in tensor_axes(devices))]
-        entry: dict[str, Any] = {
-            "shape": [size for _, size in axes],
-            "dim_names": [name for name, _ in axes],
-        }
+        entry = ShapeWeighed(tuple(size for _, size in axes), tuple(name for name, _ in axes))
         weighed.append(entry)
         if pp > 1 and fitting:
             # (1, pp * dp, tp) does the same work without the stages' fill and drain
-            entry["set_aside"] = (
+            entry.set_aside = (
                 "not weighed: a shape without pipeline stages fits, and stages only add the "
                 "time micro-batches wait to fill and drain them"
             )
@@ -136,7 +134,7 @@ def choose_mesh(
                 else (args, kwargs)
             )
         except ConfigError as exc:
-            entry["set_aside"] = exc.detail
+            entry.set_aside = exc.detail
             continue
         if parts not in captures:  # shapes that split the batch alike share one capture
             captures[parts] = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
@@ -152,19 +150,19 @@ def choose_mesh(
             )
             seconds = plan.estimated_time
             if pp > 1:
-                entry["micro_batches"] = micro
+                entry.micro_batches = micro
                 seconds = pipeline_estimate(captured, plan, cluster, dims, micro)
         except PlanError as exc:
-            entry["set_aside"] = f"does not fit the devices' memory: {exc}"
+            entry.set_aside = f"does not fit the devices' memory: {exc}"
             continue
         except ConfigError as exc:  # more stages than layers
-            entry["set_aside"] = exc.detail
+            entry.set_aside = exc.detail
             continue
-        entry["estimated_time_s"] = seconds + gather_seconds(captured, dims, cluster, micro)
-        entry["internode_bytes"] = internode_bytes(plan, captured, dims, cluster, micro)
+        entry.estimated_time_s = seconds + gather_seconds(captured, dims, cluster, micro)
+        entry.internode_bytes = internode_bytes(plan, captured, dims, cluster, micro)
         fitting.append(Weighed(entry, dims, captured, micro, plan))
     if not fitting:
-        reasons = "; ".join(f"{e['shape']}: {e.get('set_aside')}" for e in weighed)
+        reasons = "; ".join(f"{list(e.shape)}: {e.set_aside}" for e in weighed)
         raise PlanError(f"no mesh shape of this cluster fits the model ({reasons})")
     chosen, rival = _prefer_quiet_links(fitting, cluster)
     programs = None
@@ -173,7 +171,7 @@ def choose_mesh(
             chosen, rival, cluster, policy, time_limit, reuse_layers
         )
     for entry in weighed:
-        entry["chosen"] = entry is chosen.entry
+        entry.chosen = entry is chosen.entry
     return MeshChoice(
         chosen.dims, chosen.captured, weighed, chosen.micro_batches, chosen.plan, programs
     )
@@ -185,24 +183,24 @@ def _prefer_quiet_links(
     """The fastest shape, unless it moves more bytes between nodes than the fastest shape
     keeping tensor parallelism inside the nodes and is not `SLOW_LINK_MARGIN` faster; and,
     where it is chosen over that quieter shape by its margin, the quieter shape (else None)."""
-    fastest = min(fitting, key=lambda f: f.entry["estimated_time_s"])
+    fastest = min(fitting, key=lambda f: f.entry.estimated_time_s)
     inside = [f for f in fitting if not _tensor_axes_cross_nodes(f.dims, cluster)]
     if not inside or len(cluster.nodes) < 2:
         return fastest, None
-    quiet = min(inside, key=lambda f: f.entry["estimated_time_s"])
+    quiet = min(inside, key=lambda f: f.entry.estimated_time_s)
     fast, calm = fastest.entry, quiet.entry
-    if fast is calm or fast["internode_bytes"] <= calm["internode_bytes"]:
+    if fast is calm or fast.internode_bytes <= calm.internode_bytes:
         return fastest, None
-    gain = 1 - fast["estimated_time_s"] / calm["estimated_time_s"]
+    gain = 1 - fast.estimated_time_s / calm.estimated_time_s
     if gain >= SLOW_LINK_MARGIN:
-        fast["preferred"] = (
+        fast.preferred = (
             f"is {100 * gain:.0f}% faster by estimate than the fastest shape keeping tensor "
             f"parallelism inside the nodes, though it moves more bytes between them"
         )
         return fastest, quiet
-    calm["preferred"] = (
-        f"moves {_mib(calm['internode_bytes'])} between nodes per run against "
-        f"{_mib(fast['internode_bytes'])} for {_shape_text(fast)}, which is estimated only "
+    calm.preferred = (
+        f"moves {_mib(calm.internode_bytes)} between nodes per run against "
+        f"{_mib(fast.internode_bytes)} for {fast.text}, which is estimated only "
         f"{100 * gain:.0f}% faster (less than {100 * SLOW_LINK_MARGIN:.0f}%)"
     )
     return quiet, None
@@ -222,13 +220,13 @@ def _confirmed_after_lowering(
     programs come back for the build to use. Shapes with pipeline stages keep the planner's
     verdict (their stage programs are cut after lowering)."""
     if fast.dims.size("pp") > 1 or quiet.dims.size("pp") > 1:
-        fast.entry["preferred"] += " (pipeline stages: not estimated after lowering)"
+        fast.entry.preferred += " (pipeline stages: not estimated after lowering)"
         return fast, None
     lowered: dict[int, tuple[Weighed, list[RankProgram]]] = {}
     for i, shape in enumerate((fast, quiet)):
         devices = first_devices(cluster, shape.dims.size("tp"))
         try:
-            with phase(f"lowering {_shape_text(shape.entry)} to estimate it as lowered"):
+            with phase(f"lowering {shape.entry.text} to estimate it as lowered"):
                 plan, programs = plan_and_lower(
                     shape.captured,
                     devices,
@@ -239,26 +237,24 @@ def _confirmed_after_lowering(
                     first=shape.plan,
                 )
         except (PlanError, LoweringError) as exc:
-            shape.entry["lowered_time_s"] = None
-            shape.entry["set_aside"] = f"could not be lowered: {exc}"
-            shape.entry.pop("preferred", None)
+            shape.entry.lowered_time_s = None
+            shape.entry.set_aside = f"could not be lowered: {exc}"
+            shape.entry.preferred = None
             continue
         seconds = max(program_seconds(rp, r, devices) for r, rp in enumerate(programs))
-        shape.entry["lowered_time_s"] = seconds + gather_seconds(
-            shape.captured, shape.dims, cluster
-        )
+        shape.entry.lowered_time_s = seconds + gather_seconds(shape.captured, shape.dims, cluster)
         lowered[i] = shape._replace(plan=plan), programs
     if len(lowered) < 2:  # the one that lowers
         return next(iter(lowered.values()), (fast, None))
-    gain = 1 - fast.entry["lowered_time_s"] / quiet.entry["lowered_time_s"]
+    gain = 1 - fast.entry.lowered_time_s / quiet.entry.lowered_time_s
     if gain >= SLOW_LINK_MARGIN:
-        fast.entry["preferred"] += f", and {100 * gain:.0f}% faster as lowered"
+        fast.entry.preferred += f", and {100 * gain:.0f}% faster as lowered"
         return lowered[0]
-    del fast.entry["preferred"]
-    planned = 1 - fast.entry["estimated_time_s"] / quiet.entry["estimated_time_s"]
-    quiet.entry["preferred"] = (
-        f"moves {_mib(quiet.entry['internode_bytes'])} between nodes per run against "
-        f"{_mib(fast.entry['internode_bytes'])} for {_shape_text(fast.entry)}, which is "
+    fast.entry.preferred = None
+    planned = 1 - fast.entry.estimated_time_s / quiet.entry.estimated_time_s
+    quiet.entry.preferred = (
+        f"moves {_mib(quiet.entry.internode_bytes)} between nodes per run against "
+        f"{_mib(fast.entry.internode_bytes)} for {fast.entry.text}, which is "
         f"estimated {100 * planned:.0f}% faster by the planner but only {100 * gain:.0f}% "
         f"faster as lowered (less than {100 * SLOW_LINK_MARGIN:.0f}%)"
     )
@@ -267,10 +263,6 @@ def _confirmed_after_lowering(
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
-
-
-def _shape_text(entry: dict[str, Any]) -> str:
-    return " x ".join(f"{n} {s}" for n, s in zip(entry["dim_names"], entry["shape"]))
 
 
 def _spans_nodes(cluster: ClusterConfig, groups: list[tuple[int, ...]]) -> bool:

@@ -3,10 +3,12 @@ build and the training build both write."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 from collections import Counter, defaultdict
+from dataclasses import asdict
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -20,7 +22,18 @@ from tessel.dtypes import dtype_name
 from tessel.lower.program import collectives, groups_in
 from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import RankProgram, weight_inputs
-from tessel.package.format import CONSTANT_PREFIX, FORMAT, FORMAT_VERSION, Member
+from tessel.package.format import CONSTANT_PREFIX, FORMAT_VERSION, Member
+from tessel.package.manifest import Manifest, Mesh, Submodel, TensorSpec, Tie
+from tessel.package.plan_report import (
+    CollectiveLine,
+    Fallback,
+    MemoryLine,
+    PlanReport,
+    RankLine,
+    Replan,
+    SolverLine,
+    WhyReplicated,
+)
 from tessel.plan import Plan
 from tessel.plan.planner import layer_name
 from tessel.plan.why import replicated_weights
@@ -42,7 +55,7 @@ def pack(
     pp: int = 1,
     micro_batches: int = 1,
     stored: dict | None = None,
-) -> tuple[dict, dict[str, Member]]:
+) -> tuple[Manifest, dict[str, Member]]:
     """The manifest and members of a package: `programs` holds one program per rank of the
     cluster; with `dp` replicas, rank `r` holds the weights of tensor-parallel rank `r % tp`.
     With pipeline stages, `staged` holds each rank's program, stage and the weights it takes.
@@ -104,52 +117,51 @@ def pack(
             members.setdefault(name, shards)
             weight_members.append(name)
         ties = {
-            fqn: {
-                "source": source,
-                "chunks": shard_chunks(placements[fqn], plan.mesh_shape, mesh_rank)
+            fqn: Tie(
+                source,
+                tuple(shard_chunks(placements[fqn], plan.mesh_shape, mesh_rank))
                 if source in whole
-                else [],  # placed alike: this rank's chunk of the source is the whole answer
-            }
+                else (),  # placed alike: this rank's chunk of the source is the whole answer
+            )
             for fqn, source in tied.items()
         }
-        colls = collectives(rp.program, rp.shapes)
         submodels.append(
-            {
-                "rank": rank,
-                "logical_device": device.logical_id,
-                "node_id": device.node_id,
-                "device_id": device.device_id,
-                "program": program_member[key],
-                "weights": weight_members,
-                "weight_order": order,
-                "tied": ties,
-                "comm_groups": groups_in(rp.program) if graph_parallel else [],
-            }
+            Submodel(
+                rank=rank,
+                logical_device=device.logical_id,
+                node_id=device.node_id,
+                device_id=device.device_id,
+                program=program_member[key],
+                weights=tuple(weight_members),
+                weight_order=tuple(order),
+                tied=ties,
+                comm_groups=tuple(map(tuple, groups_in(rp.program))) if graph_parallel else (),
+            )
         )
         ranks_report.append(
-            {
-                "rank": rank,
-                "logical_device": device.logical_id,
-                "weight_bytes": rp.weight_bytes,
-                "peak_bytes": rp.peak_bytes,
-                "collectives": [
-                    {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)}
-                    for c in colls
-                ],
-            }
+            RankLine(
+                rank=rank,
+                logical_device=device.logical_id,
+                weight_bytes=rp.weight_bytes,
+                peak_bytes=rp.peak_bytes,
+                collectives=collective_lines(rp.program, rp.shapes),
+            )
         )
     out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
-    outputs = [
-        {
-            "shape": [v.shape[0] * dp * micro_batches, *v.shape[1:]] if v.dim() else [],
-            "dtype": dtype_name(v.dtype),
-        }
+    values = [
+        v
         for a in tree_leaves(out_node.args[0])
         if hasattr(a, "meta") and isinstance((v := a.meta.get("val")), torch.Tensor)
     ]
-    if len(captured.output_names) == len(outputs):
-        for spec, name in zip(outputs, captured.output_names):
-            spec["name"] = name
+    names = captured.output_names if len(captured.output_names) == len(values) else ()
+    outputs = tuple(
+        TensorSpec(
+            (v.shape[0] * dp * micro_batches, *v.shape[1:]) if v.dim() else (),
+            dtype_name(v.dtype),
+            name,
+        )
+        for v, name in itertools.zip_longest(values, names)
+    )
     mesh_shape, dim_names = list(plan.mesh_shape), list(plan.mesh_names)
     if dp > 1:  # weights are replicated over the replicas
         mesh_shape, dim_names = [dp, *mesh_shape], ["dp", *dim_names]
@@ -169,28 +181,27 @@ def pack(
     members["strategy.json"] = json.dumps(
         _strategy_file(plan, placeholders, weights, state, dp)
     ).encode()
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tessel_version": tessel_version,
-        "torch_version": torch.__version__,
-        "mode": "partitioned" if graph_parallel else "replicated",
-        "soc_version": soc_version,
-        "device_type": cluster.soc.device_type,
-        "backend": cluster.soc.backend,
-        "world_size": cluster.world_size,
-        "cluster": cluster.raw,
-        "mesh": {"shape": mesh_shape, "dim_names": dim_names},
-        "inputs": [
-            _input_spec(n, x, dp * micro_batches)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        tessel_version=tessel_version,
+        torch_version=torch.__version__,
+        mode="partitioned" if graph_parallel else "replicated",
+        soc_version=soc_version,
+        device_type=cluster.soc.device_type,
+        backend=cluster.soc.backend,
+        world_size=cluster.world_size,
+        cluster=cluster.raw,
+        mesh=Mesh(tuple(mesh_shape), tuple(dim_names)),
+        inputs=tuple(
+            input_spec(n, x, dp * micro_batches)
             for n, x in zip(captured.input_names, captured.example_inputs)
-        ],
-        "outputs": outputs,
-        "submodels": submodels,
-        "layouts": "layouts.json",
-        "strategy": "strategy.json",
-        "plan": _explain(plan, layouts, ranks_report),
-    }
+        ),
+        outputs=outputs,
+        submodels=tuple(submodels),
+        layouts="layouts.json",
+        strategy="strategy.json",
+        plan=_explain(plan, layouts, ranks_report),
+    )
     return manifest, members
 
 
@@ -234,40 +245,48 @@ def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict, d
     return Strategy(params, "package").to_json()
 
 
-def _input_spec(name: str, x: torch.Tensor, dp: int = 1) -> dict:
+def input_spec(name: str, x: torch.Tensor, dp: int = 1) -> TensorSpec:
     """An input as the package takes it: with `dp` replicas, `dp` times the rows of `x`."""
-    shape = [x.shape[0] * dp, *x.shape[1:]] if dp > 1 else list(x.shape)
-    spec = {"name": name, "shape": shape, "dtype": dtype_name(x.dtype)}
+    shape = (x.shape[0] * dp, *x.shape[1:]) if dp > 1 else tuple(x.shape)
+    high = None
     if not x.dtype.is_floating_point and x.dtype != torch.bool and x.numel():
-        spec["high"] = int(x.max()) + 1  # `tessel run` draws random inputs below this bound
-    return spec
+        high = int(x.max()) + 1  # `tessel run` draws random inputs below this bound
+    return TensorSpec(shape, dtype_name(x.dtype), name, high)
 
 
-def _explain(plan: Plan, layouts: dict, ranks: list[dict]) -> dict:
+def collective_lines(program: dict, shapes: dict) -> tuple[CollectiveLine, ...]:
+    """A rank program's collectives as the plan's report lists them."""
+    return tuple(
+        CollectiveLine(c["kind"], tuple(c["group"]), c.get("bytes", 0))
+        for c in collectives(program, shapes)
+    )
+
+
+def _explain(plan: Plan, layouts: dict, ranks: list[RankLine]) -> PlanReport:
     """What `tessel inspect` shows: placements per layer, collectives and memory per rank."""
-    layers: dict[str, dict[str, list[str]]] = defaultdict(dict)
-    placeholders = {n.name: n for n in plan.choices}
+    layers: dict[str, dict[str, tuple[str, ...]]] = defaultdict(dict)
     for n in plan.choices:
         fqn = plan.param_targets.get(n.name)
         if fqn is None or fqn not in layouts:
             continue
         users = [u for u in n.users if layer_name(u)]
         layer = layer_name(users[0]) if users else ""
-        layers[layer or "(outside layers)"][fqn] = layouts[fqn]["placements"]
-    del placeholders
+        layers[layer or "(outside layers)"][fqn] = tuple(layouts[fqn]["placements"])
     fallbacks = Counter(target for _, target, _ in plan.fallbacks())
     replicated = replicated_weights(plan)  # why, for weights replicated on tp axes
     line = why_summary(plan, replicated, len(layouts))
     if line:
         log.info("%s", line)
-    return {
-        "estimated_time_s": plan.estimated_time,
-        "solver": plan.solver,
-        "memory": plan.memory,
-        "layers": layers,
-        "fallbacks": [{"node": n, "op": t, "reason": r} for n, t, r in plan.fallbacks()],
-        "fallback_ops": dict(fallbacks),
-        "replanned": plan.replanned,
-        "replicated": {fqn: r.to_json() for fqn, r in replicated.items() if fqn in layouts},
-        "ranks": ranks,
-    }
+    return PlanReport(
+        estimated_time_s=plan.estimated_time,
+        solver=SolverLine(**plan.solver) if plan.solver else None,
+        memory=MemoryLine(**plan.memory),
+        layers=dict(layers),
+        fallbacks=tuple(Fallback(n, t, r) for n, t, r in plan.fallbacks()),
+        fallback_ops=dict(fallbacks),
+        replanned=tuple(Replan(**r) for r in plan.replanned),
+        replicated={
+            fqn: WhyReplicated(**asdict(r)) for fqn, r in replicated.items() if fqn in layouts
+        },
+        ranks=tuple(ranks),
+    )

@@ -31,6 +31,7 @@ from tessel.builder.stages import (
     default_micro_batches,
     more_memory,
     send_seconds,
+    stage_lines,
 )
 from tessel.builder.training import build_training
 from tessel.builder.verify import check_against_eager, worth_checking
@@ -51,6 +52,7 @@ from tessel.log_levels import torch_kept_quiet
 from tessel.lower.estimate import program_seconds
 from tessel.lower.program import RankProgram
 from tessel.package.format import BuiltPackage, Manifest, Member, write_package
+from tessel.package.plan_report import MemoryLine, ShapeWeighed, Verified
 from tessel.plan import Plan, PlanError, has_rule
 from tessel.plan.planner import run_seconds
 from tessel.progress import phase
@@ -66,6 +68,17 @@ class BuiltModel:
     manifest: Manifest
     members: dict[str, Member]  # bytes, or tensors that `save` streams as safetensors
     timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def checked(
+        cls, manifest: Manifest, members: dict[str, Member], timings: dict[str, float]
+    ) -> BuiltModel:
+        """The built model, its manifest checked as a loader checks it (from its JSON), so a
+        model that would be refused is never saved."""
+        manifest = replace(manifest, timings=timings)
+        return cls(
+            Manifest.from_json(manifest.to_json(), "the built model", members), members, timings
+        )
 
     def save(self, path: str | Path) -> Path:
         t = time.perf_counter()
@@ -154,7 +167,7 @@ def build(
     policy = policy or ParallelOption()
     if optimizer is not None or param_dtype is not None:
         _check_training(optimizer, weights, verify, graph_parallel)
-        return _built(
+        return BuiltModel.checked(
             *build_training(
                 model,
                 example_inputs,
@@ -187,21 +200,16 @@ def build(
     t = time.perf_counter()
     with phase("packing"):
         manifest, members = _pack(shape, fitted, cluster, soc_version, graph_parallel, stored)
-    if stored is not None:
-        manifest["plan"]["verify"] = {
-            "skipped": f"weights streamed from {weights}: the build never held the model"
-        }
     timings["pack"] = time.perf_counter() - t
-    if verify is not False and shape.captured.source is not None:
-        manifest["plan"]["verify"] = _verify(shape, manifest, members, verify, timings)
-    return _built(manifest, members, timings)
-
-
-def _built(manifest: dict, members: dict, timings: dict[str, float]) -> BuiltModel:
-    """The built model, its manifest checked as a loader checks it, so a model that would be
-    refused is never saved."""
-    manifest["timings"] = timings
-    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
+    checked = None
+    if stored is not None:
+        checked = Verified(
+            skipped=f"weights streamed from {weights}: the build never held the model"
+        )
+    elif verify is not False and shape.captured.source is not None:
+        checked = _verify(shape, manifest, members, verify, timings)
+    manifest = replace(manifest, plan=replace(manifest.plan, verify=checked))
+    return BuiltModel.checked(manifest, members, timings)
 
 
 def _streamed(model: Any, weights: str | Path | None, verify: bool | None) -> tuple[Any, Any]:
@@ -267,7 +275,7 @@ class _Shape:
     captured: CapturedModel
     micro_batches: int = 1
     whole_batch: tuple[tuple, dict] | None = None  # the example, where a replica takes part
-    weighed: list[dict[str, Any]] | None = None  # the shapes `auto` weighed, where it chose
+    weighed: list[ShapeWeighed] | None = None  # the shapes `auto` weighed, where it chose
     plan: Plan | None = None  # the plan weighed for this shape, where `auto` made one
     programs: list[RankProgram] | None = None  # and its programs, where it lowered them
 
@@ -420,7 +428,7 @@ def _pack(
     soc_version: str,
     graph_parallel: bool,
     stored: Any,
-) -> tuple[dict, dict]:
+) -> tuple[Manifest, dict]:
     """The manifest and members of the package, and the plan's account of a run: its stages,
     what their programs hold, and its estimated time (stages pipelined, the replicas' outputs
     gathered, the session's own cost), also as its programs price it once lowered."""
@@ -445,39 +453,43 @@ def _pack(
         micro_batches=micro,
         stored=stored,
     )
-    account = manifest["plan"]
+    account = manifest.plan
+    seconds = account.estimated_time_s or 0.0
     if stages is not None:
-        account["stages"] = [
-            {**entry, "ranks": [r for r, sp in enumerate(staged) if sp.stage == entry["stage"]]}
-            for entry in stages.to_json()
-        ]
-        # what the stages' programs hold, not the whole model the planner weighed on pp x memory
-        account["memory"] = {
-            "weight_bytes": max(rp.weight_bytes for rp in programs),
-            "peak_bytes": max(rp.peak_bytes for rp in programs),
-            "device_bytes": min(d.memory_bytes for d in cluster.devices),
-        }
-        account["micro_batches"] = micro
-        account["estimated_time_s"] = stages.pipelined_seconds(
-            micro, send_seconds(staged, dims, cluster, micro)
+        account = replace(
+            account,
+            stages=stage_lines(stages, staged),
+            # what the stages' programs hold, not the whole model the planner weighed on pp x memory
+            memory=MemoryLine(
+                weight_bytes=max(rp.weight_bytes for rp in programs),
+                peak_bytes=max(rp.peak_bytes for rp in programs),
+                device_bytes=min(d.memory_bytes for d in cluster.devices),
+            ),
+            micro_batches=micro,
         )
+        seconds = stages.pipelined_seconds(micro, send_seconds(staged, dims, cluster, micro))
     if dp > 1:  # the replicas run at once; then their outputs are gathered
-        account["estimated_time_s"] += gather_seconds(captured, dims, cluster, micro)
+        seconds += gather_seconds(captured, dims, cluster, micro)
     # what a run costs beside its programs: the session's pipe to rank 0, rank 0's broadcasts
-    account["estimated_time_s"] += run_seconds(captured, cluster)
+    seconds += run_seconds(captured, cluster)
+    lowered = None
     if pp == 1 and graph_parallel:  # the same run priced from the programs as lowered
         # replicas' programs gather their outputs over the whole cluster's ranks
         ranks = cluster if dp > 1 else first_devices(cluster, dims.size("tp"))
         slowest = max(program_seconds(rp, r, ranks) for r, rp in enumerate(programs))
-        account["lowered_time_s"] = slowest + run_seconds(captured, cluster)
-    if shape.weighed is not None:
-        account["mesh_choices"] = shape.weighed
-    return manifest, members
+        lowered = slowest + run_seconds(captured, cluster)
+    account = replace(
+        account,
+        estimated_time_s=seconds,
+        lowered_time_s=lowered,
+        mesh_choices=tuple(shape.weighed or ()),
+    )
+    return replace(manifest, plan=account), members
 
 
 def _verify(
-    shape: _Shape, manifest: dict, members: dict, verify: bool | None, timings: dict[str, float]
-) -> dict[str, Any]:
+    shape: _Shape, manifest: Manifest, members: dict, verify: bool | None, timings: dict[str, float]
+) -> Verified:
     """The built model run on the example in this process against the eager model, where
     asked or where the cost model puts the check below what the build took; why not else."""
     captured = shape.captured
@@ -488,9 +500,9 @@ def _verify(
     )
     if skipped is not None:
         log.info("not checked against the eager model: %s", skipped)
-        return {"skipped": skipped}
+        return Verified(skipped=skipped)
     t = time.perf_counter()
-    package = BuiltPackage(Manifest.from_json(manifest, "the built model", members), members)
+    package = BuiltPackage(manifest, members)
     if shape.whole_batch is None:
         inputs, expected = captured.example_inputs, captured.eager_outputs()
     else:

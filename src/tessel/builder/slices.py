@@ -15,11 +15,14 @@ from pathlib import Path
 import torch
 
 from tessel._version import __version__ as tessel_version
+from tessel.builder.packing import collective_lines
 from tessel.builder.pipeline import BuiltModel
 from tessel.config.cluster import ClusterConfig
 from tessel.dtypes import dtype_name
-from tessel.lower.program import collectives, groups_in
-from tessel.package.format import FORMAT, FORMAT_VERSION, Manifest, Member
+from tessel.lower.program import groups_in
+from tessel.package.format import FORMAT_VERSION, Manifest, Member
+from tessel.package.manifest import Mesh, Submodel, TensorSpec
+from tessel.package.plan_report import PlanReport, RankLine, Verified
 from tessel.slices.read import Slice, read_slices
 from tessel.slices.relation import ModelRelation, read_model_relation
 
@@ -43,8 +46,7 @@ def build_from_slices(
     t = time.perf_counter()
     manifest, members = _pack(slices, relation, cluster, cluster_ranks, soc_version)
     timings = {"read slices": read_s, "pack": time.perf_counter() - t}
-    manifest["timings"] = timings
-    return BuiltModel(Manifest.from_json(manifest, "the built model", members), members, timings)
+    return BuiltModel.checked(manifest, members, timings)
 
 
 def _cluster_ranks(relation: ModelRelation, cluster: ClusterConfig) -> dict[int, int]:
@@ -76,7 +78,7 @@ def _pack(
     cluster: ClusterConfig,
     cluster_ranks: dict[int, int],
     soc_version: str,
-) -> tuple[dict, dict[str, Member]]:
+) -> tuple[Manifest, dict[str, Member]]:
     members: dict[str, Member] = {}
     by_device = {cluster_ranks[s.entry.rank]: s for s in slices}
     shared = _held_alike(slices)
@@ -93,57 +95,53 @@ def _pack(
             weights.append(f"weights/rank_{device.rank}.safetensors")
             members[weights[-1]] = _own_storage(own)
         submodels.append(
-            {
-                "rank": device.rank,
-                "logical_device": device.logical_id,
-                "node_id": device.node_id,
-                "device_id": device.device_id,
-                "program": program,
-                "weights": weights,
-                "weight_order": list(s.weights),
-                "tied": {},
-                "comm_groups": groups_in(s.program),
-            }
+            Submodel(
+                rank=device.rank,
+                logical_device=device.logical_id,
+                node_id=device.node_id,
+                device_id=device.device_id,
+                program=program,
+                weights=tuple(weights),
+                weight_order=tuple(s.weights),
+                tied={},
+                comm_groups=tuple(map(tuple, groups_in(s.program))),
+            )
         )
-        weight_bytes = sum(t.numel() * t.element_size() for t in s.weights.values())
         ranks.append(
-            {
-                "rank": device.rank,
-                "logical_device": device.logical_id,
-                "slice": s.entry.submodel_name,
-                "weight_bytes": weight_bytes,
-                "collectives": [
-                    {"kind": c["kind"], "group": c["group"], "bytes": c.get("bytes", 0)}
-                    for c in collectives(s.program, s.shapes)
-                ],
-            }
+            RankLine(
+                rank=device.rank,
+                logical_device=device.logical_id,
+                slice=s.entry.submodel_name,
+                weight_bytes=sum(t.numel() * t.element_size() for t in s.weights.values()),
+                collectives=collective_lines(s.program, s.shapes),
+            )
         )
     leader = by_device[0]
     members["layouts.json"] = b"{}"  # a slice's weights are whatever its author cut
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tessel_version": tessel_version,
-        "torch_version": torch.__version__,
-        "mode": "partitioned",
-        "soc_version": soc_version,
-        "device_type": cluster.soc.device_type,
-        "backend": cluster.soc.backend,
-        "world_size": cluster.world_size,
-        "cluster": cluster.raw,
-        "mesh": {"shape": [cluster.world_size], "dim_names": ["rank"]},
-        "inputs": [_spec(i.shape, i.dtype, i.name) for i in leader.inputs],
-        "outputs": [_spec(o.shape, o.dtype) for o in leader.outputs],
-        "submodels": submodels,
-        "layouts": "layouts.json",
-        "plan": {
-            "source": "slices",
-            "relation_config": relation.source,
-            "groups": {name: list(r) for name, r in relation.groups.items()},
-            "ranks": ranks,
-            "verify": {"skipped": _NOT_CHECKED},
-        },
-    }
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        tessel_version=tessel_version,
+        torch_version=torch.__version__,
+        mode="partitioned",
+        soc_version=soc_version,
+        device_type=cluster.soc.device_type,
+        backend=cluster.soc.backend,
+        world_size=cluster.world_size,
+        cluster=cluster.raw,
+        mesh=Mesh((cluster.world_size,), ("rank",)),
+        inputs=tuple(TensorSpec(i.shape, dtype_name(i.dtype), i.name) for i in leader.inputs),
+        outputs=tuple(TensorSpec(o.shape, dtype_name(o.dtype)) for o in leader.outputs),
+        submodels=tuple(submodels),
+        layouts="layouts.json",
+        strategy=None,
+        plan=PlanReport(
+            source="slices",
+            relation_config=str(relation.source),
+            groups={name: tuple(r) for name, r in relation.groups.items()},
+            ranks=tuple(ranks),
+            verify=Verified(skipped=_NOT_CHECKED),
+        ),
+    )
     return manifest, members
 
 
@@ -175,10 +173,3 @@ def _own_storage(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name] = t.clone() if ptr in seen or not t.is_contiguous() else t
         seen.add(ptr)
     return out
-
-
-def _spec(shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None) -> dict:
-    spec = {"shape": list(shape), "dtype": dtype_name(dtype)}
-    if name is not None:
-        spec = {"name": name, **spec}
-    return spec

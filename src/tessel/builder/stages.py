@@ -18,6 +18,7 @@ from tessel.lower.program import decode_graph, groups_in
 from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.lower.training_stages import training_stage_programs
+from tessel.package.plan_report import StageLine
 from tessel.plan import Plan, PlanError, cost
 from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
@@ -243,3 +244,13 @@ def _memory(sp: StagedProgram) -> tuple[int, int]:
         if n.op == "placeholder":
             inputs.append(n.name)
     return program_peak_bytes(graph, set(inputs[: len(sp.weights)]))
+
+
+def stage_lines(stages: StageAssignment, staged: list) -> tuple[StageLine, ...]:
+    """The stages as the plan's report lists them, each with the ranks that run it."""
+    return tuple(
+        StageLine(
+            **entry, ranks=tuple(r for r, sp in enumerate(staged) if sp.stage == entry["stage"])
+        )
+        for entry in stages.to_json()
+    )

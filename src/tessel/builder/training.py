@@ -28,13 +28,18 @@ from tessel.builder.lowering import plan_and_lower
 from tessel.builder.mesh_choice import batch_rows, first_devices, replica_batch
 from tessel.builder.model_record import CONFIG_MEMBER, GENERATION_CONFIG_MEMBER, model_record
 from tessel.builder.packing import pack
-from tessel.builder.stages import build_training_stages, default_micro_batches, more_memory
+from tessel.builder.stages import (
+    build_training_stages,
+    default_micro_batches,
+    more_memory,
+    stage_lines,
+)
 from tessel.capture import capture_training
 from tessel.capture.export import split_inputs
 from tessel.capture.training import GradientOutputs, gradient_outputs, mark_gradients
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
-from tessel.config.mesh import parallel_dims
+from tessel.config.mesh import ParallelDims, parallel_dims
 from tessel.config.optimizer import (
     STEP_NAME,
     OptimizerSpec,
@@ -46,6 +51,8 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.dtypes import dtype_name
 from tessel.lower.program import move_groups
 from tessel.lower.trace import weight_inputs
+from tessel.package.manifest import Manifest, TensorSpec, Training
+from tessel.package.plan_report import MemoryLine, TrainingLine, Verified
 from tessel.plan import PlanError, cost, has_rule
 from tessel.plan.planner import device_rates, run_seconds
 from tessel.progress import phase
@@ -66,7 +73,7 @@ def build_training(
     soc_version: str,
     time_limit: float,
     param_dtype: torch.dtype | str | None = None,
-) -> tuple[dict, dict, dict[str, float]]:
+) -> tuple[Manifest, dict, dict[str, float]]:
     """The manifest, members and timings of a training package (see the module docstring)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
@@ -198,62 +205,67 @@ def build_training(
     members["strategy.json"] = _with_optimizer_states(
         members["strategy.json"], spec, weight_stage, pp
     )
-    manifest["mode"] = "training"
-    manifest["outputs"] = [{"shape": [], "dtype": "float32"}]
-    manifest["training"] = {
-        "optimizer": spec.to_json(),
-        "gradients": list(gradients),
-        "data_parallel": dp,
-        "tensor_parallel": tp,
-        "optimizer_state_sharding": level.states,
-        "gradient_sharding": level.gradients,
-        "weight_sharding": level.weights,
-        "weight_prefetch_bytes": prefetch,
-        "units": [list(u) for u in units],
-        "compute_dtype": dtype_name(compute),
-        "optimizer_offload": policy.optimizer_offload or "none",
-        "pipeline_stages": pp,
-        "micro_batches": micro_batches,
-    }
-    _record_model(model, manifest["training"], members)
-    manifest["plan"]["training"] = _explain(manifest["training"], cluster, policy)
-    if stages is not None:
-        manifest["plan"]["stages"] = [
-            {**entry, "ranks": [r for r, sp in enumerate(staged) if sp.stage == entry["stage"]]}
-            for entry in stages.to_json()
-        ]
-        manifest["plan"]["micro_batches"] = micro_batches
-        manifest["plan"]["memory"] = {  # what the stages' programs hold
-            "weight_bytes": max(sp.program.weight_bytes for sp in staged),
-            "peak_bytes": max(sp.program.peak_bytes for sp in staged),
-            "device_bytes": min(d.memory_bytes for d in cluster.devices),
-        }
-    # what a step costs beside its program: the exchange and the update, and the session's
-    # pipe and rank 0's broadcasts
-    manifest["plan"]["estimated_time_s"] += _exchange_and_update_seconds(
-        captured, plan, units, first_devices(cluster, tp), dims, level, spec
-    ) + run_seconds(captured, cluster)
-    if weighed:
-        manifest["plan"]["training"]["levels_weighed"] = weighed
-    manifest["plan"]["verify"] = {
-        "skipped": "a training step changes the weights; tests check steps against torch"
-    }
-    timings["pack"] = time.perf_counter() - t
-    return manifest, members, timings
-
-
-def _record_model(model: torch.nn.Module, training: dict, members: dict) -> None:
-    """Record what turns a checkpoint into the model's own files (`model_record`): the
-    state_dict keys in `training`, a transformers model's config files as members."""
     record = model_record(model, json.loads(members["strategy.json"])["params"])
-    training["state_dict"] = record.state_dict
-    for key, member, data in (
-        ("model_config", CONFIG_MEMBER, record.config),
-        ("generation_config", GENERATION_CONFIG_MEMBER, record.generation_config),
+    config_files = {}
+    for member, data in (
+        (CONFIG_MEMBER, record.config),
+        (GENERATION_CONFIG_MEMBER, record.generation_config),
     ):
         if data is not None:
-            members[member] = data
-            training[key] = member
+            members[member] = config_files[member] = data
+    training = Training(
+        optimizer=spec.to_json(),
+        gradients=tuple(gradients),
+        optimizer_state_sharding=level.states,
+        gradient_sharding=level.gradients,
+        weight_sharding=level.weights,
+        weight_prefetch_bytes=prefetch,
+        units=tuple(map(tuple, units)),
+        compute_dtype=dtype_name(compute),
+        optimizer_offload=policy.optimizer_offload or "none",
+        micro_batches=micro_batches,
+        state_dict=record.state_dict,
+        model_config=CONFIG_MEMBER if CONFIG_MEMBER in config_files else None,
+        generation_config=GENERATION_CONFIG_MEMBER
+        if GENERATION_CONFIG_MEMBER in config_files
+        else None,
+    )
+    account = replace(
+        manifest.plan,
+        training=replace(_explain(training, dims, cluster, policy), levels_weighed=tuple(weighed)),
+        verify=Verified(
+            skipped="a training step changes the weights; tests check steps against torch"
+        ),
+    )
+    if stages is not None:
+        account = replace(
+            account,
+            stages=stage_lines(stages, staged),
+            micro_batches=micro_batches,
+            memory=MemoryLine(  # what the stages' programs hold
+                weight_bytes=max(sp.program.weight_bytes for sp in staged),
+                peak_bytes=max(sp.program.peak_bytes for sp in staged),
+                device_bytes=min(d.memory_bytes for d in cluster.devices),
+            ),
+        )
+    # what a step costs beside its program: the exchange and the update, and the session's
+    # pipe and rank 0's broadcasts
+    seconds = (
+        (account.estimated_time_s or 0.0)
+        + _exchange_and_update_seconds(
+            captured, plan, units, first_devices(cluster, tp), dims, level, spec
+        )
+        + run_seconds(captured, cluster)
+    )
+    manifest = replace(
+        manifest,
+        mode="training",
+        outputs=(TensorSpec((), "float32"),),
+        training=training,
+        plan=replace(account, estimated_time_s=seconds),
+    )
+    timings["pack"] = time.perf_counter() - t
+    return manifest, members, timings
 
 
 def _with_optimizer_states(
@@ -472,16 +484,18 @@ def captured_gradients(captured: Any) -> tuple[str, ...]:
     return marks.names if marks is not None else ()
 
 
-def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> dict:
+def _explain(
+    training: Training, dims: ParallelDims, cluster: ClusterConfig, policy: ParallelOption
+) -> TrainingLine:
     """What `tessel inspect` says of the step: the optimizer, the levels and the offload."""
-    dp = training["data_parallel"]
+    dp = dims.size("dp")
     levels = []
-    if training["optimizer_state_sharding"]:
+    if training.optimizer_state_sharding:
         levels.append(f"optimizer states sharded over dp {dp}")
-    if training["gradient_sharding"]:
+    if training.gradient_sharding:
         levels.append(f"gradients reduce-scattered over dp {dp}")
-    if training["weight_sharding"]:
-        prefetch = training["weight_prefetch_bytes"]
+    if training.weight_sharding:
+        prefetch = training.weight_prefetch_bytes
         levels.append(
             f"weights sharded over dp {dp}, each layer gathered before its forward and again "
             "before its backward, "
@@ -491,7 +505,7 @@ def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> 
     asked = [k for k in switches if getattr(policy, k)]
     if dp == 1 and asked:
         levels.append(f"{', '.join(asked)} asked, but there is no data-parallel axis to shard over")
-    offload = training["optimizer_offload"]
+    offload = training.optimizer_offload
     if offload == "cpu" and cluster.soc.device_type == "cpu":
         offload = "cpu (the devices are the host's CPU: nothing moves)"
     elif offload == "cpu":
@@ -499,18 +513,19 @@ def _explain(training: dict, cluster: ClusterConfig, policy: ParallelOption) -> 
             "cpu (each rank's optimizer states and an fp32 copy of the weights it updates in "
             "host memory; gradients go to the host and updated weights back every step)"
         )
-    pp, micro_batches = training["pipeline_stages"], training["micro_batches"]
-    return {
-        "optimizer": training["optimizer"]["type"],
-        "param_groups": len(training["optimizer"]["param_groups"]),
-        "pipeline": f"{pp} stages, {micro_batches} micro-batches in a 1F1B schedule, gradients "
+    pp, micro_batches = dims.size("pp"), training.micro_batches
+    return TrainingLine(
+        optimizer=training.optimizer["type"],
+        param_groups=len(training.optimizer["param_groups"]),
+        pipeline=f"{pp} stages, {micro_batches} micro-batches in a 1F1B schedule, gradients "
         "summed over them before the update"
         if pp > 1
         else "none",
-        "sharding": levels or ["none: every replica holds whole optimizer states and gradients"],
-        "optimizer_offload": offload,
-        "precision": "float32"
-        if training["compute_dtype"] == "float32"
-        else f"{training['compute_dtype']} compute over fp32 master weights, optimizer states "
+        sharding=tuple(levels)
+        or ("none: every replica holds whole optimizer states and gradients",),
+        optimizer_offload=offload,
+        precision="float32"
+        if training.compute_dtype == "float32"
+        else f"{training.compute_dtype} compute over fp32 master weights, optimizer states "
         "and gradient exchange",
-    }
+    )

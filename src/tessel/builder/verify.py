@@ -18,6 +18,7 @@ import torch
 from tessel.capture import CapturedModel
 from tessel.config.soc import SocProfile, soc_profile
 from tessel.errors import TesselError
+from tessel.package.plan_report import Verified
 from tessel.plan import cost
 from tessel.plan.candidates import node_flops
 from tessel.runtime.inprocess import run_in_process
@@ -75,7 +76,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def check_against_eager(
     package: Any, inputs: list[torch.Tensor], expected: list[torch.Tensor]
-) -> dict:
+) -> Verified:
     """Run `package` on `inputs` and compare with `expected`; raise `VerifyError` on any output
     beyond its tolerance. Returns the figures for the manifest."""
     t = time.perf_counter()
@@ -108,4 +109,4 @@ def check_against_eager(
                 "was not written. Please report this with the model and cluster"
             )
         worst = max(worst, diff / scale)
-    return {"max_relative_diff": worst, "seconds": round(seconds, 3)}
+    return Verified(max_relative_diff=worst, seconds=round(seconds, 3))

@@ -151,18 +151,16 @@ def _tessel_target_kind(path: str) -> str | None:
     from tessel.config.soc import soc_profile
 
     manifest = Package.open(path).manifest
-    if manifest.get("device_type"):
-        return str(manifest["device_type"])
-    soc = manifest.get("soc_version")
-    return soc_profile(soc).device_type if soc else None
+    if manifest.device_type:
+        return manifest.device_type
+    return soc_profile(manifest.soc_version).device_type if manifest.soc_version else None
 
 
 def _tessel_io_counts(path: str) -> tuple[int, int]:
     from tessel.package.format import Package
 
     manifest = Package.open(path).manifest
-    outputs = manifest.get("outputs")
-    return len(manifest.get("inputs", [None])), len(outputs) if outputs else 1
+    return len(manifest.inputs), len(manifest.outputs) if manifest.outputs else 1
 
 
 def model_target_kind(pp: GraphProcessPoint) -> str | None:

@@ -8,17 +8,16 @@ key path. This module needs no torch, so tools that only read a manifest start f
 
 from __future__ import annotations
 
-import builtins
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from functools import cached_property
 from typing import Any
 
 from tessel.config.errors import ConfigError
 from tessel.config.optimizer import spec_from_json
-from tessel.errors import TesselError
+from tessel.package.fields import Field, PackageError, valid_member_name
+from tessel.package.plan_report import PlanReport
 
 FORMAT = "tessel.offline_model"
 FORMAT_VERSION = 2  # 2: a submodel may name tied weights, stored once
@@ -45,114 +44,7 @@ DTYPES = frozenset(
         "float8_e5m2",
     }
 )
-# member names: plain relative paths of safe characters; no "..", no absolute paths, no "\"
-_MEMBER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-class PackageError(TesselError, ValueError):
-    """A package that cannot be used: missing, truncated, altered, or of an unknown version."""
-
-    def __init__(self, path: Any, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-
-
-def valid_member_name(name: str) -> bool:
-    """Whether `name` may name a package member (a relative path without `..` or `\\`)."""
-    return (
-        isinstance(name, str)
-        and len(name) <= 255
-        and _MEMBER.fullmatch(name) is not None
-        and ".." not in name.split("/")
-    )
-
-
-class _Field:
-    """A JSON value at a key path; its accessors check the type and name the path when wrong."""
-
-    def __init__(self, value: Any, key: str, source: str) -> None:
-        self.value, self.key, self.source = value, key, source
-
-    def fail(self, message: str) -> PackageError:
-        where = f"manifest {self.key}" if self.key else "manifest"
-        return PackageError(self.source, f"{where}: {message}")
-
-    def _found(self) -> str:
-        text = repr(self.value)
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    def _expect(self, what: str) -> PackageError:
-        return self.fail(f"expected {what}, found {self._found()}")
-
-    def get(self, key: str, optional: bool = False) -> _Field:
-        obj = self.obj()
-        path = f"{self.key}.{key}" if self.key else key
-        if key not in obj:
-            if optional:
-                return _Field(None, path, self.source)
-            raise self.fail(f"has no {key!r}")
-        return _Field(obj[key], path, self.source)
-
-    def obj(self) -> dict:
-        if not isinstance(self.value, dict):
-            raise self._expect("an object")
-        return self.value
-
-    def only(self, keys: Iterable[str]) -> _Field:
-        """This object, refused if it has a key outside `keys`: the format is closed, so a
-        field this tessel does not know is an error, never silently dropped."""
-        keys = tuple(keys)
-        unknown = sorted(set(self.obj()) - set(keys), key=str)
-        if unknown:
-            raise self.fail(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(keys))}")
-        return self
-
-    def items(self) -> Iterator[tuple[str, _Field]]:
-        for k, v in self.obj().items():
-            yield k, _Field(v, f"{self.key}[{k!r}]", self.source)
-
-    def list(self) -> list[_Field]:
-        if not isinstance(self.value, (list, tuple)):  # tuples: a manifest built in memory
-            raise self._expect("a list")
-        return [_Field(v, f"{self.key}[{i}]", self.source) for i, v in enumerate(self.value)]
-
-    def str(self, choices: Iterable[str] | None = None) -> str:
-        if not isinstance(self.value, str):
-            raise self._expect("a string")
-        if choices is not None:
-            allowed = tuple(choices)
-            if self.value not in allowed:
-                raise self.fail(f"found {self._found()}; allowed: {', '.join(allowed)}")
-        return self.value
-
-    def int(self, low: int | None = 0, high: int | None = None) -> int:
-        # bool is an int in Python but never a count or an index in a manifest
-        if not isinstance(self.value, int) or isinstance(self.value, bool):
-            raise self._expect("an integer")
-        if low is not None and self.value < low:
-            raise self.fail(f"found {self.value}; the least allowed is {low}")
-        if high is not None and self.value > high:
-            raise self.fail(f"found {self.value}; the most allowed is {high}")
-        return self.value
-
-    def number(self) -> float:
-        ok = isinstance(self.value, (int, float)) and not isinstance(self.value, bool)
-        if not ok or not math.isfinite(self.value):
-            raise self._expect("a finite number")
-        return float(self.value)
-
-    # builtins.str: in this class body `str` names the method above
-    def member(self, members: frozenset[builtins.str]) -> builtins.str:
-        name = self.str()
-        if not valid_member_name(name):
-            raise self.fail(f"{name!r} is not a valid member name")
-        if name not in members:
-            raise self.fail(f"names the member {name!r}, which the package does not hold")
-        return name
-
-    def optional(self, read: Callable[[_Field], Any]) -> Any:
-        return None if self.value is None else read(self)
 
 
 @dataclass(frozen=True)
@@ -165,7 +57,7 @@ class TensorSpec:
     high: int | None = None  # integer inputs: `tessel run` draws random values below this
 
     @classmethod
-    def read(cls, f: _Field, named: bool) -> TensorSpec:
+    def read(cls, f: Field, named: bool) -> TensorSpec:
         f.only(("shape", "dtype", "name", "high") if named else ("shape", "dtype", "name"))
         return cls(
             shape=_shape(f.get("shape")),
@@ -194,10 +86,10 @@ class Tie:
     chunks: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
-    def read(cls, f: _Field) -> Tie:
+    def read(cls, f: Field) -> Tie:
         f.only(("source", "chunks"))
         chunks = []
-        for c in f.get("chunks", optional=True).optional(_Field.list) or []:
+        for c in f.get("chunks", optional=True).optional(Field.list) or []:
             parts = c.list()
             if len(parts) != 3:
                 raise c.fail(f"expected [dim, count, index], found {c._found()}")
@@ -226,11 +118,11 @@ class Submodel:
     comm_groups: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def read(cls, f: _Field, rank: int, world: int, members: frozenset[str]) -> Submodel:
+    def read(cls, f: Field, rank: int, world: int, members: frozenset[str]) -> Submodel:
         f.only(x.name for x in fields(cls))
         weights = f.get("weights")
         if isinstance(weights.value, str):  # early version 1 packages named one member
-            weights = _Field([weights.value], weights.key, weights.source)
+            weights = Field([weights.value], weights.key, weights.source)
         groups = []
         for g in f.get("comm_groups").list():
             ranks = tuple(r.int(high=world - 1) for r in g.list())
@@ -272,14 +164,48 @@ class Submodel:
 
 
 @dataclass(frozen=True)
+class Mesh:
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+
+    @classmethod
+    def read(cls, f: Field) -> Mesh:
+        f.only(("shape", "dim_names"))
+        shape = tuple(s.int(low=1) for s in f.get("shape").list())
+        names = tuple(s.str() for s in f.get("dim_names").list())
+        if not shape or len(names) != len(shape):
+            raise f.fail(f"expected one name per mesh dimension, found {f._found()}")
+        return cls(shape, names)
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dim_names": list(self.dim_names)}
+
+    def size(self, axis: str) -> int:
+        """The size of the axis named `axis`; 1 where the mesh has none (one replica, one
+        stage)."""
+        return math.prod(s for s, n in zip(self.shape, self.dim_names) if n == axis)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The ranks of one replica of one stage: the axes other than `pp` and `dp`."""
+        return math.prod(s for s, n in zip(self.shape, self.dim_names) if n not in ("pp", "dp"))
+
+
+# the mesh's sizes as packages of earlier tessels repeated them in `training`
+_MESH_SIZES: dict[str, Callable[[Mesh], int]] = {
+    "data_parallel": lambda mesh: mesh.size("dp"),
+    "tensor_parallel": lambda mesh: mesh.tensor_parallel,
+    "pipeline_stages": lambda mesh: mesh.size("pp"),
+}
+
+
+@dataclass(frozen=True)
 class Training:
     """A training package's step: the optimizer (as data), whose gradient each program output
     after the loss is, and how the data-parallel replicas share gradients and states."""
 
     optimizer: Mapping[str, Any]  # checked where it is built (`tessel.config.optimizer`)
     gradients: tuple[str, ...]
-    data_parallel: int
-    tensor_parallel: int
     optimizer_state_sharding: bool
     gradient_sharding: bool
     weight_sharding: bool
@@ -290,9 +216,8 @@ class Training:
     # what the program computes in; the package's trained weights are its fp32 master copy
     compute_dtype: str
     optimizer_offload: str
-    # ranks are (stage, replica, tensor-parallel rank), outermost first; each step runs this
-    # many micro-batches through the stages and sums their gradients
-    pipeline_stages: int = 1
+    # each step runs this many micro-batches through the pipeline stages (the mesh's `pp`
+    # axis) and sums their gradients
     micro_batches: int = 1
     # each key of the model's state_dict() a checkpoint holds, to the checkpoint name of its
     # value (tied keys as transformers saves them); None in packages built before it was kept
@@ -302,17 +227,16 @@ class Training:
     generation_config: str | None = None
 
     @classmethod
-    def read(cls, f: _Field, world: int, members: frozenset[str] = frozenset()) -> Training:
-        f.only([x.name for x in fields(cls)])
-        dp = f.get("data_parallel").int(low=1)
-        tp = f.get("tensor_parallel").int(low=1)
-        pp = f.get("pipeline_stages", optional=True).optional(lambda v: v.int(low=1)) or 1
+    def read(cls, f: Field, mesh: Mesh, members: frozenset[str] = frozenset()) -> Training:
+        f.only([*(x.name for x in fields(cls)), *_MESH_SIZES])
+        for key, size_of in _MESH_SIZES.items():  # packages of earlier tessels repeat the mesh
+            size = f.get(key, optional=True).optional(lambda v: v.int(low=1))
+            if size is not None and size != size_of(mesh):
+                raise f.get(key).fail(
+                    f"is {size}, but the mesh {list(mesh.shape)} {list(mesh.dim_names)} has "
+                    f"{size_of(mesh)}"
+                )
         micro_batches = f.get("micro_batches", optional=True).optional(lambda v: v.int(low=1))
-        if dp * tp * pp != world:
-            raise f.fail(
-                f"pipeline_stages {pp} x data_parallel {dp} x tensor_parallel {tp} is not the "
-                f"{world} devices"
-            )
         flags = {}
         for key in ("optimizer_state_sharding", "gradient_sharding", "weight_sharding"):
             value = f.get(key).value
@@ -334,19 +258,16 @@ class Training:
             spec_from_json(optimizer.obj(), f.source, gradients)
         except ConfigError as exc:
             key = (exc.key or "").removeprefix("training.")
-            raise _Field(None, f"{f.key}.{key}" if key else f.key, f.source).fail(
+            raise Field(None, f"{f.key}.{key}" if key else f.key, f.source).fail(
                 exc.detail
             ) from None
         return cls(
             optimizer=optimizer.obj(),
             gradients=gradients,
-            data_parallel=dp,
-            tensor_parallel=tp,
             weight_prefetch_bytes=f.get("weight_prefetch_bytes").int(low=0),
             units=units,
             compute_dtype=f.get("compute_dtype").str(("float32", "bfloat16")),
             optimizer_offload=f.get("optimizer_offload").str(("none", "cpu")),
-            pipeline_stages=pp,
             micro_batches=micro_batches or 1,
             state_dict=f.get("state_dict", optional=True).optional(_state_dict),
             model_config=f.get("model_config", optional=True).optional(lambda m: m.member(members)),
@@ -360,8 +281,6 @@ class Training:
         return {
             "optimizer": self.optimizer,
             "gradients": list(self.gradients),
-            "data_parallel": self.data_parallel,
-            "tensor_parallel": self.tensor_parallel,
             "optimizer_state_sharding": self.optimizer_state_sharding,
             "gradient_sharding": self.gradient_sharding,
             "weight_sharding": self.weight_sharding,
@@ -369,7 +288,6 @@ class Training:
             "units": [list(u) for u in self.units],
             "compute_dtype": self.compute_dtype,
             "optimizer_offload": self.optimizer_offload,
-            "pipeline_stages": self.pipeline_stages,
             "micro_batches": self.micro_batches,
             **({"state_dict": dict(self.state_dict)} if self.state_dict is not None else {}),
             **({"model_config": self.model_config} if self.model_config else {}),
@@ -378,29 +296,8 @@ class Training:
 
 
 @dataclass(frozen=True)
-class Mesh:
-    shape: tuple[int, ...]
-    dim_names: tuple[str, ...]
-
-    @classmethod
-    def read(cls, f: _Field) -> Mesh:
-        f.only(("shape", "dim_names"))
-        shape = tuple(s.int(low=1) for s in f.get("shape").list())
-        names = tuple(s.str() for s in f.get("dim_names").list())
-        if not shape or len(names) != len(shape):
-            raise f.fail(f"expected one name per mesh dimension, found {f._found()}")
-        return cls(shape, names)
-
-    def to_json(self) -> dict:
-        return {"shape": list(self.shape), "dim_names": list(self.dim_names)}
-
-
-@dataclass(frozen=True)
-class Manifest(Mapping):
-    """What `manifest.json` records: how the model was built, per-rank submodels, member checksums.
-
-    The object is also a read-only mapping of its JSON form, for code that reads plain keys.
-    """
+class Manifest:
+    """What `manifest.json` records: how the model was built, per-rank submodels, member checksums."""
 
     format_version: int
     tessel_version: str
@@ -417,7 +314,7 @@ class Manifest(Mapping):
     submodels: tuple[Submodel, ...]
     layouts: str
     strategy: str | None  # absent in early version 1 packages
-    plan: Mapping[str, Any]  # the plan explained, for `tessel inspect`
+    plan: PlanReport  # what the build says of its plan, for `tessel inspect`
     timings: Mapping[str, float] = field(default_factory=dict)
     files: Mapping[str, str] = field(default_factory=dict)  # member -> SHA-256
     training: Training | None = None  # a training step's package only
@@ -434,7 +331,7 @@ class Manifest(Mapping):
         `files`, which must then be present (a manifest about to be written has none yet).
         """
         source = str(source)
-        top = _Field(obj, "", source)
+        top = Field(obj, "", source)
         if not isinstance(obj, dict):
             raise PackageError(source, f"manifest: expected an object, found {top._found()}")
         fmt = top.get("format")
@@ -502,11 +399,11 @@ class Manifest(Mapping):
             submodels=tuple(Submodel.read(s, r, world, names) for r, s in enumerate(subs)),
             layouts=top.get("layouts").member(names),
             strategy=top.get("strategy", optional=True).optional(lambda s: s.member(names)),
-            plan=_plan(top.get("plan", optional=True)),
+            plan=PlanReport.read(top.get("plan", optional=True)),
             timings=timings,
             files=files,
             training=top.get("training", optional=True).optional(
-                lambda t: Training.read(t, world, names)
+                lambda t: Training.read(t, mesh, names)
             ),
         )
 
@@ -527,7 +424,7 @@ class Manifest(Mapping):
             "inputs": [i.to_json() for i in self.inputs],
             "submodels": [s.to_json() for s in self.submodels],
             "layouts": self.layouts,
-            "plan": self.plan,
+            "plan": self.plan.to_json(),
             "timings": dict(self.timings),
             "files": dict(self.files),
         }
@@ -562,25 +459,12 @@ class Manifest(Mapping):
             names.update(s.weights)
         return names
 
-    @cached_property
-    def _json(self) -> dict:
-        return self.to_json()
-
-    def __getitem__(self, key: str) -> Any:
-        return self._json[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._json)
-
-    def __len__(self) -> int:
-        return len(self._json)
-
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[:8])
         return f"Manifest({shown}, ...)"
 
 
-def _state_dict(f: _Field) -> dict[str, str]:
+def _state_dict(f: Field) -> dict[str, str]:
     """`training.state_dict`: non-empty key names to non-empty checkpoint names."""
     out = {}
     for key, name in f.items():
@@ -592,106 +476,8 @@ def _state_dict(f: _Field) -> dict[str, str]:
     return out
 
 
-def _shape(f: _Field) -> tuple[int, ...]:
+def _shape(f: Field) -> tuple[int, ...]:
     dims = f.list()
     if len(dims) > 64:
         raise f.fail(f"expected at most 64 dimensions, found {len(dims)}")
     return tuple(d.int(high=1 << 62) for d in dims)
-
-
-def _plan(f: _Field) -> dict:
-    """The plan explanation: free-form, but the parts `tessel inspect` shows have their types.
-
-    Every part may be absent (the report shows what there is), so the plan can grow.
-    """
-    if f.value is None:
-        return {}
-    plan = f.obj()
-
-    def part(parent: _Field, key: str, read: Callable[[_Field], Any]) -> None:
-        value = parent.get(key, optional=True)
-        if value.value is not None:
-            read(value)
-
-    part(f, "estimated_time_s", _Field.number)
-    part(f, "lowered_time_s", _Field.number)
-    part(f, "solver", _Field.obj)
-    part(f, "fallback_ops", _Field.obj)
-    memory = f.get("memory", optional=True)
-    if memory.value is not None:
-        memory.obj()
-        for key in ("device_bytes", "weight_bytes", "peak_bytes", "other_ranks_peak_bytes"):
-            part(memory, key, _Field.int)
-        for peak in memory.get("rank_peak_bytes", optional=True).optional(_Field.list) or ():
-            peak.int()
-    verify = f.get("verify", optional=True)
-    if verify.value is not None:
-        verify.obj()
-        part(verify, "max_relative_diff", _Field.number)
-        part(verify, "seconds", _Field.number)
-        part(verify, "skipped", _Field.str)
-    for choice in f.get("mesh_choices", optional=True).optional(_Field.list) or ():
-        choice.obj()
-        _shape(choice.get("shape"))
-        part(choice, "estimated_time_s", _Field.number)
-        part(choice, "lowered_time_s", _Field.number)
-        part(choice, "internode_bytes", _Field.number)
-        part(choice, "set_aside", _Field.str)
-        part(choice, "preferred", _Field.str)
-    part(f, "micro_batches", _Field.int)
-    for stage in f.get("stages", optional=True).optional(_Field.list) or ():
-        stage.obj()
-        part(stage, "stage", _Field.int)
-        part(stage, "layers", _Field.str)
-        part(stage, "estimated_time_s", _Field.number)
-        part(stage, "weight_bytes", _Field.int)
-        for r in stage.get("ranks", optional=True).optional(_Field.list) or ():
-            r.int()
-    for rp in f.get("replanned", optional=True).optional(_Field.list) or ():
-        rp.obj()
-        for key in ("node", "op", "strategy", "reason"):
-            part(rp, key, _Field.str)
-    for _, params in f.get("layers", optional=True).optional(_Field.items) or ():
-        for _, placements in params.items():
-            for p in placements.list():
-                p.str()
-    for r in f.get("ranks", optional=True).optional(_Field.list) or ():
-        r.obj()
-        part(r, "rank", _Field.int)
-        part(r, "logical_device", _Field.str)
-        part(r, "weight_bytes", _Field.int)
-        part(r, "peak_bytes", _Field.int)
-        for c in r.get("collectives", optional=True).optional(_Field.list) or ():
-            c.obj()
-            part(c, "kind", _Field.str)
-            part(c, "bytes", _Field.int)
-    for fb in f.get("fallbacks", optional=True).optional(_Field.list) or ():
-        fb.obj()
-        part(fb, "op", _Field.str)
-    for _, why in f.get("replicated", optional=True).optional(_Field.items) or ():
-        _replicated(why)
-    return plan
-
-
-# why a weight is replicated on tensor-parallel axes (tessel.plan.why.REASONS)
-REPLICATION_REASONS = (
-    "buffer", "fixed", "unsplittable", "no_rule", "faster", "memory", "tolerance", "skipped"
-)  # fmt: skip
-
-
-def _replicated(f: _Field) -> None:
-    """One weight's reason for being replicated, as `tessel inspect` shows it."""
-    f.obj()
-    f.get("reason").str(REPLICATION_REASONS)
-    f.get("text").str()
-    for axis in f.get("axes").list():
-        axis.str()
-    if f.get("slower_s", optional=True).value is not None:
-        f.get("slower_s").number()
-    for p in f.get("sharded", optional=True).optional(_Field.list) or ():
-        p.str()
-    if f.get("saves_bytes", optional=True).value is not None:
-        f.get("saves_bytes").int(low=None)
-    fits = f.get("sharded_fits", optional=True)
-    if fits.value is not None and not isinstance(fits.value, bool):
-        raise fits.fail(f"expected true or false, found {fits.value!r}")

@@ -329,9 +329,8 @@ class PlannedNetwork:
         self.program, weights = load_rank(package, rank, device, groups)
         self.inputs = manifest.inputs
         # ranks are (replica, tensor-parallel rank): each replica's program takes its rows
-        training = manifest.training
-        self.dp = training.data_parallel
-        self.replica = rank // training.tensor_parallel % self.dp
+        self.dp = manifest.mesh.size("dp")
+        self.replica = rank // manifest.mesh.tensor_parallel % self.dp
         sub = manifest.submodel(rank)
         self.order = list(sub.weight_order)
         self.tied = dict(sub.tied)

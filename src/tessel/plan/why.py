@@ -59,18 +59,6 @@ class Replicated:
     saves_bytes: int | None = None  # weight bytes per device the sharded plan holds fewer
     sharded_fits: bool | None = None  # whether that plan fits the devices' memory
 
-    def to_json(self) -> dict:
-        out: dict = {"reason": self.reason, "axes": list(self.axes), "text": self.text}
-        if self.slower_s is not None:
-            out["slower_s"] = self.slower_s
-        if self.sharded is not None:
-            out["sharded"] = list(self.sharded)
-        if self.saves_bytes is not None:
-            out["saves_bytes"] = self.saves_bytes
-        if self.sharded_fits is not None:
-            out["sharded_fits"] = self.sharded_fits
-        return out
-
 
 def replicated_weights(plan: Plan, time_budget: float = TIME_BUDGET) -> dict[str, Replicated]:
     """Why, by weight FQN, each weight the plan replicates on a tensor-parallel axis of more

@@ -57,8 +57,8 @@ class StepError(RuntimeError):
 def data_parallel_group(manifest: Manifest, rank: int) -> dist.ProcessGroup | None:
     """The group of `rank`'s data-parallel replicas (the ranks of its stage and tensor-parallel
     rank); every group is made on every rank in one order. None: the whole world, or none."""
-    t = manifest.training
-    dp, tp, pp = t.data_parallel, t.tensor_parallel, t.pipeline_stages
+    mesh = manifest.mesh
+    dp, tp, pp = mesh.size("dp"), mesh.tensor_parallel, mesh.size("pp")
     if dp == 1 or not dist.is_initialized():
         return None
     if tp * pp == 1:
@@ -87,7 +87,7 @@ class TrainingStep:
     ) -> None:
         t = manifest.training
         sub: Submodel = manifest.submodel(rank)
-        self.dp, self.tp = t.data_parallel, t.tensor_parallel
+        self.dp, self.tp = manifest.mesh.size("dp"), manifest.mesh.tensor_parallel
         self.replica = rank // self.tp % self.dp
         self.group = group
         # the gradients summed over this many micro-batches and replicas make their mean
@@ -100,7 +100,7 @@ class TrainingStep:
         # a pipeline stage trains the weights it holds; without stages a rank trains them all
         self.names = t.gradients
         units = t.units
-        if t.pipeline_stages > 1:
+        if manifest.mesh.size("pp") > 1:
             self.names = tuple(n for n in t.gradients if n in position)
             units = [kept for u in t.units if (kept := [n for n in u if n in position])]
         missing = [n for n in self.names if n not in position]
