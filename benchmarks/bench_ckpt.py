@@ -359,7 +359,7 @@ def tensor_bytes(d: Path) -> int:
 
 
 def parse_size(s: str) -> int:
-    from tessel.parallel.api import _parse_size
+    from tessel.checkpoint.api import _parse_size
 
     return _parse_size(s)
 

@@ -25,7 +25,18 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "tessel"
 # the package's __init__: the public names, resolved on first use)
 LAYERS: list[set[str]] = [
     # below every stage: the small helpers, and which part of a tensor a rank holds
-    {"errors", "_version", "_torch", "atomic", "dtypes", "forked", "units", "progress", "sharding"},
+    {
+        "errors",
+        "_version",
+        "_torch",
+        "atomic",
+        "arguments",
+        "dtypes",
+        "forked",
+        "units",
+        "progress",
+        "sharding",
+    },
     # the JSON inputs (cluster, policy, ...), and the log level read from them
     {"config", "log_levels"},
     {"capture"},

@@ -8,9 +8,9 @@ import logging
 import os
 import sys
 
+from tessel.checkpoint import cli as ckpt_cli
 from tessel.config.errors import ConfigError
 from tessel.errors import TesselError
-from tessel.parallel import ckpt_cli
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """mindspore.parallel-style API for PyTorch.
 
-Checkpoints: Layout, strategy files and conversion live in tessel.checkpoint; api.py holds the
-mindspore.parallel-compatible functions. Training scripts: AutoParallel (auto_parallel.py, over
+Checkpoints: Layout, strategy files, conversion and the mindspore.parallel-compatible functions
+live in tessel.checkpoint (checkpoint/api.py), re-exported here. Training scripts: AutoParallel (auto_parallel.py, over
 planned.py: tessel's planner on the job's ranks), shard and reshard (annotate.py) and the
 wrappers of tessel.parallel.nn. Names are imported on first use, so the command line can
 register `tessel ckpt` (and read a package's manifest) without importing torch.
@@ -18,17 +18,17 @@ _EXPORTS = {
     "shard": "tessel.parallel.annotate",
     "sync_pipeline_shared_parameters": "tessel.parallel.pipeline",
     "reshard": "tessel.parallel.annotate",
-    "build_searched_strategy": "tessel.parallel.api",
-    "convert_checkpoint_by_rank": "tessel.parallel.api",
-    "convert_checkpoints": "tessel.parallel.api",
-    "load_distributed_checkpoint": "tessel.parallel.api",
-    "load_segmented_checkpoints": "tessel.parallel.api",
-    "merge_pipeline_strategys": "tessel.parallel.api",
-    "parameter_broadcast": "tessel.parallel.api",
-    "rank_list_for_convert": "tessel.parallel.api",
-    "restore_group_info_list": "tessel.parallel.api",
-    "shard_checkpoint": "tessel.parallel.api",
-    "unified_safetensors": "tessel.parallel.api",
+    "build_searched_strategy": "tessel.checkpoint.api",
+    "convert_checkpoint_by_rank": "tessel.checkpoint.api",
+    "convert_checkpoints": "tessel.checkpoint.api",
+    "load_distributed_checkpoint": "tessel.checkpoint.api",
+    "load_segmented_checkpoints": "tessel.checkpoint.api",
+    "merge_pipeline_strategys": "tessel.checkpoint.api",
+    "parameter_broadcast": "tessel.checkpoint.api",
+    "rank_list_for_convert": "tessel.checkpoint.api",
+    "restore_group_info_list": "tessel.checkpoint.api",
+    "shard_checkpoint": "tessel.checkpoint.api",
+    "unified_safetensors": "tessel.checkpoint.api",
     "layout_from_dtensor": "tessel.checkpoint.dtensor",
     "layout_to_dtensor": "tessel.checkpoint.dtensor",
     "layout_to_placements": "tessel.checkpoint.dtensor",

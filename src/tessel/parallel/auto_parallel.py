@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from tessel._torch import tree_flatten, tree_map, tree_unflatten
+from tessel.arguments import integer
 from tessel.atomic import replace_atomically
 from tessel.checkpoint.dtensor import layout_from_dtensor
 from tessel.checkpoint.errors import StrategyError
@@ -45,7 +46,6 @@ from tessel.parallel.annotate import (
     whole,
     world_mesh,
 )
-from tessel.parallel.arguments import integer
 from tessel.parallel.buckets import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import micro_batch_count, regroup_rows

@@ -51,7 +51,7 @@ import json, os, sys, traceback
 from tessel.cli import main
 from tessel.checkpoint import publish
 from tessel.parallel import convert_checkpoint_by_rank
-import tessel.builder.options, tessel.parallel.ckpt_cli, tqdm  # what main() imports
+import tessel.builder.options, tessel.checkpoint.cli, tqdm  # what main() imports
 
 def run(spec):
     fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

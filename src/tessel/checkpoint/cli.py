@@ -124,8 +124,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _unify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from tessel.checkpoint.api import OPTIMIZER_PREFIX, plan_unify, write_unified
     from tessel.checkpoint.errors import CheckpointError
-    from tessel.parallel.api import OPTIMIZER_PREFIX, plan_unify, write_unified
     from tessel.progress import showing
 
     plan = plan_unify(args.src, args.strategy, args.max_shard_size, strategy_arg="--strategy")
@@ -187,7 +187,7 @@ def _shard(args: argparse.Namespace) -> int:
 
 
 def _ranks(args: argparse.Namespace) -> int:
-    from tessel.parallel.api import rank_list_for_convert
+    from tessel.checkpoint.api import rank_list_for_convert
 
     print(
         " ".join(map(str, rank_list_for_convert(args.rank, args.src_strategy, args.dst_strategy)))

@@ -16,6 +16,13 @@ from typing import Any
 
 import torch
 
+from tessel.arguments import (
+    file_prefix,
+    flag,
+    integer,
+    optional_callable,
+    prefixes,
+)
 from tessel.checkpoint.boxes import Box, device_box
 from tessel.checkpoint.convert import execute, execute_file, shape_bytes
 from tessel.checkpoint.errors import CheckpointError, StrategyError
@@ -46,13 +53,6 @@ from tessel.checkpoint.strategy import (
     write_strategy,
 )
 from tessel.dtypes import torch_dtype
-from tessel.parallel.arguments import (
-    file_prefix,
-    flag,
-    integer,
-    optional_callable,
-    prefixes,
-)
 
 Progress = Callable[[int], None] | None
 

@@ -1,4 +1,5 @@
-"""Checks of the arguments `tessel.parallel`'s public functions take: each raises TypeError
+"""Checks of the arguments tessel's `mindspore.parallel`-style functions take (the checkpoint API,
+AutoParallel's settings): each raises TypeError
 for a value of the wrong type and ValueError for one out of range, naming the function and the
 argument, before anything is read or written."""
 
