@@ -1046,7 +1046,7 @@ def test_stages_of_a_plain_network_are_cut_only_by_the_planner(one_rank):
 
 
 def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
-    from tessel.parallel.buckets import fusion_buckets
+    from tessel.runtime.exchange import fusion_buckets
 
     grads = [torch.zeros(2**18) for _ in range(5)]  # 1 MB each
     net = AutoParallel(torch.nn.Linear(2, 2), "recursive_programming")

@@ -46,12 +46,12 @@ from tessel.parallel.annotate import (
     whole,
     world_mesh,
 )
-from tessel.parallel.buckets import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import micro_batch_count, regroup_rows
 from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import PlannedNetwork, broadcast_bytes, planned_package
 from tessel.parallel.stage_cuts import balanced_stage_config, micro_batches_for
+from tessel.runtime.exchange import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.sharding.placements import placement_str
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")

@@ -37,11 +37,11 @@ from torch.distributed.pipelining import (
 )
 
 from tessel._torch import tree_flatten, tree_map
-from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, fusion_buckets
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import _count, _tensor_output
 from tessel.parallel.planned import loss_with_gradients
 from tessel.parallel.replaced import retire
+from tessel.runtime.exchange import DEFAULT_FUSION, InFlight, fusion_buckets
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages

@@ -42,10 +42,10 @@ from torch.distributed.tensor.placement_types import Placement
 from tessel._torch import forget_process_groups, tree_map
 from tessel.forked import Child, ended_how
 from tessel.package.format import Package
-from tessel.parallel.buckets import DEFAULT_FUSION, InFlight, all_reduce_in_buckets, fusion_buckets
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.replaced import replace_parameters
 from tessel.progress import phase
+from tessel.runtime.exchange import DEFAULT_FUSION, InFlight, all_reduce_in_buckets, fusion_buckets
 from tessel.runtime.loader import load_rank
 from tessel.runtime.step_program import gather_weights, hand_over_gradients, made_order
 from tessel.runtime.worker import make_groups

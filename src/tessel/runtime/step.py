@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from tessel._torch import all_gather_single, reduce_scatter_single
+from tessel._torch import all_gather_single
 from tessel.config.optimizer import (
     STEP_NAME,
     make_optimizer,
@@ -39,6 +39,7 @@ from tessel.config.optimizer import (
 )
 from tessel.dtypes import dtype_name, torch_dtype
 from tessel.package.manifest import Manifest, Submodel
+from tessel.runtime.exchange import Exchange
 from tessel.runtime.flat import FlatLayout, Owned
 from tessel.runtime.step_program import gather_weights, hand_over_gradients
 from tessel.sharding.geometry import piece
@@ -188,8 +189,8 @@ class TrainingStep:
         self.grad = torch.zeros(
             layout.segment if self.shard_gradients else layout.total, dtype=dtype, device=device
         )
-        # exchanges started and not yet waited on, with the buffer each reads
-        self.pending: list[tuple[dist.Work, torch.Tensor | None]] = []
+        # the units' exchanges over the replicas, started as the program hands them over
+        self.exchange = Exchange(group)
         self.largest = max(
             (layout.padded(u) * self.grad.element_size() for u in layout.units), default=0
         )
@@ -245,9 +246,9 @@ class TrainingStep:
             if self.dp > 1:
                 dist.all_reduce(loss, group=self.group)
                 loss.div_(self.dp)
-            self._settle(0)
+            self.exchange.wait()
         finally:
-            self.pending.clear()
+            self.exchange.drop()
             self.prefetched.clear()
         if self.parts > 1:
             self.grad.div_(self.parts)
@@ -260,14 +261,14 @@ class TrainingStep:
         u = self.layout.units[unit]
         size = self.layout.padded(u)
         # a unit's buffer is freed once it is exchanged
-        self._settle(_IN_FLIGHT - 1, room=size * self.grad.element_size())
+        self.exchange.settle(
+            _IN_FLIGHT - 1, room=size * self.grad.element_size(), limit=self.largest
+        )
         if not self.shard_gradients:
             target = self.grad[u.start : u.start + size]
             self._fill(target, u.names, grads)
             if self.dp > 1:
-                self.pending.append(
-                    (dist.all_reduce(target, group=self.group, async_op=True), None)
-                )
+                self.exchange.all_reduce(target)
             return
         made = grads[0] if len(grads) == 1 else None
         if made is not None and made.numel() == size and made.dtype == self.grad.dtype:
@@ -275,18 +276,7 @@ class TrainingStep:
         else:
             whole = torch.zeros(size, dtype=self.grad.dtype, device=self.device)
             self._fill(whole, u.names, grads)
-        mine = self.grad[u.segment_start : u.segment_start + u.chunk]
-        work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
-        self.pending.append((work, whole))  # kept until the exchange is done
-
-    def _settle(self, keep: int, room: int = 0) -> None:
-        """Wait for the oldest exchanges until at most `keep` are in flight, and their buffers
-        leave `room` bytes within the largest unit's size."""
-        held = sum(b.nbytes for _, b in self.pending if b is not None)
-        while self.pending and (len(self.pending) > keep or held + room > self.largest):
-            work, buffer = self.pending.pop(0)
-            work.wait()
-            held -= buffer.nbytes if buffer is not None else 0
+        self.exchange.reduce_scatter(self.grad[u.segment_start : u.segment_start + u.chunk], whole)
 
     def _fill(self, target: torch.Tensor, names: Sequence[str], grads) -> None:
         offset = 0
