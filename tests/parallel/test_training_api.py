@@ -22,6 +22,7 @@ from tessel.parallel.nn import (
     Pipeline,
     PipelineGradReducer,
 )
+from tessel.parallel.runners import Batch
 
 STEPS = 5
 LR = 1e-3
@@ -185,7 +186,7 @@ def _four_ranks(rank: int, world: int, folder: str) -> None:
     laid_out.dataset_strategy((grid("dp", "None"), grid("dp", "None")))
     semi_auto["laid_out"] = _steps(laid_out, batches, lambda b: [b.chunk(2)[rank // 2]])
     semi_auto["laid_out_whole"] = torch.equal(
-        laid_out._whole_batch(0, batches[0].chunk(2)[rank // 2]), batches[0]
+        Batch(laid_out.settings).whole_batch(0, batches[0].chunk(2)[rank // 2]), batches[0]
     )
     # with memory to spare the planner weighs data-parallel replicas too
     model, batches = _gpt2()
@@ -1045,6 +1046,18 @@ def test_stages_of_a_plain_network_are_cut_only_by_the_planner(one_rank):
             net.pipeline(stages=2)
 
 
+def test_the_first_call_settles_the_stages_the_network_runs_in(one_rank):
+    """The first call hands the network to the runner its settings ask for; stages asked for
+    after it would be a setting no runner reads, so they are refused."""
+    net = AutoParallel(torch.nn.Linear(2, 2), "semi_auto")
+    out = net(torch.ones(3, 2))
+    assert out.shape == (3, 2)
+    with pytest.raises(ParallelError, match="the first call has chosen how the network runs"):
+        net.pipeline(stages=2)
+    net.pipeline(stages=1)  # as it runs
+    assert net.get_pipeline_stages() == 1
+
+
 def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
     from tessel.runtime.exchange import fusion_buckets
 
@@ -1059,7 +1072,7 @@ def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
     }.items():
         if config is not None:
             net.comm_fusion(config)
-        plans[name] = fusion_buckets(net._fusion, [0, 1, 2, 3, 4], grads)
+        plans[name] = fusion_buckets(net.settings.fusion, [0, 1, 2, 3, 4], grads)
     assert plans["default"] == [[0, 1, 2, 3, 4]]
     assert plans["size"] == [[0, 1], [2, 3], [4]]
     assert plans["index"] == [[0, 1, 2], [3, 4]]
