@@ -12,7 +12,7 @@ from tests.conftest import small_gpt2, small_llama, token_ids
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tessel.builder.pipeline import plan_and_lower
+from tessel.builder.lowering import plan_and_lower
 from tessel.capture import capture
 from tessel.config.cluster import local_cluster
 from tessel.lower.outputs import gather_outputs

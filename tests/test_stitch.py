@@ -12,7 +12,7 @@ from torch import fx, nn
 from torch.distributed.tensor import Shard
 
 import tessel.lower.trace as trace_mod
-from tessel.builder.pipeline import plan_and_lower
+from tessel.builder.lowering import plan_and_lower
 from tessel.capture import capture
 from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluster_dict
 from tessel.lower.stitch import Stitcher, StitchError, _contiguous_runs

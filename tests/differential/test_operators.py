@@ -37,7 +37,7 @@ def _called(captured: CapturedModel) -> set[str]:
         try:
             program = lower_rank(captured, make_plan(captured, cluster, ParallelOption()), 0)
         except NotAsPlanned:  # the build's loop: the strategies DTensor cannot run dropped
-            from tessel.builder.pipeline import plan_and_lower
+            from tessel.builder.lowering import plan_and_lower
 
             program = plan_and_lower(captured, cluster)[1][0]
     except ProgramError as exc:

@@ -15,7 +15,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tessel.builder.pipeline import plan_and_lower
+from tessel.builder.lowering import plan_and_lower
 from tessel.capture import capture, capture_training
 from tessel.config.cluster import cluster_from_dict, local_cluster, local_cluster_dict
 from tessel.config.parallel_option import ParallelOption

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tessel._torch import tree_leaves
-from tessel.builder.lowering import plan_and_lower
+from tessel.builder.fit import Level, fit
 from tessel.builder.mesh_choice import (
     batch_rows,
     choose_mesh,
@@ -26,10 +26,8 @@ from tessel.builder.mesh_choice import (
 )
 from tessel.builder.packing import pack
 from tessel.builder.stages import (
-    StageMemoryError,
     build_stages,
     default_micro_batches,
-    more_memory,
     send_seconds,
     stage_lines,
 )
@@ -53,7 +51,7 @@ from tessel.lower.estimate import program_seconds
 from tessel.lower.program import RankProgram
 from tessel.package.format import BuiltPackage, Manifest, Member, write_package
 from tessel.package.plan_report import MemoryLine, ShapeWeighed, Verified
-from tessel.plan import Plan, PlanError, has_rule
+from tessel.plan import Plan, has_rule
 from tessel.plan.planner import run_seconds
 from tessel.progress import phase
 from tessel.summary import build_summary
@@ -362,63 +360,35 @@ def _fit(
     reuse_layers: bool,
     timings: dict[str, float],
 ) -> _Fitted:
-    """Plan and lower until every rank's program fits its device.
+    """Plan and lower until every rank's program fits its device (`builder/fit.py`); with
+    replicas or stages, every rank's program cut from one replica's. Rank 0 also holds the
+    replicas' outputs: those bytes are kept free from the start."""
+    captured, dims = shape.captured, shape.dims
+    cut = None
+    if shape.dp * shape.pp > 1:
 
-    A stage holds about 1/pp of the weights: the model is planned on its devices with pp times
-    their memory, then less where a stage overflows its devices (bisecting between the most
-    memory that overflows and the least that leaves no plan). With replicas and no stages,
-    rank 0 also holds the other replicas' outputs: what it overflows by is kept free."""
-    captured, dims, dp, pp = shape.captured, shape.dims, shape.dp, shape.pp
-    plan_cluster = cluster if graph_parallel else local_cluster(1, soc_version)
-    if dp * pp > 1:
-        plan_cluster = first_devices(cluster, dims.size("tp"))
-    scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
-    reserve = gathered_bytes(captured, dp, shape.micro_batches)  # rank 0 joins the outputs
-    first, lowered = shape.plan, shape.programs  # the first try lowers what `auto` weighed
-    while True:
-        try:
-            plan, programs = plan_and_lower(
-                captured,
-                more_memory(plan_cluster, scale) if pp > 1 else plan_cluster,
-                policy,
-                time_limit=time_limit,
-                reuse_layers=reuse_layers,
-                timings=timings,
-                reserve=reserve,
-                first=first,
-                lowered=lowered,
+        def cut(plan: Plan, programs: list[RankProgram]) -> Any:
+            return build_stages(
+                captured, plan, programs, cluster, dims, shape.micro_batches, policy.source
             )
-        except PlanError:
-            if overflows is None or overflows - scale < 0.02:
-                raise
-            no_plan, scale = scale, (scale + overflows) / 2
-            continue
-        finally:
-            first, lowered = None, None  # a second try plans anew
-        if pp * dp == 1:
-            return _Fitted(plan, programs)
-        t = time.perf_counter()
-        try:
-            with phase("making every rank's stage program"):
-                staged, stages = build_stages(
-                    captured, plan, programs, cluster, dims, shape.micro_batches, policy.source
-                )
-        except StageMemoryError as exc:
-            if pp == 1:
-                tries += 1
-                if tries > 3:
-                    raise
-                reserve += exc.needed - exc.limit
-                continue
-            if scale - no_plan < 0.02:
-                raise
-            overflows = scale
-            scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
-            log.info("a stage overflows its devices: planning with %.2fx their memory", scale)
-            continue
-        finally:
-            timings["stages"] = timings.get("stages", 0.0) + time.perf_counter() - t
-        return _Fitted(plan, [sp.program for sp in staged], staged, stages)
+
+    fitted = fit(
+        captured,
+        cluster if graph_parallel else local_cluster(1, soc_version),
+        policy,
+        dims,
+        [Level(reserve=gathered_bytes(captured, shape.dp, shape.micro_batches))],
+        cut=cut,
+        time_limit=time_limit,
+        reuse_layers=reuse_layers,
+        timings=timings,
+        first=shape.plan,  # the plan `auto` weighed, and its programs where it lowered them
+        lowered=shape.programs,
+    )
+    if fitted.cut is None:
+        return _Fitted(fitted.plan, fitted.programs)
+    staged, stages = fitted.cut
+    return _Fitted(fitted.plan, [sp.program for sp in staged], staged, stages)
 
 
 def _pack(

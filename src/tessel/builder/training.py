@@ -19,19 +19,19 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from tessel.builder.lowering import plan_and_lower
+from tessel.builder.fit import Level, fit
 from tessel.builder.mesh_choice import batch_rows, first_devices, replica_batch
 from tessel.builder.model_record import CONFIG_MEMBER, GENERATION_CONFIG_MEMBER, model_record
 from tessel.builder.packing import pack
 from tessel.builder.stages import (
     build_training_stages,
     default_micro_batches,
-    more_memory,
     stage_lines,
 )
 from tessel.capture import capture_training
@@ -49,11 +49,11 @@ from tessel.config.optimizer import (
 )
 from tessel.config.parallel_option import ParallelOption
 from tessel.dtypes import dtype_name
-from tessel.lower.program import move_groups
+from tessel.lower.program import RankProgram, move_groups
 from tessel.lower.trace import weight_inputs
 from tessel.package.manifest import Manifest, TensorSpec, Training
 from tessel.package.plan_report import MemoryLine, TrainingLine, Verified
-from tessel.plan import PlanError, cost, has_rule
+from tessel.plan import Plan, cost, has_rule
 from tessel.plan.planner import device_rates, run_seconds
 from tessel.progress import phase
 from tessel.sharding.placements import local_shard_shape
@@ -74,13 +74,53 @@ def build_training(
     time_limit: float,
     param_dtype: torch.dtype | str | None = None,
 ) -> tuple[Manifest, dict, dict[str, float]]:
-    """The manifest, members and timings of a training package (see the module docstring)."""
+    """The manifest, members and timings of a training package (see the module docstring):
+    the build's own recipe, check, capture, fit, pack, for a training step."""
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    step = _check(model, args, kwargs, optimizer, cluster, policy, param_dtype)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    captured = _capture(model, args, kwargs, step, policy)
+    timings["capture"] = time.perf_counter() - t
+    fitted = _fit(model, captured, step, cluster, policy, time_limit, timings)
+    t = time.perf_counter()
+    manifest, members = _pack(model, captured, step, fitted, cluster, policy, soc_version)
+    timings["pack"] = time.perf_counter() - t
+    return manifest, members, timings
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What the checks settle before a training step is captured: its mesh, its optimizer as
+    data, the weights it trains, the dtype it computes in, and the micro-batches a stage
+    runs."""
+
+    dims: ParallelDims
+    spec: OptimizerSpec
+    trainable: tuple[str, ...]
+    own_dtype: torch.dtype  # the model's weights'
+    compute: torch.dtype  # what the program computes in
+    micro_batches: int
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != torch.float32
+
+
+def _check(
+    model: Any,
+    args: tuple,
+    kwargs: dict,
+    optimizer: Any,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    param_dtype: torch.dtype | str | None,
+) -> _Step:
+    """Refuse what a training step cannot take; settle what the later phases read."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             "model", None, f"a training step needs an nn.Module, found {type(model).__name__}"
         )
-    dims = parallel_dims(cluster, policy)
-    dp, tp, pp = dims.size("dp"), dims.size("tp"), dims.size("pp")
     if policy.model_weight_prefetch and not policy.model_weight_sharding:
         raise ConfigError(
             policy.source,
@@ -88,90 +128,155 @@ def build_training(
             "fetches sharded weights ahead, but model_weight_sharding is off; turn both on, or "
             "prefetch off",
         )
+    dims = parallel_dims(cluster, policy)
+    dp, pp = dims.size("dp"), dims.size("pp")
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
     own_dtype = _dtype_of(model)
-    compute = _compute_dtype(own_dtype, param_dtype)
     names = {id(p): n for n, p in model.named_parameters()}
-    spec = optimizer_spec(optimizer, names, trainable)
-
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-    args, kwargs = split_inputs(example_inputs, example_kwargs)
     # the rows a step takes: the policy's global batch, or the example's
     rows = policy.global_batch_size or batch_rows(args, kwargs)
     micro_batches = 1
     if pp > 1:
         micro_batches = policy.micro_batch_num or default_micro_batches(pp, rows // dp)
+    return _Step(
+        dims,
+        optimizer_spec(optimizer, names, trainable),
+        trainable,
+        own_dtype,
+        _compute_dtype(own_dtype, param_dtype),
+        micro_batches,
+    )
+
+
+def _capture(
+    model: torch.nn.Module, args: tuple, kwargs: dict, step: _Step, policy: ParallelOption
+) -> Any:
+    """The step of one replica's micro-batch, captured in the dtype it computes in."""
+    dp, micro_batches = step.dims.size("dp"), step.micro_batches
     split = (
         replica_batch(args, kwargs, dp, policy.source, micro_batches, policy.global_batch_size)
         if dp * micro_batches > 1 or policy.global_batch_size is not None
         else (args, kwargs)
     )
-    # the package holds fp32 master weights; the program computes in `compute`
-    fp32: dict[int, torch.Tensor] = {}
-    master = {  # a tied weight's names share one tensor, as the model's do
-        n: fp32.setdefault(id(p), p.detach().float())
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if p.requires_grad
-    }
-    mixed = compute != torch.float32
-    traced = copy.deepcopy(model).to(compute) if own_dtype != compute else model
+    traced = copy.deepcopy(model).to(step.compute) if step.own_dtype != step.compute else model
     with phase("capturing the training step"):
-        captured = capture_training(traced, *split, keep=has_rule)
-    del traced
-    timings["capture"] = time.perf_counter() - t
+        return capture_training(traced, *split, keep=has_rule)
 
+
+@dataclass
+class _Fitted:
+    """The plan of one replica's step that fits, its programs (or, with stages, every rank's
+    stage program), the sharding level that fits and the levels weighed to find it."""
+
+    plan: Plan
+    programs: list[RankProgram]
+    level: Sharding
+    weighed: list[str]
+    gradients: tuple[str, ...]
+    auto: bool
+    staged: list | None = None
+    weight_stage: dict[str, int] = field(default_factory=dict)
+    stages: Any = None
+
+
+def _fit(
+    model: torch.nn.Module,
+    captured: Any,
+    step: _Step,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    time_limit: float,
+    timings: dict[str, float],
+) -> _Fitted:
+    """The least sharding level among those the policy allows (`_sharding_choices`) whose
+    plan fits the devices (`builder/fit.py`), each level's weight bytes counted for the memory
+    model; with stages, every rank's stage program cut from one replica's."""
+    dp, pp = step.dims.size("dp"), step.dims.size("pp")
     # offloaded optimizer states live in host memory, not on the devices
     offloaded = policy.optimizer_offload is not None and cluster.soc.device_type != "cpu"
     # the sharding levels asked for, or (auto, the policy silent) the least that fits
     choices = _sharding_choices(policy, dp)
     auto = len(choices) > 1
-    weighed: list[str] = []
-    ratio = 4 / compute.itemsize  # fp32 bytes per byte the program reads
+    ratio = 4 / step.compute.itemsize  # fp32 bytes per byte the program reads
     # gathered units are held beside the program's own values: the largest, whole (an upper
     # bound: tensor parallelism may shard it), and as much again fetched ahead
     size = dict(model.named_parameters())
     largest_unit = max(
-        (sum(size[n].numel() * compute.itemsize for n in u) for u in weight_units(trainable)),
+        (
+            sum(size[n].numel() * step.compute.itemsize for n in u)
+            for u in weight_units(step.trainable)
+        ),
         default=0,
     )
     gradients = captured_gradients(captured)
-    staged, weight_stage, stages = None, {}, None
-    for i, level in enumerate(choices):
+    graph = captured.program.graph_module.graph
+
+    def holding(level: Sharding) -> Callable[[], None]:
         # per byte of a weight as the program reads it: the fp32 master (and its compute copy,
         # mixed precision without weight sharding) and the optimizer's fp32 states
+        states = 0 if offloaded else step.spec.state_per_weight * ratio
         held = (
             ratio / (dp if level.weights else 1)
-            + (1 if mixed and not level.weights else 0)
-            + (0 if offloaded else spec.state_per_weight * ratio / (dp if level.states else 1))
+            + (1 if step.mixed and not level.weights else 0)
+            + states / (dp if level.states else 1)
         )
-        mark_gradients(captured.program.graph_module.graph, GradientOutputs(gradients, held))
-        try:
-            plan, programs = plan_and_lower(
+        return lambda: mark_gradients(graph, GradientOutputs(gradients, held))
+
+    levels = [
+        Level(level.name, _gathered_reserve(level, largest_unit, policy, auto), holding(level))
+        for level in choices
+    ]
+    cut = None
+    if pp > 1:  # a stage's program holds its micro-batches' activations: it must fit
+
+        def cut(plan: Plan, programs: list[RankProgram]) -> Any:
+            return build_training_stages(
                 captured,
-                # one stage holds about 1/pp of what the whole step holds
-                more_memory(first_devices(cluster, tp), pp) if dp * pp > 1 else cluster,
-                policy,
-                time_limit=time_limit,
-                reuse_layers=True,
-                timings=timings,
-                reserve=_gathered_reserve(level, largest_unit, policy, auto),
+                plan,
+                programs,
+                cluster,
+                step.dims,
+                gradients,
+                step.micro_batches,
+                policy.source,
             )
-            if pp > 1:  # a stage's program holds its micro-batches' activations: it must fit
-                t = time.perf_counter()
-                staged, weight_stage, stages = build_training_stages(
-                    captured, plan, programs, cluster, dims, gradients, micro_batches, policy.source
-                )
-                timings["stages"] = time.perf_counter() - t
-            break
-        except PlanError as exc:
-            if i == len(choices) - 1:
-                raise
-            weighed.append(f"{level.name}: does not fit ({exc})")
-            log.info("training step with %s does not fit; trying more sharding", level.name)
+
+    fitted = fit(
+        captured,
+        cluster,
+        policy,
+        step.dims,
+        levels,
+        cut=cut,
+        time_limit=time_limit,
+        reuse_layers=True,
+        timings=timings,
+    )
+    level = choices[levels.index(fitted.level)]
+    weighed = fitted.weighed
     if auto:
         weighed.append(f"{level.name}: chosen, the least sharding that fits")
-    t = time.perf_counter()
+    out = _Fitted(fitted.plan, fitted.programs, level, weighed, gradients, auto)
+    if fitted.cut is not None:
+        out.staged, out.weight_stage, out.stages = fitted.cut
+    return out
+
+
+def _pack(
+    model: torch.nn.Module,
+    captured: Any,
+    step: _Step,
+    fitted: _Fitted,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    soc_version: str,
+) -> tuple[Manifest, dict]:
+    """The package of the fitted step: every rank's program, the fp32 master weights, the
+    optimizer's states laid out like their weights, the model's own files, and the step's
+    account (its sharding, its stages, its estimated time)."""
+    dims, spec, level, plan = step.dims, step.spec, fitted.level, fitted.plan
+    dp, tp, pp = dims.size("dp"), dims.size("tp"), dims.size("pp")
+    staged, stages = fitted.staged, fitted.stages
     if staged is not None:
         every = [sp.program for sp in staged]
     else:  # replica d runs the first replica's programs on ranks d*tp ..., groups moved there
@@ -183,12 +288,21 @@ def build_training(
                 program=move_groups(rp.program, lambda q, base=rank - rank % tp: q + base),
             )
             for rank in range(cluster.world_size)
-            for rp in (programs[rank % tp],)
+            for rp in (fitted.programs[rank % tp],)
         ]
-    units = weight_units(gradients)
+    units = weight_units(fitted.gradients)
     prefetch = 0
-    if _prefetches(level, policy, auto):
+    if _prefetches(level, policy, fitted.auto):
         prefetch = _prefetch_bytes(policy, _largest_gathered_unit(captured, plan, units, dp, tp))
+    # the package holds fp32 master weights; the program computes in `step.compute`
+    master = None
+    if step.mixed:
+        fp32: dict[int, torch.Tensor] = {}
+        master = {  # a tied weight's names share one tensor, as the model's do
+            n: fp32.setdefault(id(p), p.detach().float())
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if p.requires_grad
+        }
     manifest, members = pack(
         captured,
         plan,
@@ -199,11 +313,11 @@ def build_training(
         dp,
         staged=staged,
         pp=pp,
-        micro_batches=micro_batches,
-        stored=master if mixed else None,
+        micro_batches=step.micro_batches,
+        stored=master,
     )
     members["strategy.json"] = _with_optimizer_states(
-        members["strategy.json"], spec, weight_stage, pp
+        members["strategy.json"], spec, fitted.weight_stage, pp
     )
     record = model_record(model, json.loads(members["strategy.json"])["params"])
     config_files = {}
@@ -215,15 +329,15 @@ def build_training(
             members[member] = config_files[member] = data
     training = Training(
         optimizer=spec.to_json(),
-        gradients=tuple(gradients),
+        gradients=tuple(fitted.gradients),
         optimizer_state_sharding=level.states,
         gradient_sharding=level.gradients,
         weight_sharding=level.weights,
         weight_prefetch_bytes=prefetch,
         units=tuple(map(tuple, units)),
-        compute_dtype=dtype_name(compute),
+        compute_dtype=dtype_name(step.compute),
         optimizer_offload=policy.optimizer_offload or "none",
-        micro_batches=micro_batches,
+        micro_batches=step.micro_batches,
         state_dict=record.state_dict,
         model_config=CONFIG_MEMBER if CONFIG_MEMBER in config_files else None,
         generation_config=GENERATION_CONFIG_MEMBER
@@ -232,16 +346,18 @@ def build_training(
     )
     account = replace(
         manifest.plan,
-        training=replace(_explain(training, dims, cluster, policy), levels_weighed=tuple(weighed)),
+        training=replace(
+            _explain(training, dims, cluster, policy), levels_weighed=tuple(fitted.weighed)
+        ),
         verify=Verified(
             skipped="a training step changes the weights; tests check steps against torch"
         ),
     )
-    if stages is not None:
+    if staged is not None:
         account = replace(
             account,
             stages=stage_lines(stages, staged),
-            micro_batches=micro_batches,
+            micro_batches=step.micro_batches,
             memory=MemoryLine(  # what the stages' programs hold
                 weight_bytes=max(sp.program.weight_bytes for sp in staged),
                 peak_bytes=max(sp.program.peak_bytes for sp in staged),
@@ -264,8 +380,7 @@ def build_training(
         training=training,
         plan=replace(account, estimated_time_s=seconds),
     )
-    timings["pack"] = time.perf_counter() - t
-    return manifest, members, timings
+    return manifest, members
 
 
 def _with_optimizer_states(

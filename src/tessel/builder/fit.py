@@ -1,0 +1,160 @@
+"""Plan and lower until every rank's program fits its device: the one fitting loop of every
+build (inference and training alike), its policies given as data.
+
+A build offers `Level`s, tried in order until one fits: an inference build has one, a training
+step one per sharding level it may take (`builder/training.py`), each saying what the memory
+model counts per weight and what the build keeps free beside the programs. Within a level:
+
+- the model is planned and lowered (`plan_and_lower`, which re-plans a program that overflows
+  its device);
+- with replicas or stages, `cut` makes every rank's program from one replica's; a stage holds
+  about 1/pp of the weights, so the model is planned on its devices with pp times their
+  memory, then with less where a stage overflows (bisecting between the most memory that
+  overflows and the least that leaves no plan); with replicas and no stages, what a cut
+  program overflows by is kept free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessel.builder.lowering import plan_and_lower
+from tessel.builder.mesh_choice import first_devices
+from tessel.builder.stages import StageMemoryError, more_memory
+from tessel.capture import CapturedModel
+from tessel.config.cluster import ClusterConfig
+from tessel.config.mesh import ParallelDims
+from tessel.config.parallel_option import ParallelOption
+from tessel.lower.trace import RankProgram
+from tessel.plan import Plan, PlanError
+from tessel.progress import phase
+
+log = logging.getLogger(__name__)
+
+# a cut of one replica's programs into every rank's: what it returns is the build's to read
+Cut = Callable[[Plan, list[RankProgram]], Any]
+
+
+@dataclass(frozen=True)
+class Level:
+    """One way to hold the model, tried in order: its name in the plan's report, what to do
+    before planning with it (a training step marks the bytes each weight holds), and the
+    bytes kept free beside the programs."""
+
+    name: str = ""
+    reserve: int = 0
+    prepare: Callable[[], None] | None = None
+
+
+@dataclass
+class Fitted:
+    """The plan that fits and its programs, what `cut` made of them, the level that fits and
+    why each level before it did not."""
+
+    plan: Plan
+    programs: list[RankProgram]
+    level: Level
+    cut: Any = None  # what `cut` returned, where the build has one
+    weighed: list[str] = field(default_factory=list)
+
+
+def fit(
+    captured: CapturedModel,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    dims: ParallelDims,
+    levels: Sequence[Level],
+    *,
+    cut: Cut | None = None,
+    time_limit: float,
+    reuse_layers: bool,
+    timings: dict[str, float],
+    first: Plan | None = None,
+    lowered: list[RankProgram] | None = None,
+) -> Fitted:
+    """The first of `levels` whose plan fits `cluster` (planned on one replica's devices
+    where `dims` has replicas or stages), with every rank's program cut where `cut` is given.
+    `first` (and its `lowered` programs) is a plan already made for the first level."""
+    weighed: list[str] = []
+    for i, level in enumerate(levels):
+        if level.prepare is not None:
+            level.prepare()
+        try:
+            fitted = _fit_level(
+                captured, cluster, policy, dims, level, cut, time_limit, reuse_layers, timings,
+                first, lowered,
+            )  # fmt: skip
+        except PlanError as exc:
+            if i == len(levels) - 1:
+                raise
+            weighed.append(f"{level.name}: does not fit ({exc})")
+            log.info("%s does not fit; trying the next level", level.name)
+            continue
+        finally:
+            first, lowered = None, None  # a later level plans anew
+        fitted.weighed = weighed
+        return fitted
+    raise ValueError("fit: no level to try")
+
+
+def _fit_level(
+    captured: CapturedModel,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    dims: ParallelDims,
+    level: Level,
+    cut: Cut | None,
+    time_limit: float,
+    reuse_layers: bool,
+    timings: dict[str, float],
+    first: Plan | None,
+    lowered: list[RankProgram] | None,
+) -> Fitted:
+    dp, pp = dims.size("dp"), dims.size("pp")
+    plan_cluster = first_devices(cluster, dims.size("tp")) if dp * pp > 1 else cluster
+    reserve = level.reserve
+    scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
+    while True:
+        try:
+            plan, programs = plan_and_lower(
+                captured,
+                more_memory(plan_cluster, scale) if pp > 1 else plan_cluster,
+                policy,
+                time_limit=time_limit,
+                reuse_layers=reuse_layers,
+                timings=timings,
+                reserve=reserve,
+                first=first,
+                lowered=lowered,
+            )
+        except PlanError:
+            if overflows is None or overflows - scale < 0.02:
+                raise
+            no_plan, scale = scale, (scale + overflows) / 2
+            continue
+        finally:
+            first, lowered = None, None  # a second try plans anew
+        if cut is None:
+            return Fitted(plan, programs, level)
+        t = time.perf_counter()
+        try:
+            with phase("making every rank's stage program"):
+                return Fitted(plan, programs, level, cut(plan, programs))
+        except StageMemoryError as exc:
+            if pp == 1:
+                tries += 1
+                if tries > 3:
+                    raise
+                reserve += exc.needed - exc.limit
+                continue
+            if scale - no_plan < 0.02:
+                raise
+            overflows = scale
+            scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
+            log.info("a stage overflows its devices: planning with %.2fx their memory", scale)
+        finally:
+            timings["stages"] = timings.get("stages", 0.0) + time.perf_counter() - t
