@@ -1056,6 +1056,29 @@ def test_the_first_call_settles_the_stages_the_network_runs_in(one_rank):
         net.pipeline(stages=2)
     net.pipeline(stages=1)  # as it runs
     assert net.get_pipeline_stages() == 1
+    # what only planning reads is refused once the network runs, never recorded and ignored
+    with pytest.raises(ParallelError, match="hsdp: the first call has run the network"):
+        net.hsdp()
+    with pytest.raises(ParallelError, match="load_param_strategy_file: the first call has"):
+        net.load_param_strategy_file("strategy.json")
+    net.comm_fusion({"openstate": False})  # semi_auto reads it on every call
+    assert net.settings.fusion == ("each", None)
+
+
+class _SquaredLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).pow(2).mean()
+
+
+def test_a_planned_network_refuses_the_fusion_its_program_was_planned_without(one_rank):
+    net = AutoParallel(_SquaredLoss(), "recursive_programming")
+    net(torch.ones(2, 4)).backward()
+    with pytest.raises(ParallelError, match="comm_fusion: the first call has run the network"):
+        net.comm_fusion({"openstate": False})
 
 
 def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):

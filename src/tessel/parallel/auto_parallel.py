@@ -139,6 +139,7 @@ class AutoParallel(torch.nn.Module):
         splits over one device-matrix dim of all ranks, or is a dp x tp matrix whose dp splits
         nothing (its size becomes the plan's replica count), as AutoParallel's plans save."""
         path = _path_argument("load_param_strategy_file", file_path)
+        self._refuse_once_planned("load_param_strategy_file")
         if self.parallel_mode == "semi_auto":
             raise ParallelError(
                 "load_param_strategy_file: semi_auto runs the network's own `shard` "
@@ -164,6 +165,14 @@ class AutoParallel(torch.nn.Module):
         self._group_save = path
         if self._placed:
             self._save_groups()
+
+    def _refuse_once_planned(self, method: str) -> None:
+        """A setting the first call reads when it plans or cuts the network: later, it would
+        be recorded and never read."""
+        if self._runner is not None:
+            raise ParallelError(
+                f"{method}: the first call has run the network already; call {method} before it"
+            )
 
     def _refuse_for_stages(self, method: str, stages: int | None = None) -> None:
         """Strategy and group files with pipeline stages (`stages`, or those set)."""
@@ -231,6 +240,7 @@ class AutoParallel(torch.nn.Module):
         tensor-parallel ranks a gradient leaves the program whole, and is sliced); level3: as
         level2, and the program gathers each such weight just before the nodes that read it,
         in the forward pass and again in the backward, freeing it between."""
+        self._refuse_once_planned("hsdp")
         if self.parallel_mode == "semi_auto":
             raise ParallelError(
                 "hsdp: semi_auto runs the network's `shard` annotations and keeps every other "
@@ -375,6 +385,8 @@ class AutoParallel(torch.nn.Module):
                 f"comm_fusion: allreduce index config must be a list of parameter indices, "
                 f"found {value!r}"
             )
+        if isinstance(self._runner, PlannedRunner):
+            self._refuse_once_planned("comm_fusion")  # its units are in the planned program
         if not openstate:
             self.settings.fusion = ("each", None)  # every gradient alone
         elif mode == "auto":
