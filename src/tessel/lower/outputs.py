@@ -25,12 +25,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tessel._torch import C10D_FUNCTIONAL
 from tessel.dtypes import dtype_name, torch_dtype
+from tessel.lower.nodes import Node, ProgramNodes, call, contiguous_copy, output, ref
 from tessel.lower.program import OutputLayout, ProgramError, RankProgram, decode_graph, groups_in
 from tessel.plan.memory import program_peak_bytes
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
 
 _PERMUTE = "aten.permute.default"
-_CLONE = "aten.clone.default"
 _GATHER = f"{C10D_FUNCTIONAL}.all_to_all_single.default"
 _WAIT = f"{C10D_FUNCTIONAL}.wait_tensor.default"
 
@@ -64,14 +64,13 @@ def gather_outputs(rp: RankProgram, rank: int, mesh_shape: tuple[int, ...]) -> R
     what it is left with (its shard, or an empty tensor once it has sent its rows)."""
     if rp.output_layouts is None:
         return rp
-    nodes = [dict(n) for n in rp.program["nodes"]]
-    output = nodes.pop()
-    args = output["args"]
+    program = ProgramNodes.read(rp.program)
+    args = program.output.args
     if not isinstance(args, list) or len(args) != len(rp.output_layouts):
         raise ProgramError("the program's outputs do not match the layouts recorded for them")
     shapes = dict(rp.shapes)
     gathered: dict[str, str] = {}
-    tail: list[dict] = []
+    tail: list[Node] = []
     new_args = []
     for i, (arg, layout) in enumerate(zip(args, rp.output_layouts)):
         name = arg.get("$node") if isinstance(arg, dict) else None
@@ -82,11 +81,11 @@ def gather_outputs(rp: RankProgram, rank: int, mesh_shape: tuple[int, ...]) -> R
             gathered[name] = _gather(
                 name, f"output{i}_to_first", layout, mesh_shape, rank, shapes, tail
             )
-        new_args.append({"$node": gathered[name]})
+        new_args.append(ref(gathered[name]))
     if not tail:
         return replace(rp, output_layouts=None)
-    nodes += [*tail, {**output, "args": new_args}]
-    return replace(rp, program={**rp.program, "nodes": nodes}, shapes=shapes, output_layouts=None)
+    gathering = program.program([*program.nodes, *tail, output(new_args)])
+    return replace(rp, program=gathering, shapes=shapes, output_layouts=None)
 
 
 def _gather(
@@ -96,7 +95,7 @@ def _gather(
     mesh_shape: tuple[int, ...],
     rank: int,
     shapes: dict,
-    tail: list[dict],
+    tail: list[Node],
 ) -> str:
     """Append the nodes gathering output `name` to `tail`; the name of what rank returns."""
     contiguous = layout.contiguous
@@ -110,19 +109,12 @@ def _gather(
         if dim != 0:
             sent = f"{base}_leading"
             shapes[sent] = ([shape[d] for d in order], layout.dtype)
-            tail.append(_call(sent, _PERMUTE, [{"$node": current}, order]))
+            tail.append(call(sent, _PERMUTE, [ref(current), order]))
             contiguous = False
         if not contiguous:
             copy = f"{base}_send"
             shapes[copy] = shapes[sent]
-            tail.append(
-                _call(
-                    copy,
-                    _CLONE,
-                    [{"$node": sent}],
-                    {"memory_format": {"$memory_format": "contiguous_format"}},
-                )
-            )
+            tail.append(contiguous_copy(copy, sent))
             sent = copy
         n = len(step.group)
         into = step.sizes if step.me == 0 else [0] * n
@@ -130,22 +122,17 @@ def _gather(
         rows = sum(into)
         received = [rows, *shapes[sent][0][1:]]
         shapes[f"{base}_recv"] = shapes[f"{base}_buf"] = (received, layout.dtype)
-        tail.append(
-            _call(f"{base}_buf", _GATHER, [{"$node": sent}, into, out_from, {"$group": step.group}])
-        )
-        tail.append(_call(f"{base}_recv", _WAIT, [{"$node": f"{base}_buf"}]))
+        group = {"$group": step.group}
+        tail.append(call(f"{base}_buf", _GATHER, [ref(sent), into, out_from, group]))
+        tail.append(call(f"{base}_recv", _WAIT, [ref(f"{base}_buf")]))
         current, contiguous = f"{base}_recv", True
         if dim != 0:
             inverse = sorted(range(ndim), key=order.__getitem__)
             current = f"{base}_whole"
             shapes[current] = ([received[d] for d in inverse], layout.dtype)
-            tail.append(_call(current, _PERMUTE, [{"$node": f"{base}_recv"}, inverse]))
+            tail.append(call(current, _PERMUTE, [ref(f"{base}_recv"), inverse]))
             contiguous = False
     return current
-
-
-def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:
-    return {"op": "call", "name": name, "target": target, "args": args, "kwargs": kwargs or {}}
 
 
 def measured(rp: RankProgram, weight_inputs: int) -> RankProgram:

@@ -22,19 +22,20 @@ Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from tessel._torch import C10D_FUNCTIONAL
 from tessel.errors import TesselError
-from tessel.lower.program import RankProgram, node_refs, tensor_bytes
+from tessel.lower.nodes import Node, ProgramNodes, call, contiguous_copy, output, ref, renamed
+from tessel.lower.program import RankProgram, tensor_bytes
 
 _SLICE = "aten.slice.Tensor"
 _ZEROS = "aten.zeros.default"
 _CAT = "aten.cat.default"
 _BROADCAST = f"{C10D_FUNCTIONAL}.broadcast.default"
 _GATHER = f"{C10D_FUNCTIONAL}.all_to_all_single.default"
-_CLONE = "aten.clone.default"
 _WAIT = f"{C10D_FUNCTIONAL}.wait_tensor.default"
 
 
@@ -88,40 +89,26 @@ def stage_programs(
     return out  # type: ignore[return-value]
 
 
-def _sub(value: Any, names: dict[str, str], ranks: Any = None) -> Any:
-    """`value` with node names renamed and, given `ranks`, collective groups moved."""
-    if isinstance(value, list):
-        return [_sub(v, names, ranks) for v in value]
-    if isinstance(value, dict):
-        if "$node" in value:
-            return {"$node": names.get(value["$node"], value["$node"])}
-        if "$group" in value and ranks is not None:
-            return {"$group": sorted(ranks(r) for r in value["$group"])}
-        return {k: _sub(v, names, ranks) for k, v in value.items()}
-    return value
-
-
-def _call(name: str, target: str, args: list, kwargs: dict | None = None) -> dict:
-    return {"op": "call", "name": name, "target": target, "args": args, "kwargs": kwargs or {}}
-
-
 def latest_allowed(
-    calls: list[dict], readers: dict[str, list[str]], earliest: dict[str, int], fixed: set[str]
+    calls: Sequence[Node],
+    readers: Mapping[str, list[str]],
+    earliest: dict[str, int],
+    fixed: set[str],
 ) -> dict[str, int]:
     """Each call node's place: its `earliest` where it is `fixed`, unread, or joins several
     values (one value crosses, not both), else as late as its readers allow; a tuple and the
     pieces taken from it share the place of the first piece read."""
     pieces: dict[str, list[str]] = {}  # a tuple-valued node -> the getitems reading it
     for n in calls:
-        if n["target"] == "getitem":
-            pieces.setdefault(n["args"][0]["$node"], []).append(n["name"])
+        if n.target == "getitem":
+            pieces.setdefault(n.reads[0], []).append(n.name)
     place: dict[str, int] = {}
     for n in reversed(calls):
-        name = n["name"]
+        name = n.name
         later = [place[r] for r in readers[name] if r not in pieces.get(name, ())]
         if name in pieces:
             later = [place[g] for g in pieces[name]]
-        joins = len({a for a in node_refs([n["args"], n["kwargs"]]) if a in earliest}) > 1
+        joins = len({a for a in n.reads if a in earliest}) > 1
         if name in fixed or not later or joins:
             place[name] = earliest[name]
         else:
@@ -131,7 +118,87 @@ def latest_allowed(
     return place
 
 
-class _Cut:
+class StageCut:
+    """One tensor-parallel rank's program read for cutting into stages: its weight inputs
+    (named by `weights`, in order), its `user_inputs` model inputs, constants, calls and
+    output, as typed nodes."""
+
+    def __init__(
+        self, rp: RankProgram, weights: Sequence[str], user_inputs: int, split: Split
+    ) -> None:
+        self.rp, self.split = rp, split
+        self.nodes = ProgramNodes.read(rp.program)
+        inputs = self.nodes.inputs
+        if len(inputs) != len(weights) + user_inputs:
+            raise StageError(
+                f"the program takes {len(inputs)} inputs; {len(weights)} weights and "
+                f"{user_inputs} model inputs were expected"
+            )
+        self.weight_nodes = inputs[: len(weights)]
+        self.user_nodes = inputs[len(weights) :]
+        self.fqn = {n.name: fqn for n, fqn in zip(self.weight_nodes, weights)}
+        self.constants = self.nodes.constants
+        self.calls = self.nodes.calls
+        self.output = self.nodes.output
+        self.order = {n.name: i for i, n in enumerate(self.calls)}
+
+    def rows(self, body: list[Node], shapes: dict, parts: int, first: int) -> dict[str, list[str]]:
+        """Each model input's node per micro-batch: the input cut into `parts` parts of the
+        programs' rows along its first dimension, micro-batch `k` taking part `first + k`."""
+        split = self.split
+        rows_of: dict[str, list[str]] = {}
+        for u in self.user_nodes:
+            name = u.name
+            if parts == 1:
+                rows_of[name] = [name]
+                continue
+            shape, dtype = shapes[name]
+            if not shape or shape[0] != split.rows:
+                cutters = (
+                    "micro-batches"
+                    if parts == split.micro_batches
+                    else "micro-batches and replicas"
+                )
+                raise StageError(
+                    f"model input {name!r} of shape {shape} has no batch dimension of "
+                    f"{split.rows} rows first; {cutters} split every input along its first "
+                    "dimension"
+                )
+            rows_of[name] = []
+            for k in range(split.micro_batches):
+                start = (first + k) * split.rows
+                new = f"{name}__rows{k}"
+                shapes[new] = (shape, dtype)
+                body.append(call(new, _SLICE, [ref(name), 0, start, start + split.rows, 1]))
+                rows_of[name].append(new)
+        return rows_of
+
+    def staged(
+        self,
+        stage: int,
+        weights: Sequence[Node],
+        body: list[Node],
+        returned: Any,
+        shapes: dict,
+        sent: int,
+    ) -> StagedProgram:
+        """Stage `stage`'s program: `weights`, the model inputs, the constants it reads, `body`,
+        then the output returning `returned`."""
+        last = output(returned)
+        reads = {a for n in (*body, last) for a in n.reads}
+        constants = [c for c in self.constants if c.name in reads]
+        program = self.nodes.program([*weights, *self.user_nodes, *constants, *body, last])
+        used = {c.name for c in constants}
+        rp = replace(
+            self.rp,
+            program=program,
+            shapes=shapes,
+            constants={k: v for k, v in self.rp.constants.items() if k in used},
+        )
+        return StagedProgram(rp, [self.fqn[w.name] for w in weights], stage, sent)
+
+
+class _Cut(StageCut):
     """One tensor-parallel rank's program, each node assigned its stage."""
 
     def __init__(
@@ -142,21 +209,8 @@ class _Cut:
         user_inputs: int,
         split: Split,
     ) -> None:
-        self.rp, self.split = rp, split
-        nodes = rp.program["nodes"]
-        inputs = [n for n in nodes if n["op"] == "input"]
-        if len(inputs) != len(weights) + user_inputs:
-            raise StageError(
-                f"the program takes {len(inputs)} inputs; {len(weights)} weights and "
-                f"{user_inputs} model inputs were expected"
-            )
-        self.weight_nodes = inputs[: len(weights)]
-        self.user_nodes = inputs[len(weights) :]
-        self.fqn = {n["name"]: fqn for n, fqn in zip(self.weight_nodes, weights)}
-        self.constants = [n for n in nodes if n["op"] == "constant"]
-        self.calls = [n for n in nodes if n["op"] == "call"]
-        self.order = {n["name"]: i for i, n in enumerate(self.calls)}
-        self.output = nodes[-1]
+        super().__init__(rp, weights, user_inputs, split)
+        self.target = {n.name: n.target for n in self.calls}
         self.stage = self._assign(weight_stage)
 
     def _assign(self, weight_stage: dict[str, int]) -> dict[str, int]:
@@ -168,32 +222,30 @@ class _Cut:
         earliest: dict[str, int] = {}
         pinned: set[str] = set()
         of_weights: set[str] = set()  # nodes computed from weights (and constants) alone
-        constants = {c["name"] for c in self.constants}
-        readers: dict[str, list[str]] = {n["name"]: [] for n in self.calls}
+        constants = {c.name for c in self.constants}
         for n in self.calls:
-            name, stage, args = n["name"], 0, node_refs([n["args"], n["kwargs"]])
+            name, stage, args = n.name, 0, n.reads
             for a in args:
                 if a in self.fqn:
                     stage = max(stage, weight_stage[self.fqn[a]])
                     pinned.add(name)
                 elif a in earliest:
                     stage = max(stage, earliest[a])
-                    readers[a].append(name)
                     if a in of_weights:
                         pinned.add(name)
             if args and all(a in self.fqn or a in of_weights or a in constants for a in args):
                 if any(a in self.fqn or a in of_weights for a in args):
                     of_weights.add(name)
             earliest[name] = min(stage, pp - 1)
-        returned = set(node_refs(self.output["args"]))
-        stage = latest_allowed(self.calls, readers, earliest, pinned | returned)
+        returned = set(self.output.reads)
+        stage = latest_allowed(self.calls, self.nodes.readers, earliest, pinned | returned)
         for n in self.calls:
-            for a in node_refs([n["args"], n["kwargs"]]):
-                if a in stage and stage[a] > stage[n["name"]]:
-                    raise StageError(f"{n['name']} runs on a stage before {a}, which it reads")
-                if a in stage and stage[a] != stage[n["name"]] and a not in self.rp.shapes:
+            for a in n.reads:
+                if a in stage and stage[a] > stage[n.name]:
+                    raise StageError(f"{n.name} runs on a stage before {a}, which it reads")
+                if a in stage and stage[a] != stage[n.name] and a not in self.rp.shapes:
                     raise StageError(
-                        f"{n['name']} on stage {stage[n['name']]} reads {a}, which is not a "
+                        f"{n.name} on stage {stage[n.name]} reads {a}, which is not a "
                         f"tensor, from stage {stage[a]}: pipeline stages can pass only tensors"
                     )
         return stage
@@ -201,93 +253,51 @@ class _Cut:
     def program(self, s: int, d: int, t: int) -> StagedProgram:
         split = self.split
         shapes = dict(self.rp.shapes)
-        mine = [n for n in self.calls if self.stage[n["name"]] == s]
-        reads = [a for n in mine for a in node_refs([n["args"], n["kwargs"]])]
-        weights = [n for n in self.weight_nodes if n["name"] in reads]
-        constants = [n for n in self.constants if n["name"] in reads]
+        mine = [n for n in self.calls if self.stage[n.name] == s]
+        reads = {a for n in mine for a in n.reads}
+        weights = [n for n in self.weight_nodes if n.name in reads]
         received = sorted(
             {a for a in reads if a in self.stage and self.stage[a] < s},
             key=lambda a: (self.stage[a], self.order[a]),
         )
         sends: dict[str, list[int]] = {}
         for n in self.calls:
-            for a in node_refs([n["args"], n["kwargs"]]):
-                if a in self.stage and self.stage[a] == s and self.stage[n["name"]] > s:
+            for a in n.reads:
+                if a in self.stage and self.stage[a] == s and self.stage[n.name] > s:
                     targets = sends.setdefault(a, [])
-                    if self.stage[n["name"]] not in targets:
-                        targets.append(self.stage[n["name"]])
+                    if self.stage[n.name] not in targets:
+                        targets.append(self.stage[n.name])
 
         def tp_rank(r: int) -> int:
             return split.rank(s, d, r)
 
         transfers = _Transfers(split.rank(s, d, t), shapes)
-        body: list[dict] = []
-        rows_of = self._rows(d, body, shapes)
-        for k in range(split.micro_batches):
-            names = {u["name"]: rows_of[u["name"]][k] for u in self.user_nodes}
+        body: list[Node] = []
+        m = split.micro_batches
+        rows_of = self.rows(body, shapes, m * split.dp, d * m)
+        for k in range(m):
+            names = {u.name: rows_of[u.name][k] for u in self.user_nodes}
             for a in received:
                 names[a] = f"{a}__mb{k}"
                 body += transfers.recv(a, names[a], split.rank(self.stage[a], d, t))
-            waits: list[dict] = []
+            waits: list[Node] = []
             for n in mine:
-                new = f"{n['name']}__mb{k}"
-                names[n["name"]] = new
-                if n["name"] in shapes:
-                    shapes[new] = shapes[n["name"]]
-                body.append(
-                    {
-                        **n,
-                        "name": new,
-                        "args": _sub(n["args"], names, tp_rank),
-                        "kwargs": _sub(n["kwargs"], names, tp_rank),
-                    }
-                )
-                for target in sends.get(n["name"], ()):
+                new = f"{n.name}__mb{k}"
+                names[n.name] = new
+                if n.name in shapes:
+                    shapes[new] = shapes[n.name]
+                body.append(n.renamed(new, names, tp_rank))
+                for target in sends.get(n.name, ()):
                     body.append(transfers.send(new, split.rank(target, d, t), waits))
             body += waits
-        body += self._outputs(s, d, t, shapes, transfers)
-        output = {**self.output, "args": body.pop()["args"]}
-        program = {
-            **self.rp.program,
-            "nodes": [*weights, *self.user_nodes, *constants, *body, output],
-        }
-        used = {c["name"] for c in constants}
-        rp = replace(
-            self.rp,
-            program=program,
-            shapes=shapes,
-            constants={k: v for k, v in self.rp.constants.items() if k in used},
-        )
-        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, transfers.sent)
+        returned = self._outputs(s, d, t, shapes, transfers, body)
+        return self.staged(s, weights, body, returned, shapes, transfers.sent)
 
-    def _rows(self, d: int, body: list[dict], shapes: dict) -> dict[str, list[str]]:
-        """Each model input's node per micro-batch: its rows of replica `d`'s share."""
-        split = self.split
-        parts = split.micro_batches * split.dp
-        rows_of: dict[str, list[str]] = {}
-        for u in self.user_nodes:
-            name = u["name"]
-            if parts == 1:
-                rows_of[name] = [name]
-                continue
-            shape, dtype = shapes[name]
-            if not shape or shape[0] != split.rows:
-                raise StageError(
-                    f"model input {name!r} of shape {shape} has no batch dimension of "
-                    f"{split.rows} rows first; micro-batches and replicas split every input "
-                    "along its first dimension"
-                )
-            rows_of[name] = []
-            for k in range(split.micro_batches):
-                start = (d * split.micro_batches + k) * split.rows
-                new = f"{name}__rows{k}"
-                shapes[new] = (shape, dtype)
-                body.append(_call(new, _SLICE, [{"$node": name}, 0, start, start + split.rows, 1]))
-                rows_of[name].append(new)
-        return rows_of
-
-    def _outputs(self, s: int, d: int, t: int, shapes: dict, transfers: _Transfers) -> list[dict]:
-        """Nodes that bring the outputs to rank 0; the last is the output node's arguments.
+    def _outputs(
+        self, s: int, d: int, t: int, shapes: dict, transfers: _Transfers, body: list[Node]
+    ) -> list:
+        """Append to `body` the nodes that bring the outputs to rank 0; returns what this
+        rank's program returns (nothing, but on rank 0).
 
         The first rank of a stage holds the outputs whole, so only tensor-parallel rank 0 of
         each stage-replica sends or receives them: a later stage sends its outputs to the first
@@ -295,26 +305,26 @@ class _Cut:
         rows to rank 0 (`_replicas_to_first`)."""
         split = self.split
         m = split.micro_batches
-        returned = list(dict.fromkeys(a for a in node_refs(self.output["args"]) if a in self.stage))
+        returned = list(dict.fromkeys(a for a in self.output.reads if a in self.stage))
         if t > 0:
-            return [{"args": []}]
-        waits: list[dict] = []
+            return []
+        waits: list[Node] = []
         if s > 0:
-            nodes = [
+            body += [
                 transfers.send(f"{a}__mb{k}", split.rank(0, d, 0), waits, forward=False)
                 for k in range(m)
                 for a in returned
                 if self.stage[a] == s
             ]
-            return [*nodes, *waits, {"args": []}]
-        nodes: list[dict] = []
+            body += waits
+            return []
         parts: dict[str, list[str]] = {}
         for k in range(m):
             for a in returned:
                 name = f"{a}__mb{k}"
                 if self.stage[a] != 0:
                     source = split.rank(self.stage[a], d, 0)
-                    nodes += transfers.recv(a, f"{name}_out", source)
+                    body += transfers.recv(a, f"{name}_out", source)
                     name = f"{name}_out"
                 parts.setdefault(a, []).append(name)
         whole: dict[str, str] = {}
@@ -330,39 +340,38 @@ class _Cut:
             if m > 1:
                 name = f"{a}__batches"
                 shapes[name] = ([m * shape[0], *shape[1:]], dtype)
-                nodes.append(_call(name, _CAT, [[{"$node": p} for p in parts[a]], 0]))
+                body.append(call(name, _CAT, [[ref(p) for p in parts[a]], 0]))
             if split.dp > 1:
-                name = self._replicas_to_first(a, name, d, shapes, nodes)
+                name = self._replicas_to_first(a, name, d, shapes, body)
             whole[a] = name
         if d > 0:
-            return [*nodes, *waits, {"args": []}]
-        return [*nodes, {"args": _sub(self.output["args"], whole)}]
+            body += waits
+            return []
+        return renamed(self.output.args, whole)
 
-    def _replicas_to_first(self, a: str, name: str, d: int, shapes: dict, nodes: list) -> str:
-        """Append to `nodes` the gather of output `a`'s rows (`name`, on replica `d`'s first
+    def _replicas_to_first(self, a: str, name: str, d: int, shapes: dict, body: list) -> str:
+        """Append to `body` the gather of output `a`'s rows (`name`, on replica `d`'s first
         rank) to rank 0: one `all_to_all_single` over the replicas' first ranks in which each
         sends its rows to rank 0 alone, and rank 0 receives every replica's rows, in order, into
         the one buffer it returns. Returns the name of what this rank holds after it."""
         split = self.split
         shape, dtype = shapes[name]
         rows = shape[0]
-        producer = next((n["target"] for n in self.calls if n["name"] == a), None)
         received = split.micro_batches > 1 or self.stage[a] != 0  # joined or received whole
-        if not received and producer not in (_WAIT, _CAT):
+        if not received and self.target.get(a) not in (_WAIT, _CAT):
             # the collective sends contiguous rows: a view (a gathered output with its
             # dimensions put back in order) is copied first
             sent = f"{a}__rows_sent"
             shapes[sent] = (shape, dtype)
-            contiguous = {"memory_format": {"$memory_format": "contiguous_format"}}
-            nodes.append(_call(sent, _CLONE, [{"$node": name}], contiguous))
+            body.append(contiguous_copy(sent, name))
             name = sent
         into = [rows] * split.dp if d == 0 else [0] * split.dp
         sent_rows = [rows if r == 0 else 0 for r in range(split.dp)]
         group = {"$group": [split.rank(0, r, 0) for r in range(split.dp)]}
         buf, out = f"{a}__replicas_buf", f"{a}__replicas"
         shapes[buf] = shapes[out] = ([sum(into), *shape[1:]], dtype)
-        nodes.append(_call(buf, _GATHER, [{"$node": name}, into, sent_rows, group]))
-        nodes.append(_call(out, _WAIT, [{"$node": buf}]))
+        body.append(call(buf, _GATHER, [ref(name), into, sent_rows, group]))
+        body.append(call(out, _WAIT, [ref(buf)]))
         return out
 
 
@@ -380,28 +389,28 @@ class _Transfers:
         listed = [sender, self.me if sender == peer else peer] if self.directed else ranks
         return {"$group": listed}, ranks.index(self.me), ranks.index(peer)
 
-    def recv(self, value: str, new: str, source: int) -> list[dict]:
+    def recv(self, value: str, new: str, source: int) -> list[Node]:
         """Nodes receiving `value` (shaped as this rank's own) from `source` as `new`."""
         shape, dtype = self.shapes[value]
         group, _, src = self._pair(source, source)
         self.shapes[f"{new}_buf"] = self.shapes[f"{new}_recv"] = self.shapes[new] = (shape, dtype)
         return [
-            _call(
-                f"{new}_buf",
-                _ZEROS,
-                [shape],
-                {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
-            ),
-            _call(f"{new}_recv", _BROADCAST, [{"$node": f"{new}_buf"}, src, group]),
-            _call(new, _WAIT, [{"$node": f"{new}_recv"}]),
+            zeros(f"{new}_buf", shape, dtype),
+            call(f"{new}_recv", _BROADCAST, [ref(f"{new}_buf"), src, group]),
+            call(new, _WAIT, [ref(f"{new}_recv")]),
         ]
 
-    def send(self, value: str, target: int, waits: list[dict], forward: bool = True) -> dict:
+    def send(self, value: str, target: int, waits: list[Node], forward: bool = True) -> Node:
         """The node sending `value` to `target`; its wait goes into `waits`."""
         group, me, _ = self._pair(target, self.me)
         name = f"{value}_to{target}"
         self.shapes[name] = self.shapes[value]
         if forward:
             self.sent += tensor_bytes(*self.shapes[value])
-        waits.append(_call(f"{name}_done", _WAIT, [{"$node": name}]))
-        return _call(name, _BROADCAST, [{"$node": value}, me, group])
+        waits.append(call(f"{name}_done", _WAIT, [ref(name)]))
+        return call(name, _BROADCAST, [ref(value), me, group])
+
+
+def zeros(name: str, shape: list[int], dtype: str) -> Node:
+    """A call making a tensor of zeros of `shape` and `dtype` (a name as programs write it)."""
+    return call(name, _ZEROS, [shape], {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}})

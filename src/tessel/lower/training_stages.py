@@ -31,19 +31,18 @@ Rank `(s, d, t)` is `s * dp * tp + d * tp + t`, as for inference.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from tessel.lower.program import RankProgram, node_refs
+from tessel.lower.nodes import Node, call, ref
+from tessel.lower.program import RankProgram
 from tessel.lower.stages import (
-    _SLICE,
-    _ZEROS,
     Split,
+    StageCut,
     StagedProgram,
     StageError,
-    _call,
-    _sub,
     _Transfers,
     latest_allowed,
+    zeros,
 )
 
 _ADD = "aten.add.Tensor"
@@ -92,7 +91,7 @@ class _Send:
     target: int  # the receiving stage
 
 
-class _TrainingCut:
+class _TrainingCut(StageCut):
     """One tensor-parallel rank's joint program, each node given its position."""
 
     def __init__(
@@ -104,22 +103,9 @@ class _TrainingCut:
         user_inputs: int,
         split: Split,
     ) -> None:
-        self.rp, self.split = rp, split
-        nodes = rp.program["nodes"]
-        inputs = [n for n in nodes if n["op"] == "input"]
-        if len(inputs) != len(weights) + user_inputs:
-            raise StageError(
-                f"the program takes {len(inputs)} inputs; {len(weights)} weights and "
-                f"{user_inputs} model inputs were expected"
-            )
-        self.weight_nodes = inputs[: len(weights)]
-        self.user_nodes = inputs[len(weights) :]
-        self.fqn = {n["name"]: fqn for n, fqn in zip(self.weight_nodes, weights)}
+        super().__init__(rp, weights, user_inputs, split)
         self.weight_stage = {n: weight_stage[fqn] for n, fqn in self.fqn.items()}
-        self.constants = [n for n in nodes if n["op"] == "constant"]
-        self.calls = [n for n in nodes if n["op"] == "call"]
-        self.output = nodes[-1]
-        returned = self.output["args"]
+        returned = self.output.args
         if len(returned) != 1 + len(gradients) or not all(
             isinstance(a, dict) and "$node" in a for a in returned
         ):
@@ -127,8 +113,7 @@ class _TrainingCut:
                 f"a training program returns the loss and {len(gradients)} gradients, each a "
                 "value it computes"
             )
-        self.loss = returned[0]["$node"]
-        self.gradients = [a["$node"] for a in returned[1:]]
+        self.loss, *self.gradients = self.output.reads
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
         self.pos = self._assign()
         # what each stage sends, in the order it sends it: the same for every replica and rank
@@ -149,19 +134,15 @@ class _TrainingCut:
     def _assign(self) -> dict[str, int]:
         """Each call node's position (see the module docstring)."""
         p = self.split.pp
-        constants = {c["name"] for c in self.constants}
+        constants = {c.name for c in self.constants}
         earliest: dict[str, int] = {}
         made_of_weights: dict[str, int] = {}  # node -> the stage of the weights it is made of
         pinned: set[str] = set()
-        readers: dict[str, list[str]] = {n["name"]: [] for n in self.calls}
         for n in self.calls:
-            name, args = n["name"], node_refs([n["args"], n["kwargs"]])
+            name, args = n.name, n.reads
             stages = [self.weight_stage[a] for a in args if a in self.weight_stage]
             stages += [made_of_weights[a] for a in args if a in made_of_weights]
             others = [earliest[a] for a in args if a in earliest and a not in made_of_weights]
-            for a in args:
-                if a in readers:
-                    readers[a].append(name)
             e = max(others, default=-1)
             if not stages:
                 earliest[name] = max(e, 0)
@@ -180,17 +161,18 @@ class _TrainingCut:
                 earliest[name] = self._b(w) if self.stage_of(e) >= w else e
             if made:  # runs where it is read: the weight is sent there once, not this per batch
                 made_of_weights[name] = w
-        pos = latest_allowed(self.calls, readers, earliest, pinned | {self.loss, *self.gradients})
+        fixed = pinned | {self.loss, *self.gradients}
+        pos = latest_allowed(self.calls, self.nodes.readers, earliest, fixed)
         for n in self.calls:
-            for a in node_refs([n["args"], n["kwargs"]]):
+            for a in n.reads:
                 where = pos.get(a, self._f(self.weight_stage.get(a, 0)))
                 if a in pos or a in self.weight_stage:
-                    if where > pos[n["name"]]:
-                        raise StageError(f"{n['name']} runs before {a}, which it reads")
-                    crosses = self.stage_of(where) != self.stage_of(pos[n["name"]])
+                    if where > pos[n.name]:
+                        raise StageError(f"{n.name} runs before {a}, which it reads")
+                    crosses = self.stage_of(where) != self.stage_of(pos[n.name])
                     if crosses and a not in self.rp.shapes:
                         raise StageError(
-                            f"{n['name']} reads {a}, which is not a tensor, from another "
+                            f"{n.name} reads {a}, which is not a tensor, from another "
                             "stage: pipeline stages can pass only tensors"
                         )
         for value, stage in zip(self.gradients, self.gradient_stage):
@@ -213,10 +195,10 @@ class _TrainingCut:
         (gradients returned by `s` are read at its backward position)."""
         first: dict[str, int] = {}
         for n in self.calls:
-            where = self.pos[n["name"]]
+            where = self.pos[n.name]
             if self.stage_of(where) != s:
                 continue
-            for a in node_refs([n["args"], n["kwargs"]]):
+            for a in n.reads:
                 if (a in self.pos or a in self.weight_stage) and self.stage_of(
                     self._position(a)
                 ) != s:
@@ -245,8 +227,8 @@ class _TrainingCut:
                     for q in targets.get(w, ())
                 ]
             for n in self.calls:
-                if self.pos[n["name"]] == here:
-                    sends += [_Send(n["name"], k, q) for q in targets.get(n["name"], ())]
+                if self.pos[n.name] == here:
+                    sends += [_Send(n.name, k, q) for q in targets.get(n.name, ())]
         loss_stage = self.stage_of(self._position(self.loss))
         if s == loss_stage and s != 0:
             sends.append(_Send(_LOSS, -1, 0))
@@ -267,13 +249,13 @@ class _TrainingCut:
 
         loss_stage = self.stage_of(self._position(self.loss))
         shapes[_LOSS] = self.rp.shapes[self.loss]
-        body: list[dict] = []
-        rows_of = self._rows(body, shapes)
+        body: list[Node] = []
+        rows_of = self.rows(body, shapes, split.micro_batches, 0)
 
         # every receive posted first, each channel's in its sender's order
         transfers = _Transfers(me, shapes, directed=True)
         received: dict[tuple[str, int], str] = {}  # (value, micro-batch or -1) -> node
-        waits: dict[str, dict] = {}  # received node -> its wait, placed where first read
+        waits: dict[str, Node] = {}  # received node -> its wait, placed where first read
         for q in range(p):
             for send in self.sends[q] if q != s else ():
                 if send.target != s:
@@ -288,7 +270,7 @@ class _TrainingCut:
         for x in self.sends[s]:
             targets.setdefault((x.value, x.micro_batch), []).append(x.target)
 
-        def send(value: str, node: str, k: int, pending: list[dict]) -> None:
+        def send(value: str, node: str, k: int, pending: list[Node]) -> None:
             for q in targets.get((value, k), ()):
                 body.append(transfers.send(node, rank_of(q), pending))
 
@@ -297,15 +279,15 @@ class _TrainingCut:
                 body.append(waits.pop(node))
             return node
 
-        weights = [w for w in self.weight_nodes if self.weight_stage[w["name"]] == s]
+        weights = [w for w in self.weight_nodes if self.weight_stage[w.name] == s]
         accumulated: dict[int, str] = {}  # gradient output index -> its running sum's node
         loss_sum = ""
         for phase, k in schedule_1f1b(p, s, split.micro_batches):
             here = self._f(s) if phase == "F" else self._b(s)
-            pending: list[dict] = []
+            pending: list[Node] = []
             if phase == "F" and k == 0:
                 for w in weights:
-                    send(w["name"], w["name"], -1, pending)
+                    send(w.name, w.name, -1, pending)
 
             def name_of(a: str, k: int = k) -> str:
                 if a in self.weight_stage:
@@ -321,22 +303,14 @@ class _TrainingCut:
                 return a  # a constant
 
             for n in self.calls:
-                if self.pos[n["name"]] != here:
+                if self.pos[n.name] != here:
                     continue
-                args = node_refs([n["args"], n["kwargs"]])
-                names = {a: name_of(a) for a in args}
-                new = f"{n['name']}__mb{k}"
-                if n["name"] in shapes:
-                    shapes[new] = shapes[n["name"]]
-                body.append(
-                    {
-                        **n,
-                        "name": new,
-                        "args": _sub(n["args"], names, tp_rank),
-                        "kwargs": _sub(n["kwargs"], names, tp_rank),
-                    }
-                )
-                send(n["name"], new, k, pending)
+                names = {a: name_of(a) for a in n.reads}
+                new = f"{n.name}__mb{k}"
+                if n.name in shapes:
+                    shapes[new] = shapes[n.name]
+                body.append(n.renamed(new, names, tp_rank))
+                send(n.name, new, k, pending)
             if s == loss_stage and self._position(self.loss) == here:
                 loss_sum = self._accumulate(body, shapes, loss_sum, name_of(self.loss), k)
             if phase == "B":
@@ -354,83 +328,31 @@ class _TrainingCut:
             if split.micro_batches > 1:
                 loss = f"{_LOSS}__mean"
                 shapes[loss] = shapes[_LOSS]
-                body.append(_call(loss, _DIV, [{"$node": loss_sum}, split.micro_batches]))
+                body.append(call(loss, _DIV, [ref(loss_sum), split.micro_batches]))
             send(_LOSS, loss, -1, pending)  # to the first stage, unless this is it
         elif s == 0:
             loss = wait_for(received[(_LOSS, -1)])
         else:  # a middle stage returns no loss of its own
             loss = f"{_LOSS}__none"
             shapes[loss] = shapes[_LOSS]
-            shape, dtype = shapes[_LOSS]
-            body.append(
-                _call(
-                    loss,
-                    _ZEROS,
-                    [shape],
-                    {"dtype": {"$dtype": dtype}, "device": {"$device": "cpu"}},
-                )
-            )
+            body.append(zeros(loss, *shapes[_LOSS]))
         body += pending
         if waits:
             raise StageError(f"rank {me} receives {sorted(waits)[0]} but never reads it")
-        outputs = [{"$node": loss}] + [
-            {"$node": accumulated[i]} for i, stage in enumerate(self.gradient_stage) if stage == s
+        outputs = [ref(loss)] + [
+            ref(accumulated[i]) for i, stage in enumerate(self.gradient_stage) if stage == s
         ]
-        reads = {a for n in body for a in node_refs([n["args"], n["kwargs"]])}
-        constants = [c for c in self.constants if c["name"] in reads]
-        program = {
-            **self.rp.program,
-            "nodes": [
-                *weights,
-                *self.user_nodes,
-                *constants,
-                *body,
-                {**self.output, "args": outputs},
-            ],
-        }
-        used = {c["name"] for c in constants}
-        rp = replace(
-            self.rp,
-            program=program,
-            shapes=shapes,
-            constants={k: v for k, v in self.rp.constants.items() if k in used},
-        )
-        return StagedProgram(rp, [self.fqn[w["name"]] for w in weights], s, transfers.sent)
+        return self.staged(s, weights, body, outputs, shapes, transfers.sent)
 
     @staticmethod
-    def _accumulate(body: list[dict], shapes: dict, total: str, value: str, k: int) -> str:
+    def _accumulate(body: list[Node], shapes: dict, total: str, value: str, k: int) -> str:
         """The running sum over micro-batches `total` (empty before the first) plus `value`."""
         if not total:
             return value
         new = f"{value}__sum{k}"
         shapes[new] = shapes.get(value, shapes.get(total))
-        body.append(_call(new, _ADD, [{"$node": total}, {"$node": value}]))
+        body.append(call(new, _ADD, [ref(total), ref(value)]))
         return new
-
-    def _rows(self, body: list[dict], shapes: dict) -> dict[str, list[str]]:
-        """Each model input's node per micro-batch: its rows of the replica's share."""
-        split = self.split
-        rows_of: dict[str, list[str]] = {}
-        for u in self.user_nodes:
-            name = u["name"]
-            if split.micro_batches == 1:
-                rows_of[name] = [name]
-                continue
-            shape, dtype = shapes[name]
-            if not shape or shape[0] != split.rows:
-                raise StageError(
-                    f"model input {name!r} of shape {shape} has no batch dimension of "
-                    f"{split.rows} rows first; micro-batches split every input along its first "
-                    "dimension"
-                )
-            rows_of[name] = []
-            for k in range(split.micro_batches):
-                start = k * split.rows
-                new = f"{name}__rows{k}"
-                shapes[new] = (shape, dtype)
-                body.append(_call(new, _SLICE, [{"$node": name}, 0, start, start + split.rows, 1]))
-                rows_of[name].append(new)
-        return rows_of
 
 
 _LOSS = "tessel_loss"  # the loss's mean over the micro-batches, as sent to the first stage
