@@ -44,8 +44,7 @@ class Node:
     @classmethod
     def read(cls, spec: Mapping[str, Any]) -> Node:
         op = spec.get("op")
-        keys = _KEYS.get(op) if isinstance(op, str) else None
-        if keys is None or set(spec) != set(keys):
+        if not isinstance(op, str) or op not in _KEYS or set(spec) != set(_KEYS[op]):
             raise ProgramError(f"program node {spec.get('name', '')!r} is not well formed")
         return cls(op, spec.get("name", ""), spec.get("target", ""), spec.get("args", []),
                    spec.get("kwargs", {}))  # fmt: skip

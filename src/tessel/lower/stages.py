@@ -224,19 +224,19 @@ class _Cut(StageCut):
         of_weights: set[str] = set()  # nodes computed from weights (and constants) alone
         constants = {c.name for c in self.constants}
         for n in self.calls:
-            name, stage, args = n.name, 0, n.reads
+            name, at, args = n.name, 0, n.reads
             for a in args:
                 if a in self.fqn:
-                    stage = max(stage, weight_stage[self.fqn[a]])
+                    at = max(at, weight_stage[self.fqn[a]])
                     pinned.add(name)
                 elif a in earliest:
-                    stage = max(stage, earliest[a])
+                    at = max(at, earliest[a])
                     if a in of_weights:
                         pinned.add(name)
             if args and all(a in self.fqn or a in of_weights or a in constants for a in args):
                 if any(a in self.fqn or a in of_weights for a in args):
                     of_weights.add(name)
-            earliest[name] = min(stage, pp - 1)
+            earliest[name] = min(at, pp - 1)
         returned = set(self.output.reads)
         stage = latest_allowed(self.calls, self.nodes.readers, earliest, pinned | returned)
         for n in self.calls:

@@ -380,7 +380,7 @@ def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh, checked: _Che
         return _run_local(n, args, kwargs, plan, mesh)
     before = traced_graph_length() or 0
     try:
-        out = n.target(*args, **kwargs)
+        out = _operator(n)(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - DTensor cannot run the op on these placements
         checked.fail(n, strategy, _first_line(exc))
         return _replicated(n, env, mesh)
@@ -434,7 +434,7 @@ def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh)
     def local(a: Any) -> Any:
         return a.to_local() if isinstance(a, DTensor) else a
 
-    out = n.target(*tree_map(local, args), **tree_map(local, kwargs))
+    out = _operator(n)(*tree_map(local, args), **tree_map(local, kwargs))
     return _wrap(out, mesh, plan.out_placements(n), n.meta["val"])
 
 
@@ -479,7 +479,7 @@ def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
     leaf = lambda x: isinstance(x, fx.Node)  # noqa: E731
     args = tree_map(local, n.args, is_leaf=leaf)
     kwargs = tree_map(local, n.kwargs, is_leaf=leaf)
-    out = n.target(*args, **kwargs)
+    out = _operator(n)(*args, **kwargs)
 
     def wrap(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
@@ -487,3 +487,10 @@ def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
         return v
 
     return tree_map(wrap, out)
+
+
+def _operator(n: fx.Node) -> Callable[..., Any]:
+    """The function a `call_function` node calls."""
+    if not callable(n.target):
+        raise TesselError(f"node {n.name} calls {n.target!r}, which is not a function")
+    return n.target

@@ -257,14 +257,14 @@ class _TrainingCut(StageCut):
         received: dict[tuple[str, int], str] = {}  # (value, micro-batch or -1) -> node
         waits: dict[str, Node] = {}  # received node -> its wait, placed where first read
         for q in range(p):
-            for send in self.sends[q] if q != s else ():
-                if send.target != s:
+            for x in self.sends[q] if q != s else ():
+                if x.target != s:
                     continue
-                tag = "w" if send.micro_batch < 0 else f"mb{send.micro_batch}"
-                new = f"{send.value}__{tag}_from{q}"
-                *post, waits[new] = transfers.recv(send.value, new, rank_of(q))
+                tag = "w" if x.micro_batch < 0 else f"mb{x.micro_batch}"
+                new = f"{x.value}__{tag}_from{q}"
+                *post, waits[new] = transfers.recv(x.value, new, rank_of(q))
                 body += post
-                received[(send.value, send.micro_batch)] = new
+                received[(x.value, x.micro_batch)] = new
 
         targets: dict[tuple[str, int], list[int]] = {}
         for x in self.sends[s]:
