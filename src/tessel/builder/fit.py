@@ -7,11 +7,12 @@ model counts per weight and what the build keeps free beside the programs. Withi
 
 - the model is planned and lowered (`plan_and_lower`, which re-plans a program that overflows
   its device);
+- with stages, each plan's layers are cut into the stages (`stages`) before it is lowered;
 - with replicas or stages, `cut` makes every rank's program from one replica's; a stage holds
   about 1/pp of the weights, so the model is planned on its devices with pp times their
-  memory, then with less where a stage overflows (bisecting between the most memory that
-  overflows and the least that leaves no plan); with replicas and no stages, what a cut
-  program overflows by is kept free.
+  memory, then with less where a stage's weights or program overflow (bisecting between the
+  most memory that overflows and the least that leaves no plan); with replicas and no
+  stages, what a cut program overflows by is kept free.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from typing import Any
 
 from tessel.builder.lowering import plan_and_lower
 from tessel.builder.mesh_choice import first_devices
-from tessel.builder.stages import StageMemoryError, more_memory
+from tessel.builder.stages import more_memory
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import ParallelDims
 from tessel.config.parallel_option import ParallelOption
 from tessel.lower.trace import RankProgram
 from tessel.plan import Plan, PlanError
+from tessel.plan.stages import StageAssignment, StageMemoryError
 from tessel.progress import phase
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ def fit(
     dims: ParallelDims,
     levels: Sequence[Level],
     *,
+    stages: Callable[[Plan], StageAssignment] | None = None,
     cut: Cut | None = None,
     time_limit: float,
     reuse_layers: bool,
@@ -77,16 +80,17 @@ def fit(
     lowered: list[RankProgram] | None = None,
 ) -> Fitted:
     """The first of `levels` whose plan fits `cluster` (planned on one replica's devices
-    where `dims` has replicas or stages), with every rank's program cut where `cut` is given.
-    `first` (and its `lowered` programs) is a plan already made for the first level."""
+    where `dims` has replicas or stages), each plan cut into pipeline stages by `stages`
+    before it is lowered, and every rank's program cut from the lowered ones where `cut` is
+    given. `first` (and its `lowered` programs) is a plan already made for the first level."""
     weighed: list[str] = []
     for i, level in enumerate(levels):
         if level.prepare is not None:
             level.prepare()
         try:
             fitted = _fit_level(
-                captured, cluster, policy, dims, level, cut, time_limit, reuse_layers, timings,
-                first, lowered,
+                captured, cluster, policy, dims, level, stages, cut, time_limit, reuse_layers,
+                timings, first, lowered,
             )  # fmt: skip
         except PlanError as exc:
             if i == len(levels) - 1:
@@ -107,6 +111,7 @@ def _fit_level(
     policy: ParallelOption,
     dims: ParallelDims,
     level: Level,
+    stages: Callable[[Plan], StageAssignment] | None,
     cut: Cut | None,
     time_limit: float,
     reuse_layers: bool,
@@ -130,21 +135,18 @@ def _fit_level(
                 reserve=reserve,
                 first=first,
                 lowered=lowered,
+                stages=stages,
             )
-        except PlanError:
-            if overflows is None or overflows - scale < 0.02:
-                raise
-            no_plan, scale = scale, (scale + overflows) / 2
-            continue
-        finally:
-            first, lowered = None, None  # a second try plans anew
-        if cut is None:
-            return Fitted(plan, programs, level)
-        t = time.perf_counter()
-        try:
-            with phase("making every rank's stage program"):
-                return Fitted(plan, programs, level, cut(plan, programs))
-        except StageMemoryError as exc:
+            if cut is None:
+                return Fitted(plan, programs, level)
+            t = time.perf_counter()
+            try:
+                with phase("making every rank's stage program"):
+                    made = cut(plan, programs)
+            finally:
+                timings["stages"] = timings.get("stages", 0.0) + time.perf_counter() - t
+            return Fitted(plan, programs, level, made)
+        except StageMemoryError as exc:  # the stage cut's weights, or a stage's program
             if pp == 1:
                 tries += 1
                 if tries > 3:
@@ -156,5 +158,9 @@ def _fit_level(
             overflows = scale
             scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
             log.info("a stage overflows its devices: planning with %.2fx their memory", scale)
+        except PlanError:
+            if overflows is None or overflows - scale < 0.02:
+                raise
+            no_plan, scale = scale, (scale + overflows) / 2
         finally:
-            timings["stages"] = timings.get("stages", 0.0) + time.perf_counter() - t
+            first, lowered = None, None  # a second try plans anew

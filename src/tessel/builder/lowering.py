@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
@@ -12,6 +13,7 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.lower.ranks import lower_every_rank
 from tessel.lower.trace import LoweringError, NotAsPlanned, RankProgram
 from tessel.plan import Plan, PlanError, make_plan
+from tessel.plan.stages import StageAssignment
 from tessel.plan.strategies import describe_strategy, strategy_key
 from tessel.progress import phase
 
@@ -32,8 +34,12 @@ def plan_and_lower(
     reserve: int = 0,
     first: Plan | None = None,
     lowered: list[RankProgram] | None = None,
+    stages: Callable[[Plan], StageAssignment] | None = None,
 ) -> tuple[Plan, list[RankProgram]]:
     """Plan for `cluster`, then lower every rank exactly as planned.
+
+    With `stages`, each plan's layers are cut into pipeline stages by it (`plan.stages`)
+    before the plan is lowered, so a cut that cannot hold its weights is refused first.
 
     Where DTensor cannot run a node the way the plan places it, that strategy is dropped from
     the node's candidates and the model is planned again, so the program always is the plan;
@@ -71,6 +77,8 @@ def plan_and_lower(
             continue
         for step in ("strategies", "solve"):
             timings[step] = timings.get(step, 0.0) + plan.timings.get(step, 0.0)
+        if stages is not None and plan.stages is None:
+            plan.stages = stages(plan)
         t = time.perf_counter()
         try:
             if lowered is not None:

@@ -29,6 +29,7 @@ from tessel.builder.stages import (
     build_stages,
     default_micro_batches,
     send_seconds,
+    stage_cut,
     stage_lines,
 )
 from tessel.builder.training import build_training
@@ -368,9 +369,7 @@ def _fit(
     if shape.dp * shape.pp > 1:
 
         def cut(plan: Plan, programs: list[RankProgram]) -> Any:
-            return build_stages(
-                captured, plan, programs, cluster, dims, shape.micro_batches, policy.source
-            )
+            return build_stages(captured, plan, programs, cluster, dims, shape.micro_batches)
 
     fitted = fit(
         captured,
@@ -378,6 +377,7 @@ def _fit(
         policy,
         dims,
         [Level(reserve=gathered_bytes(captured, shape.dp, shape.micro_batches))],
+        stages=stage_cut(captured, cluster, dims, policy.source) if shape.pp > 1 else None,
         cut=cut,
         time_limit=time_limit,
         reuse_layers=reuse_layers,

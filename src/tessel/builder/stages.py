@@ -4,7 +4,7 @@ checked to fit its device."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -19,21 +19,17 @@ from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.lower.training_stages import training_stage_programs
 from tessel.package.plan_report import StageLine
-from tessel.plan import Plan, PlanError, cost
+from tessel.plan import Plan, cost
 from tessel.plan.memory import program_peak_bytes
-from tessel.plan.stages import StageAssignError, StageAssignment, assign_stages
-from tessel.sharding.placements import local_shard_shape
+from tessel.plan.stages import (
+    StageAssignError,
+    StageAssignment,
+    StageMemoryError,
+    cut_stages,
+)
 from tessel.units import two_sizes
 
 PP_KEY = f"graph_parallel_option.{POLICY_KEYS['pp']}"
-
-
-class StageMemoryError(PlanError):
-    """A stage's program (or the best cut's weights) needs more than its device holds."""
-
-    def __init__(self, message: str, needed: int, limit: int) -> None:
-        super().__init__(message)
-        self.needed, self.limit = needed, limit
 
 
 def default_micro_batches(pp: int, rows: int) -> int:
@@ -63,20 +59,17 @@ def build_stages(
     cluster: ClusterConfig,
     dims: ParallelDims,
     micro_batches: int,
-    source: str,
 ) -> tuple[list[StagedProgram], StageAssignment | None]:
     """Every rank's program on the `pp x dp x tp` mesh, in rank order, and the layers per stage
-    (None with one stage).
+    (None with one stage): `plan`'s stages (`stage_cut`) cut out of its lowered `programs`.
 
-    Raises `ConfigError` (naming the policy `source`) where the layers cannot be cut into the
-    stages, and `StageMemoryError` where a stage's weights or program need more than its
-    device's memory.
+    Raises `StageMemoryError` where a stage's program needs more than its device's memory.
     """
     weights = weight_inputs(captured, plan)
     assignment = None
     weight_stage = {fqn: 0 for _, fqn in weights}
     if dims.size("pp") > 1:
-        assignment = _assignment(captured, plan, cluster, dims, source)
+        assignment = _stages_of(plan)
         weight_stage = assignment.weight_stage
     split = _split(captured, dims, micro_batches)
     staged = stage_programs(
@@ -101,9 +94,10 @@ def build_training_stages(
     source: str,
 ) -> tuple[list[StagedProgram], dict[str, int], StageAssignment]:
     """Every rank's program of a training step on the `pp x dp x tp` mesh, in rank order,
-    each weight's stage and the layers of each stage. A weight's other names (tied embeddings) belong to its stage: the
-    stages that read it there receive it, so one rank holds and updates it."""
-    assignment = _assignment(captured, plan, cluster, dims, source)
+    each weight's stage and the layers of each stage: `plan`'s stages (`stage_cut`) cut out
+    of its lowered `programs`. A weight's other names (tied embeddings) belong to its stage:
+    the stages that read it there receive it, so one rank holds and updates it."""
+    assignment = _stages_of(plan)
     weights = weight_inputs(captured, plan)
     state = {**captured.program.state_dict, **captured.program.constants}
     stage = dict(assignment.weight_stage)
@@ -167,6 +161,29 @@ def _measure(
             )
 
 
+def stage_cut(
+    captured: CapturedModel, cluster: ClusterConfig, dims: ParallelDims, source: str
+) -> Callable[[Plan], StageAssignment]:
+    """The planner's cut of the layers into the mesh's stages, made for each plan before it is
+    lowered (`plan_and_lower`'s `stages`). A model whose layers cannot be cut so is refused
+    naming the policy `source`; where the best cut's weights overflow a device,
+    `StageMemoryError` says by how much."""
+
+    def cut(plan: Plan) -> StageAssignment:
+        try:
+            return cut_stages(captured, plan, cluster, dims.size("pp"))
+        except StageAssignError as exc:
+            raise ConfigError(source, PP_KEY, str(exc)) from None
+
+    return cut
+
+
+def _stages_of(plan: Plan) -> StageAssignment:
+    if plan.stages is None:
+        raise ValueError("the plan was lowered without its stages cut (plan_and_lower's stages)")
+    return plan.stages
+
+
 def pipeline_estimate(
     captured: CapturedModel,
     plan: Plan,
@@ -176,44 +193,14 @@ def pipeline_estimate(
     source: str = "policy",
 ) -> float:
     """A run's estimated seconds on the stages, before any program is lowered: each boundary
-    sends the whole value its last layer leaves (its shard may be less)."""
-    assignment = _assignment(captured, plan, cluster, dims, source)
+    sends the whole value its last layer leaves (its shard may be less). The plan keeps its
+    stages, cut here where it has none yet."""
+    if plan.stages is None:
+        plan.stages = stage_cut(captured, cluster, dims, source)(plan)
+    assignment = plan.stages
     link = cost.Links(dims.axis("pp").bandwidth, cluster.soc.link_latency)
     sends = [b / link.bandwidth + link.latency if b else 0.0 for b in assignment.boundary_bytes]
     return assignment.pipelined_seconds(micro_batches, sends)
-
-
-def _assignment(
-    captured: CapturedModel, plan: Plan, cluster: ClusterConfig, dims: ParallelDims, source: str
-) -> StageAssignment:
-    """The layers of each stage, their seconds scaled to the plan's estimate."""
-    ep = captured.program
-    state = {**ep.state_dict, **ep.constants}
-    weights = weight_inputs(captured, plan)
-    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
-    device_bytes = min(d.memory_bytes for d in cluster.devices)
-    share = {}
-    for ph, fqn in weights:
-        t = state[fqn]
-        placements = plan.out_placements(placeholders[ph])
-        local = local_shard_shape(t.shape, placements, plan.mesh_shape, 0)
-        share[fqn] = math.prod(local) / max(1, t.numel())
-    try:
-        assignment = assign_stages(
-            ep.graph_module.graph,
-            {fqn: state[fqn] for _, fqn in weights},
-            {fqn: placeholders[ph] for ph, fqn in weights},
-            share,
-            dims.size("pp"),
-            cluster,
-            device_bytes,
-        )
-    except StageAssignError as exc:
-        if exc.needed is not None:
-            raise StageMemoryError(str(exc), exc.needed, device_bytes) from None
-        raise ConfigError(source, PP_KEY, str(exc)) from None
-    assignment.calibrate(plan.estimated_time)
-    return assignment
 
 
 def send_seconds(

@@ -29,6 +29,7 @@ from tessel.plan.ilp import least_memory
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
 from tessel.plan.problem import InfeasibleError, Problem, pairwise
+from tessel.plan.stages import StageAssignment
 from tessel.plan.strategies import NodeStrategy, Replicate
 from tessel.units import human_bytes, two_sizes
 
@@ -62,6 +63,8 @@ class Plan:
     problem: Problem | None = field(default=None, repr=False)
     memory_model: MemoryModel | None = field(default=None, repr=False)
     fixed: frozenset[str] = frozenset()  # FQNs of the weights the policy places
+    # the layers of each pipeline stage, cut under this plan before it is lowered (None: one)
+    stages: StageAssignment | None = None
 
     def strategy(self, node: fx.Node) -> NodeStrategy:
         c = self.choices[node]

@@ -9,18 +9,26 @@ slowest stage is fastest, among the cuts where every stage's weights fit its dev
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
 
+from tessel.capture import CapturedModel
 from tessel.capture.layers import layer_of
 from tessel.config.cluster import ClusterConfig
 from tessel.errors import TesselError
 from tessel.plan import cost
 from tessel.plan.candidates import node_flops
+from tessel.plan.errors import PlanError
+from tessel.sharding.placements import local_shard_shape
 from tessel.units import two_sizes
+
+if TYPE_CHECKING:
+    from tessel.plan.planner import Plan
 
 _LAYER = re.compile(r"^(.*)\.(\d+)\.")
 
@@ -32,6 +40,14 @@ class StageAssignError(TesselError, ValueError):
     def __init__(self, message: str, needed: int | None = None) -> None:
         super().__init__(message)
         self.needed = needed
+
+
+class StageMemoryError(PlanError):
+    """A stage's program (or the best cut's weights) needs more than its device holds."""
+
+    def __init__(self, message: str, needed: int, limit: int) -> None:
+        super().__init__(message)
+        self.needed, self.limit = needed, limit
 
 
 @dataclass
@@ -69,6 +85,42 @@ class StageAssignment:
             }
             for s, ls in enumerate(self.layers)
         ]
+
+
+def cut_stages(
+    captured: CapturedModel, plan: Plan, cluster: ClusterConfig, pp: int
+) -> StageAssignment:
+    """The layers of each of `pp` stages under `plan`, the seconds of each scaled to the plan's
+    estimate, every stage's weights (their shards under the plan) fitting the devices of
+    `cluster`. Raises `StageMemoryError` where the best cut's weights do not fit, and
+    `StageAssignError` where the layers cannot be cut so."""
+    ep = captured.program
+    state = {**ep.state_dict, **ep.constants}
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    device_bytes = min(d.memory_bytes for d in cluster.devices)
+    share = {}
+    for ph, fqn in plan.param_targets.items():
+        t = state[fqn]
+        local = local_shard_shape(
+            t.shape, plan.out_placements(placeholders[ph]), plan.mesh_shape, 0
+        )
+        share[fqn] = math.prod(local) / max(1, t.numel())
+    try:
+        assignment = assign_stages(
+            ep.graph_module.graph,
+            {fqn: state[fqn] for fqn in plan.param_targets.values()},
+            {fqn: placeholders[ph] for ph, fqn in plan.param_targets.items()},
+            share,
+            pp,
+            cluster,
+            device_bytes,
+        )
+    except StageAssignError as exc:
+        if exc.needed is not None:
+            raise StageMemoryError(str(exc), exc.needed, device_bytes) from None
+        raise
+    assignment.calibrate(plan.estimated_time)
+    return assignment
 
 
 def assign_stages(
