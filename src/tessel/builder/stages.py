@@ -7,20 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-
 from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, ParallelDims
-from tessel.dtypes import torch_dtype
-from tessel.lower.program import decode_graph, groups_in
+from tessel.lower.outputs import program_bytes
 from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.lower.training_stages import training_stage_programs
 from tessel.package.plan_report import StageLine
 from tessel.plan import Plan, cost
-from tessel.plan.memory import program_peak_bytes
 from tessel.plan.stages import (
     StageAssignError,
     StageAssignment,
@@ -144,7 +140,7 @@ def _measure(
         coordinate = dims.coordinate(rank)
         key = (sp.stage, coordinate["tp"], coordinate["dp"] == 0)
         if key not in measured:
-            measured[key] = _memory(sp)
+            measured[key] = program_bytes(sp.program, len(sp.weights))
         held, peak = measured[key]
         sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
         if peak > cluster.devices[rank].memory_bytes:
@@ -215,22 +211,6 @@ def send_seconds(
             per_batch = sp.sent_bytes / micro_batches
             out[sp.stage] = max(out[sp.stage], per_batch / link.bandwidth + link.latency)
     return out
-
-
-def _memory(sp: StagedProgram) -> tuple[int, int]:
-    """(weight bytes, peak bytes) of a staged program, from its recorded local shapes."""
-    rp = sp.program
-    groups = {tuple(g): "" for g in groups_in(rp.program)}
-    # decoded, never run: "cpu" admits CPU-only kernels, and constants stay where they are
-    _, graph = decode_graph(rp.program, rp.constants, torch.device("cpu"), groups)
-    inputs = []
-    for spec, n in zip(rp.program["nodes"], graph.nodes):  # one graph node per program node
-        if spec.get("name") in rp.shapes:
-            shape, dtype = rp.shapes[spec["name"]]
-            n.meta["val"] = torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
-        if n.op == "placeholder":
-            inputs.append(n.name)
-    return program_peak_bytes(graph, set(inputs[: len(sp.weights)]))
 
 
 def stage_lines(stages: StageAssignment, staged: list) -> tuple[StageLine, ...]:

@@ -136,8 +136,16 @@ def _gather(
 
 
 def measured(rp: RankProgram, weight_inputs: int) -> RankProgram:
-    """`rp` with its peak bytes measured on its JSON program, from its recorded local shapes
-    (as a device runs it: each value freed after its last use); its weight bytes are kept."""
+    """`rp` with its peak bytes measured on its JSON program (`program_bytes`); its weight
+    bytes are kept."""
+    held, peak = program_bytes(rp, weight_inputs)
+    return replace(rp, peak_bytes=max(rp.peak_bytes, rp.weight_bytes + peak - held))
+
+
+def program_bytes(rp: RankProgram, weight_inputs: int) -> tuple[int, int]:
+    """(weight bytes, peak bytes) of `rp` as a device runs it, from its recorded local shapes:
+    its first `weight_inputs` inputs and its constants held throughout, every other value
+    freed after its last use (the outputs of a call returning several counted too)."""
     groups = {tuple(g): "" for g in groups_in(rp.program)}
     # decoded, never run: "cpu" admits CPU-only kernels, and constants stay where they are
     _, graph = decode_graph(rp.program, rp.constants, torch.device("cpu"), groups)
@@ -157,5 +165,4 @@ def measured(rp: RankProgram, weight_inputs: int) -> RankProgram:
         node = by_name[tuple_name]
         if "val" not in node.meta:
             node.meta["val"] = [parts.get(i) for i in range(max(parts) + 1)]
-    held, peak = program_peak_bytes(graph, set(inputs[:weight_inputs]))
-    return replace(rp, peak_bytes=max(rp.peak_bytes, rp.weight_bytes + peak - held))
+    return program_peak_bytes(graph, set(inputs[:weight_inputs]))
