@@ -32,7 +32,7 @@ TEST_PROCESSES ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadscope --durations=15 tests
 
-# mypy checks the packages pyproject's [tool.mypy] lists (sharding, package, config, plan, lower)
+# mypy checks the packages pyproject's [tool.mypy] lists (sharding, package, config, plan, lower, slices)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples

@@ -53,6 +53,11 @@ def plan_and_lower(
     policy = policy or ParallelOption()
     timings = {} if timings is None else timings
     world = cluster.world_size
+    if lowered is not None and (first is None or len(lowered) != world):
+        raise ValueError(
+            f"plan_and_lower: {len(lowered)} lowered programs were given for "
+            f"{'no plan' if first is None else 'a plan'} of {world} ranks"
+        )
     banned: dict[str, set] = {}
     replanned: list[dict[str, str]] = list(first.replanned) if lowered and first else []
     device_bytes = min(d.memory_bytes for d in cluster.devices)

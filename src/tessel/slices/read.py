@@ -213,6 +213,8 @@ def _collectives(gm: torch.fx.GraphModule, group_of) -> list[tuple]:
 
 def _argument(node: torch.fx.Node, name: str) -> Any:
     """The value `node` passes for its operator's argument `name` (None: not passed)."""
+    if not isinstance(node.target, OpOverload):
+        return None
     for i, argument in enumerate(node.target._schema.arguments):
         if argument.name == name:
             return node.args[i] if i < len(node.args) else node.kwargs.get(name)

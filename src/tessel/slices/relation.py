@@ -144,7 +144,7 @@ def _file_name(entry: Fields) -> str:
 
 def _device(entry: Fields) -> str:
     text = entry.string("deploy_device_id_list", pattern=_DEVICE, example="0:0:1")
-    return ":".join(str(int(part)) for part in _DEVICE.fullmatch(text).groups())
+    return ":".join(str(int(part)) for part in text.split(":"))
 
 
 def _rank_list(entry: Fields, world: int) -> tuple[int, ...]:
