@@ -288,3 +288,43 @@ def test_a_lowered_program_is_priced_by_its_calls_and_its_collectives_links():
                 ]
             else:  # T(b) = C + B / b
                 assert slower - base == pytest.approx(2 * (base - quicker)) and base > quicker
+
+
+def test_a_program_read_as_typed_nodes_writes_back_the_same_json():
+    """The passes that edit programs (stage cuts, output gathers) read them as typed nodes:
+    read and written back unchanged, a program is the same JSON, byte for byte."""
+    import json
+
+    from tessel.lower.nodes import ProgramNodes
+
+    captured = capture(small_llama(), (token_ids(),))
+    _, programs = plan_and_lower(captured, local_cluster(2, "cpu"))
+    for rp in programs:
+        nodes = ProgramNodes.read(rp.program)
+        again = nodes.program([*nodes.nodes, nodes.output])
+        assert json.dumps(again) == json.dumps(rp.program)
+        assert len(nodes.calls) + len(nodes.inputs) + len(nodes.constants) == len(nodes.nodes)
+        # every call is read by the calls its readers list, and by no other
+        for n in nodes.calls:
+            for reader in nodes.readers[n.name]:
+                assert n.name in next(m for m in nodes.calls if m.name == reader).reads
+
+
+def test_a_program_node_is_read_only_in_its_kind_s_form():
+    from tessel.lower.nodes import Node, call, ref
+    from tessel.lower.program import ProgramError
+
+    for bad in (
+        {"op": "call", "name": "x", "target": "aten.add.Tensor", "args": []},  # no kwargs
+        {"op": "input", "name": "x", "target": "aten.add.Tensor"},
+        {"op": "loop", "name": "x"},
+        {"name": "x"},
+    ):
+        with pytest.raises(ProgramError, match="not well formed"):
+            Node.read(bad)
+    # renamed: the nodes it reads and, given ranks, its collective groups moved
+    n = call("s", "_c10d_functional.broadcast.default", [ref("a"), 0, {"$group": [1, 0]}])
+    moved = n.renamed("s_mb1", {"a": "a_mb1"}, lambda r: r + 4)
+    assert moved.name == "s_mb1" and moved.reads == ("a_mb1",)
+    assert moved.args[2] == {"$group": [4, 5]}
+    assert n.args[0] == ref("a")  # the node it came from is unchanged

@@ -209,3 +209,46 @@ def test_a_pipeline_priced_before_lowering_pays_for_its_bubble():
     one = pipeline_estimate(captured, plan, whole, dims, 1)
     two = pipeline_estimate(captured, plan, whole, dims, 2)
     assert plan.estimated_time < one < two < 2 * one
+
+
+def test_the_planner_cuts_the_stages_before_the_plan_is_lowered(monkeypatch):
+    """One pass down: each plan's stages are cut (plan.stages) before any rank is lowered, so
+    a cut whose weights overflow the devices is refused without lowering a rank."""
+    import tessel.builder.lowering as lowering
+    from tessel.builder.lowering import plan_and_lower
+    from tessel.builder.mesh_choice import first_devices
+    from tessel.builder.stages import more_memory, stage_cut
+    from tessel.config.mesh import parallel_dims
+    from tessel.plan.stages import StageMemoryError
+
+    captured = capture(small_llama(layers=4), (token_ids(batch=2),), keep=has_rule)
+    lowered_with = []
+    real = lowering.lower_every_rank
+
+    def lower(captured, plan, world, reuse):
+        lowered_with.append(plan.stages)
+        return real(captured, plan, world, reuse)
+
+    monkeypatch.setattr(lowering, "lower_every_rank", lower)
+    whole = cluster(4)
+    dims = parallel_dims(whole, policy(2, tp=2))
+    plan, _ = plan_and_lower(
+        captured,
+        more_memory(first_devices(whole, 2), 2),
+        policy(2, tp=2),
+        stages=stage_cut(captured, whole, dims, "policy.json"),
+    )
+    assert lowered_with == [plan.stages] and plan.stages is not None
+    assert [len(layers) for layers in plan.stages.layers] == [2, 2]
+    # devices that hold less than half the weights of a stage: refused at the cut
+    weights = sum(p.numel() * p.element_size() for p in small_llama(layers=4).parameters())
+    small = cluster(4, f"[DDR:{weights // 8}B]")
+    lowered_with.clear()
+    with pytest.raises(StageMemoryError):
+        plan_and_lower(
+            captured,
+            more_memory(first_devices(whole, 2), 2),
+            policy(2, tp=2),
+            stages=stage_cut(captured, small, dims, "policy.json"),
+        )
+    assert lowered_with == []
