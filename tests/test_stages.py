@@ -217,7 +217,7 @@ def test_the_planner_cuts_the_stages_before_the_plan_is_lowered(monkeypatch):
     import tessel.builder.lowering as lowering
     from tessel.builder.lowering import plan_and_lower
     from tessel.builder.mesh_choice import first_devices
-    from tessel.builder.stages import more_memory, stage_cut
+    from tessel.builder.stages import more_memory, stage_planner
     from tessel.config.mesh import parallel_dims
     from tessel.plan.stages import StageMemoryError
 
@@ -236,7 +236,7 @@ def test_the_planner_cuts_the_stages_before_the_plan_is_lowered(monkeypatch):
         captured,
         more_memory(first_devices(whole, 2), 2),
         policy(2, tp=2),
-        stages=stage_cut(captured, whole, dims, "policy.json"),
+        stages=stage_planner(captured, whole, dims, "policy.json"),
     )
     assert lowered_with == [plan.stages] and plan.stages is not None
     assert [len(layers) for layers in plan.stages.layers] == [2, 2]
@@ -249,6 +249,6 @@ def test_the_planner_cuts_the_stages_before_the_plan_is_lowered(monkeypatch):
             captured,
             more_memory(first_devices(whole, 2), 2),
             policy(2, tp=2),
-            stages=stage_cut(captured, small, dims, "policy.json"),
+            stages=stage_planner(captured, small, dims, "policy.json"),
         )
     assert lowered_with == []

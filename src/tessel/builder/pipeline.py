@@ -29,8 +29,8 @@ from tessel.builder.stages import (
     build_stages,
     default_micro_batches,
     send_seconds,
-    stage_cut,
     stage_lines,
+    stage_planner,
 )
 from tessel.builder.training import build_training
 from tessel.builder.verify import check_against_eager, worth_checking
@@ -377,7 +377,7 @@ def _fit(
         policy,
         dims,
         [Level(reserve=gathered_bytes(captured, shape.dp, shape.micro_batches))],
-        stages=stage_cut(captured, cluster, dims, policy.source) if shape.pp > 1 else None,
+        stages=stage_planner(captured, cluster, dims, policy.source) if shape.pp > 1 else None,
         cut=cut,
         time_limit=time_limit,
         reuse_layers=reuse_layers,

@@ -21,7 +21,7 @@ from tessel.plan.stages import (
     StageAssignError,
     StageAssignment,
     StageMemoryError,
-    cut_stages,
+    plan_stages,
 )
 from tessel.units import two_sizes
 
@@ -57,7 +57,7 @@ def build_stages(
     micro_batches: int,
 ) -> tuple[list[StagedProgram], StageAssignment | None]:
     """Every rank's program on the `pp x dp x tp` mesh, in rank order, and the layers per stage
-    (None with one stage): `plan`'s stages (`stage_cut`) cut out of its lowered `programs`.
+    (None with one stage): its lowered `programs` cut by `plan`'s stages (`stage_planner`).
 
     Raises `StageMemoryError` where a stage's program needs more than its device's memory.
     """
@@ -90,7 +90,7 @@ def build_training_stages(
     source: str,
 ) -> tuple[list[StagedProgram], dict[str, int], StageAssignment]:
     """Every rank's program of a training step on the `pp x dp x tp` mesh, in rank order,
-    each weight's stage and the layers of each stage: `plan`'s stages (`stage_cut`) cut out
+    each weight's stage and the layers of each stage: `plan`'s stages (`stage_planner`) cut out
     of its lowered `programs`. A weight's other names (tied embeddings) belong to its stage:
     the stages that read it there receive it, so one rank holds and updates it."""
     assignment = _stages_of(plan)
@@ -157,26 +157,26 @@ def _measure(
             )
 
 
-def stage_cut(
+def stage_planner(
     captured: CapturedModel, cluster: ClusterConfig, dims: ParallelDims, source: str
 ) -> Callable[[Plan], StageAssignment]:
-    """The planner's cut of the layers into the mesh's stages, made for each plan before it is
-    lowered (`plan_and_lower`'s `stages`). A model whose layers cannot be cut so is refused
-    naming the policy `source`; where the best cut's weights overflow a device,
+    """The planner's layers per stage of the mesh, decided for each plan before it is lowered
+    (`plan_and_lower`'s `stages`). A model whose layers cannot be divided so is refused
+    naming the policy `source`; where the best division's weights overflow a device,
     `StageMemoryError` says by how much."""
 
-    def cut(plan: Plan) -> StageAssignment:
+    def planned(plan: Plan) -> StageAssignment:
         try:
-            return cut_stages(captured, plan, cluster, dims.size("pp"))
+            return plan_stages(captured, plan, cluster, dims.size("pp"))
         except StageAssignError as exc:
             raise ConfigError(source, PP_KEY, str(exc)) from None
 
-    return cut
+    return planned
 
 
 def _stages_of(plan: Plan) -> StageAssignment:
     if plan.stages is None:
-        raise ValueError("the plan was lowered without its stages cut (plan_and_lower's stages)")
+        raise ValueError("the plan was lowered without its stages (plan_and_lower's stages)")
     return plan.stages
 
 
@@ -192,7 +192,7 @@ def pipeline_estimate(
     sends the whole value its last layer leaves (its shard may be less). The plan keeps its
     stages, cut here where it has none yet."""
     if plan.stages is None:
-        plan.stages = stage_cut(captured, cluster, dims, source)(plan)
+        plan.stages = stage_planner(captured, cluster, dims, source)(plan)
     assignment = plan.stages
     link = cost.Links(dims.axis("pp").bandwidth, cluster.soc.link_latency)
     sends = [b / link.bandwidth + link.latency if b else 0.0 for b in assignment.boundary_bytes]

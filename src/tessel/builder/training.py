@@ -32,8 +32,8 @@ from tessel.builder.packing import pack
 from tessel.builder.stages import (
     build_training_stages,
     default_micro_batches,
-    stage_cut,
     stage_lines,
+    stage_planner,
 )
 from tessel.capture import capture_training
 from tessel.capture.export import split_inputs
@@ -248,7 +248,7 @@ def _fit(
         policy,
         step.dims,
         levels,
-        stages=stage_cut(captured, cluster, step.dims, policy.source) if pp > 1 else None,
+        stages=stage_planner(captured, cluster, step.dims, policy.source) if pp > 1 else None,
         cut=cut,
         time_limit=time_limit,
         reuse_layers=True,

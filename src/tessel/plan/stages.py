@@ -87,7 +87,7 @@ class StageAssignment:
         ]
 
 
-def cut_stages(
+def plan_stages(
     captured: CapturedModel, plan: Plan, cluster: ClusterConfig, pp: int
 ) -> StageAssignment:
     """The layers of each of `pp` stages under `plan`, the seconds of each scaled to the plan's
