@@ -7,7 +7,7 @@ model counts per weight and what the build keeps free beside the programs. Withi
 
 - the model is planned and lowered (`plan_and_lower`, which re-plans a program that overflows
   its device);
-- with stages, each plan's layers are cut into the stages (`stages`) before it is lowered;
+- with stages, each plan's layers are divided among the stages (`stages`) before it is lowered;
 - with replicas or stages, `cut` makes every rank's program from one replica's; a stage holds
   about 1/pp of the weights, so the model is planned on its devices with pp times their
   memory, then with less where a stage's weights or program overflow (bisecting between the
@@ -80,7 +80,7 @@ def fit(
     lowered: list[RankProgram] | None = None,
 ) -> Fitted:
     """The first of `levels` whose plan fits `cluster` (planned on one replica's devices
-    where `dims` has replicas or stages), each plan cut into pipeline stages by `stages`
+    where `dims` has replicas or stages), each plan's layers divided among the stages by `stages`
     before it is lowered, and every rank's program cut from the lowered ones where `cut` is
     given. `first` (and its `lowered` programs) is a plan already made for the first level."""
     weighed: list[str] = []

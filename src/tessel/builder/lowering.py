@@ -38,7 +38,7 @@ def plan_and_lower(
 ) -> tuple[Plan, list[RankProgram]]:
     """Plan for `cluster`, then lower every rank exactly as planned.
 
-    With `stages`, each plan's layers are cut into pipeline stages by it (`plan.stages`)
+    With `stages`, each plan's layers are divided among the pipeline stages by it (`plan.stages`)
     before the plan is lowered, so a cut that cannot hold its weights is refused first.
 
     Where DTensor cannot run a node the way the plan places it, that strategy is dropped from
