@@ -35,6 +35,7 @@ LAYERS: list[set[str]] = [
         "forked",
         "units",
         "progress",
+        "schedules",
         "sharding",
     },
     # the JSON inputs (cluster, policy, ...), and the log level read from them

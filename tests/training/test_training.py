@@ -364,40 +364,6 @@ def test_three_pipeline_stages_on_three_devices(sessions, tmp_path):
     assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
 
 
-@pytest.mark.parametrize("pp,micro_batches", [(2, 1), (2, 4), (3, 5), (4, 2), (5, 8)])
-def test_the_1f1b_schedule_runs_every_micro_batch_once_and_holds_few(pp, micro_batches):
-    from tessel.lower.training_stages import schedule_1f1b
-
-    slots = {s: schedule_1f1b(pp, s, micro_batches) for s in range(pp)}
-    for s, order in slots.items():
-        every = [(phase, k) for phase in "FB" for k in range(micro_batches)]
-        assert sorted(order) == sorted(every)
-        held = peak = 0  # micro-batches whose activations stage s holds
-        for phase, k in order:
-            held += 1 if phase == "F" else -1
-            peak = max(peak, held)
-            assert order.index(("F", k)) < order.index(("B", k))
-        assert peak == min(pp - s, micro_batches)
-    # run the stages as one machine: a slot runs once its inputs are there (the forward
-    # of the stage before, the backward of the stage after); every stage must finish
-    done: set[tuple[int, str, int]] = set()
-    place = dict.fromkeys(slots, 0)
-    while any(place[s] < len(slots[s]) for s in slots):
-        ran = False
-        for s in slots:
-            if place[s] == len(slots[s]):
-                continue
-            phase, k = slots[s][place[s]]
-            needs = (s - 1, "F", k) if phase == "F" else (s + 1, "B", k)
-            if phase == "B" and s == pp - 1:
-                needs = (s, "F", k)
-            if (phase == "F" and s == 0) or needs in done:
-                done.add((s, phase, k))
-                place[s] += 1
-                ran = True
-        assert ran, f"the stages wait on each other at {place}"
-
-
 def test_sgd_with_momentum_param_groups_and_a_schedule(sessions, tmp_path):
     # data parallel without sharding; the first step's rate from the load option, the others
     # set between steps

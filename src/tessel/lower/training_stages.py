@@ -17,8 +17,10 @@ activations travel to later stages and gradients back to earlier ones:
 - a weight's gradient is returned by its stage, summed over the micro-batches; the loss, the
   mean over the micro-batches, is sent from its stage to the first one.
 
-Stage `s` runs `min(p - 1 - s, m)` forward slots, then alternates one forward and one backward
-slot, then the remaining backward slots: at most `p - s` micro-batches' activations are held.
+Stage `s` runs its slots in the 1F1B order of `tessel.schedules`, the order `tessel.parallel`'s
+`Pipeline` scripts run too: `min(p - 1 - s, m)` forward slots, then one forward and one backward
+slot in turn, then the remaining backward slots, so at most `p - s` micro-batches' activations
+are held.
 
 Values travel over a channel per ordered pair of ranks: a process group over the two ranks,
 listed sender first, so a pair has one group each way and the broadcasts on each group come
@@ -44,21 +46,10 @@ from tessel.lower.stages import (
     latest_allowed,
     zeros,
 )
+from tessel.schedules import pipeline_order
 
 _ADD = "aten.add.Tensor"
 _DIV = "aten.div.Tensor"
-
-
-def schedule_1f1b(pp: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """Stage `stage`'s slots in order: ("F" or "B", micro-batch)."""
-    warm = min(pp - 1 - stage, micro_batches)
-    slots = [("F", k) for k in range(warm)]
-    forward, backward = warm, 0
-    while forward < micro_batches:
-        slots += [("F", forward), ("B", backward)]
-        forward, backward = forward + 1, backward + 1
-    slots += [("B", k) for k in range(backward, micro_batches)]
-    return slots
 
 
 def training_stage_programs(
@@ -116,8 +107,14 @@ class _TrainingCut(StageCut):
         self.loss, *self.gradients = self.output.reads
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
         self.pos = self._assign()
+        # stage s runs on pipeline rank s: its slots are that rank's actions
+        self.schedule = pipeline_order("1f1b", split.pp, split.pp, split.micro_batches)
         # what each stage sends, in the order it sends it: the same for every replica and rank
         self.sends = {s: self._sends(s) for s in range(split.pp)}
+
+    def _slots(self, s: int) -> list[tuple[str, int]]:
+        """Stage `s`'s slots in the order its program runs them: ("F" or "B", micro-batch)."""
+        return [(a.phase, a.micro_batch) for a in self.schedule[s]]
 
     # -- positions ---------------------------------------------------------------------
 
@@ -217,7 +214,7 @@ class _TrainingCut(StageCut):
                     if self.stage_of(self._position(value)) == s:
                         targets.setdefault(value, []).append(q)
         sends: list[_Send] = []
-        for phase, k in schedule_1f1b(self.split.pp, s, self.split.micro_batches):
+        for phase, k in self._slots(s):
             here = self._f(s) if phase == "F" else self._b(s)
             if phase == "F" and k == 0:
                 sends += [
@@ -282,7 +279,7 @@ class _TrainingCut(StageCut):
         weights = [w for w in self.weight_nodes if self.weight_stage[w.name] == s]
         accumulated: dict[int, str] = {}  # gradient output index -> its running sum's node
         loss_sum = ""
-        for phase, k in schedule_1f1b(p, s, split.micro_batches):
+        for phase, k in self._slots(s):
             here = self._f(s) if phase == "F" else self._b(s)
             pending: list[Node] = []
             if phase == "F" and k == 0:

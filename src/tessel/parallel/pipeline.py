@@ -6,8 +6,9 @@ stage count: pipeline rank r then holds stages r, r + pp, r + 2 pp, ... (the loo
 torch's interleaved schedules run). On the first call the network is traced once
 (`torch.distributed.pipelining.pipeline`), cut before the first module of each stage, and each
 rank keeps its stages' modules; every call then runs the batch through the stages as
-`micro_size` micro-batches under torch's schedule (1F1B or GPipe; interleaved, 1F1B or looped
-breadth-first). As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
+`micro_size` micro-batches in tessel's schedule order (`tessel.schedules`, the order a training
+package's stage programs follow too: 1F1B or GPipe; interleaved, 1F1B or looped breadth-first)
+on torch's pipeline runtime, which sends and receives between the stages. As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
 mean over the data-parallel replicas, each calling with its own batch); `loss.backward()` hands
 the stage's parameters the gradients the schedule computed. The stages hold the network's own
 parameter objects; those of stages other ranks hold retire on this rank (`replaced`), and an
@@ -27,25 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-    SplitPoint,
-    pipeline,
-)
+from torch.distributed.pipelining import SplitPoint, pipeline
 
-from tessel._torch import tree_flatten, tree_map
+from tessel._torch import pipeline_runtime, tree_flatten, tree_map
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import _count, _tensor_output
 from tessel.parallel.planned import loss_with_gradients
 from tessel.parallel.replaced import retire
 from tessel.runtime.exchange import DEFAULT_FUSION, InFlight, fusion_buckets
-
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-# several stages per rank: 1F1B interleaved, and GPipe's order looped over the stages
-INTERLEAVED_SCHEDULES = {"1f1b": ScheduleInterleaved1F1B, "gpipe": ScheduleLoopedBFS}
+from tessel.schedules import pipeline_order
 
 
 def _loss_forward(forward: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -174,11 +165,8 @@ class Pipeline(torch.nn.Module):
             loss_fn=lambda output, target: output.sum(),
             scale_grads=False,  # the loss is the micro-batches' sum, as its gradients are
         )
-        if self.stages > pp:
-            schedule = INTERLEAVED_SCHEDULES[self.scheduler](stages, self.micro_size, **options)
-        else:
-            schedule = SCHEDULES[self.scheduler](stages[0], self.micro_size, **options)
-        self.schedule = schedule
+        self.order = pipeline_order(self.scheduler, pp, self.stages, self.micro_size)
+        self.schedule = pipeline_runtime(stages, self.micro_size, self.order, **options)
         # this rank trains its stages' modules: the whole network is no longer held here
         del self.network
         self.stage_modules = torch.nn.ModuleList([stage.submod for stage in stages])
