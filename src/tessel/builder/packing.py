@@ -38,7 +38,7 @@ from tessel.plan import Plan
 from tessel.plan.planner import layer_name
 from tessel.plan.why import replicated_weights
 from tessel.plan.why import summary as why_summary
-from tessel.sharding.placements import local_shard, local_shard_shape, placement_str, shard_chunks
+from tessel.sharding.placements import local_shard, placement_str, shard_chunks
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +220,6 @@ def _tied_weights(
             if n != source and (source in whole or placements[n] == placements[source]):
                 tied[n] = source
     return tied
-
-
-def _nbytes(tensor: torch.Tensor, placements: tuple, plan: Plan, rank: int) -> int:
-    """Bytes of `rank`'s shard of `tensor` (the whole tensor for no placements)."""
-    shape = local_shard_shape(tensor.shape, placements, plan.mesh_shape, rank)
-    return math.prod(shape) * tensor.element_size()
 
 
 def _strategy_file(plan: Plan, placeholders: dict, weights: list, state: dict, dp: int = 1) -> dict:

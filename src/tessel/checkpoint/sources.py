@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tessel.checkpoint.boxes import Box, check_tiling, device_box, distinct_boxes, slice_shape
+from tessel.checkpoint.boxes import Box, check_tiling, distinct_boxes, slice_shape
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.st_io import TensorLoc, read_header
 from tessel.checkpoint.strategy import ParamLayout, Strategy
@@ -186,10 +186,6 @@ class RankSource(Source):
                 path, name, f"stored dtype is {loc.dtype} but the strategy says {p.dtype}"
             )
         return loc
-
-    def box_of_rank(self, name: str, rank: int) -> Box:
-        p = self.layout(name)
-        return device_box(p, self.strategy.holders(name)[rank], p.shape)
 
 
 class FullSource(Source):

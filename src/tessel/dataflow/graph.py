@@ -13,7 +13,6 @@ import itertools
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -278,7 +277,3 @@ class FlowGraph:
         """The next transaction's outputs as Python objects, and the return code."""
         outs, _, code = self._next(timeout)
         return (self._select(outs, indexes) if outs else outs), code
-
-
-def write_text(path: str | Path, text: str) -> None:
-    Path(path).write_text(text, encoding="utf-8")

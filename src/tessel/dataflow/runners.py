@@ -144,11 +144,8 @@ def runs_in_session(pp: GraphProcessPoint) -> int:
 
 def _tessel_target_kind(path: str) -> str | None:
     """The device kind the package was built for: manifest `device_type`, else its `soc_version`."""
-    try:
-        from tessel.package.format import Package
-    except ImportError:
-        return None
     from tessel.config.soc import soc_profile
+    from tessel.package.format import Package
 
     manifest = Package.open(path).manifest
     if manifest.device_type:

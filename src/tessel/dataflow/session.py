@@ -81,10 +81,6 @@ def register_executor(ex: Any) -> None:
         _executors.add(ex)
 
 
-def live_executors() -> list[Any]:
-    return [e for e in list(_executors) if not getattr(e, "closed", False)]
-
-
 def _close_all() -> None:
     for ex in list(_executors):
         try:
