@@ -3,6 +3,7 @@ and lays the passes out as torch's schedule of the same name."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from tessel.schedules import Action, check_order, held_micro_batches, pipeline_order
+from tessel.schedules import Action, pipeline_order
 
 SHAPES = [(p, v, m) for p in range(1, 6) for v in (1, 2, 3) for m in range(1, 11)]
 
@@ -41,6 +42,51 @@ def torch_order(
         )  # fmt: skip
         ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank)
     return [str(a) for a in ops if a is not None and a.computation_type.value in "FB"]
+
+
+def check_order(order: Sequence[Sequence[Action]], stages: int, micro_batches: int) -> None:
+    """Raise ValueError unless `order` runs each stage's forward and backward pass of every
+    micro-batch once, and the ranks, each running its actions in turn, all finish: a forward
+    pass waits for the stage before's, a backward pass for the stage after's (the last
+    stage's for its own forward pass)."""
+    every = {Action(p, s, k) for p in "FB" for s in range(stages) for k in range(micro_batches)}
+    listed = [a for actions in order for a in actions]
+    if len(listed) != len(every) or set(listed) != every:
+        raise ValueError("a pipeline order must run every stage's F and B of each micro-batch once")
+    done: set[Action] = set()
+    place = [0] * len(order)
+
+    def ready(a: Action) -> bool:
+        if a.phase == "F":
+            return a.stage == 0 or Action("F", a.stage - 1, a.micro_batch) in done
+        after = a.stage + 1 if a.stage < stages - 1 else a.stage
+        return Action("F" if after == a.stage else "B", after, a.micro_batch) in done
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, actions in enumerate(order):
+            while place[r] < len(actions) and ready(actions[place[r]]):
+                done.add(actions[place[r]])
+                place[r] += 1
+                progressed = True
+    stuck = [
+        f"rank {r} at {actions[place[r]]}"
+        for r, actions in enumerate(order)
+        if place[r] < len(actions)
+    ]
+    if stuck:
+        raise ValueError(f"the pipeline ranks wait on each other: {', '.join(stuck)}")
+
+
+def held_micro_batches(actions: Sequence[Action], stage: int) -> int:
+    """The most micro-batches whose activations `stage` holds at once under `actions`."""
+    held = peak = 0
+    for a in actions:
+        if a.stage == stage:
+            held += 1 if a.phase == "F" else -1
+            peak = max(peak, held)
+    return peak
 
 
 def _valid(schedule: str, p: int, v: int, m: int) -> bool:

@@ -18,7 +18,6 @@ breadth-first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -120,48 +119,3 @@ def _interleaved(
         if op >= warm:
             order.append(take("B", backward_stage(op), next_backward))
     return order
-
-
-def check_order(order: Sequence[Sequence[Action]], stages: int, micro_batches: int) -> None:
-    """Raise ValueError unless `order` runs each stage's forward and backward pass of every
-    micro-batch once, and the ranks, each running its actions in turn, all finish: a forward
-    pass waits for the stage before's, a backward pass for the stage after's (the last
-    stage's for its own forward pass)."""
-    every = {Action(p, s, k) for p in "FB" for s in range(stages) for k in range(micro_batches)}  # type: ignore[arg-type]
-    listed = [a for actions in order for a in actions]
-    if len(listed) != len(every) or set(listed) != every:
-        raise ValueError("a pipeline order must run every stage's F and B of each micro-batch once")
-    done: set[Action] = set()
-    place = [0] * len(order)
-
-    def ready(a: Action) -> bool:
-        if a.phase == "F":
-            return a.stage == 0 or Action("F", a.stage - 1, a.micro_batch) in done
-        after = a.stage + 1 if a.stage < stages - 1 else a.stage
-        return Action("F" if after == a.stage else "B", after, a.micro_batch) in done
-
-    progressed = True
-    while progressed:
-        progressed = False
-        for r, actions in enumerate(order):
-            while place[r] < len(actions) and ready(actions[place[r]]):
-                done.add(actions[place[r]])
-                place[r] += 1
-                progressed = True
-    stuck = [
-        f"rank {r} at {actions[place[r]]}"
-        for r, actions in enumerate(order)
-        if place[r] < len(actions)
-    ]
-    if stuck:
-        raise ValueError(f"the pipeline ranks wait on each other: {', '.join(stuck)}")
-
-
-def held_micro_batches(actions: Sequence[Action], stage: int) -> int:
-    """The most micro-batches whose activations `stage` holds at once under `actions`."""
-    held = peak = 0
-    for a in actions:
-        if a.stage == stage:
-            held += 1 if a.phase == "F" else -1
-            peak = max(peak, held)
-    return peak

@@ -48,10 +48,10 @@ from tessel.parallel.runners import (
     StagedRunner,
 )
 from tessel.runtime.exchange import DEFAULT_FUSION
+from tessel.schedules import SCHEDULES
 
 PARALLEL_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
 OPTIMIZER_LEVELS = ("level1", "level2", "level3")
-SCHEDULERS = ("1f1b", "gpipe")
 FUSION_MODES = ("auto", "size", "index")
 
 
@@ -280,9 +280,9 @@ class AutoParallel(torch.nn.Module):
         stage's parameters after it. The loss reaches every stage whatever
         `output_broadcast` says."""
         integer("pipeline", "stages", stages, 1)
-        if scheduler not in SCHEDULERS:
+        if scheduler not in SCHEDULES:
             raise ValueError(
-                f"pipeline: scheduler must be one of {list(SCHEDULERS)}, found {scheduler!r}"
+                f"pipeline: scheduler must be one of {list(SCHEDULES)}, found {scheduler!r}"
             )
         planner_cuts = self.parallel_mode == "recursive_programming" and not isinstance(
             self.network, Pipeline
