@@ -80,7 +80,8 @@ def _one_f_one_b(ranks: int, rank: int, micro_batches: int) -> list[Action]:
 
 
 def _gpipe(ranks: int, rank: int, micro_batches: int) -> list[Action]:
-    return [Action(phase, rank, k) for phase in "FB" for k in range(micro_batches)]  # type: ignore[arg-type]
+    forward = [Action("F", rank, k) for k in range(micro_batches)]
+    return forward + [Action("B", rank, k) for k in range(micro_batches)]
 
 
 def _looped_bfs(ranks: int, per_rank: int, rank: int, micro_batches: int) -> list[Action]:

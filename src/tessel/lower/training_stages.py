@@ -107,14 +107,14 @@ class _TrainingCut(StageCut):
         self.loss, *self.gradients = self.output.reads
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
         self.pos = self._assign()
-        # stage s runs on pipeline rank s: its slots are that rank's actions
-        self.schedule = pipeline_order("1f1b", split.pp, split.pp, split.micro_batches)
+        # stage s runs on pipeline rank s: its slots, ("F" or "B", micro-batch), are that
+        # rank's actions in order
+        self.slots = [
+            [(a.phase, a.micro_batch) for a in actions]
+            for actions in pipeline_order("1f1b", split.pp, split.pp, split.micro_batches)
+        ]
         # what each stage sends, in the order it sends it: the same for every replica and rank
         self.sends = {s: self._sends(s) for s in range(split.pp)}
-
-    def _slots(self, s: int) -> list[tuple[str, int]]:
-        """Stage `s`'s slots in the order its program runs them: ("F" or "B", micro-batch)."""
-        return [(a.phase, a.micro_batch) for a in self.schedule[s]]
 
     # -- positions ---------------------------------------------------------------------
 
@@ -214,7 +214,7 @@ class _TrainingCut(StageCut):
                     if self.stage_of(self._position(value)) == s:
                         targets.setdefault(value, []).append(q)
         sends: list[_Send] = []
-        for phase, k in self._slots(s):
+        for phase, k in self.slots[s]:
             here = self._f(s) if phase == "F" else self._b(s)
             if phase == "F" and k == 0:
                 sends += [
@@ -279,7 +279,7 @@ class _TrainingCut(StageCut):
         weights = [w for w in self.weight_nodes if self.weight_stage[w.name] == s]
         accumulated: dict[int, str] = {}  # gradient output index -> its running sum's node
         loss_sum = ""
-        for phase, k in self._slots(s):
+        for phase, k in self.slots[s]:
             here = self._f(s) if phase == "F" else self._b(s)
             pending: list[Node] = []
             if phase == "F" and k == 0:

@@ -8,7 +8,8 @@ torch's interleaved schedules run). On the first call the network is traced once
 rank keeps its stages' modules; every call then runs the batch through the stages as
 `micro_size` micro-batches in tessel's schedule order (`tessel.schedules`, the order a training
 package's stage programs follow too: 1F1B or GPipe; interleaved, 1F1B or looped breadth-first)
-on torch's pipeline runtime, which sends and receives between the stages. As MindSpore's does, the returned loss is the sum of the micro-batches' losses (the
+on torch's pipeline runtime, which sends and receives between the stages. As MindSpore's
+does, the returned loss is the sum of the micro-batches' losses (the
 mean over the data-parallel replicas, each calling with its own batch); `loss.backward()` hands
 the stage's parameters the gradients the schedule computed. The stages hold the network's own
 parameter objects; those of stages other ranks hold retire on this rank (`replaced`), and an
@@ -165,8 +166,8 @@ class Pipeline(torch.nn.Module):
             loss_fn=lambda output, target: output.sum(),
             scale_grads=False,  # the loss is the micro-batches' sum, as its gradients are
         )
-        self.order = pipeline_order(self.scheduler, pp, self.stages, self.micro_size)
-        self.schedule = pipeline_runtime(stages, self.micro_size, self.order, **options)
+        order = pipeline_order(self.scheduler, pp, self.stages, self.micro_size)
+        self.schedule = pipeline_runtime(stages, self.micro_size, order, **options)
         # this rank trains its stages' modules: the whole network is no longer held here
         del self.network
         self.stage_modules = torch.nn.ModuleList([stage.submod for stage in stages])
