@@ -40,6 +40,8 @@ LAYERS: list[set[str]] = [
     },
     # the JSON inputs (cluster, policy, ...), and the log level read from them
     {"config", "log_levels"},
+    # the generation loop over a package's gears: the build's check and the workers run it
+    {"decoding"},
     {"capture"},
     {"plan"},
     {"lower"},

@@ -1,0 +1,237 @@
+"""A causal LM captured for generation: a program per gear over one KV cache it writes in place.
+
+Every gear is one call of `GenerationStep`, the model wrapped with explicit inputs and nothing
+hidden between calls:
+
+- `input_ids [B, T]`: the tokens of this call (a left-padded prompt, or one new token per row);
+- `position_ids [B, T]`: each token's position in its own row (padding not counted);
+- `cache_position [T]`: the cache slots the call's keys and values are written to, the same
+  for every row (a row's padding takes slots too, masked out);
+- `attention_mask [B, L]`: which of the cache's `L` slots hold a row's tokens.
+
+It returns the logits of the call's last token `[B, vocab]`. The cache is a buffer per layer's
+keys and values, `[B, kv heads, L, head dim]`, written with `index_copy_` at `cache_position`;
+the model builds its own masks (causal, sliding window, ALiBi) from the padding mask and the
+slots, as it does for `transformers`' static cache. Prefill gears (one per prompt length) and
+the decode gear (T = 1) share the buffers by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from tessel.capture.export import CapturedModel, capture
+from tessel.config.errors import ConfigError
+from tessel.config.generation import Generation
+
+_CALL = ("input_ids", "attention_mask", "cache", "use_cache")  # and position_ids, if taken
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, written at the slots its cache is given."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, cache: SlotCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.cache = cache
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The buffers exist before the first call."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.cache.slots
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> Any:
+        return self.cache.slots[0]  # the first query's slot: the mask's query offset
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SlotCache(Cache):
+    """`transformers`' cache interface over given buffers, written at `slots` (no counters)."""
+
+    def __init__(self, buffers: list[torch.Tensor], slots: torch.Tensor) -> None:
+        self.slots = slots
+        pairs = zip(buffers[0::2], buffers[1::2])
+        super().__init__(layers=[_SlotLayer(self, k, v) for k, v in pairs])
+
+
+def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> list[torch.Tensor]:
+    """Every layer's key and value buffers for `batch` rows of `length` tokens, zero, on the
+    meta device: their head counts and head sizes are what the model writes into a cache on a
+    one-token call. A model whose cache is not keys and values per layer is refused."""
+    name = type(model).__name__
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    missing = [p for p in _CALL if p not in params]
+    if missing or not hasattr(model, "config"):
+        raise ConfigError(
+            "model",
+            None,
+            f"{name} is not a transformers causal LM taking {', '.join(_CALL)}"
+            f" (it lacks {', '.join(missing) or 'a config'}); generation captures such a model",
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ConfigError(
+            "model",
+            None,
+            f"{name} is an encoder-decoder; generation is built for decoder-only models",
+        )
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    one = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=one, cache=cache, use_cache=True)
+    except Exception as exc:  # noqa: BLE001 - the model's own failure, named in one line
+        raise ConfigError(
+            "model",
+            None,
+            f"{name} fails a one-token call with a cache ({type(exc).__name__}: {exc}); "
+            "generation captures a causal LM that writes keys and values into one",
+        ) from exc
+    if getattr(out, "logits", None) is None:
+        raise ConfigError(
+            "model",
+            None,
+            f"{name} returns no logits: generation takes a causal LM (its *ForCausalLM class)",
+        )
+    buffers = []
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer) or getattr(layer, "keys", None) is None:
+            raise ConfigError(
+                "model",
+                None,
+                f"{name}'s layer {i} keeps a {type(layer).__name__} cache; tessel captures "
+                "caches of keys and values per layer",
+            )
+        for t in (layer.keys, layer.values):
+            shape = (batch, t.shape[1], length, *t.shape[3:])
+            buffers.append(torch.zeros(shape, dtype=t.dtype, device="meta"))
+    if not buffers:
+        raise ConfigError("model", None, f"{name} wrote no keys or values into a cache")
+    return buffers
+
+
+class GenerationStep(torch.nn.Module):
+    """One gear's call of a causal LM over the cache buffers `cache_0`, `cache_1`, ...
+    (keys and values of each layer in turn). See the module docstring for its inputs."""
+
+    def __init__(self, model: torch.nn.Module, buffers: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in params  # ALiBi models count from the mask
+        self.cache_names = [f"cache_{i}" for i in range(len(buffers))]
+        for name, buffer in zip(self.cache_names, buffers):
+            self.register_buffer(name, buffer, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        cache = SlotCache([getattr(self, n) for n in self.cache_names], cache_position)
+        positions = {"position_ids": position_ids} if self.takes_positions else {}
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+            **positions,
+        )
+        return out.logits[:, -1]
+
+
+def gear_inputs(batch: int, length: int, max_seq_len: int) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a gear of `length` tokens: a full prompt written from slot 0."""
+    return (
+        torch.zeros(batch, length, dtype=torch.long),
+        torch.arange(length).expand(batch, length).contiguous(),
+        torch.arange(length),
+        torch.cat(
+            [
+                torch.ones(batch, length, dtype=torch.long),
+                torch.zeros(batch, max_seq_len - length, dtype=torch.long),
+            ],
+            dim=1,
+        ),
+    )
+
+
+@dataclass
+class CapturedGears:
+    """The gears of a generation build: a prefill program per prompt length, the decode program,
+    and the cache buffers they share (the programs' buffers of these names)."""
+
+    step: GenerationStep
+    prefill: dict[int, CapturedModel]
+    decode: CapturedModel
+
+    @property
+    def cache_names(self) -> list[str]:
+        return self.step.cache_names
+
+    def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The captured gear of `length` tokens called in this process on `inputs`, writing
+        the step's cache buffers: the programs as captured, before any partitioning."""
+        ep = (self.decode if length == 1 else self.prefill[length]).program
+        held = dict(self.step.named_parameters(remove_duplicate=False))
+        held.update(self.step.named_buffers(remove_duplicate=False))
+        signature = ep.graph_signature
+        values = []
+        user = iter(inputs)
+        for spec in signature.input_specs:
+            if spec.kind.name == "USER_INPUT":
+                values.append(next(user))
+            elif spec.target in held:
+                values.append(held[spec.target])
+            else:
+                values.append(ep.constants[spec.target])
+        with torch.no_grad():
+            out = ep.graph_module(*values)
+        written = [s.target for s in signature.output_specs if s.kind.name == "BUFFER_MUTATION"]
+        for target, value in zip(written, out):
+            held[target].copy_(value)
+        return out[len(written)]
+
+
+def capture_gears(model: torch.nn.Module, generation: Generation) -> CapturedGears:
+    """Capture `model` (a `transformers` causal LM) at every gear of `generation`."""
+    model = model.eval()
+    b, n = generation.max_batch_size, generation.max_seq_len
+    device = next(model.parameters()).device
+    buffers = [
+        torch.zeros(t.shape, dtype=t.dtype, device=device) for t in cache_shapes(model, b, n)
+    ]
+    step = GenerationStep(model, buffers).eval()
+    prefill = {
+        t: capture(step, gear_inputs(b, t, n), reuse_layers=False)
+        for t in generation.prefill_lengths
+    }
+    decode = capture(step, gear_inputs(b, 1, n), reuse_layers=False)
+    for buffer in step.buffers():
+        buffer.zero_()  # the captures ran the model on their example inputs
+    return CapturedGears(step, prefill, decode)

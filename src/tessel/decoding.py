@@ -1,0 +1,212 @@
+"""The generation loop over a package's gears: a prompt through a prefill gear, then one decode
+call per new token, each call's token chosen from its logits.
+
+The loop is the same wherever the gears run (the build's check against eager, and every
+worker of a session); `run(length, inputs)` calls the gear of `length` tokens. Tokens are
+chosen by `choose` alone, from logits and a generator seeded from the call's seed, so every
+caller given the same logits makes the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from tessel.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each new token is chosen: greedy (`do_sample=False`), or drawn from the logits
+    scaled by `temperature`, kept to the `top_k` largest (0: all) and the smallest set whose
+    probability reaches `top_p`, as `transformers`' `generate` does."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(key: str, allowed: str) -> ConfigError:
+            return ConfigError("generate()", key, f"{allowed}, found {getattr(self, key)!r}")
+
+        if not isinstance(self.do_sample, bool):
+            raise bad("do_sample", "must be True or False")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise bad("temperature", "must be a number above 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an int of at least 0 (0 keeps every token)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise bad("seed", "must be an int of at least 0")
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """Each row's next token from its logits `[B, vocab]`."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ordered, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[:, -1] = False  # the likeliest token always stays
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@dataclass(frozen=True)
+class Gears:
+    """A package's generation shapes: cache rows and slots, and its prefill lengths."""
+
+    max_batch_size: int
+    max_seq_len: int
+    prefill_lengths: tuple[int, ...]
+    vocab_size: int
+
+
+def check_request(
+    gears: Gears,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, int]:
+    """The request's padding mask (all ones when none is given) and its prefill gear; bad
+    requests get `ConfigError`s naming the argument."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        found = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ConfigError(
+            "generate()", "input_ids", f"must be a 2-D tensor [batch, tokens], found {found}"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ConfigError(
+            "generate()", "input_ids", f"must hold integer ids, found {input_ids.dtype}"
+        )
+    rows, length = input_ids.shape
+    if not 1 <= rows <= gears.max_batch_size:
+        raise ConfigError(
+            "generate()",
+            "input_ids",
+            f"has {rows} rows; the package's cache takes 1 to {gears.max_batch_size} "
+            "(Generation.max_batch_size)",
+        )
+    if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= gears.vocab_size):
+        raise ConfigError(
+            "generate()",
+            "input_ids",
+            f"holds ids from {int(input_ids.min())} to {int(input_ids.max())}; the vocabulary "
+            f"is 0 to {gears.vocab_size - 1}",
+        )
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        found = (
+            tuple(attention_mask.shape)
+            if isinstance(attention_mask, torch.Tensor)
+            else type(attention_mask)
+        )
+        raise ConfigError(
+            "generate()",
+            "attention_mask",
+            f"must have input_ids' shape {tuple(input_ids.shape)}, found {found}",
+        )
+    mask = attention_mask.long()
+    if ((mask != 0) & (mask != 1)).any() or (mask.sum(dim=1) == 0).any():
+        raise ConfigError(
+            "generate()", "attention_mask", "must hold 0s and 1s, at least one 1 per row"
+        )
+    if (mask.cummax(dim=1).values != mask).any():
+        raise ConfigError(
+            "generate()",
+            "attention_mask",
+            "pads a row on the right; prompts are padded on the left",
+        )
+    if length > gears.max_seq_len - 1:
+        raise ConfigError(
+            "generate()",
+            "input_ids",
+            f"a prompt of {length} tokens leaves no room in a cache of {gears.max_seq_len} "
+            "(Generation.max_seq_len)",
+        )
+    gear = next((n for n in gears.prefill_lengths if n >= length), None)
+    if gear is None:
+        raise ConfigError(
+            "generate()",
+            "input_ids",
+            f"a prompt of {length} tokens is longer than the longest prefill gear "
+            f"({gears.prefill_lengths[-1]}); the package's gears are {gears.prefill_lengths}",
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ConfigError(
+            "generate()",
+            "max_new_tokens",
+            f"must be an int of at least 1, found {max_new_tokens!r}",
+        )
+    room = gears.max_seq_len - gear + 1
+    if max_new_tokens > room:
+        raise ConfigError(
+            "generate()",
+            "max_new_tokens",
+            f"is {max_new_tokens}; after a prompt in the {gear}-token prefill gear the cache of "
+            f"{gears.max_seq_len} slots holds {room} new tokens",
+        )
+    return mask, gear
+
+
+def decode(
+    run: Callable[[int, tuple[torch.Tensor, ...]], torch.Tensor],
+    gears: Gears,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 1,
+    sampling: Sampling = Sampling(),
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+) -> Iterator[torch.Tensor]:
+    """Generate: yields each step's new tokens `[rows]` (rows that finished at
+    `eos_token_id` give `pad_token_id`), until `max_new_tokens` or every row has finished.
+
+    `run(length, (input_ids, position_ids, cache_position, attention_mask))` calls the gear of
+    `length` tokens on the cache's `max_batch_size` rows and returns the last token's logits;
+    rows past the request's are padding that attends to nothing.
+    """
+    mask, gear = check_request(gears, input_ids, attention_mask, max_new_tokens)
+    rows, length = input_ids.shape
+    batch, slots = gears.max_batch_size, gears.max_seq_len
+    ids = torch.full((batch, gear), pad_token_id, dtype=torch.long)
+    ids[:rows, gear - length :] = input_ids
+    valid = torch.zeros(batch, slots, dtype=torch.long)
+    valid[:rows, gear - length : gear] = mask
+    positions = (valid[:, :gear].cumsum(dim=1) - 1).clamp(min=0)
+    generator = torch.Generator().manual_seed(sampling.seed)
+    finished = torch.zeros(rows, dtype=torch.bool)
+    logits = run(gear, (ids, positions, torch.arange(gear), valid))
+    last = positions[:, -1]
+    for step in range(max_new_tokens):
+        token = choose(logits[:rows], sampling, generator)
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, pad_token_id)
+            finished |= token == eos_token_id
+        yield token
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            return
+        slot = gear + step
+        valid[:rows, slot] = 1
+        last = last + 1
+        fed = torch.full((batch, 1), pad_token_id, dtype=torch.long)
+        fed[:rows, 0] = token
+        logits = run(1, (fed, last[:, None].clone(), torch.tensor([slot]), valid.clone()))

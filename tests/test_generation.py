@@ -1,0 +1,221 @@
+"""Generation's capture and loop: a prefill gear per prompt length and a decode gear over one
+cache written in place, run by `tessel.decoding`, against `transformers`' own `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.differential.zoo import FAMILIES
+
+from tessel.capture.generation import capture_gears
+from tessel.config.errors import ConfigError
+from tessel.config.generation import Generation
+from tessel.decoding import Gears, Sampling, choose, decode
+
+DECODERS = [
+    "gpt2",
+    "llama",
+    "mistral",
+    "gemma2",
+    "falcon",
+    "gpt_neox",
+    "phi3",
+    "opt",
+    "bloom",
+    "mixtral",
+    "deepseek_v3",
+]
+
+
+def _hf_model(family: str) -> torch.nn.Module:
+    return FAMILIES[family].make().model
+
+
+def _gears(model: torch.nn.Module, generation: Generation) -> Gears:
+    vocab = model.config.get_text_config().vocab_size
+    return Gears(
+        generation.max_batch_size, generation.max_seq_len, generation.prefill_lengths, vocab
+    )
+
+
+def _tokens(captured, gears: Gears, ids, mask=None, new=12, **options) -> torch.Tensor:
+    return torch.stack(list(decode(captured.run, gears, ids, mask, new, **options)), dim=1)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = _hf_model("llama")
+    generation = Generation(max_batch_size=4, max_seq_len=24, prefill_lengths=(4, 8))
+    return model, capture_gears(model, generation), _gears(model, generation)
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_greedy_tokens_equal_transformers_generate(family: str) -> None:
+    """Left-padded rows, a cache longer than the sliding windows: the captured gears' greedy
+    tokens are `generate`'s with its static cache, token for token."""
+    model = _hf_model(family)
+    generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,))
+    captured = capture_gears(model, generation)
+    ids = FAMILIES[family].inputs(2)[0][:, :8]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ours = _tokens(captured, _gears(model, generation), ids, mask, new=12)
+    theirs = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+    )[:, 8:]
+    assert torch.equal(ours, theirs)
+
+
+def test_programs_write_the_cache_and_return_one_token_of_logits(llama) -> None:
+    model, captured, _ = llama
+    ep = captured.decode.program
+    written = [s.target for s in ep.graph_signature.output_specs if s.kind.name != "USER_OUTPUT"]
+    assert written == captured.cache_names  # every layer's keys and values, nothing else
+    assert len(written) == 2 * model.config.num_hidden_layers
+    buffer = captured.step.cache_0
+    assert tuple(buffer.shape) == (4, model.config.num_key_value_heads, 24, 16)
+    assert not buffer.any()  # zero again after the captures' example runs
+
+
+def test_a_batch_of_prompts_equals_each_prompt_alone(llama) -> None:
+    _, captured, gears = llama
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in (3, 8, 5, 1)]
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    mask = torch.zeros(4, 8, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, 8 - len(p) :], mask[row, 8 - len(p) :] = p, 1
+    together = _tokens(captured, gears, ids, mask, new=10)
+    for row, p in enumerate(prompts):  # each alone, in the shortest gear that holds it
+        assert torch.equal(_tokens(captured, gears, p[None], new=10)[0], together[row])
+
+
+def test_seeded_sampling_follows_its_seed(llama) -> None:
+    _, captured, gears = llama
+    ids = FAMILIES["llama"].inputs(2)[0][:, :6]
+    one = Sampling(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, seed=1)
+    first = _tokens(captured, gears, ids, sampling=one)
+    assert torch.equal(first, _tokens(captured, gears, ids, sampling=one))
+    other = _tokens(captured, gears, ids, sampling=Sampling(do_sample=True, seed=2))
+    assert not torch.equal(first, other)
+    # keeping only the likeliest token is greedy decoding, whatever the seed draws
+    narrow = Sampling(do_sample=True, top_k=1, seed=5)
+    assert torch.equal(
+        _tokens(captured, gears, ids, sampling=narrow), _tokens(captured, gears, ids)
+    )
+
+
+def test_choose_keeps_to_top_k_and_top_p() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    top3 = logits.topk(3).indices
+    drawn = [choose(logits, Sampling(do_sample=True, top_k=3), g) for _ in range(200)]
+    for row in range(3):
+        assert {int(d[row]) for d in drawn} <= set(top3[row].tolist())
+    # a nucleus smaller than the likeliest token's probability keeps that token alone
+    assert torch.equal(
+        choose(logits, Sampling(do_sample=True, top_p=1e-6), g), logits.argmax(dim=-1)
+    )
+
+
+def test_finished_rows_give_the_pad_token_and_the_loop_stops(llama) -> None:
+    _, captured, gears = llama
+    ids = FAMILIES["llama"].inputs(2)[0][:, :6]
+    free = _tokens(captured, gears, ids, new=10)
+    eos = int(free[0, 2])  # row 0 ends at its third token
+    stops = _tokens(captured, gears, ids, new=10, eos_token_id=eos, pad_token_id=7)
+    row1_end = [i for i in range(10) if int(free[1, i]) == eos]
+    last = max(2, row1_end[0] if row1_end else 9)
+    assert stops.shape[1] == last + 1  # until every row has finished, or the last token
+    assert torch.equal(stops[0, :3], free[0, :3]) and (stops[0, 3:] == 7).all()
+    n = row1_end[0] + 1 if row1_end else stops.shape[1]
+    assert torch.equal(stops[1, :n], free[1, :n])
+
+
+@pytest.mark.parametrize(
+    "call, key",
+    [
+        (dict(ids=torch.zeros(5, 4, dtype=torch.long)), "input_ids"),  # rows > max_batch_size
+        (dict(ids=torch.zeros(1, 9, dtype=torch.long)), "input_ids"),  # longer than any gear
+        (dict(ids=torch.full((1, 4), 256)), "input_ids"),  # outside the vocabulary
+        (dict(ids=torch.zeros(1, 4)), "input_ids"),  # not ids
+        (dict(ids=torch.zeros(4, dtype=torch.long)), "input_ids"),  # not [batch, tokens]
+        (dict(new=18), "max_new_tokens"),  # 8-token gear: 17 new tokens fill the 24 slots
+        (dict(new=0), "max_new_tokens"),
+        (dict(mask=torch.tensor([[1, 1, 0, 0]])), "attention_mask"),  # padded on the right
+        (dict(mask=torch.tensor([[0, 0, 0, 0]])), "attention_mask"),
+        (dict(mask=torch.ones(1, 3, dtype=torch.long)), "attention_mask"),
+    ],
+)
+def test_bad_requests_are_refused_naming_the_argument(llama, call: dict, key: str) -> None:
+    _, captured, gears = llama
+    ids = call.get("ids", torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ConfigError) as err:
+        _tokens(captured, gears, ids, call.get("mask"), new=call.get("new", 12))
+    assert err.value.key == key
+
+
+def test_the_cache_holds_exactly_the_promised_new_tokens(llama) -> None:
+    _, captured, gears = llama
+    ids = torch.zeros(1, 5, dtype=torch.long)  # the 8-token gear: slots 0-7, then 16 more
+    assert _tokens(captured, gears, ids, new=17).shape == (1, 17)
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (dict(temperature=0), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(do_sample="yes"), "do_sample"),
+    ],
+)
+def test_sampling_arguments_out_of_range_are_refused(options: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Sampling(**options)
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    "fields, key",
+    [
+        (dict(max_batch_size=0), "max_batch_size"),
+        (dict(max_seq_len=True), "max_seq_len"),
+        (dict(prefill_lengths=()), "prefill_lengths"),
+        (dict(prefill_lengths=(16,)), "prefill_lengths"),  # no room for a new token
+        (dict(prefill_lengths=(4, 4)), "prefill_lengths"),
+    ],
+)
+def test_bad_generation_settings_are_refused(fields: dict, key: str) -> None:
+    given = dict(max_batch_size=1, max_seq_len=16, prefill_lengths=(8,)) | fields
+    with pytest.raises(ConfigError) as err:
+        Generation(**given)
+    assert err.value.key == key
+
+
+def test_generation_sorts_its_gears_and_takes_one_length() -> None:
+    assert Generation(2, 64, (32, 8)).prefill_lengths == (8, 32)
+    assert Generation(2, 64, 16).prefill_lengths == (16,)
+
+
+@pytest.mark.parametrize(
+    "family, why",
+    [
+        ("mamba", "layer 0 keeps a LinearAttentionLayer cache"),
+        ("t5", "is an encoder-decoder"),
+        ("bert", "returns no logits"),
+    ],
+)
+def test_models_whose_cache_is_not_captured_are_refused_in_one_line(family: str, why: str) -> None:
+    model = FAMILIES[family].make()
+    model = getattr(model, "model", model)
+    with pytest.raises(ConfigError) as err:
+        capture_gears(model, Generation(1, 16, (8,)))
+    assert why in str(err.value) and "\n" not in str(err.value)
