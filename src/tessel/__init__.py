@@ -27,6 +27,7 @@ _EXPORTS = {
     "ENABLE_GRAPH_PARALLEL": "tessel.builder.seed_api",
     "GRAPH_PARALLEL_OPTION_PATH": "tessel.builder.seed_api",
     "ConfigError": "tessel.config",
+    "Generation": "tessel.config.generation",
     "TesselError": "tessel.errors",
     "Session": "tessel.runtime",
     "SessionError": "tessel.runtime",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -65,18 +66,22 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-@dataclass(frozen=True)
-class Gears:
-    """A package's generation shapes: cache rows and slots, and its prefill lengths."""
+class GearShapes(Protocol):
+    """A generation package's shapes: its cache's rows and slots, its prefill gears' prompt
+    lengths (rising) and its vocabulary (the manifest's `Gears`)."""
 
-    max_batch_size: int
-    max_seq_len: int
-    prefill_lengths: tuple[int, ...]
-    vocab_size: int
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 def check_request(
-    gears: Gears,
+    gears: GearShapes,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     max_new_tokens: int,
@@ -169,7 +174,7 @@ def check_request(
 
 def decode(
     run: Callable[[int, tuple[torch.Tensor, ...]], torch.Tensor],
-    gears: Gears,
+    gears: GearShapes,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 1,

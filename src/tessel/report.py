@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Any
 
 from tessel.config.mesh import axis_groups
 from tessel.errors import TesselError
-from tessel.package.manifest import Manifest
+from tessel.package.manifest import Manifest, dtype_bytes
 from tessel.package.plan_report import (
     MemoryLine,
     PlanReport,
@@ -109,8 +110,54 @@ class Inspected:
             "verify": report.get("verify"),
             "source": plan.source,
             "training": report.get("training"),
+            "generation": (
+                {**m.generation.to_json(), "state_bytes_per_rank": state_bytes(m)}
+                if m.generation is not None
+                else None
+            ),
             "ranks": [r.to_json() for r in self.ranks],
         }
+
+
+def state_bytes(manifest: Manifest) -> list[int]:
+    """The bytes of state (a generation package's cache) each rank holds, in rank order."""
+    gears = manifest.generation
+    if gears is None:
+        return [0] * manifest.world_size
+    size = {s.name: dtype_bytes(s.dtype) for s in gears.state}
+    return [
+        sum(math.prod(shape) * size[name] for name, shape in sub.state.items())
+        for sub in manifest.submodels
+    ]
+
+
+def generation_lines(manifest: Manifest) -> list[str]:
+    """A generation package's gears, and its cache: shape, placement, bytes per rank."""
+    gears = manifest.generation
+    if gears is None:
+        return []
+    total = sum(math.prod(s.shape) * dtype_bytes(s.dtype) for s in gears.state)
+    held = state_bytes(manifest)
+    first = gears.state[0] if gears.state else None
+    lines = [
+        f"generation: up to {gears.max_batch_size} rows of {gears.max_seq_len} tokens; prefill "
+        f"gears of {', '.join(map(str, gears.prefill_lengths))} tokens, then the decode gear",
+    ]
+    if first is not None:
+        local = manifest.submodels[0].state.get(first.name, first.shape)
+        split = [d for d, (n, m) in enumerate(zip(first.shape, local)) if n != m]
+        how = (
+            f"split on dim {split[0]} (rank 0 holds {list(local)} of {list(first.shape)})"
+            if split
+            else f"whole on every rank ({list(first.shape)})"
+        )
+        lines.append(
+            f"cache: {len(gears.state)} tensors, {human_bytes(total)} in all, each {how}; "
+            f"per rank {human_bytes(min(held))}"
+            + (f" to {human_bytes(max(held))}" if min(held) != max(held) else "")
+            + f" (total / {manifest.world_size}: {human_bytes(total / manifest.world_size)})"
+        )
+    return lines
 
 
 def inspect(manifest: Manifest) -> Inspected:
@@ -228,6 +275,7 @@ def format_plan(manifest: Manifest) -> str:
         if plan.lowered_time_s is not None:
             line += f" ({1e3 * plan.lowered_time_s:.2f} ms as its programs were lowered)"
         lines.append(line)
+    lines.extend(generation_lines(manifest))
     training = plan.training
     if training:
         lines.append(

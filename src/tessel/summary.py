@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.package.plan_report import Verified
-from tessel.report import RankView, inspect
+from tessel.report import RankView, generation_lines, inspect
 from tessel.units import human_bytes
 
 
@@ -27,6 +27,7 @@ def build_summary(manifest: Manifest, path: str | None = None) -> str:
     lines.append("  inputs: " + _tensors(manifest.inputs))
     if manifest.outputs:
         lines.append("  outputs: " + _tensors(manifest.outputs))
+    lines.extend("  " + line for line in generation_lines(manifest))
     lines.append("  per device: " + _memory(seen.ranks))
     lines.append("  collectives per run: " + _collectives(seen.ranks))
     if plan.estimated_time_s:

@@ -55,11 +55,14 @@ def pack(
     pp: int = 1,
     micro_batches: int = 1,
     stored: dict | None = None,
+    written: frozenset[str] = frozenset(),
 ) -> tuple[Manifest, dict[str, Member]]:
     """The manifest and members of a package: `programs` holds one program per rank of the
     cluster; with `dp` replicas, rank `r` holds the weights of tensor-parallel rank `r % tp`.
     With pipeline stages, `staged` holds each rank's program, stage and the weights it takes.
-    `stored` gives the weights' values where the captured model holds fake tensors."""
+    `stored` gives the weights' values where the captured model holds fake tensors. `written`
+    names the state the programs write in place (a generation step's cache): never stored, each
+    rank's part declared by its shape."""
     ep = captured.program
     tp = math.prod(plan.mesh_shape)
     state = {**ep.state_dict, **ep.constants}
@@ -87,7 +90,7 @@ def pack(
         order = [fqn for _, fqn in weights if takes is None or fqn in takes]
         mine = [(ph, fqn) for ph, fqn in weights if fqn in order]
         tied = _tied_weights(mine, state, whole, placements)
-        replicated = sorted(set(order) & whole - tied.keys())
+        replicated = sorted(set(order) & whole - tied.keys() - written)
         key = id(rp)
         if key not in program_member:
             name = f"programs/program_{len(program_member)}.json"
@@ -101,7 +104,7 @@ def pack(
         shards = {
             fqn: local_shard(state[fqn], placements[fqn], plan.mesh_shape, mesh_rank)
             for fqn in order
-            if fqn not in whole and fqn not in tied
+            if fqn not in whole and fqn not in tied and fqn not in written
         }
         for cname, value in rp.constants.items():
             if stored is not None and is_fake(value):
@@ -136,6 +139,13 @@ def pack(
                 weight_order=tuple(order),
                 tied=ties,
                 comm_groups=tuple(map(tuple, groups_in(rp.program))) if graph_parallel else (),
+                state={
+                    fqn: tuple(
+                        local_shard(state[fqn], placements[fqn], plan.mesh_shape, mesh_rank).shape
+                    )
+                    for fqn in order
+                    if fqn in written
+                },
             )
         )
         ranks_report.append(

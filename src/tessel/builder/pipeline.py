@@ -15,6 +15,7 @@ import torch
 
 from tessel._torch import tree_leaves
 from tessel.builder.fit import Level, fit
+from tessel.builder.generation import build_generation
 from tessel.builder.mesh_choice import (
     batch_rows,
     choose_mesh,
@@ -33,7 +34,7 @@ from tessel.builder.stages import (
     stage_planner,
 )
 from tessel.builder.training import build_training
-from tessel.builder.verify import check_against_eager, worth_checking
+from tessel.builder.verify import check_against_eager, check_generation, worth_checking
 from tessel.builder.weights import streamed_weights
 from tessel.capture import CapturedModel, capture
 from tessel.capture.export import split_inputs
@@ -45,8 +46,10 @@ from tessel.config.cluster import (
     read_cluster_config,
 )
 from tessel.config.errors import ConfigError
+from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, ParallelDims, parallel_dims
 from tessel.config.parallel_option import ParallelOption, read_parallel_option
+from tessel.decoding import check_request
 from tessel.log_levels import torch_kept_quiet
 from tessel.lower.estimate import program_seconds
 from tessel.lower.program import RankProgram
@@ -132,6 +135,7 @@ def build(
     weights: str | Path | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     param_dtype: torch.dtype | str | None = None,
+    generation: Generation | None = None,
 ) -> BuiltModel:
     """Build an offline model for `cluster`.
 
@@ -157,6 +161,11 @@ def build(
     bf16 over fp32 master weights, optimizer states and gradient exchange, as FSDP2's
     `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` does; by
     default the step computes in the dtype of the model's parameters (fp32 or bf16).
+
+    With `generation` (a `tessel.Generation`), `model` is a `transformers` causal LM and the
+    package holds its gears: a prefill program per prompt length and a decode program, over a
+    KV cache each device holds and writes in place, for `Session.generate`. `example_inputs`
+    (token ids) are then optional: the prompt the built gears are checked on.
     """
     timings: dict[str, float] = {}
     stored, verify = _streamed(model, weights, verify)
@@ -164,6 +173,26 @@ def build(
     if isinstance(policy, (str, Path)):
         policy = read_parallel_option(policy, cluster.world_size)
     policy = policy or ParallelOption()
+    if generation is not None:
+        if optimizer is not None or param_dtype is not None or weights is not None:
+            given = "weights" if weights is not None else "optimizer"
+            raise ConfigError(
+                "build()", given, "is not taken with generation= (a generation build)"
+            )
+        if not graph_parallel:
+            raise ConfigError("build()", "graph_parallel", "must be True for a generation build")
+        manifest, members, timings = build_generation(
+            model, generation, cluster, policy, soc_version, time_limit
+        )
+        checked = Verified(skipped="not asked for (verify=False)")
+        if verify is not False:
+            prompt = _generation_prompt(manifest, example_inputs, example_kwargs)
+            t = time.perf_counter()
+            with phase("checking the gears against the eager model"):
+                checked = check_generation(BuiltPackage(manifest, members), model, prompt)
+            timings["verify"] = time.perf_counter() - t
+        manifest = replace(manifest, plan=replace(manifest.plan, verify=checked))
+        return BuiltModel.checked(manifest, members, timings)
     if optimizer is not None or param_dtype is not None:
         _check_training(optimizer, weights, verify, graph_parallel)
         return BuiltModel.checked(
@@ -209,6 +238,21 @@ def build(
         checked = _verify(shape, manifest, members, verify, timings)
     manifest = replace(manifest, plan=replace(manifest.plan, verify=checked))
     return BuiltModel.checked(manifest, members, timings)
+
+
+def _generation_prompt(
+    manifest: Manifest, example_inputs: Any, example_kwargs: dict | None
+) -> torch.Tensor | None:
+    """The token ids a generation build is checked on: its example input, where given."""
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not given:
+        return None
+    try:
+        check_request(manifest.generation, given[0], None, 1)
+    except ConfigError as exc:
+        raise ConfigError("build()", "example_inputs", exc.detail) from None
+    return given[0]
 
 
 def _streamed(model: Any, weights: str | Path | None, verify: bool | None) -> tuple[Any, Any]:

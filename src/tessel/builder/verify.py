@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from tessel.capture import CapturedModel
+from tessel.capture.generation import GenerationStep
 from tessel.config.soc import SocProfile, soc_profile
+from tessel.decoding import decode
 from tessel.errors import TesselError
 from tessel.package.plan_report import Verified
 from tessel.plan import cost
 from tessel.plan.candidates import node_flops
-from tessel.runtime.inprocess import run_in_process
+from tessel.runtime.inprocess import InProcessModel, run_in_process
 
 # largest difference allowed, relative to the largest magnitude of the eager output (at least 1)
 TOLERANCE = {
@@ -110,3 +112,58 @@ def check_against_eager(
             )
         worst = max(worst, diff / scale)
     return Verified(max_relative_diff=worst, seconds=round(seconds, 3))
+
+
+def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor | None) -> Verified:
+    """A generation package's prefill and three decode steps, every rank's gears run in this
+    process, against the model run eagerly over a cache of its own (greedy, on `prompt`, or
+    on random ids of the shortest gear's length). Each step's logits must agree within the
+    tolerance, and so must the tokens, unless the eager model's two likeliest are closer than
+    that (a tie either may break); raises `VerifyError` otherwise."""
+    gears = package.manifest.generation
+    t = time.perf_counter()
+    if prompt is None:
+        g = torch.Generator().manual_seed(0)
+        rows = min(2, gears.max_batch_size)
+        prompt = torch.randint(0, gears.vocab_size, (rows, gears.prefill_lengths[0]), generator=g)
+    buffers = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in gears.state]
+    eager = GenerationStep(model, buffers).eval()
+    built = InProcessModel(package)
+    seen: dict[str, list[torch.Tensor]] = {"eager": [], "built": []}
+
+    def eager_run(length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            seen["eager"].append(eager(*inputs))
+        return seen["eager"][-1]
+
+    def built_run(length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        seen["built"].append(built.run(list(inputs), length)[-1])
+        return seen["built"][-1]
+
+    steps = 4
+    want = list(decode(eager_run, gears, prompt, None, steps, pad_token_id=gears.pad_token_id))
+    got = list(decode(built_run, gears, prompt, None, steps, pad_token_id=gears.pad_token_id))
+    worst = 0.0
+    for step, (e, b) in enumerate(zip(seen["eager"], seen["built"])):
+        rows = prompt.shape[0]
+        e, b = e[:rows].float(), b[:rows].float()
+        scale = max(1.0, e.abs().max().item())
+        allowed = tolerance(torch.float32) * scale
+        diff = (b - e).abs().max().item()
+        if not diff <= allowed:
+            raise VerifyError(
+                f"the built generation package disagrees with the model at step {step} "
+                f"({'prefill' if step == 0 else 'decode'}): the logits differ by up to {diff:.3g} "
+                f"(allowed {allowed:.3g}); the package was not written. Please report this "
+                "with the model and cluster"
+            )
+        worst = max(worst, diff / scale)
+        if not torch.equal(want[step], got[step]):
+            top = e.topk(2, dim=-1).values
+            if (top[:, 0] - top[:, 1]).min().item() > allowed:
+                raise VerifyError(
+                    f"the built generation package chooses other tokens than the model at step "
+                    f"{step}: {got[step].tolist()} against {want[step].tolist()}"
+                )
+            break  # a tie broken the other way: later steps see other tokens
+    return Verified(max_relative_diff=worst, seconds=round(time.perf_counter() - t, 3))

@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from tessel.capture.export import CapturedModel, capture
+from tessel.capture.training import mark_state
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 
@@ -189,6 +190,7 @@ class CapturedGears:
     step: GenerationStep
     prefill: dict[int, CapturedModel]
     decode: CapturedModel
+    generation: Generation
 
     @property
     def cache_names(self) -> list[str]:
@@ -228,10 +230,49 @@ def capture_gears(model: torch.nn.Module, generation: Generation) -> CapturedGea
     ]
     step = GenerationStep(model, buffers).eval()
     prefill = {
-        t: capture(step, gear_inputs(b, t, n), reuse_layers=False)
+        t: _writes_in_place(capture(step, gear_inputs(b, t, n)), model)
         for t in generation.prefill_lengths
     }
-    decode = capture(step, gear_inputs(b, 1, n), reuse_layers=False)
-    for buffer in step.buffers():
-        buffer.zero_()  # the captures ran the model on their example inputs
-    return CapturedGears(step, prefill, decode)
+    decode = _writes_in_place(capture(step, gear_inputs(b, 1, n)), model)
+    for name in step.cache_names:  # the captures ran the model on their example inputs
+        getattr(step, name).zero_()
+    return CapturedGears(step, prefill, decode, generation)
+
+
+_INDEX_PUT = torch.ops.aten.index_put.default
+
+
+def _writes_in_place(captured: CapturedModel, model: torch.nn.Module) -> CapturedModel:
+    """The gear's cache writes made in place: each buffer's new value, which export returns as
+    a functional `index_put` of the buffer, becomes `index_put_` on the buffer itself, and the
+    graph's output marks which state each written buffer is (`mark_state`), so the plan
+    places it like the buffer and the program writes into the buffer a worker holds."""
+    ep = captured.program
+    graph = ep.graph_module.graph
+    signature = ep.graph_signature
+    placeholder = {s.target: s.arg.name for s in signature.input_specs if s.kind.name == "BUFFER"}
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    names = []
+    for spec, value in zip(signature.output_specs, values):
+        if spec.kind.name != "BUFFER_MUTATION":
+            break
+        buffer = value.args[0] if isinstance(value, torch.fx.Node) and value.args else None
+        if (
+            value.target is not _INDEX_PUT
+            or not isinstance(buffer, torch.fx.Node)
+            or buffer.name != placeholder.get(spec.target)
+            or len(buffer.users) != 1
+        ):
+            raise ConfigError(
+                "model",
+                None,
+                f"{type(model).__name__} writes its cache buffer {spec.target} other than by "
+                "one indexed write a step (found "
+                f"{getattr(value, 'target', value)}); tessel writes caches in place that way",
+            )
+        value.target = torch.ops.aten.index_put_.default
+        names.append(spec.target)
+    mark_state(graph, tuple(names))
+    ep.graph_module.recompile()
+    return captured

@@ -65,13 +65,40 @@ _ZERO_FILLED = {
 def zero_fill_allocations(gm: fx.GraphModule) -> int:
     """Make every `empty` allocation zero-filled; returns how many (no recompile)."""
     changed = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _ZERO_FILLED:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.empty_permuted.default:
+            _zero_filled_permuted(gm.graph, node)
+            changed += 1
+        elif node.op == "call_function" and node.target in _ZERO_FILLED:
             if node.target is torch.ops.aten.empty.memory_format:
                 node.kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
             node.target = _ZERO_FILLED[node.target]
             changed += 1
     return changed
+
+
+def _zero_filled_permuted(graph: fx.Graph, node: fx.Node) -> None:
+    """`empty_permuted(size, layout)` (what `empty_like` of a strided tensor traces to) as
+    zeros laid out in `layout`'s order, viewed back in `size`'s."""
+    size, layout = list(node.args[0]), list(node.args[1])
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "pin_memory"}
+    if layout == sorted(layout):
+        node.target, node.args, node.kwargs = torch.ops.aten.zeros.default, (size,), kwargs
+        return
+    inverse = [layout.index(d) for d in range(len(layout))]
+    with graph.inserting_after(node):
+        zeros = graph.call_function(
+            torch.ops.aten.zeros.default, ([size[d] for d in layout],), kwargs
+        )
+        if "val" in node.meta:
+            zeros.meta["val"] = node.meta["val"].permute(layout)
+        with graph.inserting_after(zeros):
+            viewed = graph.call_function(torch.ops.aten.permute.default, (zeros, inverse))
+    for key in ("val", "tensor_meta"):
+        if key in node.meta:
+            viewed.meta[key] = node.meta[key]
+    node.replace_all_uses_with(viewed)
+    graph.erase_node(node)
 
 
 _LIFTS = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}

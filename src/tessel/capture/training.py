@@ -20,6 +20,7 @@ from tessel.capture.layers import layer_of
 from tessel.config.errors import ConfigError
 
 GRADIENTS_META = "tessel_gradients"
+STATE_META = "tessel_state"
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,33 @@ def mark_gradients(graph: fx.Graph, marks: GradientOutputs) -> None:
     out.meta[GRADIENTS_META] = marks
 
 
+def state_outputs(graph: fx.Graph) -> tuple[str, ...]:
+    """The state a generation graph writes in place: output `i` is state `names[i]` (by FQN),
+    after the write. Empty for any other graph."""
+    for n in reversed(graph.nodes):
+        if n.op == "output":
+            return n.meta.get(STATE_META, ())
+    return ()
+
+
+def mark_state(graph: fx.Graph, names: tuple[str, ...]) -> None:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out.meta[STATE_META] = names
+
+
 def placed_like(graph: fx.Graph, param_targets: dict[str, str]) -> dict[int, fx.Node]:
-    """Output index -> the weight placeholder whose placement that output is returned in.
+    """Output index -> the weight placeholder whose placement that output is returned in: a
+    training step's gradients, a generation step's state. Where any output is, the other
+    outputs are returned whole on every rank.
 
     `param_targets` maps placeholder names to FQNs (a tied weight's placeholder stands for all
     of its names).
     """
     marks = gradient_outputs(graph)
-    if marks is None:
-        return {}
     by_fqn = {fqn: name for name, fqn in param_targets.items()}
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    if marks is None:
+        return {i: placeholders[by_fqn[fqn]] for i, fqn in enumerate(state_outputs(graph))}
     return {i + 1: placeholders[by_fqn[fqn]] for i, fqn in enumerate(marks.names)}
 
 

@@ -14,7 +14,7 @@ import json
 import keyword
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +109,9 @@ def check(program: Any) -> None:
     nodes = program.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ProgramError("program has no list of nodes")
+    state = program.get("state", [])
+    if not isinstance(state, list) or not all(isinstance(n, str) for n in state):
+        raise ProgramError(f"program's state is not a list of input names: {state!r}")
     defined: set[str] = set()
     inputs: dict[str, str] = {}  # inputs, constants and views of them -> the input: read-only
     for i, node in enumerate(nodes):
@@ -119,6 +122,11 @@ def check(program: Any) -> None:
             if i != len(nodes) - 1:
                 raise ProgramError(f"program node {i} is an output before the last node")
             _check_value(node.get("args"), defined, f"output node {i}")
+            given = {n["name"] for n in nodes[:i] if n.get("op") == "input"}
+            if not set(state) <= given:
+                raise ProgramError(
+                    f"program's state names {sorted(set(state) - given)}, not its inputs"
+                )
             return
         name = node.get("name")
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -129,7 +137,7 @@ def check(program: Any) -> None:
             root = _check_call(node, defined, inputs)
             if root is not None:
                 inputs[name] = root
-        else:
+        elif name not in state:  # state, and only state, is written in place
             inputs[name] = name
         defined.add(name)
     raise ProgramError("program has no output node")
@@ -226,11 +234,14 @@ def _group_ranks(name: str) -> list[int]:
 
 
 def encode(
-    gm: fx.GraphModule, group_ranks: Callable[[str], list[int]] = _group_ranks
+    gm: fx.GraphModule,
+    group_ranks: Callable[[str], list[int]] = _group_ranks,
+    state: Sequence[str] = (),
 ) -> tuple[dict, dict]:
     """The JSON form of a traced local program and its constants; each collective's group is
     recorded as its rank list, `group_ranks(group_name)` (by default, from the process groups
-    of the world it was traced in)."""
+    of the world it was traced in). `state` names the inputs the program writes in place (a
+    generation step's cache), which the program lists as its state."""
     nodes = []
     constants = {}
 
@@ -277,7 +288,9 @@ def encode(
             nodes.append({"op": "output", "args": enc(n.args[0], False)})
         else:
             raise ProgramError(f"cannot serialise node kind {n.op}")
-    program = {"format": FORMAT, "nodes": nodes}
+    program: dict[str, Any] = {"format": FORMAT, "nodes": nodes}
+    if state:
+        program["state"] = list(state)
     check(program)  # what a loader would refuse is refused here, when the model is built
     return program, constants
 

@@ -37,14 +37,15 @@ from tessel._torch import (
 )
 from tessel.capture import CapturedModel
 from tessel.capture.portable import fresh_scalars, portable_attention, zero_fill_allocations
-from tessel.capture.training import placed_like
+from tessel.capture.training import placed_like, state_outputs
 from tessel.errors import TesselError
 from tessel.lower.outputs import output_layout, shards_only
 from tessel.lower.program import OutputLayout, RankProgram, encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
 from tessel.plan import Plan
 from tessel.plan.candidates import DROPPED
-from tessel.plan.memory import program_peak_bytes
+from tessel.plan.memory import is_view, program_peak_bytes
+from tessel.plan.planner import writes_into
 from tessel.plan.strategies import LOCAL_RULES
 from tessel.sharding.placements import local_shard
 
@@ -211,8 +212,12 @@ def _trace(
         portable_attention(gm, recompile=False)  # the program is read, never run, here
         zero_fill_allocations(gm)
         fresh_scalars(gm)
-        program, constants = encode(gm)  # resolves collective groups while the world exists
-    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        written = state_outputs(graph)
+        writable = [name for name, (_, fqn) in zip(inputs, weights) if fqn in written]
+        _check_written_in_place(gm, written, {fqn: name for name, (_, fqn) in zip(inputs, weights)})
+        # resolves collective groups while the world exists
+        program, constants = encode(gm, state=writable)
     # a weight under a second name (tied) loads as the first name's tensor: held once
     first: dict[int, str] = {}
     aliases = {
@@ -222,6 +227,27 @@ def _trace(
     }
     held, peak = program_peak_bytes(gm.graph, set(inputs[: len(weights)]) - aliases, aliases)
     return RankProgram(program, constants, node_shapes(gm), held, peak, layouts or None)
+
+
+def _check_written_in_place(
+    gm: fx.GraphModule, written: tuple[str, ...], local: dict[str, str]
+) -> None:
+    """Every state the graph writes (output `i` is state `written[i]`) is returned as the
+    in-place write into the rank's own input: a write into a copy would be lost."""
+    if not written:
+        return
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for value, fqn in zip(out.args[0], written):
+        while isinstance(value, fx.Node) and is_view(value) and not writes_into(value, 0):
+            value = value.args[0]  # a view of the written tensor is that tensor
+        target = value.args[0] if isinstance(value, fx.Node) and value.args else None
+        if not (
+            isinstance(target, fx.Node) and target.name == local[fqn] and writes_into(value, 0)
+        ):
+            raise LoweringError(
+                f"the plan moves the state {fqn} before its in-place write ({value}): the "
+                "write would land in a copy"
+            )
 
 
 _VIEWS = (

@@ -47,6 +47,13 @@ DTYPES = frozenset(
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype the manifest names."""
+    if name == "bool" or name.endswith("8") or "float8" in name:
+        return 1
+    return int(re.sub(r"\D", "", name)) // 8
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a model input or output; inputs have a name, integer inputs a bound."""
@@ -116,6 +123,10 @@ class Submodel:
     # each a process group over its ranks; the same ranks in another order are another group
     # (a training pipeline sends each way between two ranks over a group of its own)
     comm_groups: tuple[tuple[int, ...], ...]
+    # a generation package's prefill programs by prompt length (`program` is its decode gear)
+    gears: Mapping[int, str] = field(default_factory=dict)
+    # the state this rank holds, zero at load and written by its programs: name -> local shape
+    state: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def read(cls, f: Field, rank: int, world: int, members: frozenset[str]) -> Submodel:
@@ -134,6 +145,18 @@ class Submodel:
             raise f.get("weight_order").fail("names a weight twice")
         tied_f = f.get("tied", optional=True)
         tied = {k: Tie.read(v) for k, v in tied_f.items()} if tied_f.value is not None else {}
+        gears = {}
+        gears_f = f.get("gears", optional=True)
+        for length, member in gears_f.items() if gears_f.value is not None else []:
+            if not length.isdigit() or int(length) < 1:
+                raise member.fail(f"names a prefill gear {length!r}; expected a prompt length")
+            gears[int(length)] = member.member(members)
+        state_f = f.get("state", optional=True)
+        state = {k: _shape(v) for k, v in state_f.items()} if state_f.value is not None else {}
+        if not set(state) <= set(order):
+            raise state_f.fail(
+                f"names state the rank's programs do not take: {sorted(set(state) - set(order))}"
+            )
         got = f.get("rank").int()
         if got != rank:
             raise f.get("rank").fail(f"expected {rank} (submodels are listed by rank), found {got}")
@@ -147,6 +170,8 @@ class Submodel:
             weight_order=order,
             tied=tied,
             comm_groups=tuple(groups),
+            gears=gears,
+            state=state,
         )
 
     def to_json(self) -> dict:
@@ -160,6 +185,8 @@ class Submodel:
             "weight_order": list(self.weight_order),
             "tied": {k: t.to_json() for k, t in self.tied.items()},
             "comm_groups": [list(g) for g in self.comm_groups],
+            **({"gears": {str(n): m for n, m in self.gears.items()}} if self.gears else {}),
+            **({"state": {k: list(v) for k, v in self.state.items()}} if self.state else {}),
         }
 
 
@@ -296,6 +323,52 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Gears:
+    """A generation package's shapes: its cache's rows and slots, the prompt lengths of its
+    prefill gears, the vocabulary, the tokens its model pads and stops with, and the state
+    every gear writes in place (global shapes; each rank's part in its submodel)."""
+
+    max_batch_size: int
+    max_seq_len: int
+    prefill_lengths: tuple[int, ...]
+    vocab_size: int
+    state: tuple[TensorSpec, ...]
+    pad_token_id: int = 0
+    eos_token_id: int | None = None
+
+    @classmethod
+    def read(cls, f: Field) -> Gears:
+        f.only(x.name for x in fields(cls))
+        seq = f.get("max_seq_len").int(low=2)
+        lengths = tuple(n.int(low=1, high=seq - 1) for n in f.get("prefill_lengths").list())
+        if not lengths or list(lengths) != sorted(set(lengths)):
+            raise f.get("prefill_lengths").fail("expected prompt lengths in rising order")
+        vocab = f.get("vocab_size").int(low=1)
+        return cls(
+            max_batch_size=f.get("max_batch_size").int(low=1),
+            max_seq_len=seq,
+            prefill_lengths=lengths,
+            vocab_size=vocab,
+            state=tuple(TensorSpec.read(x, named=True) for x in f.get("state").list()),
+            pad_token_id=f.get("pad_token_id").int(low=0, high=vocab - 1),
+            eos_token_id=f.get("eos_token_id", optional=True).optional(
+                lambda e: e.int(low=0, high=vocab - 1)
+            ),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "max_batch_size": self.max_batch_size,
+            "max_seq_len": self.max_seq_len,
+            "prefill_lengths": list(self.prefill_lengths),
+            "vocab_size": self.vocab_size,
+            "state": [x.to_json() for x in self.state],
+            "pad_token_id": self.pad_token_id,
+            **({"eos_token_id": self.eos_token_id} if self.eos_token_id is not None else {}),
+        }
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What `manifest.json` records: how the model was built, per-rank submodels, member checksums."""
 
@@ -318,6 +391,7 @@ class Manifest:
     timings: Mapping[str, float] = field(default_factory=dict)
     files: Mapping[str, str] = field(default_factory=dict)  # member -> SHA-256
     training: Training | None = None  # a training step's package only
+    generation: Gears | None = None  # a generation package's gears and state only
 
     format = FORMAT
 
@@ -405,6 +479,7 @@ class Manifest:
             training=top.get("training", optional=True).optional(
                 lambda t: Training.read(t, mesh, names)
             ),
+            generation=top.get("generation", optional=True).optional(Gears.read),
         )
 
     def to_json(self) -> dict:
@@ -434,6 +509,8 @@ class Manifest:
             out["strategy"] = self.strategy
         if self.training is not None:
             out["training"] = self.training.to_json()
+        if self.generation is not None:
+            out["generation"] = self.generation.to_json()
         return out
 
     def with_files(self, files: Mapping[str, str]) -> Manifest:
@@ -457,6 +534,7 @@ class Manifest:
         for s in self.submodels:
             names.add(s.program)
             names.update(s.weights)
+            names.update(s.gears.values())
         return names
 
     def __repr__(self) -> str:

@@ -193,12 +193,29 @@ def _op_choices(
         if len(s.inputs) == len(args)
         and strategy_key(s) not in banned
         and _shards_dims_it_has(s, n, args)
+        and not _partial_integers(s, n)
     ]
     # on an axis of one device every placement is the whole tensor: Replicate stands for all
     found = [s for s in found if _replicated_on_single_axes(s, mesh)] or found
     if not found:
         return _replicated(n, mesh, "fallback", "rule gave no strategy for these arguments")
     return NodeChoices(n, "op", found, args)
+
+
+def _partial_integers(s: NodeStrategy, n: fx.Node) -> bool:
+    """Whether the strategy leaves an integer or boolean output as partial values on the
+    ranks: their reduction runs in floating point (a sum of booleans is no boolean), so such
+    values are held whole or sharded, never partial."""
+    outputs = s.output if isinstance(s.output, tuple) else (s.output,)
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    return any(
+        isinstance(v, torch.Tensor)
+        and not (v.dtype.is_floating_point or v.dtype.is_complex)
+        and spec is not None
+        and any(p.is_partial() for p in spec.placements)
+        for spec, v in zip(outputs, vals)
+    )
 
 
 def _shards_dims_it_has(s: NodeStrategy, n: fx.Node, args: list[fx.Node]) -> bool:

@@ -24,7 +24,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from tessel._torch import C10D_FUNCTIONAL, tree_leaves
-from tessel.capture.training import gradient_outputs
+from tessel.capture.training import gradient_outputs, state_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow, pairwise
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
@@ -385,7 +385,9 @@ def footprint(
         else:
             weights[v] = weights.get(v, 0) + bytes_per_strategy
 
-    buffers = _resharding_buffers(steps, choices, mesh_shape, like or {}, marks is None)
+    # a forward's outputs are gathered to rank 0; a training or generation step's are not
+    forward = marks is None and not state_outputs(graph)
+    buffers = _resharding_buffers(steps, choices, mesh_shape, like or {}, forward)
     by_start = sorted(buffers, key=lambda b: b.start)
     by_end = sorted(buffers, key=lambda b: b.end)
     now = _HeldNow(weights)

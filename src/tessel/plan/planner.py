@@ -7,6 +7,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from typing import cast
 
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tessel._torch import detached_mesh, tree_leaves
 from tessel.capture import CapturedModel
 from tessel.capture.layers import layer_of
-from tessel.capture.training import placed_like
+from tessel.capture.training import placed_like, state_outputs
 from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
@@ -121,7 +122,8 @@ def make_plan(
 
     t1 = time.perf_counter()
     like = placed_like(graph, param_targets)
-    problem = _problem(graph, choices, cluster, mesh, axes, like)
+    state = set(like.values()) if state_outputs(graph) else set()
+    problem = _problem(graph, choices, cluster, mesh, axes, like, state)
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     method = option.opt_level
     switched = ""
@@ -189,7 +191,13 @@ def _candidates(
     ep = captured.program
     graph = ep.graph_module.graph
     param_targets = _weight_targets(ep)
-    params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    # the planner places the weights and the state the graph writes (a generation step's cache)
+    written = set(state_outputs(graph))
+    params = {
+        s.arg.name
+        for s in ep.graph_signature.input_specs
+        if s.kind.name == "PARAMETER" or (s.kind.name == "BUFFER" and s.target in written)
+    }
     state = {**ep.state_dict, **ep.constants}
     weight_tensors = {name: state[fqn] for name, fqn in param_targets.items() if fqn in state}
     templates, families = template_map(graph)
@@ -214,7 +222,34 @@ def _candidates(
             )
         by_placeholder[template.name] = wanted
     choices = enumerate_candidates(graph, mesh, params, templates, banned, by_placeholder)
+    _state_as_written(graph, choices, {n for n, fqn in param_targets.items() if fqn in written})
     return param_targets, weight_tensors, families, choices
+
+
+def _state_as_written(
+    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], state: set[str]
+) -> None:
+    """Each state placeholder (by name in `state`) keeps only the placements in which its
+    in-place writers can take it: placed otherwise, the write would land in a copy."""
+    for n in graph.nodes:
+        if n.op != "placeholder" or n.name not in state or n not in choices:
+            continue
+        owner = choices[n].owner or n
+        options = choices[owner]
+        for writer in n.users:
+            if writer not in choices or not writes_into(writer, 0) or writer.args[0] is not n:
+                continue
+            taken = {
+                _placements(s.inputs[0])
+                for s in choices[choices[writer].owner or writer].strategies
+            }
+            kept = [s for s in options.strategies if _placements(s.output_at(None)) in taken]
+            if not kept:
+                raise PlanError(
+                    f"the state {n.name} has no placement in which {writer.name} "
+                    f"({writer.target}) can write into it"
+                )
+            options.strategies[:] = kept
 
 
 def _does_not_fit(
@@ -381,10 +416,14 @@ def _problem(
     mesh: DeviceMesh,
     axes: tuple[MeshAxis, ...],
     like: dict[int, fx.Node] | None = None,
+    state: AbstractSet[fx.Node] = frozenset(),
 ) -> Problem:
     """Each decision's cost: compute, resharding on every edge, and the outputs' moves (`like`:
-    output index -> the weight whose placement that output is returned in)."""
+    output index -> the weight whose placement that output is returned in). State (`state`'s
+    placeholders) is written in place, so an op writing into it takes it as it is placed: a
+    move there would write into a copy, and costs `_UNMOVABLE`."""
     like = like or {}
+    unmovable = {_owner(choices, n) for n in state if n in choices}
     soc = cluster.soc
     peak, bandwidth, overhead = device_rates(cluster)
     mesh_shape = tuple(mesh.shape)
@@ -477,6 +516,10 @@ def _problem(
         dst = [
             _placements(s.inputs[j]) if j < len(s.inputs) else None for s in choices[vc].strategies
         ]
+        if vp in unmovable and writes_into(vc, j):
+            pinned = np.array([[0.0 if d in (None, p) else _UNMOVABLE for d in dst] for p in src])
+            pairs[(vp, vc)] = pairs.get((vp, vc), 0) + pinned
+            continue
         add_moves(vp, src, vc, dst, b, shape, count)
 
     # outputs are returned whole, a gradient placed like its weight
@@ -507,6 +550,19 @@ def _problem(
         dst = [_placements(choices[weight].out_spec(k)) for k in range(sizes[vw])]
         add_moves(v, src, vw, dst, b, shape)
     return Problem(sizes, linear, dict(pairs))
+
+
+# seconds charged for moving state an op writes in place: no plan that fits pays it
+_UNMOVABLE = 1e6
+
+
+def writes_into(node: fx.Node, index: int) -> bool:
+    """Whether `node` writes in place into its argument `index`."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or index >= len(schema.arguments):
+        return False
+    alias = schema.arguments[index].alias_info
+    return alias is not None and alias.is_write
 
 
 def _shape(spec) -> tuple[int, ...] | None:

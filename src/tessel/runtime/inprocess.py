@@ -20,7 +20,7 @@ from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
 from tessel.errors import TesselError
-from tessel.runtime.loader import load_rank
+from tessel.runtime.loader import load_gears, load_rank
 
 
 class InProcessError(TesselError, RuntimeError):
@@ -164,44 +164,64 @@ def run_in_process(
     package: Any, inputs: list[torch.Tensor], timeout: float = 600.0
 ) -> list[torch.Tensor]:
     """Rank 0's outputs of `package` (a `Package`, or a built model's members) on `inputs`."""
-    manifest = package.manifest
-    if manifest.mode != "partitioned" or manifest.world_size == 1:
-        gm, weights = load_rank(package, 0, torch.device("cpu"), {})
-        with torch.inference_mode():
-            return list(gm(*weights, *inputs))
-    groups = sorted({tuple(g) for s in manifest.submodels for g in s.comm_groups})
-    name_of = {g: f"in-process:{','.join(map(str, g))}" for g in groups}
-    group_of = {name: g for g, name in name_of.items()}
-    exchange = _Exchange(timeout)
-    ranks = []
-    for rank in range(manifest.world_size):
-        gm, weights = load_rank(package, rank, torch.device("cpu"), name_of)
-        ranks.append((_Rank(gm, rank, exchange, group_of), weights))
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
+    return InProcessModel(package, timeout).run(inputs)
 
-    def work(rank: int) -> None:
-        interpreter, weights = ranks[rank]
+
+class InProcessModel:
+    """Every rank of `package` loaded in this process, run one thread per rank: its program,
+    and a generation package's gears, over weights (and state) each rank keeps between runs."""
+
+    def __init__(self, package: Any, timeout: float = 600.0) -> None:
+        manifest = package.manifest
+        self.timeout = timeout
+        self.single = manifest.mode != "partitioned" or manifest.world_size == 1
+        groups = sorted({tuple(g) for s in manifest.submodels for g in s.comm_groups})
+        name_of = {g: f"in-process:{','.join(map(str, g))}" for g in groups}
+        self.group_of = {name: g for g, name in name_of.items()}
+        cpu = torch.device("cpu")
+        self.ranks: list[tuple[dict[int | None, fx.GraphModule], list[torch.Tensor]]] = []
+        for rank in range(1 if self.single else manifest.world_size):
+            gm, weights = load_rank(package, rank, cpu, {} if self.single else name_of)
+            programs: dict[int | None, fx.GraphModule] = {None: gm}
+            if manifest.generation is not None:
+                programs.update({**load_gears(package, rank, cpu, name_of), 1: gm})
+            self.ranks.append((programs, weights))
+
+    def run(self, inputs: list[torch.Tensor], gear: int | None = None) -> list[torch.Tensor]:
+        """Rank 0's outputs of the program (or the gear of `gear` tokens) on `inputs`."""
+        if self.single:
+            programs, weights = self.ranks[0]
+            with torch.no_grad():
+                return list(programs[gear](*weights, *inputs))
+        exchange = _Exchange(self.timeout)
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+
+        def work(rank: int) -> None:
+            programs, weights = self.ranks[rank]
+            interpreter = _Rank(programs[gear], rank, exchange, self.group_of)
+            try:
+                with torch.no_grad():
+                    results[rank] = interpreter.run(*weights, *inputs)
+            except BaseException as exc:  # noqa: BLE001 - reported below, after every rank stops
+                errors[rank] = exc
+                exchange.fail(exc)
+
+        threads = [
+            threading.Thread(target=work, args=(r,), daemon=True) for r in range(len(self.ranks))
+        ]
+        threads_per_rank = max(1, torch.get_num_threads() // len(self.ranks))
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank)
         try:
-            with torch.inference_mode():
-                results[rank] = interpreter.run(*weights, *inputs)
-        except BaseException as exc:  # noqa: BLE001 - reported below, after every rank stops
-            errors[rank] = exc
-            exchange.fail(exc)
-
-    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(len(ranks))]
-    threads_per_rank = max(1, torch.get_num_threads() // len(ranks))
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads_per_rank)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        torch.set_num_threads(saved)
-    if errors:
-        rank = min(errors, key=lambda r: isinstance(errors[r], InProcessError))
-        exc = errors[rank]
-        raise InProcessError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
-    return list(results[0])
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            torch.set_num_threads(saved)
+        if errors:
+            rank = min(errors, key=lambda r: isinstance(errors[r], InProcessError))
+            exc = errors[rank]
+            raise InProcessError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
+        return list(results[0])

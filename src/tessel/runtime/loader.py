@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from tessel.dtypes import torch_dtype
 from tessel.lower.program import decode
 from tessel.package.format import CONSTANT_PREFIX, Package, PackageError
 
@@ -20,20 +21,70 @@ def load_rank(
         for k, v in tensors.items()
         if k.startswith(CONSTANT_PREFIX)
     }
-    missing = [name for name in sub.weight_order if name not in tensors]
+    state = _state(package, rank, device)
+    missing = [name for name in sub.weight_order if name not in tensors and name not in state]
     if missing:
         raise PackageError(
             package.path, f"rank {rank} needs weights its members do not hold: {missing[:5]}"
         )
-    weights = [tensors[name].to(device) for name in sub.weight_order]
-    program = package.json(sub.program)
+    weights = [
+        state[name] if name in state else tensors[name].to(device) for name in sub.weight_order
+    ]
+    return _program(package, rank, sub.program, constants, device, groups), weights
+
+
+def load_gears(
+    package: Package, rank: int, device: torch.device, groups: dict[tuple[int, ...], str]
+) -> dict[int, fx.GraphModule]:
+    """A generation package's prefill programs of `rank`, by prompt length."""
+    sub = package.submodel(rank)
+    constants = {
+        k.removeprefix(CONSTANT_PREFIX): v
+        for k, v in package.weights(sub).items()
+        if k.startswith(CONSTANT_PREFIX)
+    }
+    return {
+        length: _program(package, rank, member, constants, device, groups)
+        for length, member in sub.gears.items()
+    }
+
+
+def _state(package: Package, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The state `rank` holds (a generation package's cache), zero: never stored."""
+    sub = package.submodel(rank)
+    gears = package.manifest.generation
+    if not sub.state:
+        return {}
+    specs = {x.name: x for x in gears.state} if gears is not None else {}
+    unknown = sorted(set(sub.state) - set(specs))
+    if unknown:
+        raise PackageError(
+            package.path, f"rank {rank} holds state the manifest does not declare: {unknown[:5]}"
+        )
+    return {
+        name: torch.zeros(shape, dtype=torch_dtype(specs[name].dtype), device=device)
+        for name, shape in sub.state.items()
+    }
+
+
+def _program(
+    package: Package,
+    rank: int,
+    member: str,
+    constants: dict[str, torch.Tensor],
+    device: torch.device,
+    groups: dict[tuple[int, ...], str],
+) -> fx.GraphModule:
+    """One program member of `rank`, checked to take its weights and the model's inputs."""
+    sub = package.submodel(rank)
+    program = package.json(member)
     takes = len(sub.weight_order) + len(package.manifest.inputs)
     if isinstance(program, dict) and isinstance(program.get("nodes"), list):
         found = sum(isinstance(n, dict) and n.get("op") == "input" for n in program["nodes"])
         if found != takes:
             raise PackageError(
                 package.path,
-                f"the program of rank {rank} takes {found} inputs; its weights and the model's "
-                f"inputs are {takes}",
+                f"the program {member} of rank {rank} takes {found} inputs; its weights and the "
+                f"model's inputs are {takes}",
             )
-    return decode(program, constants, device, groups), weights
+    return decode(program, constants, device, groups)

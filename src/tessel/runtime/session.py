@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
+from tessel.decoding import Sampling, check_request
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
@@ -277,6 +279,7 @@ class _Graph:
     next_replica: int = 0
     inputs: tuple[TensorSpec, ...] = ()
     learning_rate: float | None = None  # a training step's, where the session set one
+    stream: _TokenStream | None = None  # a generation package's last streamed request
 
     @property
     def procs(self) -> list[Any]:
@@ -431,6 +434,12 @@ class Session:
         computes before the update.
         """
         graph = self._graph(graph_id)
+        if graph.package.manifest.generation is not None:
+            raise ConfigError(
+                "run_graph()",
+                "graph_id",
+                f"graph {graph_id} is a generation package: call Session.generate",
+            )
         tensors = _check_inputs(graph.inputs, inputs)
         workers = graph.workers
         if workers.broken:
@@ -458,6 +467,78 @@ class Session:
                 exc.rank,
                 exc.worker_traceback,
             ) from exc
+
+    def generate(
+        self,
+        graph_id: int,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 20,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        stream: bool = False,
+    ) -> Any:
+        """Generate from a generation package: token ids `[rows, prompt + new tokens]`, as
+        `transformers`' `generate` returns them (rows finished at `eos_token_id` padded with
+        `pad_token_id`; both default to the model's). With `stream`, an iterator of each
+        step's new tokens `[rows]` instead. Prompts are padded on the left (`attention_mask`
+        0 over the padding); the loop runs on the devices, every rank choosing each token."""
+        graph = self._graph(graph_id)
+        gears = graph.package.manifest.generation
+        if gears is None:
+            raise ConfigError(
+                "generate()",
+                "graph_id",
+                f"graph {graph_id} was built without generation (tessel.build(..., "
+                "generation=tessel.Generation(...)))",
+            )
+        sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+            input_ids = input_ids[None]
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
+                attention_mask = attention_mask[None]
+        mask, _ = check_request(gears, input_ids, attention_mask, max_new_tokens)
+        eos = gears.eos_token_id if eos_token_id is None else eos_token_id
+        pad = gears.pad_token_id if pad_token_id is None else pad_token_id
+        for key, value in (("eos_token_id", eos), ("pad_token_id", pad)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value
+            ):
+                raise ConfigError("generate()", key, f"must be a token id, found {value!r}")
+        if not isinstance(stream, bool):
+            raise ConfigError("generate()", "stream", f"must be True or False, found {stream!r}")
+        if graph.stream is not None:  # a stream its caller left before its end
+            graph.stream.finish()
+            graph.stream = None
+        workers = graph.workers
+        if workers.broken:
+            raise WorkerError(
+                f"graph {graph_id}'s workers were stopped after an error; remove the graph and "
+                "load it again"
+            )
+        request = {
+            "rows": input_ids.shape[0],
+            "length": input_ids.shape[1],
+            "max_new_tokens": max_new_tokens,
+            "sampling": dataclasses.asdict(sampling),
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "stream": stream,
+        }
+        prompt = input_ids.detach().long().cpu().contiguous()
+        with contextlib.suppress(OSError):
+            workers.conns[0].send(("generate", request, prompt, mask.cpu().contiguous()))
+        if stream:
+            graph.stream = _TokenStream(workers)
+            return graph.stream
+        new = _wait_result(workers, 0)
+        return torch.cat([prompt, new], dim=1)
 
     def save_checkpoint(self, graph_id: int, path: str | Path) -> Path:
         """Write a training graph's weights and optimizer states as a distributed checkpoint
@@ -695,8 +776,11 @@ def _describe_exit(workers: _Workers, i: int) -> str:
     return f"rank {workers.ranks[i]} died (exit code {code})"
 
 
-def _poll(workers: _Workers, deadline: float, want: str, index: int | None) -> Any:
+def _poll(
+    workers: _Workers, deadline: float, want: str | tuple[str, ...], index: int | None
+) -> Any:
     """Wait for `want` from worker `index` (or all ready); fail fast on errors and deaths.
+    Where `want` gives several kinds, returns the kind that came with its payload.
 
     Blocks in `multiprocessing.connection.wait` on every pipe and process sentinel, so an answer
     is taken the moment it arrives and an idle session costs no CPU.
@@ -722,6 +806,8 @@ def _poll(workers: _Workers, deadline: float, want: str, index: int | None) -> A
                 raise WorkerError(_describe_exit(workers, i)) from None
             if kind == "error":
                 raise _silent_death(workers, i) or _worker_failed(rank, payload)
+            if isinstance(want, tuple) and kind in want and i in pending:
+                return kind, payload
             if kind == want and i in pending:
                 pending.discard(i)
                 result = payload
@@ -773,12 +859,38 @@ def _wait_ready(workers: _Workers, timeout: float) -> None:
     _poll(workers, time.monotonic() + timeout, "ready", None)
 
 
-def _wait_result(workers: _Workers, index: int) -> list[torch.Tensor]:
+def _wait_result(workers: _Workers, index: int, want: str = "result") -> Any:
     try:
-        return _poll(workers, time.monotonic() + workers.run_timeout, "result", index)
+        return _poll(workers, time.monotonic() + workers.run_timeout, want, index)
     except BaseException:  # a failure, or an interruption that leaves a run in flight
         _stop(workers, graceful=False)
         raise
+
+
+class _TokenStream:
+    """Each step's tokens `[rows]` as rank 0 sends them, until its result."""
+
+    def __init__(self, workers: _Workers) -> None:
+        self.workers = workers
+        self.done = False
+
+    def __iter__(self) -> _TokenStream:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.done:
+            raise StopIteration
+        kind, payload = _wait_result(self.workers, 0, ("token", "result"))
+        if kind == "result":
+            self.done = True
+            raise StopIteration
+        return payload
+
+    def finish(self) -> None:
+        """Read the rest of the request, so the next one's answers are its own."""
+        while not self.done and not self.workers.broken:
+            kind, _ = _wait_result(self.workers, 0, ("token", "result"))
+            self.done = kind == "result"
 
 
 def _continue(pid: int | None) -> None:

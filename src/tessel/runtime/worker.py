@@ -27,7 +27,8 @@ from tessel.log_levels import keep_torch_quiet
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache
-from tessel.runtime.loader import load_rank
+from tessel.runtime.generating import LoadedGears, generate_on_rank, request_text
+from tessel.runtime.loader import load_gears, load_rank
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
 
@@ -69,7 +70,7 @@ def collective_timeout_s(run_timeout_s: float) -> float:
 
 
 # The words rank 0 broadcasts to say what every rank does next.
-_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS = 0, 1, 2, 3, 4, 5, 6
+_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS, _GENERATE = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def die_with_parent() -> None:
@@ -123,6 +124,7 @@ class _Loaded:
     inputs: tuple[TensorSpec, ...]
     step: TrainingStep | None = None  # a training package's optimizer and gradients
     strategy: bytes = b""  # a training package's strategy file, for its checkpoints
+    gears: LoadedGears | None = None  # a generation package's gears over its cache
 
 
 def _load(
@@ -166,8 +168,12 @@ def _load(
             tensors = _checkpoint_tensors(resume, spec.rank, device, step.checkpoint_layout(names))
             with torch.no_grad():
                 step.load_state_dict(tensors)
+    gears = None
+    if package.manifest.generation is not None:
+        prefill = load_gears(package, spec.rank, device, groups)
+        gears = LoadedGears(package.manifest.generation, {**prefill, 1: program}, weights)
     _release_memory(device)  # what decoding the program left behind, before the first run
-    return _Loaded(program, weights, package.manifest.inputs, step, strategy)
+    return _Loaded(program, weights, package.manifest.inputs, step, strategy, gears)
 
 
 _PATH_BYTES = 512  # a package's path, as other nodes see it in a mismatch: its first bytes
@@ -370,6 +376,10 @@ def _next_command(
         command = int(word.item())
         if command == _IDLE:
             continue
+        if command == _GENERATE:  # the request's shape and options; its tensors follow
+            text = json.dumps(request_text(message)) if leader else ""
+            request = json.loads(_broadcast_text(text, device))
+            return command, ("generate", request, *(message[2:4] if leader else ()))
         if command in (_LOAD, _SAVE):
             # a package's path and the checkpoint to resume from; a checkpoint's directory
             words = "\n".join(message[1:3]) if leader else ""
@@ -387,6 +397,7 @@ _COMMANDS = {
     "stop": _STOP,
     "save": _SAVE,
     "stats": _STATS,
+    "generate": _GENERATE,
 }
 
 
@@ -448,6 +459,13 @@ def _serve(
             continue
         if loaded is None:
             raise RuntimeError("asked to run with no model loaded")
+        if command == _GENERATE:
+            if loaded.gears is None:
+                raise RuntimeError("asked to generate with a package built without generation")
+            generate_on_rank(
+                loaded.gears, message, conn if leader else None, spec.distributed, device
+            )
+            continue
         inputs: list[torch.Tensor] = []
         if leader:
             inputs = [x.to(device) for x in message[1]]

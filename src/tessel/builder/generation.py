@@ -1,0 +1,172 @@
+"""A generation package: the build's recipe (check, capture, fit, pack) for a causal LM's gears.
+
+All gears share one set of weights and one cache on every rank, so one gear's plan places
+them and the others are planned with those placements given, only their activations placed
+for their own shapes. Where the devices hold the whole model beside the longest prompt's
+activations, the decode gear places them (it runs once per new token); where memory binds,
+the longest prefill gear does, since it needs the most room beside them. The package stores
+the decode gear as each rank's program and the prefill gears beside it; the cache is
+declared, never stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from tessel.builder.fit import Fitted, Level, fit
+from tessel.builder.packing import pack
+from tessel.capture.generation import CapturedGears, capture_gears
+from tessel.config.cluster import ClusterConfig
+from tessel.config.errors import ConfigError
+from tessel.config.generation import Generation
+from tessel.config.mesh import POLICY_KEYS, parallel_dims
+from tessel.config.parallel_option import ParallelOption
+from tessel.package.format import Manifest
+from tessel.package.manifest import Gears, TensorSpec
+from tessel.plan import PlanError
+from tessel.plan.planner import least_memory_plan
+from tessel.progress import phase
+from tessel.sharding.placements import placement_str
+
+log = logging.getLogger(__name__)
+
+
+def build_generation(
+    model: torch.nn.Module,
+    generation: Generation,
+    cluster: ClusterConfig,
+    policy: ParallelOption,
+    soc_version: str,
+    time_limit: float,
+) -> tuple[Manifest, dict, dict[str, float]]:
+    """The manifest, members and timings of a generation package for `model`."""
+    if not isinstance(generation, Generation):
+        raise ConfigError(
+            "build()",
+            "generation",
+            f"takes a tessel.Generation, found {type(generation).__name__}",
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            "build()", "model", f"generation captures an nn.Module, found {type(model).__name__}"
+        )
+    dims = parallel_dims(cluster, policy)
+    for axis in ("dp", "pp"):
+        if dims.size(axis) > 1:
+            raise ConfigError(
+                policy.source,
+                f"graph_parallel_option.{POLICY_KEYS[axis]}",
+                f"is {dims.size(axis)}: generation packages are built over tensor parallelism "
+                "alone so far (data-parallel replicas and pipeline stages of the gears are not "
+                "built yet)",
+            )
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    with phase("capturing the gears"):
+        gears = capture_gears(model, generation)
+    timings["capture"] = time.perf_counter() - t
+    options = dict(time_limit=time_limit, reuse_layers=True, timings=timings)
+    # every gear holds the weights and the cache beside its own activations: the longest
+    # prompt's, at the least, bound what the weights may take
+    reserve = 0
+    for captured in gears.prefill.values():
+        peak, weights = least_memory_plan(captured, cluster.world_size)
+        reserve = max(reserve, peak - weights)
+    longest = max(gears.prefill)
+    ep = gears.decode.program
+    whole = sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in ep.state_dict.values()}.values()
+    )
+    decode_first = whole + reserve <= min(d.memory_bytes for d in cluster.devices)
+    prefill: dict[int, Fitted] = {}
+    if decode_first:  # memory does not bind: the gear that runs most places the weights
+        try:
+            decode = fit(gears.decode, cluster, policy, dims, [Level(reserve=reserve)], **options)
+            given = _placed_as(decode, policy)
+            for n, captured in gears.prefill.items():
+                prefill[n] = fit(captured, cluster, given, dims, [Level()], **options)
+        except PlanError as exc:
+            log.info("the decode gear's placements leave a prefill gear no room (%s)", exc)
+            decode_first = False
+    if not decode_first:
+        # memory binds: the longest prompt's gear places the weights and the cache, so the
+        # gear that needs the most room fits, and the others follow it
+        first = fit(gears.prefill[longest], cluster, policy, dims, [Level()], **options)
+        given = _placed_as(first, policy)
+        decode = fit(gears.decode, cluster, given, dims, [Level()], **options)
+        prefill = {
+            n: first if n == longest else fit(captured, cluster, given, dims, [Level()], **options)
+            for n, captured in gears.prefill.items()
+        }
+    t = time.perf_counter()
+    with phase("packing"):
+        manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version)
+    timings["pack"] = time.perf_counter() - t
+    return manifest, members, timings
+
+
+def _placed_as(fitted: Fitted, policy: ParallelOption) -> ParallelOption:
+    """`policy` with every weight and state placed as `fitted`'s plan places it."""
+    placed = fitted.plan.param_placements()
+    return replace(
+        policy,
+        fixed_placements=tuple(
+            (fqn, tuple(placement_str(p) for p in placements)) for fqn, placements in placed.items()
+        ),
+    )
+
+
+def _pack(
+    gears: CapturedGears,
+    decode: Fitted,
+    prefill: dict[int, Fitted],
+    model: torch.nn.Module,
+    cluster: ClusterConfig,
+    soc_version: str,
+) -> tuple[Manifest, dict]:
+    """The decode gear packed as the model, its prefill gears' programs added beside it."""
+    written = frozenset(gears.cache_names)
+    manifest, members = pack(
+        gears.decode, decode.plan, decode.programs, cluster, soc_version, True, written=written
+    )
+    submodels = list(manifest.submodels)
+    for length, fitted in prefill.items():
+        seen: dict[bytes, str] = {}
+        for rank, rp in enumerate(fitted.programs):
+            data = json.dumps(rp.program).encode()
+            if data not in seen:
+                seen[data] = f"programs/prefill_{length}_{len(seen)}.json"
+                members[seen[data]] = data
+            sub = submodels[rank]
+            submodels[rank] = replace(sub, gears={**sub.gears, length: seen[data]})
+    held = dict(gears.step.named_buffers())
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    settings = getattr(model, "generation_config", None)
+    pad = getattr(settings, "pad_token_id", None)
+    eos = getattr(settings, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    vocab = int(text.vocab_size)
+    spec = Gears(
+        max_batch_size=gears.generation.max_batch_size,
+        max_seq_len=gears.generation.max_seq_len,
+        prefill_lengths=gears.generation.prefill_lengths,
+        vocab_size=vocab,
+        state=tuple(
+            TensorSpec(tuple(held[n].shape), str(held[n].dtype).removeprefix("torch."), n)
+            for n in gears.cache_names
+        ),
+        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else 0,
+        eos_token_id=eos if isinstance(eos, int) and 0 <= eos < vocab else None,
+    )
+    outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
+    return (
+        replace(manifest, submodels=tuple(submodels), generation=spec, outputs=outputs),
+        members,
+    )

@@ -1,0 +1,81 @@
+"""Generation on a worker: the package's gears over the cache this rank holds, run in a loop.
+
+Every rank runs the same loop (`tessel.decoding.decode`) on the same request: each gear's
+program ends with the logits whole on every rank, so every rank chooses the same token and
+feeds it to the next step with no word from the session between tokens. Rank 0 hands the
+tokens to the session: each step's as it is made where the request streams, all at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from tessel.decoding import Sampling, decode
+from tessel.package.manifest import Gears
+
+
+@dataclass
+class LoadedGears:
+    """A rank's gears: its programs by prompt length (1: the decode gear) over its weights,
+    the cache among them (zero at load, written in place by every call)."""
+
+    shapes: Gears
+    programs: dict[int, fx.GraphModule]
+    weights: list[torch.Tensor]
+
+    def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The last token's logits of the gear of `length` tokens on `inputs`."""
+        device = self.weights[0].device if self.weights else torch.device("cpu")
+        outputs = self.programs[length](*self.weights, *(x.to(device) for x in inputs))
+        return outputs[-1].cpu()
+
+
+def request_text(message: tuple) -> dict[str, Any]:
+    """What every rank needs of a request besides its tensors (the session's message holds
+    it as a dict after the command's name)."""
+    return message[1]
+
+
+def generate_on_rank(
+    gears: LoadedGears,
+    message: tuple,
+    conn: Connection | None,
+    distributed: bool,
+    device: torch.device,
+) -> None:
+    """Run one request's loop on this rank; `conn` (rank 0's pipe to the session, None on the
+    others) receives the tokens."""
+    request = message[1]
+    shape = (int(request["rows"]), int(request["length"]))
+    if len(message) > 2:  # rank 0: the session sent the tensors
+        ids, mask = (x.to(device) for x in message[2:4])
+    else:
+        ids = torch.empty(shape, dtype=torch.int64, device=device)
+        mask = torch.empty(shape, dtype=torch.int64, device=device)
+    if distributed:
+        dist.broadcast(ids, src=0)
+        dist.broadcast(mask, src=0)
+    tokens = []
+    steps = decode(
+        gears.run,
+        gears.shapes,
+        ids.cpu(),
+        mask.cpu(),
+        int(request["max_new_tokens"]),
+        Sampling(**request["sampling"]),
+        request["eos_token_id"],
+        int(request["pad_token_id"]),
+    )
+    with torch.no_grad():
+        for token in steps:
+            tokens.append(token)
+            if conn is not None and request["stream"]:
+                conn.send(("token", 0, token))
+    if conn is not None:
+        conn.send(("result", 0, torch.stack(tokens, dim=1)))
