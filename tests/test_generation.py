@@ -229,6 +229,6 @@ def test_a_program_writes_in_place_only_into_the_state_it_declares() -> None:
     with pytest.raises(ProgramError, match="writes into its argument 'self'"):
         check({"format": FORMAT, "nodes": nodes})  # an input it does not declare: read-only
     with pytest.raises(ProgramError, match="not its inputs"):
-        check({"format": FORMAT, "nodes": nodes, "state": ["written"]})
+        check({"format": FORMAT, "nodes": nodes, "state": ["cache", "written"]})
     with pytest.raises(ProgramError, match="not a list of input names"):
         check({"format": FORMAT, "nodes": nodes, "state": "cache"})
