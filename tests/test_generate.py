@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import math
 import zipfile
-from collections.abc import Iterator
 
 import pytest
 import torch
-from tests.differential import conftest as differential_conftest
 from tests.differential.zoo import FAMILIES
+from tests.training import conftest as training_conftest
 
 import tessel
 from tessel.capture.generation import capture_gears
@@ -31,25 +30,9 @@ GENERATION = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,))
 NEW = 16  # the 8-token gear leaves the 24 slots room for 17
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_workers():
-    """Replaces the per-test check: workers belong to the module's sessions here, and the
-    check runs when they close (`no_leftover_workers_after_the_module`)."""
-    yield
-
-
-no_leftover_workers_after_the_module = differential_conftest.no_leftover_workers_after_the_module
-
-
-@pytest.fixture(scope="module")
-def sessions() -> Iterator[dict[int, tessel.Session]]:
-    """One Session per device count for the module: its packages reuse the workers."""
-    tessel.initialize()
-    opened: dict[int, tessel.Session] = {}
-    yield opened
-    for session in opened.values():
-        session.close()
-    tessel.finalize()
+# the module's Sessions, one per device count, their workers checked gone when they close
+sessions = training_conftest.sessions
+no_leftover_workers = training_conftest.no_leftover_workers
 
 
 def _build(family: str, devices: int, memory: str, generation: Generation = GENERATION):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,12 +33,6 @@ class LoadedGears:
         device = self.weights[0].device if self.weights else torch.device("cpu")
         outputs = self.programs[length](*self.weights, *(x.to(device) for x in inputs))
         return outputs[-1].cpu()
-
-
-def request_text(message: tuple) -> dict[str, Any]:
-    """What every rank needs of a request besides its tensors (the session's message holds
-    it as a dict after the command's name)."""
-    return message[1]
 
 
 def generate_on_rank(

@@ -20,7 +20,7 @@ from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
 from tessel.errors import TesselError
-from tessel.runtime.loader import load_gears, load_rank
+from tessel.runtime.loader import load_programs
 
 
 class InProcessError(TesselError, RuntimeError):
@@ -181,11 +181,7 @@ class InProcessModel:
         cpu = torch.device("cpu")
         self.ranks: list[tuple[dict[int | None, fx.GraphModule], list[torch.Tensor]]] = []
         for rank in range(1 if self.single else manifest.world_size):
-            gm, weights = load_rank(package, rank, cpu, {} if self.single else name_of)
-            programs: dict[int | None, fx.GraphModule] = {None: gm}
-            if manifest.generation is not None:
-                programs.update({**load_gears(package, rank, cpu, name_of), 1: gm})
-            self.ranks.append((programs, weights))
+            self.ranks.append(load_programs(package, rank, cpu, {} if self.single else name_of))
 
     def run(self, inputs: list[torch.Tensor], gear: int | None = None) -> list[torch.Tensor]:
         """Rank 0's outputs of the program (or the gear of `gear` tokens) on `inputs`."""

@@ -14,6 +14,15 @@ def load_rank(
     package: Package, rank: int, device: torch.device, groups: dict[tuple[int, ...], str]
 ) -> tuple[fx.GraphModule, list[torch.Tensor]]:
     """The rank's program and its weight inputs in program order."""
+    programs, weights = load_programs(package, rank, device, groups)
+    return programs[1 if package.manifest.generation is not None else None], weights
+
+
+def load_programs(
+    package: Package, rank: int, device: torch.device, groups: dict[tuple[int, ...], str]
+) -> tuple[dict[int | None, fx.GraphModule], list[torch.Tensor]]:
+    """The rank's programs and its weight inputs in program order, its members read once: its
+    program under None, or a generation package's gears by prompt length (1: decode)."""
     sub = package.submodel(rank)
     tensors = package.weights(sub)
     constants = {
@@ -30,23 +39,13 @@ def load_rank(
     weights = [
         state[name] if name in state else tensors[name].to(device) for name in sub.weight_order
     ]
-    return _program(package, rank, sub.program, constants, device, groups), weights
-
-
-def load_gears(
-    package: Package, rank: int, device: torch.device, groups: dict[tuple[int, ...], str]
-) -> dict[int, fx.GraphModule]:
-    """A generation package's prefill programs of `rank`, by prompt length."""
-    sub = package.submodel(rank)
-    constants = {
-        k.removeprefix(CONSTANT_PREFIX): v
-        for k, v in package.weights(sub).items()
-        if k.startswith(CONSTANT_PREFIX)
+    main = 1 if package.manifest.generation is not None else None
+    members: dict[int | None, str] = {**sub.gears, main: sub.program}
+    programs = {
+        key: _program(package, rank, member, constants, device, groups)
+        for key, member in members.items()
     }
-    return {
-        length: _program(package, rank, member, constants, device, groups)
-        for length, member in sub.gears.items()
-    }
+    return programs, weights
 
 
 def _state(package: Package, rank: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -27,8 +27,8 @@ from tessel.log_levels import keep_torch_quiet
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache
-from tessel.runtime.generating import LoadedGears, generate_on_rank, request_text
-from tessel.runtime.loader import load_gears, load_rank
+from tessel.runtime.generating import LoadedGears, generate_on_rank
+from tessel.runtime.loader import load_programs
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
 
@@ -148,7 +148,9 @@ def _load(
     if spec.distributed:
         _same_package_everywhere(package, device)
         make_groups(package.manifest, spec.world_size, groups)
-    program, weights = load_rank(package, spec.rank, device, groups)
+    programs, weights = load_programs(package, spec.rank, device, groups)
+    gears = package.manifest.generation
+    program = programs[1 if gears is not None else None]
     step, strategy = None, b""
     if package.manifest.training is not None:
         replicas = data_parallel_group(package.manifest, spec.rank)
@@ -168,12 +170,11 @@ def _load(
             tensors = _checkpoint_tensors(resume, spec.rank, device, step.checkpoint_layout(names))
             with torch.no_grad():
                 step.load_state_dict(tensors)
-    gears = None
-    if package.manifest.generation is not None:
-        prefill = load_gears(package, spec.rank, device, groups)
-        gears = LoadedGears(package.manifest.generation, {**prefill, 1: program}, weights)
+    loaded_gears = None
+    if gears is not None:  # by prompt length, the decode gear at 1
+        loaded_gears = LoadedGears(gears, {n: p for n, p in programs.items() if n}, weights)
     _release_memory(device)  # what decoding the program left behind, before the first run
-    return _Loaded(program, weights, package.manifest.inputs, step, strategy, gears)
+    return _Loaded(program, weights, package.manifest.inputs, step, strategy, loaded_gears)
 
 
 _PATH_BYTES = 512  # a package's path, as other nodes see it in a mismatch: its first bytes
@@ -377,7 +378,7 @@ def _next_command(
         if command == _IDLE:
             continue
         if command == _GENERATE:  # the request's shape and options; its tensors follow
-            text = json.dumps(request_text(message)) if leader else ""
+            text = json.dumps(message[1]) if leader else ""  # the request, beside its tensors
             request = json.loads(_broadcast_text(text, device))
             return command, ("generate", request, *(message[2:4] if leader else ()))
         if command in (_LOAD, _SAVE):
