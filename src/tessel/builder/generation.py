@@ -43,8 +43,10 @@ def build_generation(
     policy: ParallelOption,
     soc_version: str,
     time_limit: float,
+    reuse_layers: bool = True,
 ) -> tuple[Manifest, dict, dict[str, float]]:
-    """The manifest, members and timings of a generation package for `model`."""
+    """The manifest, members and timings of a generation package for `model` (`reuse_layers`
+    as `build` takes it: identical layers traced once, in capture and in lowering)."""
     if not isinstance(generation, Generation):
         raise ConfigError(
             "build()",
@@ -68,9 +70,9 @@ def build_generation(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     with phase("capturing the gears"):
-        gears = capture_gears(model, generation)
+        gears = capture_gears(model, generation, reuse_layers)
     timings["capture"] = time.perf_counter() - t
-    options = dict(time_limit=time_limit, reuse_layers=True, timings=timings)
+    options = dict(time_limit=time_limit, reuse_layers=reuse_layers, timings=timings)
     # every gear holds the weights and the cache beside its own activations: the longest
     # prompt's, at the least, bound what the weights may take
     reserve = 0

@@ -182,7 +182,7 @@ def build(
         if not graph_parallel:
             raise ConfigError("build()", "graph_parallel", "must be True for a generation build")
         manifest, members, timings = build_generation(
-            model, generation, cluster, policy, soc_version, time_limit
+            model, generation, cluster, policy, soc_version, time_limit, reuse_layers
         )
         checked = Verified(skipped="not asked for (verify=False)")
         if verify is not False:

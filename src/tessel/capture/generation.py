@@ -220,8 +220,11 @@ class CapturedGears:
         return out[len(written)]
 
 
-def capture_gears(model: torch.nn.Module, generation: Generation) -> CapturedGears:
-    """Capture `model` (a `transformers` causal LM) at every gear of `generation`."""
+def capture_gears(
+    model: torch.nn.Module, generation: Generation, reuse_layers: bool = True
+) -> CapturedGears:
+    """Capture `model` (a `transformers` causal LM) at every gear of `generation`;
+    `reuse_layers=False` traces every layer (see `capture`)."""
     model = model.eval()
     b, n = generation.max_batch_size, generation.max_seq_len
     device = next(model.parameters()).device
@@ -230,10 +233,10 @@ def capture_gears(model: torch.nn.Module, generation: Generation) -> CapturedGea
     ]
     step = GenerationStep(model, buffers).eval()
     prefill = {
-        t: _writes_in_place(capture(step, gear_inputs(b, t, n)), model)
+        t: _writes_in_place(capture(step, gear_inputs(b, t, n), reuse_layers=reuse_layers), model)
         for t in generation.prefill_lengths
     }
-    decode = _writes_in_place(capture(step, gear_inputs(b, 1, n)), model)
+    decode = _writes_in_place(capture(step, gear_inputs(b, 1, n), reuse_layers=reuse_layers), model)
     for name in step.cache_names:  # the captures ran the model on their example inputs
         getattr(step, name).zero_()
     return CapturedGears(step, prefill, decode, generation)
