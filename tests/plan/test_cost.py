@@ -114,20 +114,35 @@ def test_redistribute_time_on_a_2d_mesh_moves_what_the_other_dims_leave():
     assert got == pytest.approx(gather + reduce)
 
 
-def test_largest_share_counts_shards_partials_and_the_longest_uneven_shard():
+def test_largest_share_counts_shards_and_the_longest_uneven_shard():
     assert cost.largest_share(None, (4,)) == 1
     assert cost.largest_share((R,), (4,)) == 1
     assert cost.largest_share((S1,), (4,)) == 1 / 4
-    assert cost.largest_share((P,), (4,)) == 1 / 4
+    assert cost.largest_share((P,), (4,)) == 1  # a partial sum is whole on every device
     assert cost.largest_share((S0, R), (2, 4)) == 1 / 2
     assert cost.largest_share((R, S0), (2, 4)) == 1 / 4
-    assert cost.largest_share((P, S1), (2, 4)) == 1 / 8
+    assert cost.largest_share((P, S1), (2, 4)) == 1 / 4
     # torch.chunk's cut: 10 rows over 4 devices is 3, 3, 3, 1; 8 heads over 6 is 2, 2, 2, 2
     assert cost.largest_share((S0,), (4,), (10, 5)) == 3 / 10
     assert cost.largest_share((S1,), (6,), (3, 8)) == 2 / 8
     assert cost.largest_share((S0,), (4,), (8, 5)) == 1 / 4
     # a dim split on two mesh axes: 10 -> 5 -> 3 rows
     assert cost.largest_share((S0, S0), (2, 2), (10,)) == 3 / 10
+
+
+def test_an_ops_work_splits_where_an_operand_is_sharded():
+    x, w = (64, 256), (256, 512)
+    # a matmul of shards split on the summed dim: half the work on each device, a Partial out
+    assert cost.work_share([((S1,), x), ((S0,), w)], ((P,), (64, 512)), (2,)) == 1 / 2
+    # column parallel: the weight's columns split, the output's too
+    assert cost.work_share([((R,), x), ((S1,), w)], ((S1,), (64, 512)), (2,)) == 1 / 2
+    # a Partial operand is whole on every device: each does all of the work
+    assert cost.work_share([((R,), x), ((P,), w)], ((P,), (64, 512)), (2,)) == 1
+    assert cost.work_share([((P,), x)], ((P,), x), (4,)) == 1
+    # an op that makes its own slice of a replicated input, and one with no inputs
+    assert cost.work_share([((R,), x)], ((S0,), x), (4,)) == 1 / 4
+    assert cost.work_share([], ((S0,), (10,)), (4,)) == 3 / 10
+    assert cost.work_share([((R,), x)], None, (4,)) == 1
 
 
 def test_nbytes_of_tensors_and_tuples():

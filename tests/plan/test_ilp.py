@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessel.plan.ilp import least_memory, solve
-from tessel.plan.problem import InfeasibleError, MemoryRow, Problem
+from tessel.plan.problem import FORBIDDEN, InfeasibleError, MemoryRow, Problem
 
 
 def _cost(problem: Problem, choice: dict) -> float:
@@ -58,6 +58,26 @@ def test_a_resharding_cost_changes_the_choice():
     solution = solve(Problem({"a": 2, "b": 2}, linear, pairs))
     assert solution.choice == {"a": 0, "b": 0}
     assert solution.objective == pytest.approx(4.0)
+
+
+def test_a_forbidden_pair_keeps_the_costs_of_microseconds_apart():
+    """Moving state into its writer is FORBIDDEN: closed, never a coefficient a million times
+    the others that would leave the real costs (microseconds apart) below HiGHS's tolerance."""
+    chain = [f"op{i}" for i in range(40)]
+    sizes = {"state": 2, **{v: 2 for v in chain}}
+    linear = {v: np.array([5e-6, 1e-6]) for v in chain}  # each op's strategy 1 is cheaper
+    pairs = {
+        # state placed 0 forbids the first op's strategy 1; neighbours move at 2 us
+        ("state", chain[0]): np.array([[0.0, FORBIDDEN], [0.0, 0.0]]),
+        **{(a, b): np.array([[0.0, 2e-6], [2e-6, 0.0]]) for a, b in zip(chain, chain[1:])},
+    }
+    solution = solve(Problem(sizes, linear, pairs))
+    assert solution.choice == {"state": 1, **{v: 1 for v in chain}}
+    assert solution.objective == pytest.approx(40e-6)
+    # a pair whose forbidden strategy depends on one side closes that strategy
+    one_side = {("state", chain[0]): np.array([[0.0, FORBIDDEN]] * 2)}
+    solution = solve(Problem(sizes, linear, one_side))
+    assert solution.choice[chain[0]] == 0
 
 
 def test_a_pair_cost_that_depends_on_one_side_needs_no_edge_variables():

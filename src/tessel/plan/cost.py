@@ -162,11 +162,12 @@ def largest_share(
     mesh_shape: tuple[int, ...],
     shape: tuple[int, ...] | None = None,
 ) -> float:
-    """The part of a tensor's work (or bytes) the busiest device holds with these placements.
+    """The part of a tensor the busiest device holds with these placements.
 
     A dimension of `shape` split unevenly leaves the first devices one row more (torch.chunk's
     cut), and they set the step's time: 10 rows over 4 devices is a share of 3/10, not 1/4.
-    Partial sums, and shards of a tensor whose shape is not given, split the work evenly.
+    Shards of a tensor whose shape is not given split evenly; a Partial tensor is whole on
+    every device.
     """
     if placements is None:
         return 1.0
@@ -177,9 +178,25 @@ def largest_share(
             rows = -(-sizes[p.dim] // n)
             share *= rows / sizes[p.dim]
             sizes[p.dim] = rows
-        elif isinstance(p, (Shard, Partial)):
+        elif isinstance(p, Shard):
             share /= n
     return share
+
+
+def work_share(
+    inputs: list[tuple[tuple[Placement, ...] | None, tuple[int, ...] | None]],
+    output: tuple[tuple[Placement, ...], tuple[int, ...] | None] | None,
+    mesh_shape: tuple[int, ...],
+) -> float:
+    """The part of an op's work the busiest device does: that of its most split operand. Each
+    device runs the op on its local tensors, so the work splits only where an operand is
+    sharded: a matmul of two shards split on the summed dim does half of it on each of two
+    devices (a Partial sum out), and one of a Partial operand, whole on every device, all of
+    it. The output counts where it is a shard (an op that makes its own slice)."""
+    shares = [largest_share(p, mesh_shape, shape) for p, shape in inputs]
+    if output is not None and not any(isinstance(p, Partial) for p in output[0]):
+        shares.append(largest_share(output[0], mesh_shape, output[1]))
+    return min(shares, default=1.0)
 
 
 def nbytes(val: object) -> int:

@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tessel.errors import TesselError
 
 
+@dataclass(frozen=True)
+class LeastMemory:
+    """What the plan that needs the least memory holds per device at its peak, and of what:
+    weights (state included), state (a generation step's cache), the rest activations."""
+
+    peak_bytes: int
+    weight_bytes: int
+    state_bytes: int
+    device_bytes: int  # the smallest device's
+
+
 class PlanError(TesselError, RuntimeError):
-    """The model cannot be placed on the cluster as asked."""
+    """The model cannot be placed on the cluster as asked; `least` says what the least plan
+    needs where memory is why."""
+
+    def __init__(self, message: str, least: LeastMemory | None = None) -> None:
+        super().__init__(message)
+        self.least = least

@@ -16,7 +16,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from tessel.plan.problem import InfeasibleError, MemoryRow, Problem, Solution
+from tessel.plan.problem import FORBIDDEN, InfeasibleError, MemoryRow, Problem, Solution
 from tessel.plan.repair import Neighbourhood
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,9 @@ class _Model:
             n += k
         self.n = n
         self.cost = np.zeros(n)
+        self.closed: list[int] = []  # columns of forbidden strategies and pairs: held at 0
         for v, costs in problem.linear.items():
-            self.cost[self.offset[v] : self.offset[v] + len(costs)] += costs
+            self._charge(self.offset[v], costs)
         self.extra: list[float] = []  # cost of each edge variable, in column order past n
         self.rows: list[int] = []
         self.cols: list[int] = []
@@ -66,6 +67,20 @@ class _Model:
         # in a fixed order, so equal-cost solutions are broken alike from run to run
         for key in [*problem.pairs, *(k for k in memory_pairs if k not in problem.pairs)]:
             self._pair(key, problem.pairs.get(key), memory_pairs.get(key, []))
+
+    def _charge(self, start: int, costs: np.ndarray) -> None:
+        """Add `costs` to the strategy columns from `start`, closing the forbidden ones."""
+        costs = np.asarray(costs, dtype=float)
+        forbidden = costs >= FORBIDDEN
+        self.closed += [start + int(i) for i in np.flatnonzero(forbidden)]
+        self.cost[start : start + len(costs)] += np.where(forbidden, 0.0, costs)
+
+    def upper(self, extra: int = 0) -> np.ndarray:
+        """The columns' upper bounds (and `extra` unbounded columns after them): 1, and 0 for
+        the closed ones."""
+        bound = np.concatenate([np.ones(self.width), np.full(extra, np.inf)])
+        bound[self.closed] = 0.0
+        return bound
 
     def add_row(self, entries: list[tuple[int, float]], low: float, high: float) -> int:
         r = len(self.lo)
@@ -87,10 +102,10 @@ class _Model:
         if not memory:  # a cost that depends on one side alone needs no edge variables
             rgroups, cgroups = _groups(cost), _groups(cost.T)
             if len(rgroups) == 1:
-                self.cost[self.offset[b] : self.offset[b] + shape[1]] += cost[0]
+                self._charge(self.offset[b], cost[0])
                 return
             if len(cgroups) == 1:
-                self.cost[self.offset[a] : self.offset[a] + shape[0]] += cost[:, 0]
+                self._charge(self.offset[a], cost[:, 0])
                 return
         stacked = np.concatenate([cost, *memory], axis=1)
         rgroups = _groups(stacked)
@@ -98,7 +113,11 @@ class _Model:
         base = self.n + len(self.extra)
         for rg in rgroups:
             for cg in cgroups:
-                self.extra.append(float(cost[rg[0], cg[0]]))
+                value = float(cost[rg[0], cg[0]])
+                if value >= FORBIDDEN:
+                    self.closed.append(self.n + len(self.extra))
+                    value = 0.0
+                self.extra.append(value)
         width = len(cgroups)
         for gi, rg in enumerate(rgroups):
             entries = [(base + gi * width + gj, 1.0) for gj in range(width)]
@@ -294,7 +313,7 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
         for col, v in model.memory_entries(row):
             c[col] += price * per_budget * v
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
-    result = model.run(c / scale, model.n, np.ones(model.width), time_limit)
+    result = model.run(c / scale, model.n, model.upper(), time_limit)
     if result.x is None:
         raise InfeasibleError(result.message)
     choice = model.choice(result.x)
@@ -319,7 +338,7 @@ def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
             model.add_row(entries, -np.inf, budget * scale)
         c = np.concatenate([model.cost, np.asarray(model.extra)])
         c_scale = float(np.abs(c).max()) or 1.0
-        result = model.run(c / c_scale, model.n, np.ones(model.width), max(1.0, left))
+        result = model.run(c / c_scale, model.n, model.upper(), max(1.0, left))
         if result.x is None:
             raise InfeasibleError(result.message)
         choice = model.choice(result.x)
@@ -352,8 +371,7 @@ def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dic
         model.add_row([*((col, v / scale) for col, v in entries), (peak, -1.0)], -np.inf, 0.0)
     c = np.zeros(peak + 1)
     c[peak] = 1.0
-    upper = np.concatenate([np.ones(peak), [np.inf]])
-    result = model.run(c, model.n, upper, time_limit)
+    result = model.run(c, model.n, model.upper(extra=1), time_limit)
     if result.x is None:
         raise InfeasibleError(result.message)
     return float(result.x[peak]) * scale, model.choice(result.x)

@@ -25,11 +25,11 @@ from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
-from tessel.plan.errors import PlanError
+from tessel.plan.errors import LeastMemory, PlanError
 from tessel.plan.ilp import least_memory
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
-from tessel.plan.problem import InfeasibleError, Problem, pairwise
+from tessel.plan.problem import FORBIDDEN, InfeasibleError, Problem, pairwise
 from tessel.plan.stages import StageAssignment
 from tessel.plan.strategies import NodeStrategy, Replicate
 from tessel.units import human_bytes, two_sizes
@@ -149,7 +149,7 @@ def make_plan(
     except InfeasibleError:
         problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
         raise _does_not_fit(
-            problem, memory.footprint, choices, cluster, device_bytes, time_limit, reserve
+            problem, memory.footprint, choices, cluster, device_bytes, time_limit, reserve, state
         ) from None
     timings["solve"] = time.perf_counter() - t1
     layers = {f: len(ix) for f, ix in families.items()}
@@ -260,13 +260,17 @@ def _does_not_fit(
     device_bytes: int,
     time_limit: float,
     reserve: int = 0,
+    state: AbstractSet[fx.Node] = frozenset(),
 ) -> PlanError:
-    """Why no plan fits: the least memory any plan needs, and what it is made of. `reserve` is
-    what lowered programs were found to need beyond the memory model's count."""
+    """Why no plan fits: the least memory any plan needs, and what it is made of (`state`: the
+    placeholders of state among the weights). `reserve` is what lowered programs were found to
+    need beyond the memory model's count."""
     least, found = least_memory(problem, time_limit)
     choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
     need = held.fixed + int(math.ceil(least)) + reserve
     weights = held.weight_bytes(choice)
+    owners = {_owner(choices, n) for n in state if n in choices}
+    state_bytes = int(sum(b[choice[v]] for v, b in held.weights.items() if v in owners))
     needs, has = two_sizes(need, device_bytes)  # digits enough that the two differ
     message = (
         f"the model does not fit: the plan that needs the least memory holds {needs} "
@@ -291,7 +295,7 @@ def _does_not_fit(
             f". {len(whole)} weight(s) have no dimension that splits {cluster.world_size} ways "
             f"and stay whole on every device: {names}"
         )
-    return PlanError(message)
+    return PlanError(message, LeastMemory(need, weights, state_bytes, device_bytes))
 
 
 def _map_tied_weights(
@@ -421,7 +425,7 @@ def _problem(
     """Each decision's cost: compute, resharding on every edge, and the outputs' moves (`like`:
     output index -> the weight whose placement that output is returned in). State (`state`'s
     placeholders) is written in place, so an op writing into it takes it as it is placed: a
-    move there would write into a copy, and costs `_UNMOVABLE`."""
+    move there would write into a copy, and is `FORBIDDEN`."""
     like = like or {}
     unmovable = {_owner(choices, n) for n in state if n in choices}
     soc = cluster.soc
@@ -453,8 +457,7 @@ def _problem(
             [
                 count
                 * (
-                    cost.compute_time(f, moved, peak, bandwidth)
-                    * cost.largest_share(_placements(s.output), mesh_shape, _shape(s.output))
+                    cost.compute_time(f, moved, peak, bandwidth) * _work_share(s, mesh_shape)
                     + overhead
                 )
                 for s in c.strategies
@@ -517,7 +520,7 @@ def _problem(
             _placements(s.inputs[j]) if j < len(s.inputs) else None for s in choices[vc].strategies
         ]
         if vp in unmovable and writes_into(vc, j):
-            pinned = np.array([[0.0 if d in (None, p) else _UNMOVABLE for d in dst] for p in src])
+            pinned = np.array([[0.0 if d in (None, p) else FORBIDDEN for d in dst] for p in src])
             pairs[(vp, vc)] = pairs.get((vp, vc), 0) + pinned
             continue
         add_moves(vp, src, vc, dst, b, shape, count)
@@ -552,10 +555,6 @@ def _problem(
     return Problem(sizes, linear, dict(pairs))
 
 
-# seconds charged for moving state an op writes in place: no plan that fits pays it
-_UNMOVABLE = 1e6
-
-
 def writes_into(node: fx.Node, index: int) -> bool:
     """Whether `node` writes in place into its argument `index`."""
     schema = getattr(node.target, "_schema", None)
@@ -563,6 +562,13 @@ def writes_into(node: fx.Node, index: int) -> bool:
         return False
     alias = schema.arguments[index].alias_info
     return alias is not None and alias.is_write
+
+
+def _work_share(s: NodeStrategy, mesh_shape: tuple[int, ...]) -> float:
+    """`cost.work_share` of one strategy."""
+    inputs = [(_placements(x), _shape(x)) for x in s.inputs if x is not None]
+    out = _placements(s.output)
+    return cost.work_share(inputs, None if out is None else (out, _shape(s.output)), mesh_shape)
 
 
 def _shape(spec) -> tuple[int, ...] | None:

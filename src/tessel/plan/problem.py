@@ -13,6 +13,12 @@ import numpy as np
 D = TypeVar("D", bound=Hashable)
 
 
+# the cost of a combination no plan may take (a move of state into the op that writes it in
+# place): the integer program closes its columns outright, so its scaled costs keep their
+# resolution; the other solvers pay it, and no answer within reach does
+FORBIDDEN = 1e6
+
+
 @dataclass(eq=False)
 class MemoryRow(Generic[D]):
     """What one device holds at one moment: bytes per strategy of single decisions, and bytes
