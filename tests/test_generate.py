@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zipfile
 
 import pytest
@@ -19,6 +20,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.parallel_option import ParallelOption
 from tessel.demo import tight_cluster
+from tessel.plan import PlanError
 from tessel.report import state_bytes
 
 # the families on 3 devices whose memory forbids replicated weights (shards that do not
@@ -101,9 +103,16 @@ def test_the_cache_is_declared_per_rank_and_never_stored(tmp_path) -> None:
         assert sub.state.keys() == state.keys()
         # each rank holds half of every layer's keys and values, split where the in-place
         # write can take it (rows, heads or head size; never the slots it writes)
-        for name, shape in sub.state.items():
+        for name, shape in sub.state_shapes().items():
             assert math.prod(shape) * 2 == math.prod(state[name].shape), (name, shape)
             assert shape[2] == 256, (name, shape)
+    for name, spec in state.items():  # the two ranks' boxes tile the whole tensor
+        boxes = [sub.state[name] for sub in manifest.submodels]
+        split = [d for d in range(4) if boxes[0][d] != boxes[1][d]]
+        assert len(split) == 1, boxes
+        d = split[0]
+        assert boxes[0][d][0] == 0 and boxes[0][d][1] == boxes[1][d][0], boxes
+        assert boxes[1][d][1] == spec.shape[d], boxes
     held = state_bytes(manifest)
     total = sum(math.prod(s.shape) * 4 for s in state.values())
     assert held == [total // 2, total // 2]
@@ -222,3 +231,38 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
         tessel.build(
             model, cluster=1, generation=GENERATION, optimizer=torch.optim.SGD(model.parameters())
         )
+
+
+def test_a_cache_that_does_not_fit_names_the_largest_that_would() -> None:
+    """Devices sized for one row of the cache: the refusal names the largest batch at this
+    length (and, where one fits, the longest cache at this batch), and it builds."""
+    model = FAMILIES["llama"].make().model
+    one_row = Generation(max_batch_size=1, max_seq_len=256, prefill_lengths=(8,))
+    gear = capture_gears(model, one_row).prefill[8]
+    cluster = cluster_from_dict(tight_cluster(gear, 2), "tight.json")
+    asked = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
+    with pytest.raises(PlanError) as caught:
+        tessel.build(model, cluster=cluster, generation=asked, verify=False)
+    found = re.search(
+        r"max_batch_size=(\d+)(?: or max_seq_len=(\d+))? would fit", str(caught.value)
+    )
+    assert found, str(caught.value)
+    assert 1 <= int(found[1]) < 4
+    fits = [Generation(int(found[1]), 256, (8,))]
+    if found[2]:
+        fits.append(Generation(4, int(found[2]), (8,)))
+    for generation in fits:
+        tessel.build(model, cluster=cluster, generation=generation, verify=False)
+
+
+def test_what_would_fit_scales_the_cache_by_rows_and_slots_and_activations_by_rows() -> None:
+    from tessel.builder.generation import _what_would_fit
+    from tessel.plan.errors import LeastMemory
+
+    g = Generation(max_batch_size=4, max_seq_len=1000, prefill_lengths=(10,))
+    # weights 100, cache 400 (100 a row), activations 40 (10 a row): 540 on devices of 300
+    said = _what_would_fit(g, LeastMemory(540, 500, 400, 300))
+    # rows: 100 + 110 r <= 300 -> 1; slots at 4 rows: 100 + 40 + 400 s / 1000 <= 300 -> 400
+    assert said.endswith("max_batch_size=1 or max_seq_len=400 would fit"), said
+    assert "Even one row" in _what_would_fit(g, LeastMemory(540, 500, 400, 200))
+    assert _what_would_fit(g, LeastMemory(540, 500, 0, 300)) == ""  # no cache: not the cause

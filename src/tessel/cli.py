@@ -1,4 +1,4 @@
-"""The `tessel` command line: build, inspect, run, serve, demo, ckpt."""
+"""The `tessel` command line: build, inspect, run, generate, serve, demo, ckpt."""
 
 from __future__ import annotations
 
@@ -63,7 +63,39 @@ def _build(args: argparse.Namespace) -> int:
             "--weights",
             "streams a PyTorch model's weights from a checkpoint; an ONNX file holds its own",
         )
-    model, example_inputs, optimizer = load_model_spec(args.model, opts.framework, args.input_shape)
+    generation = None
+    if args.max_seq_len is not None or args.dynamic_dims:
+        from tessel.config.generation import generation_from_flags
+
+        if opts.framework != "pytorch" or args.model.endswith((".pt2", ".onnx")):
+            raise ConfigError(
+                "command line",
+                "--model",
+                "a generation build (--max_seq_len, --dynamic_dims) captures a transformers "
+                "causal LM from file.py:function, found "
+                + (f"--framework={args.framework}" if opts.framework != "pytorch" else args.model),
+            )
+        generation = generation_from_flags(args.input_shape, args.dynamic_dims, args.max_seq_len)
+    model, example_inputs, optimizer = load_model_spec(
+        args.model, opts.framework, None if generation else args.input_shape
+    )
+    graph_parallel = opts.enable_graph_parallel
+    if generation is not None:
+        if optimizer is not None:
+            raise ConfigError(
+                "command line",
+                "--max_seq_len",
+                "builds generation gears; the --model function returned an optimizer (a "
+                "training step)",
+            )
+        if not graph_parallel and cluster.world_size > 1:
+            raise ConfigError(
+                "command line",
+                "--enable_graph_parallel",
+                f"must be 1 for a generation build over {cluster.world_size} devices: the gears "
+                "are partitioned (replicas of whole gears are not built)",
+            )
+        graph_parallel = True
     if args.param_dtype and optimizer is None:
         raise ConfigError(
             "command line",
@@ -78,10 +110,11 @@ def _build(args: argparse.Namespace) -> int:
         cluster=cluster,
         policy=opts.graph_parallel_option_path,
         soc_version=opts.soc_version,
-        graph_parallel=opts.enable_graph_parallel,
+        graph_parallel=graph_parallel,
         reuse_layers=not args.trace_every_layer,
         verify=args.verify,
         weights=args.weights,
+        generation=generation,
     )
     return _saved(built, args.output)
 
@@ -125,6 +158,12 @@ def _run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from tessel.runtime.cli_run import generate_command
+
+    return generate_command(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tessel.runtime.cli_run import serve_command
 
@@ -144,6 +183,17 @@ def _switch(flag: str):
         if value not in ("0", "1"):
             raise ConfigError(flag, None, f"expected 0 or 1, found {value!r}")
         return value == "1"
+
+    return parse
+
+
+def _positive(flag: str):
+    """A positive int flag value."""
+
+    def parse(value: str) -> int:
+        if not (value.isascii() and value.isdigit() and int(value) > 0):
+            raise ConfigError(flag, None, f"expected a positive int, found {value!r}")
+        return int(value)
 
     return parse
 
@@ -185,7 +235,22 @@ def make_parser() -> argparse.ArgumentParser:
         "--input_shape",
         help='ONNX models: the input shapes, "name:1,3,224,224;name2:1,16" (ATC\'s syntax), '
         "fixing their dynamic dimensions; every dimension a positive integer. Required where a "
-        "dimension is dynamic",
+        "dimension is dynamic. A generation build: the prompt, input_ids:BATCH,LENGTH, each -1 "
+        "set by --dynamic_dims",
+    )
+    b.add_argument(
+        "--dynamic_dims",
+        help="a generation build's gears, ATC's syntax: \"1,64;4,64;4,256\" gives each gear's "
+        'values of the -1 dimensions of --input_shape="input_ids:-1,-1" in order (batch, '
+        "prompt length). Each length is a prefill gear; the cache takes the largest batch (a "
+        "smaller one runs in its rows). Needs --max_seq_len",
+    )
+    b.add_argument(
+        "--max_seq_len",
+        type=_positive("--max_seq_len"),
+        help="builds generation gears (tessel generate): the tokens, prompt and new, each row's "
+        "KV cache holds on the devices; with --input_shape=input_ids:BATCH,LENGTH and "
+        "--dynamic_dims for its -1s",
     )
     b.add_argument(
         "--soc_version", default="cpu", help="device kind: cpu, A100, H100, H200, Ascend910B, ..."
@@ -271,6 +336,43 @@ def make_parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=1, help="run this many times and print the latency"
     )
     r.set_defaults(func=_run)
+
+    g = sub.add_parser(
+        "generate", help="generate tokens from a package built with generation gears"
+    )
+    g.add_argument("model", help="a .tessel offline model built with --max_seq_len")
+    g.add_argument(
+        "--input-ids",
+        help="safetensors with input_ids [rows, tokens] (int64) and, for prompts of different "
+        "lengths, attention_mask (0 over each row's left padding)",
+    )
+    g.add_argument(
+        "--tokenizer", help="a saved Hugging Face tokenizer directory: prompts in, text out"
+    )
+    g.add_argument(
+        "--prompt", action="append", help="a prompt's text (with --tokenizer); repeat for a batch"
+    )
+    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=20)
+    g.add_argument("--do-sample", action="store_true", help="sample each token (default: greedy)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    g.add_argument(
+        "--eos-token-id", type=int, help="stop a row at this token (default: the model's)"
+    )
+    g.add_argument(
+        "--pad-token-id", type=int, help="pad finished rows with it (default: the model's)"
+    )
+    g.add_argument("--stream", action="store_true", help="print the tokens as they are made")
+    g.add_argument("--output", help="write sequences [rows, prompt + new] to this safetensors")
+    g.add_argument(
+        "--node-id",
+        type=int,
+        default=None,
+        help="the cluster node this host is (default: the head node)",
+    )
+    g.set_defaults(func=_generate)
 
     s = sub.add_parser(
         "serve", help="start this host's workers for a model whose cluster spans several nodes"

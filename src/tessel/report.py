@@ -126,7 +126,7 @@ def state_bytes(manifest: Manifest) -> list[int]:
         return [0] * manifest.world_size
     size = {s.name: dtype_bytes(s.dtype) for s in gears.state}
     return [
-        sum(math.prod(shape) * size[name] for name, shape in sub.state.items())
+        sum(math.prod(shape) * size[name] for name, shape in sub.state_shapes().items())
         for sub in manifest.submodels
     ]
 
@@ -144,7 +144,7 @@ def generation_lines(manifest: Manifest) -> list[str]:
         f"gears of {', '.join(map(str, gears.prefill_lengths))} tokens, then the decode gear",
     ]
     if first is not None:
-        local = manifest.submodels[0].state.get(first.name, first.shape)
+        local = manifest.submodels[0].state_shapes().get(first.name, first.shape)
         split = [d for d, (n, m) in enumerate(zip(first.shape, local)) if n != m]
         how = (
             f"split on dim {split[0]} (rank 0 holds {list(local)} of {list(first.shape)})"
@@ -325,6 +325,7 @@ def format_plan(manifest: Manifest) -> str:
     lines.append("per device (peak: weights plus the most activation bytes alive at once)")
     # the planner's count of each rank (one tensor-parallel group, no replicas or stages)
     predicted = plan.memory.rank_peak_bytes
+    cache = state_bytes(manifest)
     if len(predicted) != len(seen.ranks):
         predicted = ()
     for r in seen.ranks:
@@ -332,6 +333,8 @@ def format_plan(manifest: Manifest) -> str:
         volume = sum(c.bytes for c in r.line.collectives)
         colls = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
         memory = f"weights {human_bytes(r.line.weight_bytes)}"
+        if cache[r.line.rank]:
+            memory += f" (the cache {human_bytes(cache[r.line.rank])} of them)"
         if r.line.peak_bytes is not None:
             memory += f", peak {human_bytes(r.line.peak_bytes)}"
         if r.device_bytes:

@@ -29,9 +29,11 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.package.format import Manifest
 from tessel.package.manifest import Gears, TensorSpec
 from tessel.plan import PlanError
+from tessel.plan.errors import LeastMemory
 from tessel.plan.planner import least_memory_plan
 from tessel.progress import phase
 from tessel.sharding.placements import placement_str
+from tessel.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,10 @@ def build_generation(
     if not decode_first:
         # memory binds: the longest prompt's gear places the weights and the cache, so the
         # gear that needs the most room fits, and the others follow it
-        first = fit(gears.prefill[longest], cluster, policy, dims, [Level()], **options)
+        try:
+            first = fit(gears.prefill[longest], cluster, policy, dims, [Level()], **options)
+        except PlanError as exc:
+            raise PlanError(f"{exc}{_what_would_fit(generation, exc.least)}", exc.least) from None
         given = _placed_as(first, policy)
         decode = fit(gears.decode, cluster, given, dims, [Level()], **options)
         prefill = {
@@ -110,6 +115,32 @@ def build_generation(
         manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version)
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
+
+
+def _what_would_fit(g: Generation, least: LeastMemory | None) -> str:
+    """The largest batch at this cache length, and the longest cache at this batch, that the
+    least plan of the longest prefill gear puts within the devices: its cache grows with rows
+    x slots, its activations with rows, its weights not at all."""
+    if least is None or not least.state_bytes:
+        return ""
+    room = least.device_bytes
+    cache = least.state_bytes
+    weights, activations = least.weight_bytes - cache, least.peak_bytes - least.weight_bytes
+    one_row = weights + (cache + activations) / g.max_batch_size
+    if one_row > room:
+        return (
+            f". Even one row does not fit: the weights split as far as they go, a row's cache "
+            f"and a prompt's activations take {human_bytes(one_row)} per device of "
+            f"{human_bytes(room)}"
+        )
+    fits = [f"max_batch_size={int(g.max_batch_size * (room - weights) // (cache + activations))}"]
+    slots = int(g.max_seq_len * (room - weights - activations) // cache)
+    if slots > max(g.prefill_lengths):
+        fits.append(f"max_seq_len={slots}")
+    return (
+        f". Its cache ({human_bytes(cache)} per device) holds {g.max_batch_size} rows x "
+        f"{g.max_seq_len} tokens; {' or '.join(fits)} would fit"
+    )
 
 
 def _placed_as(fitted: Fitted, policy: ParallelOption) -> ParallelOption:

@@ -38,7 +38,7 @@ from tessel.plan import Plan
 from tessel.plan.planner import layer_name
 from tessel.plan.why import replicated_weights
 from tessel.plan.why import summary as why_summary
-from tessel.sharding.placements import local_shard, placement_str, shard_chunks
+from tessel.sharding.placements import local_shard, placement_str, rank_box, shard_chunks
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,7 @@ def pack(
                 tied=ties,
                 comm_groups=tuple(map(tuple, groups_in(rp.program))) if graph_parallel else (),
                 state={
-                    fqn: tuple(
-                        local_shard(state[fqn], placements[fqn], plan.mesh_shape, mesh_rank).shape
-                    )
+                    fqn: rank_box(state[fqn].shape, placements[fqn], plan.mesh_shape, mesh_rank)
                     for fqn in order
                     if fqn in written
                 },

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from tessel.checkpoint.errors import StrategyError
 from tessel.checkpoint.records import ParamLayout
 from tessel.sharding import chunk_range, mesh_coordinate
-
-Box = tuple[tuple[int, int], ...]
+from tessel.sharding.geometry import Box
 
 
 def coords(index: int, dev_matrix: Sequence[int]) -> tuple[int, ...]:

@@ -60,3 +60,106 @@ class Generation:
             f"a prompt of {prompt_length} tokens is longer than the longest prefill gear "
             f"({self.prefill_lengths[-1]}); the package's gears are {self.prefill_lengths}",
         )
+
+
+def generation_from_flags(
+    input_shape: str | None, dynamic_dims: str | None, max_seq_len: int | None
+) -> Generation:
+    """A `Generation` from ATC's gear flags: `--input_shape="input_ids:-1,-1"` names the
+    prompt's `[batch, length]` with each `-1` a dimension the gears set, `--dynamic_dims=
+    "1,64;4,64;4,256"` gives each gear's values of the `-1`s in order, and `--max_seq_len` the
+    cache's length. The cache takes the largest batch any gear names (a smaller batch runs in
+    its rows); each distinct length is a prefill gear."""
+    if max_seq_len is None:
+        raise ConfigError(
+            "--max_seq_len",
+            None,
+            "is required for a generation build: the tokens (prompt and new) each row's cache "
+            "holds",
+        )
+    if not input_shape:
+        raise ConfigError(
+            "--input_shape",
+            None,
+            'is required for a generation build: the prompt\'s "input_ids:BATCH,LENGTH", '
+            "with -1 for each dimension --dynamic_dims sets",
+        )
+    text = input_shape.strip().strip('"')
+    name, _, dims_text = text.partition(":")
+    if ";" in text or name.strip() != "input_ids":
+        raise ConfigError(
+            "--input_shape",
+            None,
+            f"a generation build takes one input, input_ids:BATCH,LENGTH (e.g. "
+            f"input_ids:-1,-1), found {input_shape!r}",
+        )
+    dims = [_dimension("--input_shape", d, allow_dynamic=True) for d in dims_text.split(",")]
+    if len(dims) != 2:
+        raise ConfigError(
+            "--input_shape",
+            "input_ids",
+            f"has {len(dims)} dimensions; the prompt is [batch, length]",
+        )
+    dynamic = [i for i, d in enumerate(dims) if d == -1]
+    if dynamic and not dynamic_dims:
+        raise ConfigError(
+            "--dynamic_dims",
+            None,
+            f"is required: --input_shape {input_shape!r} leaves {len(dynamic)} dimension(s) -1",
+        )
+    if dynamic_dims and not dynamic:
+        raise ConfigError(
+            "--dynamic_dims",
+            None,
+            f"sets -1 dimensions of --input_shape, and {input_shape!r} has none",
+        )
+    gears = [tuple(dims)]
+    if dynamic_dims:
+        gears = [
+            _gear(entry, dims, dynamic, input_shape)
+            for entry in dynamic_dims.strip().strip('"').split(";")
+        ]
+    lengths = sorted({length for _, length in gears})
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ConfigError(
+            "--max_seq_len", None, f"must be an int of at least 2, found {max_seq_len!r}"
+        )
+    if lengths[-1] >= max_seq_len:
+        raise ConfigError(
+            "--max_seq_len",
+            None,
+            f"is {max_seq_len}; the longest gear's prompt ({lengths[-1]} tokens) leaves no room "
+            "for a new token",
+        )
+    return Generation(
+        max_batch_size=max(batch for batch, _ in gears),
+        max_seq_len=max_seq_len,
+        prefill_lengths=tuple(lengths),
+    )
+
+
+def _gear(entry: str, dims: list[int], dynamic: list[int], input_shape: str) -> tuple[int, ...]:
+    """One `--dynamic_dims` gear: `dims` with its values in the `-1` places."""
+    values = [_dimension("--dynamic_dims", v) for v in entry.split(",")]
+    if len(values) != len(dynamic):
+        raise ConfigError(
+            "--dynamic_dims",
+            None,
+            f"gear {entry!r} gives {len(values)} value(s); --input_shape {input_shape!r} has "
+            f"{len(dynamic)} -1 dimension(s), and each gear gives one value for each",
+        )
+    shape = list(dims)
+    for i, value in zip(dynamic, values):
+        shape[i] = value
+    return tuple(shape)
+
+
+def _dimension(flag: str, text: str, allow_dynamic: bool = False) -> int:
+    """One dimension of a flag's shape: a positive int (or -1 where the gears set it)."""
+    text = text.strip()
+    if text.isascii() and text.isdigit() and int(text) > 0:
+        return int(text)
+    if allow_dynamic and text == "-1":
+        return -1
+    allowed = "a positive int or -1" if allow_dynamic else "a positive int"
+    raise ConfigError(flag, None, f"holds {text!r}; each dimension is {allowed}")

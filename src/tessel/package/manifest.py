@@ -18,6 +18,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.optimizer import spec_from_json
 from tessel.package.fields import Field, PackageError, valid_member_name
 from tessel.package.plan_report import PlanReport
+from tessel.sharding.geometry import Box
 
 FORMAT = "tessel.offline_model"
 FORMAT_VERSION = 2  # 2: a submodel may name tied weights, stored once
@@ -125,8 +126,13 @@ class Submodel:
     comm_groups: tuple[tuple[int, ...], ...]
     # a generation package's prefill programs by prompt length (`program` is its decode gear)
     gears: Mapping[int, str] = field(default_factory=dict)
-    # the state this rank holds, zero at load and written by its programs: name -> local shape
-    state: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # the state this rank holds, zero at load and written by its programs: name -> its box,
+    # a (start, stop) per dim of the whole tensor
+    state: Mapping[str, Box] = field(default_factory=dict)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each state's local shape on this rank."""
+        return {name: tuple(b - a for a, b in box) for name, box in self.state.items()}
 
     @classmethod
     def read(cls, f: Field, rank: int, world: int, members: frozenset[str]) -> Submodel:
@@ -152,7 +158,7 @@ class Submodel:
                 raise member.fail(f"names a prefill gear {length!r}; expected a prompt length")
             gears[int(length)] = member.member(members)
         state_f = f.get("state", optional=True)
-        state = {k: _shape(v) for k, v in state_f.items()} if state_f.value is not None else {}
+        state = {k: _box(v) for k, v in state_f.items()} if state_f.value is not None else {}
         if not set(state) <= set(order):
             raise state_f.fail(
                 f"names state the rank's programs do not take: {sorted(set(state) - set(order))}"
@@ -186,7 +192,11 @@ class Submodel:
             "tied": {k: t.to_json() for k, t in self.tied.items()},
             "comm_groups": [list(g) for g in self.comm_groups],
             **({"gears": {str(n): m for n, m in self.gears.items()}} if self.gears else {}),
-            **({"state": {k: list(v) for k, v in self.state.items()}} if self.state else {}),
+            **(
+                {"state": {k: [list(d) for d in box] for k, box in self.state.items()}}
+                if self.state
+                else {}
+            ),
         }
 
 
@@ -479,7 +489,9 @@ class Manifest:
             training=top.get("training", optional=True).optional(
                 lambda t: Training.read(t, mesh, names)
             ),
-            generation=top.get("generation", optional=True).optional(Gears.read),
+            generation=_checked_state(
+                top.get("generation", optional=True).optional(Gears.read), subs
+            ),
         )
 
     def to_json(self) -> dict:
@@ -552,6 +564,38 @@ def _state_dict(f: Field) -> dict[str, str]:
             raise name.fail("expected a checkpoint name, found an empty string")
         out[key] = name.value
     return out
+
+
+def _box(f: Field) -> Box:
+    """A rank's box of a state tensor: [start, stop] per dim (a bare list of ints, as the first
+    generation packages wrote, is the box from 0 of that shape)."""
+    dims = f.list()
+    if all(isinstance(d.value, int) for d in dims):
+        return tuple((0, n) for n in _shape(f))
+    box = []
+    for d in dims:
+        pair = d.list()
+        if len(pair) != 2:
+            raise d.fail(f"expected [start, stop], found {d._found()}")
+        start, stop = pair[0].int(high=1 << 62), pair[1].int(high=1 << 62)
+        if stop < start:
+            raise d.fail(f"expected start <= stop, found [{start}, {stop}]")
+        box.append((start, stop))
+    return tuple(box)
+
+
+def _checked_state(gears: Gears | None, subs: list[Field]) -> Gears | None:
+    """Every rank's state boxes lie inside the state the generation section declares."""
+    declared = {x.name: x.shape for x in gears.state} if gears is not None else {}
+    for sub in subs:
+        state_f = sub.get("state", optional=True)
+        for name, box_f in state_f.items() if state_f.value is not None else []:
+            if name not in declared:
+                raise box_f.fail("is state the manifest's generation section does not declare")
+            box, shape = _box(box_f), declared[name]
+            if len(box) != len(shape) or any(b > n for (_, b), n in zip(box, shape)):
+                raise box_f.fail(f"is not a box of the declared shape {list(shape)}")
+    return gears
 
 
 def _shape(f: Field) -> tuple[int, ...]:

@@ -49,14 +49,7 @@ def random_inputs(manifest: Manifest) -> list[torch.Tensor]:
 def read_inputs(path: str, manifest: Manifest) -> list[torch.Tensor]:
     """`input_0, input_1, ...` from a safetensors file, each of the shape and dtype the model
     was built for; anything else is a `ConfigError` naming the file (and the tensor)."""
-    try:
-        tensors = load_file(path)
-    except FileNotFoundError:
-        raise ConfigError(path, None, "no such file") from None
-    except OSError as exc:  # a directory, a file that cannot be read
-        raise ConfigError(path, None, f"cannot read it: {exc.strerror or exc}") from None
-    except SafetensorError as exc:
-        raise ConfigError(path, None, f"not a safetensors file ({_first_line(exc)})") from None
+    tensors = _read_safetensors(path)
     names = [f"input_{i}" for i in range(len(manifest.inputs))]
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -77,20 +70,35 @@ def read_inputs(path: str, manifest: Manifest) -> list[torch.Tensor]:
     return [tensors[n] for n in names]
 
 
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise ConfigError(path, None, "no such file") from None
+    except OSError as exc:  # a directory, a file that cannot be read
+        raise ConfigError(path, None, f"cannot read it: {exc.strerror or exc}") from None
+    except SafetensorError as exc:
+        raise ConfigError(path, None, f"not a safetensors file ({_first_line(exc)})") from None
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0][:200] if lines else type(exc).__name__
 
 
 def write_outputs(path: str, outputs: list[torch.Tensor]) -> None:
-    """Write `output_0, output_1, ...` to a safetensors file, atomically: to a temporary name
-    beside it, synced, then renamed over it; a failure leaves no temporary behind."""
+    """Write `output_0, output_1, ...` to a safetensors file (`_write_tensors`)."""
+    _write_tensors(path, {f"output_{i}": o for i, o in enumerate(outputs)})
+
+
+def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file atomically: to a temporary name beside it, synced, then renamed
+    over it; a failure leaves no temporary behind."""
     target = Path(path)
-    tensors = {f"output_{i}": o.contiguous() for i, o in enumerate(outputs)}
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with replace_atomically(target) as tmp:
-            save_file(tensors, str(tmp))
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     except OSError as exc:
         raise ConfigError(path, None, f"cannot write it: {exc.strerror or exc}") from None
 
@@ -139,3 +147,131 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         finalize()
     return 0
+
+
+def read_prompt(path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`input_ids` `[rows, tokens]` and, where present, `attention_mask` from a safetensors
+    file; anything else is a `ConfigError` naming the file and the tensor."""
+    tensors = _read_safetensors(path)
+    if "input_ids" not in tensors:
+        raise ConfigError(
+            path, "input_ids", f"is missing; the file holds {sorted(tensors) or 'nothing'}"
+        )
+    extra = sorted(set(tensors) - {"input_ids", "attention_mask"})
+    if extra:
+        raise ConfigError(
+            path, None, f"unexpected tensors {extra}; expected input_ids and attention_mask"
+        )
+    for name, x in tensors.items():
+        if x.dtype not in (torch.int64, torch.int32) or x.dim() not in (1, 2):
+            raise ConfigError(
+                path,
+                name,
+                f"expected int64 token ids [rows, tokens], found {list(x.shape)} "
+                f"{dtype_name(x.dtype)}",
+            )
+    ids = tensors["input_ids"].long()
+    mask = tensors.get("attention_mask")
+    ids = ids[None] if ids.dim() == 1 else ids
+    if mask is not None:
+        mask = mask.long()
+        mask = mask[None] if mask.dim() == 1 else mask
+    return ids, mask
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    """`tessel generate`: token ids (or a tokenizer's prompts) in, generated tokens out."""
+    manifest = Package.open(args.model).manifest
+    if manifest.generation is None:
+        raise ConfigError(
+            args.model,
+            None,
+            "was built without generation gears (tessel build --max_seq_len ... "
+            "--input_shape=input_ids:-1,-1 --dynamic_dims ...)",
+        )
+    tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+    if (args.input_ids is None) == (not args.prompt):
+        raise ConfigError(
+            "command line",
+            "--input-ids",
+            "give the prompt one way: --input-ids FILE.safetensors, or --prompt TEXT (repeated "
+            "for a batch) with --tokenizer DIR",
+        )
+    if args.prompt:
+        if tokenizer is None:
+            raise ConfigError(
+                "command line", "--prompt", "needs --tokenizer DIR (a saved Hugging Face tokenizer)"
+            )
+        try:
+            encoded = tokenizer(list(args.prompt), return_tensors="pt", padding=True)
+        except ValueError as exc:  # several prompts and no pad token to pad them with
+            raise ConfigError(args.tokenizer, None, _first_line(exc)) from None
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    else:
+        ids, mask = read_prompt(args.input_ids)
+    sampling = dict(
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=args.eos_token_id,
+        pad_token_id=args.pad_token_id,
+    )
+    options = {} if args.node_id is None else {"tessel.node_id": args.node_id}
+    initialize()
+    try:
+        session = Session()
+        session.load_graph(0, options, args.model)
+        t = time.perf_counter()
+        steps: list[torch.Tensor] = []
+        shown = ""
+        for step in session.generate(0, ids, mask, args.max_new_tokens, stream=True, **sampling):
+            if not steps:
+                first = time.perf_counter() - t
+            steps.append(step)
+            if args.stream:  # tokens as they come: the first row's text, or each step's ids
+                if tokenizer is not None and len(step) == 1:
+                    text = tokenizer.decode(torch.cat(steps), skip_special_tokens=True)
+                    print(text[len(shown) :], end="", flush=True)
+                    shown = text
+                else:
+                    print(" ".join(map(str, step.tolist())), flush=True)
+        took = time.perf_counter() - t
+    finally:
+        finalize()
+    if shown:
+        print()
+    new = torch.stack(steps, dim=1)
+    rate = ""
+    if len(steps) > 1:
+        rate = f", then {(len(steps) - 1) * len(new) / (took - first):.1f} tokens/s"
+    print(f"{len(steps)} new tokens per row: the first in {1e3 * first:.0f} ms{rate}")
+    for row in range(new.shape[0]):
+        if tokenizer is not None:
+            print(tokenizer.decode(new[row], skip_special_tokens=True))
+        else:
+            print(" ".join(map(str, new[row].tolist())))
+    if args.output:
+        _write_tensors(args.output, {"sequences": torch.cat([ids, new], dim=1)})
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _tokenizer(directory: str):
+    """A saved Hugging Face tokenizer (its files read as data: no remote code), padding on the
+    left as generation takes prompts."""
+    from transformers import AutoTokenizer
+
+    if not Path(directory).is_dir():
+        raise ConfigError("--tokenizer", None, f"expected a directory, found {directory!r}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            directory, None, f"holds no saved tokenizer ({_first_line(exc)})"
+        ) from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer

@@ -54,15 +54,10 @@ def _state(package: Package, rank: int, device: torch.device) -> dict[str, torch
     gears = package.manifest.generation
     if not sub.state:
         return {}
-    specs = {x.name: x for x in gears.state} if gears is not None else {}
-    unknown = sorted(set(sub.state) - set(specs))
-    if unknown:
-        raise PackageError(
-            package.path, f"rank {rank} holds state the manifest does not declare: {unknown[:5]}"
-        )
+    dtypes = {x.name: torch_dtype(x.dtype) for x in gears.state}  # every name: the manifest
     return {
-        name: torch.zeros(shape, dtype=torch_dtype(specs[name].dtype), device=device)
-        for name, shape in sub.state.items()
+        name: torch.zeros(shape, dtype=dtypes[name], device=device)
+        for name, shape in sub.state_shapes().items()
     }
 
 

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the package reader uses this module without importing torch
     import torch
 
+# a region of a tensor: one (start, stop) per dim, in whole-tensor coordinates
+Box = tuple[tuple[int, int], ...]
+
 
 def chunk_range(size: int, count: int, index: int) -> tuple[int, int]:
     """The rows ``[start, stop)`` that piece ``index`` of ``count`` holds of ``size`` rows."""

@@ -14,9 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from tessel.sharding.geometry import chunk_range, mesh_coordinate
-
-Box = tuple[tuple[int, int], ...]
+from tessel.sharding.geometry import Box, chunk_range, mesh_coordinate
 
 
 def shard_chunks(
