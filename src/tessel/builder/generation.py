@@ -26,6 +26,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption
+from tessel.lower.program import groups_in
 from tessel.package.format import Manifest
 from tessel.package.manifest import Gears, TensorSpec
 from tessel.plan import PlanError
@@ -176,7 +177,12 @@ def _pack(
                 seen[data] = f"programs/prefill_{length}_{len(seen)}.json"
                 members[seen[data]] = data
             sub = submodels[rank]
-            submodels[rank] = replace(sub, gears={**sub.gears, length: seen[data]})
+            # a prefill gear may talk in groups the decode gear never needs
+            groups = [*sub.comm_groups]
+            groups += [tuple(g) for g in groups_in(rp.program) if tuple(g) not in groups]
+            submodels[rank] = replace(
+                sub, gears={**sub.gears, length: seen[data]}, comm_groups=tuple(groups)
+            )
     held = dict(gears.step.named_buffers())
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
