@@ -8,6 +8,7 @@ import math
 import re
 import zipfile
 
+import psutil
 import pytest
 import torch
 from tests.differential.zoo import FAMILIES
@@ -266,3 +267,81 @@ def test_what_would_fit_scales_the_cache_by_rows_and_slots_and_activations_by_ro
     assert said.endswith("max_batch_size=1 or max_seq_len=400 would fit"), said
     assert "Even one row" in _what_would_fit(g, LeastMemory(540, 500, 400, 200))
     assert _what_would_fit(g, LeastMemory(540, 500, 0, 300)) == ""  # no cache: not the cause
+
+
+def _qwen2() -> torch.nn.Module:
+    """Qwen2's attention shape, small: 28 query heads over 4 KV heads (7 to a group)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=224,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("devices", [3, 8])
+def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
+    devices: int, sessions, tmp_path
+) -> None:
+    """Head counts no tensor-parallel size here divides (vLLM refuses both): on devices that
+    forbid replicated weights, the tokens are transformers' own."""
+    model = _qwen2()
+    gear = capture_gears(model, GENERATION).prefill[8]
+    cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
+    built = tessel.build(model, cluster=cluster, generation=GENERATION)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
+    path = tessel.save(built, tmp_path / "qwen2")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    want = _qwen2().generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=built.manifest.generation.pad_token_id,
+    )
+    session = sessions.setdefault(devices, tessel.Session())
+    session.load_graph(0, {}, path)
+    try:
+        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+    finally:
+        session.remove_graph(0)
+    assert torch.equal(got, want)
+
+
+def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> None:
+    """256 new tokens leave each worker holding what 16 did: no step keeps a copy of the
+    cache (8 MiB a rank here) or anything else, and every write lands in the cache itself."""
+    generation = Generation(max_batch_size=8, max_seq_len=2048, prefill_lengths=(8,))
+    model, built = _build("llama", 2, "default", generation)
+    held = state_bytes(built.manifest)
+    assert min(held) >= 4 * 2**20, held
+    session = sessions.setdefault(2, tessel.Session())
+    session.load_graph(0, {}, tessel.save(built, tmp_path / "llama"))
+    try:
+        workers = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())
+        ]
+        assert len(workers) >= 2, workers
+        ids = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(2))
+        session.generate(0, ids, max_new_tokens=16)
+        before = [p.memory_info().rss for p in workers]
+        out = session.generate(0, ids, max_new_tokens=256)
+        after = [p.memory_info().rss for p in workers]
+    finally:
+        session.remove_graph(0)
+    assert out.shape == (8, 8 + 256)
+    grown = [b - a for a, b in zip(before, after)]
+    assert max(grown) < min(held) // 4, (grown, held)

@@ -38,6 +38,9 @@ def keep_torch_quiet(level: int | None) -> None:
     logging.getLogger("torch").setLevel(logging.ERROR)
     for package in ("torch", "tessel"):
         warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
+    # torch's own pytree deprecation, raised where a copy of an exported program reaches
+    # copyreg (a module of Python's, so the filters above do not catch it)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`")
 
 
 @contextlib.contextmanager
