@@ -65,10 +65,12 @@ def generate_on_rank(
         request["eos_token_id"],
         int(request["pad_token_id"]),
     )
+    # tokens travel as lists of ints: a tensor sent down a pipe would be moved into shared
+    # memory (torch's reduction), a segment and a descriptor per token
     with torch.no_grad():
         for token in steps:
             tokens.append(token)
             if conn is not None and request["stream"]:
-                conn.send(("token", 0, token))
+                conn.send(("token", 0, token.tolist()))
     if conn is not None:
-        conn.send(("result", 0, torch.stack(tokens, dim=1)))
+        conn.send(("result", 0, torch.stack(tokens, dim=1).tolist()))

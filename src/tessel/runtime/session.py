@@ -537,8 +537,8 @@ class Session:
         if stream:
             graph.stream = _TokenStream(workers)
             return graph.stream
-        new = _wait_result(workers, 0)
-        return torch.cat([prompt, new], dim=1)
+        new = torch.tensor(_wait_result(workers, 0), dtype=prompt.dtype)
+        return torch.cat([prompt, new.reshape(len(prompt), -1)], dim=1)
 
     def save_checkpoint(self, graph_id: int, path: str | Path) -> Path:
         """Write a training graph's weights and optimizer states as a distributed checkpoint
@@ -884,7 +884,7 @@ class _TokenStream:
         if kind == "result":
             self.done = True
             raise StopIteration
-        return payload
+        return torch.tensor(payload, dtype=torch.long)
 
     def finish(self) -> None:
         """Read the rest of the request, so the next one's answers are its own."""
