@@ -157,12 +157,15 @@ def test_the_cache_holds_exactly_the_promised_new_tokens(llama) -> None:
 @pytest.mark.parametrize(
     "options, key",
     [
-        (dict(temperature=0), "temperature"),
-        (dict(top_k=-1), "top_k"),
-        (dict(top_p=0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(seed=-1), "seed"),
+        (dict(do_sample=True, temperature=0), "temperature"),
+        (dict(do_sample=True, top_k=-1), "top_k"),
+        (dict(do_sample=True, top_p=0), "top_p"),
+        (dict(do_sample=True, top_p=1.5), "top_p"),
+        (dict(do_sample=True, seed=-1), "seed"),
         (dict(do_sample="yes"), "do_sample"),
+        (dict(temperature=0.7), "temperature"),  # greedy: a sampling setting would be ignored
+        (dict(top_k=5), "top_k"),
+        (dict(seed=3), "seed"),
     ],
 )
 def test_sampling_arguments_out_of_range_are_refused(options: dict, key: str) -> None:

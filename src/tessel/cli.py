@@ -63,39 +63,14 @@ def _build(args: argparse.Namespace) -> int:
             "--weights",
             "streams a PyTorch model's weights from a checkpoint; an ONNX file holds its own",
         )
-    generation = None
-    if args.max_seq_len is not None or args.dynamic_dims:
-        from tessel.config.generation import generation_from_flags
-
-        if opts.framework != "pytorch" or args.model.endswith((".pt2", ".onnx")):
-            raise ConfigError(
-                "command line",
-                "--model",
-                "a generation build (--max_seq_len, --dynamic_dims) captures a transformers "
-                "causal LM from file.py:function, found "
-                + (f"--framework={args.framework}" if opts.framework != "pytorch" else args.model),
-            )
-        generation = generation_from_flags(args.input_shape, args.dynamic_dims, args.max_seq_len)
+    generation = _generation(args, opts.framework)
     model, example_inputs, optimizer = load_model_spec(
         args.model, opts.framework, None if generation else args.input_shape
     )
     graph_parallel = opts.enable_graph_parallel
     if generation is not None:
-        if optimizer is not None:
-            raise ConfigError(
-                "command line",
-                "--max_seq_len",
-                "builds generation gears; the --model function returned an optimizer (a "
-                "training step)",
-            )
-        if not graph_parallel and cluster.world_size > 1:
-            raise ConfigError(
-                "command line",
-                "--enable_graph_parallel",
-                f"must be 1 for a generation build over {cluster.world_size} devices: the gears "
-                "are partitioned (replicas of whole gears are not built)",
-            )
-        graph_parallel = True
+        _check_generation_build(optimizer, graph_parallel, cluster.world_size)
+        graph_parallel = True  # one device, or the flag already 1
     if args.param_dtype and optimizer is None:
         raise ConfigError(
             "command line",
@@ -117,6 +92,39 @@ def _build(args: argparse.Namespace) -> int:
         generation=generation,
     )
     return _saved(built, args.output)
+
+
+def _generation(args: argparse.Namespace, framework: str):
+    """The `Generation` ATC's gear flags ask for, or None where none is given."""
+    if args.max_seq_len is None and not args.dynamic_dims:
+        return None
+    from tessel.config.generation import generation_from_flags
+
+    if framework != "pytorch" or args.model.endswith((".pt2", ".onnx")):
+        raise ConfigError(
+            "command line",
+            "--model",
+            "a generation build (--max_seq_len, --dynamic_dims) captures a transformers "
+            "causal LM from file.py:function, found "
+            + (f"--framework={args.framework}" if framework != "pytorch" else args.model),
+        )
+    return generation_from_flags(args.input_shape, args.dynamic_dims, args.max_seq_len)
+
+
+def _check_generation_build(optimizer, graph_parallel: bool, devices: int) -> None:
+    if optimizer is not None:
+        raise ConfigError(
+            "command line",
+            "--max_seq_len",
+            "builds generation gears; the --model function returned an optimizer (a training step)",
+        )
+    if not graph_parallel and devices > 1:
+        raise ConfigError(
+            "command line",
+            "--enable_graph_parallel",
+            f"must be 1 for a generation build over {devices} devices: the gears are "
+            "partitioned (replicas of whole gears are not built)",
+        )
 
 
 def _saved(built, output: str) -> int:
@@ -196,6 +204,15 @@ def _positive(flag: str):
         return int(value)
 
     return parse
+
+
+def _node_id_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--node-id",
+        type=int,
+        default=None,
+        help="the cluster node this host is (default: the head node)",
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -326,12 +343,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="safetensors with input_0, input_1, ... (default: random inputs of the recorded shapes)",
     )
     r.add_argument("--output", help="write output_0, output_1, ... to this safetensors file")
-    r.add_argument(
-        "--node-id",
-        type=int,
-        default=None,
-        help="the cluster node this host is (default: the head node)",
-    )
+    _node_id_flag(r)
     r.add_argument(
         "--repeat", type=int, default=1, help="run this many times and print the latency"
     )
@@ -366,12 +378,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--stream", action="store_true", help="print the tokens as they are made")
     g.add_argument("--output", help="write sequences [rows, prompt + new] to this safetensors")
-    g.add_argument(
-        "--node-id",
-        type=int,
-        default=None,
-        help="the cluster node this host is (default: the head node)",
-    )
+    _node_id_flag(g)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser(

@@ -46,6 +46,10 @@ class Sampling:
             raise bad("top_p", "must be a number in (0, 1]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", "must be an int of at least 0")
+        if not self.do_sample:  # greedy decoding takes none of them: refused, never ignored
+            for key, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0)):
+                if getattr(self, key) != default:
+                    raise bad(key, "takes effect only with do_sample=True (greedy otherwise)")
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
