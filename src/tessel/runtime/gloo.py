@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
+from tessel.lower.program import ProgramError
 
 _COLLECTIVE = getattr(torch.ops, C10D_FUNCTIONAL)
 _REDUCE_SCATTER = _COLLECTIVE.reduce_scatter_tensor.default
@@ -35,6 +36,7 @@ def reduce_scatters_as_all_reduces(
     """
     position = {name: sorted(ranks).index(rank) for ranks, name in groups.items() if rank in ranks}
     graph = program.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
     rewritten = 0
     for node in list(graph.nodes):
         if node.target is not _REDUCE_SCATTER:
@@ -44,8 +46,8 @@ def reduce_scatters_as_all_reduces(
             summed = graph.call_function(_COLLECTIVE.all_reduce.default, (source, op, name))
         waits = [user for user in node.users if user.target is _WAIT]
         if len(waits) != len(node.users) or not waits:
-            raise RuntimeError(f"reduce-scatter {node.name} is read before it is waited on")
-        first = min(waits, key=lambda w: _order(graph, w))
+            raise ProgramError(f"reduce-scatter {node.name} is read before it is waited on")
+        first = min(waits, key=order.__getitem__)
         with graph.inserting_before(first):
             whole = graph.call_function(_WAIT, (summed,))
             rows = graph.call_function(torch.ops.aten.chunk.default, (whole, size))
@@ -59,7 +61,3 @@ def reduce_scatters_as_all_reduces(
     if rewritten:
         program.recompile()
     return rewritten
-
-
-def _order(graph: fx.Graph, node: fx.Node) -> int:
-    return next(i for i, n in enumerate(graph.nodes) if n is node)
