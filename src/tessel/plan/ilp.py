@@ -149,7 +149,14 @@ class _Model:
     def width(self) -> int:
         return self.n + len(self.extra)
 
-    def run(self, c: np.ndarray, integral: int, upper: np.ndarray, time_limit: float):
+    def run(
+        self,
+        c: np.ndarray,
+        integral: int,
+        upper: np.ndarray,
+        time_limit: float,
+        gap: float = MIP_GAP,
+    ):
         """Solve within `time_limit`; where the limit passes before any answer (a slow or busy
         machine), the time is doubled until one is found, up to `_LIMIT_GROWTH` times the
         limit: the limit bounds the search for better plans, never the finding of one."""
@@ -162,7 +169,7 @@ class _Model:
                 constraints=LinearConstraint(a, np.asarray(self.lo), np.asarray(self.hi)),
                 integrality=integrality,
                 bounds=Bounds(np.zeros(len(c)), upper),
-                options={"time_limit": limit, "disp": False, "mip_rel_gap": MIP_GAP},
+                options={"time_limit": limit, "disp": False, "mip_rel_gap": gap},
             )
             if result.x is not None or result.status != 1 or limit >= _LIMIT_GROWTH * time_limit:
                 break  # 1: out of time before any answer
@@ -355,8 +362,11 @@ _PRICE_STEPS = 40  # programs solved while looking for the prices of memory
 _ROWS_PER_ROUND = 8  # broken memory rows added to the program per round
 
 
-def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dict[object, int]]:
-    """The smallest per-device memory any choice needs, and a choice that needs it.
+def least_memory(
+    problem: Problem, time_limit: float = 60.0, gap: float = MIP_GAP
+) -> tuple[float, dict[object, int]]:
+    """The smallest per-device memory any choice needs, within `gap` of it, and a choice that
+    needs it.
 
     Minimises the largest memory row (a continuous variable bounds every row), costs aside.
     """
@@ -371,7 +381,7 @@ def least_memory(problem: Problem, time_limit: float = 60.0) -> tuple[float, dic
         model.add_row([*((col, v / scale) for col, v in entries), (peak, -1.0)], -np.inf, 0.0)
     c = np.zeros(peak + 1)
     c[peak] = 1.0
-    result = model.run(c, model.n, model.upper(extra=1), time_limit)
+    result = model.run(c, model.n, model.upper(extra=1), time_limit, gap)
     if result.x is None:
         raise InfeasibleError(result.message)
     return float(result.x[peak]) * scale, model.choice(result.x)

@@ -589,9 +589,14 @@ def _placements(spec) -> tuple | None:
     return tuple(spec.placements)
 
 
+# how far above the least memory the sizing plan may be: HiGHS finds that plan in a second
+# and may spend many more proving it within 1%, and a device sized by it holds it all the same
+SIZING_GAP = 0.05
+
+
 def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
-    """(peak bytes, weight bytes) per device of the plan on `world` devices that needs the
-    least memory, costs aside.
+    """(peak bytes, weight bytes) per device of a plan on `world` devices that needs the least
+    memory (within `SIZING_GAP`), costs aside.
 
     A device holding `share`/N of the weights plus that plan's activations can hold no
     replicated weights; benchmarks, tests and the demo size their devices this way.
@@ -604,7 +609,7 @@ def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
     # within the gap) follows the column order
     owners = dict.fromkeys(c.owner or n for n, c in choices.items())
     sizes = {v: len(choices[v].strategies) for v in owners}
-    least, found = least_memory(Problem(sizes, {}, {}, held.rows))
+    least, found = least_memory(Problem(sizes, {}, {}, held.rows), gap=SIZING_GAP)
     choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
     return held.fixed + int(math.ceil(least)), held.weight_bytes(choice)
 
