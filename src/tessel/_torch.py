@@ -10,6 +10,7 @@ of a traced layer). A torch upgrade that moves any of them touches this file alo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import sys
@@ -90,6 +91,7 @@ __all__ = [
     "forget_process_groups",
     "group_ranks",
     "merged_moves",
+    "redistribute_steps",
     "pipeline_runtime",
     "proxy_node",
     "redistribute",
@@ -287,6 +289,33 @@ def merged_moves(mesh: DeviceMesh) -> Iterator[None]:
         yield
     finally:
         module._optimize_transform_infos = optimize
+
+
+@functools.cache
+def _mesh_of_shape(mesh_shape: tuple[int, ...]) -> DeviceMesh:
+    return detached_mesh(torch.arange(math.prod(mesh_shape)).reshape(mesh_shape))
+
+
+def redistribute_steps(
+    val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
+) -> list[tuple[int, Any, Any]]:
+    """(mesh axis, from, to) of each step DTensor takes to move `val` from placements `src` to
+    `dst` on a mesh of `mesh_shape`, in its order, before it merges steps over several axes.
+
+    DTensor plans a move axis by axis (its greedy planner): nested shards are undone inner axis
+    first, and a shard that moves to another dim on one axis is an all-to-all on that axis.
+    """
+    if len(mesh_shape) == 1:
+        return [] if src[0] == dst[0] else [(0, src[0], dst[0])]
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import get_redistribute_planner
+
+    mesh = _mesh_of_shape(tuple(mesh_shape))
+    meta = TensorMeta(val.shape, tuple(val.stride()), val.dtype)
+    infos = get_redistribute_planner(mesh, meta).generate_greedy_transform_infos(
+        DTensorSpec(mesh, tuple(src), meta), DTensorSpec(mesh, tuple(dst), meta)
+    )
+    return [(i.mesh_dim, *i.src_dst_placements) for i in infos]
 
 
 def group_ranks(group_name: str) -> list[int]:

@@ -23,12 +23,11 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from tessel._torch import C10D_FUNCTIONAL, tree_leaves
+from tessel._torch import C10D_FUNCTIONAL, redistribute_steps, tree_leaves
 from tessel.capture.training import gradient_outputs, state_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow, pairwise
 from tessel.sharding.gather import gather_steps, partial_to_shards, shard_placements
-from tessel.sharding.placements import unnested
 
 if TYPE_CHECKING:
     from tessel._torch import DTensorSpec
@@ -682,42 +681,28 @@ def _move_bytes(
     `dst` placements; those of the last allocation alone: the moved value, which outlives the
     move where a view of it is read later, while the copies made on the way are freed as the
     move goes on (each once the next is made from it); and what is made while the source is
-    still read (a gather's first copy; a reduce-scatter's whole peak).
+    still read (a collective's first copy; a local reduction's whole peak).
 
-    The copy has the target's size. Gathering a shard (to replicate it, or to shard another
-    dimension: the programs are traced on CPU meshes, where DTensor has no all-to-all) gathers
-    the padded whole: shards of a dimension that does not split evenly are first padded to the
-    largest shard's size (a copy), and a dimension other than the first is gathered along the
-    first and then joined along its own (a second buffer of the gathered size).
+    The move takes DTensor's steps (`_collectives`), each counted as DTensor runs it on a CPU
+    mesh (`_gathered`, `_all_to_all`, `_reduce_scattered`); what is left once the collectives
+    are done is local: a slice of replicated dims, or a partial value summed whole.
     """
     if src is None or dst is None or src == dst:
         return 0.0, 0.0, 0.0
     made: list[float] = []  # the move's allocations, in order, each made from the one before
     here = list(src)
-    gathered = _gathers(val, src, dst, mesh_shape)
-    for dim, axes in gathered:
-        whole = list(here)
-        for m in axes:
-            whole[m] = Replicate()
-        rows = _rows_left(val, whole, dim, mesh_shape)
-        n = math.prod(mesh_shape[m] for m in axes)
-        padded = -(-rows // n) * n
-        if padded != rows:
-            made.append(local_bytes(val, tuple(here), mesh_shape))  # the padded shard
-        # gathered along the first dim, then joined along its own (still padded: the padding
-        # is cut off by a view)
-        made += [local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)] * (
-            1 if dim == 0 else 2
-        )
-        here = whole
+    steps = _collectives(val, src, dst, mesh_shape)
+    for step in steps:
+        if step.kind == "all_gather":
+            made += _gathered(val, here, step.dim, step.axes, mesh_shape)
+        elif step.kind == "all_to_all":
+            made += _all_to_all(val, here, step.dim, step.to_dim, step.axes[0], mesh_shape)
+        else:
+            made += _reduce_scattered(val, here, step.to_dim, step.axes, mesh_shape)
+        for m in step.axes:
+            here[m] = step.to
     if tuple(here) != tuple(dst) and not (made and _sliced_in_place(val, tuple(here), dst)):
-        # (a shard kept of what was gathered is a view of it, which stays whole.) A
-        # reduce-scatter sends blocks of the first dim, of one size: the value is rearranged
-        # into them first (padded where the dim does not split evenly, then joined along the
-        # first dim where it is another), copies of its whole local size; then it is sliced,
-        # reduced or made partial
-        copies = _scatter_copies(val, tuple(here), dst, mesh_shape)
-        made += [local_bytes(val, tuple(here), mesh_shape)] * copies
+        # (a shard kept of what was gathered is a view of it, which stays whole)
         made.append(local_bytes(val, dst, mesh_shape))
     if made and _relaid(val):
         # a collective's result is contiguous: the shard it sends is made so first, and a
@@ -730,10 +715,68 @@ def _move_bytes(
         return 0.0, 0.0, 0.0
     # each allocation is freed once the next is made from it: two are held at once at most
     peak = max(a + b for a, b in zip([0.0, *made], made))
-    # a gather's first copy (the padded or contiguous shard, or the gathered buffer) is all
-    # that reads the source; a reduce-scatter's rearranging reads it longer: the whole peak
-    first = made[0] if gathered else peak
+    # a collective's first copy (the padded or contiguous shard, or the gathered buffer) is
+    # all that reads the source; a local reduction reads it to the end: the whole peak
+    first = made[0] if steps else peak
     return float(peak), float(made[-1]), float(first)
+
+
+@dataclass(frozen=True)
+class _Collective:
+    """One collective of a move: its kind, the mesh axes it runs over, the dim whose shards
+    it takes (`dim`, or -1 from a partial value) and the placement it leaves."""
+
+    kind: str  # "all_gather", "all_to_all" or "reduce_scatter"
+    axes: tuple[int, ...]
+    dim: int
+    to: Placement
+
+    @property
+    def to_dim(self) -> int:
+        return self.to.dim if isinstance(self.to, Shard) else -1
+
+
+def _collective_kind(a: Placement, b: Placement) -> str | None:
+    if isinstance(a, Shard):
+        return "all_gather" if isinstance(b, Replicate) else "all_to_all"
+    if isinstance(a, Partial) and isinstance(b, Shard):
+        return "reduce_scatter"
+    return None  # a local slice, or a reduction left for the end
+
+
+def _collectives(
+    val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
+) -> list[_Collective]:
+    """The collectives DTensor runs to move `val` from `src` to `dst`, in its order. Consecutive
+    all-gathers (or reduce-scatters) alike over several axes are one collective over their
+    joined group where the dim splits evenly over it (`tessel._torch.merged_moves`)."""
+    out: list[_Collective] = []
+    here = list(src)
+    for m, a, b in redistribute_steps(val, src, dst, mesh_shape):
+        kind = _collective_kind(a, b)
+        if kind is not None:
+            step = _Collective(kind, (m,), a.dim if isinstance(a, Shard) else -1, b)
+            dim = step.dim if kind == "all_gather" else step.to_dim
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and kind != "all_to_all"
+                and (last.kind, last.dim, last.to)
+                == (
+                    kind,
+                    step.dim,
+                    b,
+                )
+            ):
+                axes = tuple(sorted((*last.axes, m)))
+                kept = [Replicate() if k in axes else p for k, p in enumerate(here)]
+                joined = math.prod(mesh_shape[k] for k in axes)
+                if _rows_left(val, kept, dim, mesh_shape) % joined == 0:
+                    step = replace(step, axes=axes)
+                    out.pop()
+            out.append(step)
+        here[m] = b
+    return out
 
 
 def _rows_left(val: torch.Tensor, placements: list, dim: int, mesh_shape: tuple[int, ...]) -> int:
@@ -745,43 +788,88 @@ def _rows_left(val: torch.Tensor, placements: list, dim: int, mesh_shape: tuple[
     return rows
 
 
-def _gathers(
-    val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
-) -> list[tuple[int, tuple[int, ...]]]:
-    """The all-gathers the lowering runs to move `val` from `src` towards `dst`: (tensor dim,
-    the mesh axes gathered at once). Axes nested inside one that changes are gathered too
-    (`unnested`). Several axes gathering one dim are one collective over their joined group
-    where the dim splits evenly over it (`tessel._torch.merged_moves`), else one per axis,
-    innermost first."""
-    first = unnested(src, dst)
-    by_dim: dict[int, list[int]] = {}
-    for m, a in enumerate(src):
-        if isinstance(a, Shard) and (a != dst[m] or first[m] != a):
-            by_dim.setdefault(a.dim, []).append(m)
-    out: list[tuple[int, tuple[int, ...]]] = []
-    for dim, axes in by_dim.items():
-        kept = [Replicate() if m in axes else p for m, p in enumerate(src)]
-        joined = math.prod(mesh_shape[m] for m in axes)
-        if len(axes) > 1 and _rows_left(val, kept, dim, mesh_shape) % joined == 0:
-            out.append((dim, tuple(axes)))
+def _local_shape(val: torch.Tensor, placements: list, mesh_shape: tuple[int, ...]) -> list[int]:
+    return [_rows_left(val, placements, d, mesh_shape) for d in range(val.dim())]
+
+
+def _gathered(
+    val: torch.Tensor, here: list, dim: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> list[float]:
+    """An all-gather of `dim`'s shards over `axes`: a shard smaller than the largest is padded
+    to its size first (a copy), the padded shards are gathered along the first dim, and a
+    dim other than the first is joined along its own (a second buffer of the gathered size;
+    the padding is cut off by a view)."""
+    made: list[float] = []
+    whole = [Replicate() if m in axes else p for m, p in enumerate(here)]
+    rows = _rows_left(val, whole, dim, mesh_shape)
+    n = math.prod(mesh_shape[m] for m in axes)
+    padded = -(-rows // n) * n
+    if padded != rows:
+        made.append(local_bytes(val, tuple(here), mesh_shape))  # the padded shard
+    gathered = local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)
+    return made + [gathered] * (1 if dim == 0 else 2)
+
+
+def _all_to_all(
+    val: torch.Tensor, here: list, old: int, new: int, axis: int, mesh_shape: tuple[int, ...]
+) -> list[float]:
+    """A shard of dim `old` moved to a shard of dim `new` over one mesh axis, as DTensor runs
+    it on a CPU mesh (gloo has no all-to-all): the shard is padded to the largest shard's
+    rows of `old` and to whole chunks of `new` (a copy each, where the dim splits unevenly),
+    all-gathered along `old` (along the first dim, then joined along `old` where it is
+    another), and its chunk of `new` is taken: a view where the chunk is a block of the
+    gathered tensor, else a copy."""
+    n = mesh_shape[axis]
+    shape = _local_shape(
+        val, [Replicate() if m == axis else p for m, p in enumerate(here)], mesh_shape
+    )
+    item = val.element_size()
+    chunk_old, chunk_new = -(-shape[old] // n), -(-shape[new] // n)
+    made: list[float] = []
+    local = list(shape)
+    local[old] = chunk_old
+    if shape[old] % n:
+        made.append(math.prod(local) * item)  # the shard padded to the largest
+    if shape[new] % n:
+        local[new] = chunk_new * n
+        made.append(math.prod(local) * item)  # `new` padded to whole chunks
+    gathered = float(math.prod(local) * item * n)
+    made += [gathered] * (1 if old == 0 else 2)
+    local[old] *= n
+    if any(local[d] != 1 for d in range(new)):
+        made.append(gathered / n)  # the chunk made contiguous
+    return made
+
+
+def _reduce_scattered(
+    val: torch.Tensor, here: list, dim: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> list[float]:
+    """A partial value reduce-scattered into shards of `dim` over `axes`: where `dim` does not
+    split evenly its chunks are padded to one size (copies of those that are not contiguous
+    or not whole) and joined again; a dim other than the first is rearranged into blocks of
+    the first (another copy); then each device receives its reduced chunk."""
+    n = math.prod(mesh_shape[m] for m in axes)
+    shape = _local_shape(val, here, mesh_shape)
+    chunk = -(-shape[dim] // n)
+    rest = math.prod(shape) // max(shape[dim], 1) * val.element_size()
+    padded = float(chunk * n * rest)  # the joined chunks, whole
+    made: list[float] = []
+    if shape[dim] % n:
+        if all(shape[d] == 1 for d in range(dim)):  # chunks are views: copies of short ones
+            made.append((n - shape[dim] // chunk) * chunk * rest)
         else:
-            out.extend((dim, (m,)) for m in reversed(axes))
-    return out
+            made.append(padded)  # every chunk copied
+        made.append(padded)  # joined
+    if dim != 0:
+        made.append(padded)  # rearranged into blocks of the first dim
+    made.append(padded / n)
+    return made
 
 
 def _blocks(val: torch.Tensor, dim: int) -> bool:
     """Whether the shards of `dim` are contiguous blocks of `val` (every dim before it has
     one element)."""
     return all(val.shape[d] == 1 for d in range(dim))
-
-
-def _scatter_copies(val: torch.Tensor, here: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> int:
-    """Whole-size copies DTensor makes of a partial value to reduce-scatter it."""
-    copies = 0
-    for m, (a, b) in enumerate(zip(here, dst)):
-        if isinstance(a, Partial) and isinstance(b, Shard):
-            copies += (val.shape[b.dim] % mesh_shape[m] != 0) + (b.dim != 0)
-    return copies
 
 
 def _sliced_in_place(val: torch.Tensor, here: tuple, dst: tuple) -> bool:
