@@ -482,6 +482,8 @@ def _resharding_buffers(
     and nothing is taken away from them.
     """
     lives, read_apart = steps.lives, steps.read_apart
+    # the step each value holding storage of its own (no view, no tuple part) is last read
+    dies = {s.node: s.dies for s in steps.live if s.index is None}
     others = range(1, math.prod(mesh_shape))
     whole = tuple(Replicate() for _ in mesh_shape)
     out: list[_Buffer] = []
@@ -577,6 +579,16 @@ def _resharding_buffers(
             if not np.any(m[..., 0]):
                 continue
             if end == t:
+                if dies.get(a) == t and choices[n].args.count(a) == 1:
+                    # read by nothing after this op: freed once moved, before the op writes
+                    # its output (the moment the move peaks is before that output exists)
+                    held = np.array([local_bytes(val, s, mesh_shape) for s in src], dtype=float)
+                    made = _output_bytes(n, choices[n].out_index, choices[vc], mesh_shape)
+                    if made is not None:
+                        moment = np.maximum(m[..., 1] + made, held[:, None] + m[..., 0])
+                        after = moment - held[:, None] - made
+                        out.append(_Buffer((vp, vc), np.where(m[..., 0] > 0, after, 0.0), t, t))
+                        continue
                 out.append(_Buffer((vp, vc), m[..., 0], t, t))
                 continue
             # a view reads the moved value later; the copies made on the way are freed now
@@ -594,6 +606,20 @@ def _resharding_buffers(
                 out.append(_Buffer((vp, vc), peak - m[..., 1], t, t))
             out.append(_Buffer((vp, vc), m[..., 1], t, end))
     return out
+
+
+def _output_bytes(
+    n: fx.Node, index: int | None, owner: NodeChoices, mesh_shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """Bytes of `n`'s output (`index` of its owner's) per strategy of its owner's decision;
+    None where it is not one tensor."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return np.array(
+        [local_bytes(val, _placements(s.output_at(index)), mesh_shape) for s in owner.strategies],
+        dtype=float,
+    )
 
 
 def _read_apart(
@@ -683,27 +709,36 @@ def _move_bytes(
     move goes on (each once the next is made from it); and what is made while the source is
     still read (a collective's first copy; a local reduction's whole peak).
 
-    The move takes DTensor's steps (`_collectives`), each counted as DTensor runs it on a CPU
-    mesh (`_gathered`, `_all_to_all`, `_reduce_scattered`); what is left once the collectives
-    are done is local: a slice of replicated dims, or a partial value summed whole.
+    The move takes DTensor's steps (`_steps`), each counted as DTensor runs it on a CPU mesh
+    (`_gathered`, `_all_to_all`, `_reduce_scattered`; a local step, a slice, a sum or a
+    partition, makes one value of the size it leaves).
     """
     if src is None or dst is None or src == dst:
         return 0.0, 0.0, 0.0
     made: list[float] = []  # the move's allocations, in order, each made from the one before
+    also = 0.0  # more held at once than two allocations: a reduce-scatter joining views
     here = list(src)
-    steps = _collectives(val, src, dst, mesh_shape)
+    dense = True  # whether the value in hand (the last allocation's view) is contiguous
+    steps = _steps(val, src, dst, mesh_shape)
     for step in steps:
+        hand = "source" if not made else "view" if dense else "strided"
         if step.kind == "all_gather":
-            made += _gathered(val, here, step.dim, step.axes, mesh_shape)
+            moved, dense = _gathered(val, here, step.dim, step.axes, mesh_shape, hand)
         elif step.kind == "all_to_all":
-            made += _all_to_all(val, here, step.dim, step.to_dim, step.axes[0], mesh_shape)
-        else:
-            made += _reduce_scattered(val, here, step.to_dim, step.axes, mesh_shape)
+            moved, dense = _all_to_all(
+                val, here, step.dim, step.to_dim, step.axes[0], mesh_shape, hand
+            )
+        elif step.kind == "reduce_scatter":
+            value = made[-1] if made else 0.0  # the source is counted apart
+            moved, held = _reduce_scattered(
+                val, here, step.to_dim, step.axes, mesh_shape, value, dense
+            )
+            also, dense = max(also, held), True
         for m in step.axes:
             here[m] = step.to
-    if tuple(here) != tuple(dst) and not (made and _sliced_in_place(val, tuple(here), dst)):
-        # (a shard kept of what was gathered is a view of it, which stays whole)
-        made.append(local_bytes(val, dst, mesh_shape))
+        if step.kind == "local":  # a slice (always a copy), a sum or a partition of the value
+            moved, dense = [local_bytes(val, tuple(here), mesh_shape)], True
+        made += moved
     if made and _relaid(val):
         # a collective's result is contiguous: the shard it sends is made so first, and a
         # replicated result is copied into the captured layout (lower/trace._laid_out)
@@ -714,19 +749,21 @@ def _move_bytes(
     if not made:
         return 0.0, 0.0, 0.0
     # each allocation is freed once the next is made from it: two are held at once at most
-    peak = max(a + b for a, b in zip([0.0, *made], made))
+    peak = max(also, *(a + b for a, b in zip([0.0, *made], made)))
     # a collective's first copy (the padded or contiguous shard, or the gathered buffer) is
-    # all that reads the source; a local reduction reads it to the end: the whole peak
-    first = made[0] if steps else peak
+    # all that reads the source; a reduce-scatter's rearranging reads it longer: the whole peak
+    first = made[0] if steps[0].kind != "reduce_scatter" else peak
     return float(peak), float(made[-1]), float(first)
 
 
 @dataclass(frozen=True)
-class _Collective:
-    """One collective of a move: its kind, the mesh axes it runs over, the dim whose shards
-    it takes (`dim`, or -1 from a partial value) and the placement it leaves."""
+class _Step:
+    """One step of a move over mesh `axes`: a collective (an all-gather, an all-to-all, a
+    reduce-scatter, an all-reduce) or a local change of the value (a slice, a partition); the
+    dim whose shards it takes (`dim`; -1 where they are not shards) and the placement it
+    leaves."""
 
-    kind: str  # "all_gather", "all_to_all" or "reduce_scatter"
+    kind: str  # "all_gather", "all_to_all", "reduce_scatter" or "local"
     axes: tuple[int, ...]
     dim: int
     to: Placement
@@ -736,45 +773,36 @@ class _Collective:
         return self.to.dim if isinstance(self.to, Shard) else -1
 
 
-def _collective_kind(a: Placement, b: Placement) -> str | None:
+def _step_kind(a: Placement, b: Placement) -> str:
     if isinstance(a, Shard):
         return "all_gather" if isinstance(b, Replicate) else "all_to_all"
     if isinstance(a, Partial) and isinstance(b, Shard):
         return "reduce_scatter"
-    return None  # a local slice, or a reduction left for the end
+    return "local"  # a slice, a partition, or an all-reduce (a new buffer of the same size)
 
 
-def _collectives(
-    val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
-) -> list[_Collective]:
-    """The collectives DTensor runs to move `val` from `src` to `dst`, in its order. Consecutive
-    all-gathers (or reduce-scatters) alike over several axes are one collective over their
-    joined group where the dim splits evenly over it (`tessel._torch.merged_moves`)."""
-    out: list[_Collective] = []
+def _steps(val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> list[_Step]:
+    """DTensor's steps to move `val` from `src` to `dst`, in its order. Consecutive all-gathers
+    or reduce-scatters alike over several axes are one collective over their joined group
+    where the dim splits evenly over it (`tessel._torch.merged_moves`)."""
+    out: list[_Step] = []
     here = list(src)
     for m, a, b in redistribute_steps(val, src, dst, mesh_shape):
-        kind = _collective_kind(a, b)
-        if kind is not None:
-            step = _Collective(kind, (m,), a.dim if isinstance(a, Shard) else -1, b)
-            dim = step.dim if kind == "all_gather" else step.to_dim
-            last = out[-1] if out else None
-            if (
-                last is not None
-                and kind != "all_to_all"
-                and (last.kind, last.dim, last.to)
-                == (
-                    kind,
-                    step.dim,
-                    b,
-                )
-            ):
-                axes = tuple(sorted((*last.axes, m)))
+        step = _Step(_step_kind(a, b), (m,), a.dim if isinstance(a, Shard) else -1, b)
+        last = out[-1] if out else None
+        if last is not None and (last.kind, last.dim, last.to) == (step.kind, step.dim, b):
+            axes = tuple(sorted((*last.axes, m)))
+            if step.kind in ("local", "all_to_all"):
+                merged = False
+            else:
+                dim = step.dim if step.kind == "all_gather" else step.to_dim
                 kept = [Replicate() if k in axes else p for k, p in enumerate(here)]
                 joined = math.prod(mesh_shape[k] for k in axes)
-                if _rows_left(val, kept, dim, mesh_shape) % joined == 0:
-                    step = replace(step, axes=axes)
-                    out.pop()
-            out.append(step)
+                merged = _rows_left(val, kept, dim, mesh_shape) % joined == 0
+            if merged:
+                step = replace(step, axes=axes)
+                out.pop()
+        out.append(step)
         here[m] = b
     return out
 
@@ -793,32 +821,65 @@ def _local_shape(val: torch.Tensor, placements: list, mesh_shape: tuple[int, ...
 
 
 def _gathered(
-    val: torch.Tensor, here: list, dim: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
-) -> list[float]:
-    """An all-gather of `dim`'s shards over `axes`: a shard smaller than the largest is padded
-    to its size first (a copy), the padded shards are gathered along the first dim, and a
-    dim other than the first is joined along its own (a second buffer of the gathered size;
-    the padding is cut off by a view)."""
+    val: torch.Tensor,
+    here: list,
+    dim: int,
+    axes: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    hand: str,
+) -> tuple[list[float], bool]:
+    """An all-gather of `dim`'s shards over `axes`: its allocations, and whether its result
+    is contiguous.
+
+    A shard smaller than the largest is padded to its size first (a copy), the padded shards
+    are gathered along the first dim, and a dim with more than one element before it is joined
+    along its own (a second buffer of the gathered size); the padding is cut off by a view.
+    `hand` is the shard's kind (`_copied_first`)."""
     made: list[float] = []
     whole = [Replicate() if m in axes else p for m, p in enumerate(here)]
     rows = _rows_left(val, whole, dim, mesh_shape)
     n = math.prod(mesh_shape[m] for m in axes)
     padded = -(-rows // n) * n
-    if padded != rows:
-        made.append(local_bytes(val, tuple(here), mesh_shape))  # the padded shard
+    if _copied_first(hand, padded != rows):
+        made.append(local_bytes(val, tuple(here), mesh_shape))  # padded, or made contiguous
     gathered = local_bytes(val, tuple(whole), mesh_shape) * padded / max(rows, 1)
-    return made + [gathered] * (1 if dim == 0 else 2)
+    made += [gathered] * (2 if _joined(val, here, dim, mesh_shape) else 1)
+    return made, padded == rows or not _joined(val, whole, dim, mesh_shape)
+
+
+def _copied_first(hand: str, uneven: bool) -> bool:
+    """Whether a collective copies the shard in hand before it sends it. `hand` is "source"
+    (the moved value itself), "view" (a contiguous view of the move's last buffer) or
+    "strided" (a view that is not contiguous, which is always copied). A shard smaller than
+    the largest is padded (a copy); the device with the largest shard pads nothing, and where
+    its shard is a view it holds the buffer before beside the collective's, more than a
+    padded copy of the shard would be: a view is counted so, never copied."""
+    return hand == "strided" or (hand == "source" and uneven)
+
+
+def _joined(val: torch.Tensor, here: list, dim: int, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether gathering along `dim` joins the pieces with a copy: shards gathered along the
+    first dim are one block each of the result only where every dim before `dim` has one
+    element."""
+    return any(_rows_left(val, here, d, mesh_shape) != 1 for d in range(dim))
 
 
 def _all_to_all(
-    val: torch.Tensor, here: list, old: int, new: int, axis: int, mesh_shape: tuple[int, ...]
-) -> list[float]:
+    val: torch.Tensor,
+    here: list,
+    old: int,
+    new: int,
+    axis: int,
+    mesh_shape: tuple[int, ...],
+    hand: str,
+) -> tuple[list[float], bool]:
     """A shard of dim `old` moved to a shard of dim `new` over one mesh axis, as DTensor runs
-    it on a CPU mesh (gloo has no all-to-all): the shard is padded to the largest shard's
-    rows of `old` and to whole chunks of `new` (a copy each, where the dim splits unevenly),
-    all-gathered along `old` (along the first dim, then joined along `old` where it is
-    another), and its chunk of `new` is taken: a view where the chunk is a block of the
-    gathered tensor, else a copy."""
+    it on a CPU mesh (gloo has no all-to-all): its allocations, and whether its result is
+    contiguous. The shard is padded to the largest shard's rows of `old` (`_copied_first`)
+    and to whole chunks of `new` (a copy each, where the dim splits unevenly), all-gathered
+    along `old` (along the first dim, then joined along `old` where it is another), and its
+    chunk of `new` is taken (a view where the chunk is a block of the gathered tensor, else a
+    copy); the padding of `old` is cut off by a view."""
     n = mesh_shape[axis]
     shape = _local_shape(
         val, [Replicate() if m == axis else p for m, p in enumerate(here)], mesh_shape
@@ -828,62 +889,59 @@ def _all_to_all(
     made: list[float] = []
     local = list(shape)
     local[old] = chunk_old
-    if shape[old] % n:
-        made.append(math.prod(local) * item)  # the shard padded to the largest
+    if _copied_first(hand, shape[old] % n != 0):
+        made.append(math.prod(local) * item)  # padded to the largest, or made contiguous
     if shape[new] % n:
         local[new] = chunk_new * n
         made.append(math.prod(local) * item)  # `new` padded to whole chunks
     gathered = float(math.prod(local) * item * n)
-    made += [gathered] * (1 if old == 0 else 2)
+    made += [gathered] * (2 if _joined(val, here, old, mesh_shape) else 1)
     local[old] *= n
     if any(local[d] != 1 for d in range(new)):
         made.append(gathered / n)  # the chunk made contiguous
-    return made
+    local[new] = chunk_new
+    return made, shape[old] % n == 0 or all(local[d] == 1 for d in range(old))
 
 
 def _reduce_scattered(
-    val: torch.Tensor, here: list, dim: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...]
-) -> list[float]:
-    """A partial value reduce-scattered into shards of `dim` over `axes`: where `dim` does not
-    split evenly its chunks are padded to one size (copies of those that are not contiguous
-    or not whole) and joined again; a dim other than the first is rearranged into blocks of
-    the first (another copy); then each device receives its reduced chunk."""
+    val: torch.Tensor,
+    here: list,
+    dim: int,
+    axes: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    value: float,
+    dense: bool,
+) -> tuple[list[float], float]:
+    """A partial value (of `value` bytes, `dense` where contiguous) reduce-scattered into
+    shards of `dim` over `axes`: its allocations, and the most bytes held at once while they
+    are made, the value's included. A value that is not contiguous is copied first.
+
+    Where `dim` does not split evenly, the value is cut into chunks of `dim`, each padded to
+    one size (copies of those that are not contiguous or are short; the others are views,
+    which keep the value alive) and joined again; a dim other than the first is rearranged
+    into blocks of the first (another copy); then each device receives its reduced chunk.
+    """
     n = math.prod(mesh_shape[m] for m in axes)
     shape = _local_shape(val, here, mesh_shape)
     chunk = -(-shape[dim] // n)
     rest = math.prod(shape) // max(shape[dim], 1) * val.element_size()
     padded = float(chunk * n * rest)  # the joined chunks, whole
     made: list[float] = []
+    held = 0.0
     if shape[dim] % n:
-        if all(shape[d] == 1 for d in range(dim)):  # chunks are views: copies of short ones
+        views = dense and all(shape[d] == 1 for d in range(dim))
+        if views:  # chunks are views of the value: copies of the short ones alone
             made.append((n - shape[dim] // chunk) * chunk * rest)
         else:
             made.append(padded)  # every chunk copied
         made.append(padded)  # joined
+        held = sum(made) + (value if views else 0.0)  # copied chunks free the value
+    elif not dense:
+        made.append(math.prod(shape) * val.element_size())  # made contiguous
     if dim != 0:
         made.append(padded)  # rearranged into blocks of the first dim
     made.append(padded / n)
-    return made
-
-
-def _blocks(val: torch.Tensor, dim: int) -> bool:
-    """Whether the shards of `dim` are contiguous blocks of `val` (every dim before it has
-    one element)."""
-    return all(val.shape[d] == 1 for d in range(dim))
-
-
-def _sliced_in_place(val: torch.Tensor, here: tuple, dst: tuple) -> bool:
-    """Whether going from `here` to `dst` only keeps a shard of replicated dims, each of whose
-    shards is a contiguous block (every dim before it has one element), which DTensor takes as
-    a view rather than a copy."""
-    for a, b in zip(here, dst):
-        if a == b:
-            continue
-        if not (isinstance(a, Replicate) and isinstance(b, Shard)):
-            return False
-        if not _blocks(val, b.dim):
-            return False
-    return True
+    return made, held
 
 
 def _relaid(val: torch.Tensor) -> bool:
