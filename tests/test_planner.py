@@ -98,7 +98,7 @@ def test_the_plan_says_which_solver_solved_it_and_why(monkeypatch):
 
 def test_a_refusal_by_a_byte_gives_two_different_sizes():
     captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
-    need, _ = least_memory_plan(captured, 2)
+    need, _ = least_memory_plan(captured, 2, gap=0.0)
     data = local_cluster_dict(2)
     data["item_def"][0]["memory"] = f"[DDR:{need - 1}B]"  # one byte short
     with pytest.raises(PlanError) as refused:

@@ -26,7 +26,7 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
 from tessel.plan.errors import LeastMemory, PlanError
-from tessel.plan.ilp import least_memory
+from tessel.plan.ilp import MIP_GAP, least_memory
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
 from tessel.plan.problem import FORBIDDEN, InfeasibleError, Problem, pairwise
@@ -266,6 +266,10 @@ def _does_not_fit(
     placeholders of state among the weights). `reserve` is what lowered programs were found to
     need beyond the memory model's count."""
     least, found = least_memory(problem, time_limit)
+    if (held.fixed + least + reserve) * (1 - MIP_GAP) <= device_bytes:
+        # the device is within the solver's gap of that plan: the least itself says whether
+        # (and by how much) it falls short
+        least, found = least_memory(problem, time_limit, gap=0.0)
     choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
     need = held.fixed + int(math.ceil(least)) + reserve
     weights = held.weight_bytes(choice)
@@ -594,9 +598,11 @@ def _placements(spec) -> tuple | None:
 SIZING_GAP = 0.05
 
 
-def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
+def least_memory_plan(
+    captured: CapturedModel, world: int, gap: float = SIZING_GAP
+) -> tuple[int, int]:
     """(peak bytes, weight bytes) per device of a plan on `world` devices that needs the least
-    memory (within `SIZING_GAP`), costs aside.
+    memory (within `gap` of it), costs aside.
 
     A device holding `share`/N of the weights plus that plan's activations can hold no
     replicated weights; benchmarks, tests and the demo size their devices this way.
@@ -609,7 +615,7 @@ def least_memory_plan(captured: CapturedModel, world: int) -> tuple[int, int]:
     # within the gap) follows the column order
     owners = dict.fromkeys(c.owner or n for n, c in choices.items())
     sizes = {v: len(choices[v].strategies) for v in owners}
-    least, found = least_memory(Problem(sizes, {}, {}, held.rows), gap=SIZING_GAP)
+    least, found = least_memory(Problem(sizes, {}, {}, held.rows), gap=gap)
     choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
     return held.fixed + int(math.ceil(least)), held.weight_bytes(choice)
 
