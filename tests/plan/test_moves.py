@@ -78,7 +78,7 @@ _on_two_axes = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_on_two_axes)
 def test_moves_on_two_axes_are_counted_step_by_step_as_dtensor_takes_them(case) -> None:
     # DTensor moves a value axis by axis, inner axis first where shards are nested, slicing
