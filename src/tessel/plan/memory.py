@@ -579,17 +579,20 @@ def _resharding_buffers(
             if not np.any(m[..., 0]):
                 continue
             if end == t:
+                # the move runs before the op writes its output: the op's step holds the
+                # larger of the move's peak and the moved value beside that output. Summed
+                # over several moved inputs this bounds their moves run one after another.
+                made = _output_bytes(n, choices[n].out_index, choices[vc], mesh_shape)
+                if made is None:
+                    out.append(_Buffer((vp, vc), m[..., 0], t, t))
+                    continue
+                held = np.zeros(len(src))
                 if dies.get(a) == t and choices[n].args.count(a) == 1:
-                    # read by nothing after this op: freed once moved, before the op writes
-                    # its output (the moment the move peaks is before that output exists)
+                    # read by nothing after this op: freed once moved
                     held = np.array([local_bytes(val, s, mesh_shape) for s in src], dtype=float)
-                    made = _output_bytes(n, choices[n].out_index, choices[vc], mesh_shape)
-                    if made is not None:
-                        moment = np.maximum(m[..., 1] + made, held[:, None] + m[..., 0])
-                        after = moment - held[:, None] - made
-                        out.append(_Buffer((vp, vc), np.where(m[..., 0] > 0, after, 0.0), t, t))
-                        continue
-                out.append(_Buffer((vp, vc), m[..., 0], t, t))
+                moment = np.maximum(m[..., 1] + made, held[:, None] + m[..., 0])
+                after = moment - held[:, None] - made
+                out.append(_Buffer((vp, vc), np.where(m[..., 0] > 0, after, 0.0), t, t))
                 continue
             # a view reads the moved value later; the copies made on the way are freed now
             peak = m[..., 0]
