@@ -13,7 +13,7 @@ import functools
 import math
 import operator
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Union
@@ -61,12 +61,22 @@ def local_bytes(
 ) -> int:
     """Bytes of the piece of `val` one device holds under `placements`: the largest piece, or
     that of the device at mesh coordinates `at`."""
+    return math.prod(_local_shape(val, placements, mesh_shape, at)) * val.element_size()
+
+
+def _local_shape(
+    val: torch.Tensor,
+    placements: Sequence[Placement] | None,
+    mesh_shape: tuple[int, ...],
+    at: tuple[int, ...] | None = None,
+) -> list[int]:
+    """The shape of the piece of `val` one device holds (as `local_bytes` counts it)."""
     shape = list(val.shape)
     for i, (p, n) in enumerate(zip(placements or (), mesh_shape)):
         if isinstance(p, Shard):
             chunk = -(-shape[p.dim] // n)  # torch.chunk: the first pieces are the largest
             shape[p.dim] = chunk if at is None else max(0, min(chunk, shape[p.dim] - at[i] * chunk))
-    return math.prod(shape) * val.element_size()
+    return shape
 
 
 @dataclass(frozen=True)
@@ -812,15 +822,7 @@ def _steps(val: torch.Tensor, src: tuple, dst: tuple, mesh_shape: tuple[int, ...
 
 def _rows_left(val: torch.Tensor, placements: list, dim: int, mesh_shape: tuple[int, ...]) -> int:
     """The rows of `dim` a device holds under `placements` (the largest shard's)."""
-    rows = val.shape[dim]
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard) and p.dim == dim:
-            rows = -(-rows // n)
-    return rows
-
-
-def _local_shape(val: torch.Tensor, placements: list, mesh_shape: tuple[int, ...]) -> list[int]:
-    return [_rows_left(val, placements, d, mesh_shape) for d in range(val.dim())]
+    return _local_shape(val, placements, mesh_shape)[dim]
 
 
 def _gathered(
