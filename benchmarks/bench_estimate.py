@@ -4,7 +4,7 @@ Every family of the differential suite (tests/differential/zoo.py: width 64, 2 l
 is built for 2, 3 and 4 CPU devices of the default cluster, and a training step (the Llama of
 the zoo with AdamW, data_parallel_size 2 x tensor_parallel_size 1 and tensor parallel 2).
 For each, the table sets the plan's estimate (`manifest.plan.estimated_time_s`) beside
-the median of `Session.run_graph` over 10 runs after 3 warm-up runs (one session; workers are
+the median of `Session.run_graph` over 30 runs after 3 warm-up runs (one session; workers are
 reused between packages of the same device count), and the ratio measured / estimated. The
 cost model is meant to keep that ratio within 0.67-1.5; the last line counts the rows that do.
 `--width` scales the zoo's width (heads stay 4) and `--batch` the batch, so that compute, not
@@ -13,8 +13,10 @@ fixed costs, dominates; the zoo's own sizes are the default.
 `--micro` first measures the terms the cost model is made of on this machine, each with the
 host's cores shared as a build's devices share them: a matmul's FLOP/s and a large copy's
 bytes/s in each of N processes at once (N = 1, 2, 4, one thread each), and the time of a gloo
-all_reduce between N local processes at 4 B (latency) and 4 MiB (bandwidth), beside the figures
-of the "cpu" soc profile the planner uses.
+all_reduce between N local processes at 4 B (latency) and 4 MiB (bandwidth), a program's small
+operators run by N processes at once (how much slower than their share of the cores they run)
+and an all_gather between those operators (a collective step between processes that were
+computing, the latency the planner uses), beside the figures of the "cpu" soc profile.
 
 The host's load average is printed before and after: figures taken while other work shares the
 cores are not the model's to meet.
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-WARMUP, REPEAT = 3, 10
+WARMUP, REPEAT = 3, 30
 ZOO = Path(__file__).resolve().parent.parent / "tests" / "differential" / "zoo.py"
 ZOO_SIZES = "HIDDEN, HEADS, LAYERS, VOCAB, SEQ = 64, 4, 2, 256, 16"
 LOW, HIGH = 0.67, 1.5
@@ -191,6 +193,35 @@ def _collective_worker(rank: int, n: int, port: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
+def _program_worker(rank: int, n: int, port: int, out: dict) -> None:
+    """What `n` processes sharing the host's cores make of a program: rank 0's word to run,
+    `ops` small operators on every rank, and a gather to rank 0 (median seconds, by `ops`);
+    and the same 400 operators with 8 all_gathers between them (`amid`), to price a
+    collective between processes that were computing."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    x, word = torch.randn(2, 16, 64), torch.zeros(1)
+    add, gather = torch.ops.aten.add.Tensor, torch.ops._c10d_functional.all_gather_into_tensor
+    wait = torch.ops._c10d_functional.wait_tensor
+    figures = {}
+    for ops, collectives in ((100, 0), (1600, 0), (400, 0), (400, 8)):
+        times = []
+        for _ in range(60):
+            dist.broadcast(word, 0)
+            t = time.perf_counter()
+            for i in range(ops):
+                y = add(x, x)
+                if collectives and i % (ops // collectives) == 0:
+                    wait(gather(y, n, "0"))
+            dist.gather(y, [torch.empty_like(y) for _ in range(n)] if rank == 0 else None)
+            times.append(time.perf_counter() - t)
+        figures[ops, collectives] = statistics.median(times[10:])
+    out[rank] = figures
+    dist.destroy_process_group()
+
+
 def _spawn(fn, n: int) -> list[dict]:
     manager = mp.Manager()
     out = manager.dict()
@@ -198,6 +229,27 @@ def _spawn(fn, n: int) -> list[dict]:
     result = [out[r] for r in range(n)]
     manager.shutdown()
     return result
+
+
+def program_terms(cores: int) -> None:
+    """The slowdown of processes that outnumber the cores, beyond their share of them, and the
+    cost of a collective step between processes that were computing, beside the cpu profile's."""
+    from tessel.config.soc import SOCS
+
+    cpu = SOCS["cpu"]
+    print(f"{'procs':>5} {'us per op':>10} {'slowdown past share':>20} {'planner':>8} "
+          f"{'collective step amid ops, us':>29} {'planner':>8}")  # fmt: skip
+    single = None
+    for n in (1, 2, 3, 4):
+        f = _spawn(_program_worker, n)[0]  # rank 0's: it waits for the gather
+        per_op = (f[1600, 0] - f[100, 0]) / 1500
+        single = single or per_op
+        share = min(1.0, cores / n)
+        slowdown = per_op / single * share
+        planned = cpu.shared_core_slowdown if share < 1 else 1.0
+        step = (f[400, 8] - f[400, 0]) / 8 / max(n - 1, 1) if n > 1 else 0.0
+        print(f"{n:>5} {1e6 * per_op:>10.2f} {slowdown:>20.2f} {planned:>8.2f} "
+              f"{1e6 * step:>29.0f} {1e6 * cpu.link_latency:>8.0f}", flush=True)  # fmt: skip
 
 
 def session_overhead(devices: list[int]) -> None:
@@ -274,6 +326,7 @@ def main() -> None:
     print(load(), flush=True)
     if args.micro:
         micro()
+        program_terms(os.cpu_count() or 1)
         session_overhead(args.devices)
         print(load())
         return

@@ -240,7 +240,7 @@ def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_sessi
     from tessel.capture import capture
     from tessel.config.parallel_option import ParallelOption
     from tessel.plan import has_rule, make_plan
-    from tessel.plan.planner import host_share, run_seconds
+    from tessel.plan.planner import device_rates, run_seconds
 
     captured = capture(small_llama(), (token_ids(),), keep=has_rule)
     cluster = local_cluster(2)
@@ -254,7 +254,7 @@ def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_sessi
     assert ops > 20
     # each operator once per device, however small its shard, at its share of the host's cores
     extra = dispatched.estimated_time - quiet.estimated_time
-    assert extra == pytest.approx(1e-3 * ops / host_share(cluster))
+    assert extra == pytest.approx(ops * device_rates(with_soc(op_overhead=1e-3))[2])
     assert dispatched.choice == quiet.choice
     # a run: the session's own cost, then rank 0 broadcasts its word and the input to rank 1
     none = with_soc(run_overhead=0.0)
@@ -264,3 +264,25 @@ def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_sessi
     assert run_seconds(captured, with_soc(run_overhead=0.5)) - run_seconds(
         captured, none
     ) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 4, 8])
+def test_cpu_devices_run_at_their_share_of_the_cores_and_slower_where_they_outnumber_them(
+    monkeypatch, cores
+):
+    from dataclasses import replace
+
+    from tessel.plan.planner import device_rates
+
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    cluster = local_cluster(4, "cpu")
+    cluster = replace(cluster, soc=replace(cluster.soc, shared_core_slowdown=1.5))
+    soc = cluster.soc
+    share = min(1.0, cores / 4) / (1.5 if cores < 4 else 1.0)
+    peak, bandwidth, overhead = device_rates(cluster)
+    assert peak == pytest.approx(soc.peak_flops * share)
+    assert bandwidth == pytest.approx(soc.memory_bandwidth * share)
+    assert overhead == pytest.approx(soc.op_overhead / share)
+    # a GPU's devices do not share a host's cores
+    gpu = replace(cluster, soc=replace(soc, device_type="cuda"))
+    assert device_rates(gpu) == (soc.peak_flops, soc.memory_bandwidth, soc.op_overhead)

@@ -26,6 +26,9 @@ class SocProfile:
     # measured for "cpu" alone; 0 where not measured (a GPU's launches overlap its kernels)
     op_overhead: float = 0.0  # seconds of host time to dispatch one operator of a program
     run_overhead: float = 0.0  # seconds a run costs beside its program (the session's pipe)
+    # how much slower each CPU device runs, beyond its share of the cores, when a node's
+    # devices outnumber its cores (the switches between their processes)
+    shared_core_slowdown: float = 1.0
 
 
 SOCS: dict[str, SocProfile] = {
@@ -33,15 +36,20 @@ SOCS: dict[str, SocProfile] = {
     for p in [
         # Local CPU processes talking through gloo over loopback; the planner divides the
         # compute figures among the devices that share one host's cores. Measured with
-        # `benchmarks/bench_estimate.py --micro` on a 2-core AMD EPYC (AVX2, FMA): one thread's
-        # 256x256 matmul runs at 40-50 GFLOP/s (the figure is per core) and a 16 MiB copy at
-        # 14 GB/s. A lowered program spends about 5 us of host time per operator beside its
-        # arithmetic (1-device programs of the differential zoo: 4.2-6.2 us per call), which at
-        # the zoo's sizes is most of a run; a run_graph of one operator takes about 1 ms (the
-        # session's pipe to rank 0 and back). A gloo all_reduce of 4 B took 2(n-1) x 130-160 us
-        # between n local processes, and of 4 MiB about the 1 GB/s link's time, both on a host
-        # loaded by other work: the 200 us latency stays until a quiet host measures it.
-        SocProfile("cpu", "cpu", "gloo", 50e9, 15e9, 16 * GiB, 1e9, 1e9, 200e-6, 5e-6, 1e-3),
+        # `benchmarks/bench_estimate.py --micro` on a 2-core AMD EPYC (AVX2, FMA) on a quiet
+        # host: one thread's 256x256 matmul runs at 100 GFLOP/s and a 16 MiB copy at 40
+        # GB/s, shared by the processes copying at once; a program's operators, smaller and
+        # of other shapes, reach about half of each (50 GFLOP/s per core and 20 GB/s per
+        # host keep `bench_estimate` within its band at widths 64 and 256). A lowered
+        # program spends about 5 us of host time per operator beside its arithmetic
+        # (1-device programs of the differential zoo: 4.2-6.2 us per call), which at the
+        # zoo's sizes is most of a run; a run_graph of one operator takes about 1 ms (the
+        # session's pipe to rank 0 and back). A collective between processes that were
+        # computing costs about 0.5 ms a step at 2 processes (a gloo all_gather between
+        # operators, against 0.15 ms for back-to-back collectives of idle processes): 400 us
+        # weighs the two as programs mix them. 3 and 4 processes on the 2 cores run their
+        # operators 1.25-1.4x slower than their 2/3 and 1/2 share of the cores.
+        SocProfile("cpu", "cpu", "gloo", 50e9, 20e9, 16 * GiB, 1e9, 1e9, 400e-6, 5e-6, 1e-3, 1.35),
         SocProfile("A100", "cuda", "nccl", 19.5e12, 2.0e12, 80 * GiB, 300e9, 25e9, 8e-6),
         SocProfile("H100", "cuda", "nccl", 67e12, 3.35e12, 80 * GiB, 450e9, 50e9, 6e-6),
         SocProfile("H200", "cuda", "nccl", 67e12, 4.8e12, 141 * GiB, 450e9, 50e9, 6e-6),

@@ -387,11 +387,14 @@ def device_rates(cluster: ClusterConfig) -> tuple[float, float, float]:
     """What one device of `cluster` has to run its program with: FLOP/s, memory bytes/s, and
     the seconds it takes to dispatch one operator. CPU devices of one node share its cores
     (this machine's count stands in for theirs): each computes at its share of them and
-    dispatches its operators in turn with the rest."""
+    dispatches its operators in turn with the rest, slower still where they outnumber the
+    cores (`shared_core_slowdown`)."""
     soc = cluster.soc
     peak, bandwidth, overhead = soc.peak_flops, soc.memory_bandwidth, soc.op_overhead
     if soc.device_type == "cpu":
         share = host_share(cluster)
+        if share < 1.0:
+            share /= soc.shared_core_slowdown
         peak, bandwidth, overhead = peak * share, bandwidth * share, overhead / share
     return peak, bandwidth, overhead
 
