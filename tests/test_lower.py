@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from tessel.builder.lowering import plan_and_lower
 from tessel.capture import capture
 from tessel.config.cluster import local_cluster
+from tessel.config.parallel_option import ParallelOption
 from tessel.lower.outputs import gather_outputs
 from tessel.lower.trace import fake_world, lower_rank
 
@@ -179,7 +180,7 @@ def test_a_whole_value_takes_the_layout_the_captured_graph_gave_it():
 
 def _gpt2_with_uneven_logits(vocab: int = 1001):
     """A GPT-2 whose logits are its largest tensor, on 4 devices that hold too little for its
-    embedding whole: the logits are sharded along a vocabulary 4 does not divide."""
+    embedding whole, and a vocabulary 4 does not divide."""
     from tessel.config.cluster import cluster_from_dict
     from tessel.demo import tight_cluster
     from tessel.plan import has_rule
@@ -200,7 +201,9 @@ def _gathers(rp) -> list[dict]:
 def test_outputs_reach_rank_0_once_and_no_other_rank_holds_them_whole():
     vocab = 1001  # 251, 251, 251 and 248 columns of the logits per rank
     captured, cluster = _gpt2_with_uneven_logits(vocab)
-    plan, programs = plan_and_lower(captured, cluster)
+    # the tied embedding split by vocabulary rows, so the logits are split by their columns
+    by_vocab = ParallelOption(fixed_placements=(("lm.transformer.wte.weight", ("S(0)",)),))
+    plan, programs = plan_and_lower(captured, cluster, by_vocab)
     whole = [4, 16, vocab]
     logits = 4 * 16 * vocab * 4
     out = programs[0].program["nodes"][-1]["args"][0]["$node"]

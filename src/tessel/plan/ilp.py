@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 # a plan within this fraction of the best one is good enough: the last fraction of a percent
 # costs HiGHS most of its time on memory-tight problems, and the cost model is not that exact
 MIP_GAP = 0.01
+# how far above the dual bound a fit found by pricing memory may cost before the rows go in
+BOUND_GAP = 0.05
 
 
 def _groups(matrix: np.ndarray) -> list[list[int]]:
@@ -218,14 +220,23 @@ def solve_with(
     rows over the budget is also repaired greedily (`repair`), which often fits long before
     the prices climb far enough. Where nothing fits, the memory rows go into the program
     itself, lazily. `fastest` is the answer without memory rows, where the caller has it.
+
+    Every priced answer bounds the best fitting cost from below (its priced cost less the
+    prices times the budget: Lagrangian duality). A priced answer that fits is the cheapest
+    under its prices; a repaired one only fits. Where the cheapest fit found is a repaired one
+    more than `BOUND_GAP` above the highest bound, the rows go into the program too, and the
+    cheaper of the two answers is kept.
     """
     start = time.perf_counter()
     budget = problem.memory_budget
     best = fastest or priced(problem, {}, time_limit)
     if budget is None or _fits(problem, best.choice):
         return best
-    prices: dict[int, float] = {}
-    rows = {id(r): r for r in problem.memory}
+    bound, greedy = best.objective, False
+    prices: dict[int, float] = {}  # by row index
+    # rows by their place in the problem, so prices are set and summed in one order every run
+    rows = dict(enumerate(problem.memory))
+    index = {id(r): k for k, r in rows.items()}
     first = 1e-2 * best.objective or 1e-9  # seconds of run time per budget-full of memory
     fitting: Solution | None = None
     since_better = 0
@@ -236,7 +247,8 @@ def solve_with(
         if time.perf_counter() - start > time_limit / 2:
             break
         candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
-        broken = {id(r) for r in _broken(problem, candidate.choice)}
+        bound = max(bound, _dual_bound(problem, candidate, prices, rows))
+        broken = sorted(index[id(r)] for r in _broken(problem, candidate.choice))
         log.debug(
             "prices %d: cost %.4g, %d rows broken, %.2f s",
             step,
@@ -260,6 +272,7 @@ def solve_with(
         if fits and (fitting is None or candidate.objective < fitting.objective):
             log.debug("fits: cost %.6g", candidate.objective)
             fitting, since_better = candidate, 0
+            greedy = bool(broken)  # fits by repair, not by its prices
         else:
             since_better += 1
         if fitting is not None and (
@@ -274,13 +287,46 @@ def solve_with(
         last = key
         for k in broken:
             prices[k] = prices.get(k, first / up) * up
-        for k in set(prices) - broken:
+        for k in sorted(set(prices) - set(broken)):
             prices[k] *= down
+    left = time_limit - (time.perf_counter() - start)
     if fitting is not None:
         log.info("memory priced on %d rows; %d problems solved", len(prices), step + 1)
-        return fitting
+        if not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
+            return fitting
+        log.info(
+            "the repaired fit costs %.4g, %.0f%% above the bound %.4g: memory rows in the program",
+            fitting.objective,
+            100 * (fitting.objective / bound - 1),
+            bound,
+        )
+        try:
+            exact = _solve_constrained(problem, max(left, 1.0))
+        except InfeasibleError:
+            return fitting
+        if exact.objective >= fitting.objective:
+            return fitting
+        exact.fallback = (
+            f"pricing memory found a plan only by repairing one, "
+            f"{100 * (fitting.objective / bound - 1):.0f}% above the bound on the best: the "
+            f"memory rows were solved in the integer program (HiGHS)"
+        )
+        return exact
     # no prices made an answer fit: the memory rows go into the integer program itself
-    return _solve_constrained(problem, time_limit - (time.perf_counter() - start))
+    return _solve_constrained(problem, left)
+
+
+def _dual_bound(
+    problem: Problem, answer: Solution, prices: dict[int, float], rows: dict[int, MemoryRow]
+) -> float:
+    """A lower bound on the cost of any choice that fits, from the cheapest `answer` under
+    `prices` (per budget-full of each row's bytes): its priced cost less each price times one
+    budget. The priced solve is exact within `MIP_GAP`, and the bound allows for that."""
+    budget = max(problem.memory_budget or 1.0, 1.0)
+    priced = answer.objective + sum(
+        price * rows[k].bytes_for(answer.choice) / budget for k, price in prices.items()
+    )
+    return priced / (1 + MIP_GAP) - sum(prices.values())
 
 
 def _repaired(problem: Problem, neighbourhood: Neighbourhood, near: Solution) -> Solution | None:
