@@ -15,7 +15,9 @@ cost of the elimination is known: its widest table (entries and axes) and the en
 tables together. Where that is more than `MAX_TABLE`, `MAX_AXES` or `MAX_WORK`, the problem goes
 to the integer program (`ilp`, HiGHS under its time limit) instead, and the solution says so.
 
-Memory is priced into the costs exactly as the O2 solver prices it (see `ilp.solve`).
+Memory is priced into the costs exactly as the O2 solver prices it (see `ilp.solve`); where
+that finds a plan only by repairing one far above the bound pricing gives, the integer program
+with the memory rows is tried too (`ilp.solve_with`'s `try_rows`).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None =
     """The cheapest choice whose every memory row fits, found by dynamic programming; past the
     width elimination can afford, by the integer program under `time_limit` (said in the
     solution's `fallback`)."""
-    return solve_with(problem, _solve_priced, time_limit, fastest)
+    return solve_with(problem, _solve_priced, time_limit, fastest, try_rows=True)
 
 
 def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:

@@ -207,6 +207,7 @@ def solve_with(
     priced: PricedSolver,
     time_limit: float = 60.0,
     fastest: Solution | None = None,
+    try_rows: bool = False,
 ) -> Solution:
     """The cheapest choice whose every memory row fits `memory_budget`; `priced` solves the
     problem without memory rows, each priced row's bytes charged at its price.
@@ -223,9 +224,10 @@ def solve_with(
 
     Every priced answer bounds the best fitting cost from below (its priced cost less the
     prices times the budget: Lagrangian duality). A priced answer that fits is the cheapest
-    under its prices; a repaired one only fits. Where the cheapest fit found is a repaired one
-    more than `BOUND_GAP` above the highest bound, the rows go into the program too, and the
-    cheaper of the two answers is kept.
+    under its prices; a repaired one only fits. With `try_rows` (a `priced` other than the
+    integer program's), where the cheapest fit found is a repaired one more than `BOUND_GAP`
+    above the highest bound, the integer program with the memory rows is solved too, and the
+    cheaper answer is kept.
     """
     start = time.perf_counter()
     budget = problem.memory_budget
@@ -292,7 +294,7 @@ def solve_with(
     left = time_limit - (time.perf_counter() - start)
     if fitting is not None:
         log.info("memory priced on %d rows; %d problems solved", len(prices), step + 1)
-        if not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
+        if not try_rows or not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
             return fitting
         log.info(
             "the repaired fit costs %.4g, %.0f%% above the bound %.4g: memory rows in the program",
