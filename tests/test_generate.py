@@ -15,7 +15,7 @@ from tests.differential.zoo import FAMILIES
 from tests.training import conftest as training_conftest
 
 import tessel
-from tessel.capture.generation import capture_gears
+from tessel.capture.generation import capture_gear
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
@@ -42,7 +42,7 @@ def _build(family: str, devices: int, memory: str, generation: Generation = GENE
     model = FAMILIES[family].make().model
     cluster: object = devices
     if memory == "tight":  # the longest prompt's activations beside 1.15/N of the weights
-        gear = capture_gears(model, generation).prefill[generation.prefill_lengths[-1]]
+        gear = capture_gear(model, generation, generation.prefill_lengths[-1])
         cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
     return model, tessel.build(model, cluster=cluster, generation=generation)
 
@@ -239,7 +239,7 @@ def test_a_cache_that_does_not_fit_names_the_largest_that_would() -> None:
     length (and, where one fits, the longest cache at this batch), and it builds."""
     model = FAMILIES["llama"].make().model
     one_row = Generation(max_batch_size=1, max_seq_len=256, prefill_lengths=(8,))
-    gear = capture_gears(model, one_row).prefill[8]
+    gear = capture_gear(model, one_row, 8)
     cluster = cluster_from_dict(tight_cluster(gear, 2), "tight.json")
     asked = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
     with pytest.raises(PlanError) as caught:
@@ -293,7 +293,7 @@ def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
     """Head counts no tensor-parallel size here divides (vLLM refuses both): on devices that
     forbid replicated weights, the tokens are transformers' own."""
     model = _qwen2()
-    gear = capture_gears(model, GENERATION).prefill[8]
+    gear = capture_gear(model, GENERATION, 8)
     cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
     built = tessel.build(model, cluster=cluster, generation=GENERATION)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())

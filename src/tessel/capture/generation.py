@@ -223,23 +223,48 @@ class CapturedGears:
 def capture_gears(
     model: torch.nn.Module, generation: Generation, reuse_layers: bool = True
 ) -> CapturedGears:
-    """Capture `model` (a `transformers` causal LM) at every gear of `generation`;
-    `reuse_layers=False` traces every layer (see `capture`)."""
+    """Capture `model` (a `transformers` causal LM) at every gear of `generation`, all over one
+    cache; `reuse_layers=False` traces every layer (see `capture`)."""
+    step = _step(model, generation)
+    prefill = {
+        t: _gear(step, model, generation, t, reuse_layers) for t in generation.prefill_lengths
+    }
+    decode = _gear(step, model, generation, 1, reuse_layers)
+    return CapturedGears(step, prefill, decode, generation)
+
+
+def capture_gear(
+    model: torch.nn.Module, generation: Generation, length: int, reuse_layers: bool = True
+) -> CapturedModel:
+    """The one gear of `length` tokens (1: the decode gear) of `generation`, over a cache of
+    its own: what a gear needs on its own, without capturing the others."""
+    return _gear(_step(model, generation), model, generation, length, reuse_layers)
+
+
+def _step(model: torch.nn.Module, generation: Generation) -> GenerationStep:
     model = model.eval()
     b, n = generation.max_batch_size, generation.max_seq_len
     device = next(model.parameters()).device
     buffers = [
         torch.zeros(t.shape, dtype=t.dtype, device=device) for t in cache_shapes(model, b, n)
     ]
-    step = GenerationStep(model, buffers).eval()
-    prefill = {
-        t: _writes_in_place(capture(step, gear_inputs(b, t, n), reuse_layers=reuse_layers), model)
-        for t in generation.prefill_lengths
-    }
-    decode = _writes_in_place(capture(step, gear_inputs(b, 1, n), reuse_layers=reuse_layers), model)
-    for name in step.cache_names:  # the captures ran the model on their example inputs
+    return GenerationStep(model, buffers).eval()
+
+
+def _gear(
+    step: GenerationStep,
+    model: torch.nn.Module,
+    generation: Generation,
+    length: int,
+    reuse_layers: bool,
+) -> CapturedModel:
+    b, n = generation.max_batch_size, generation.max_seq_len
+    captured = _writes_in_place(
+        capture(step, gear_inputs(b, length, n), reuse_layers=reuse_layers), model
+    )
+    for name in step.cache_names:  # the capture ran the model on its example inputs
         getattr(step, name).zero_()
-    return CapturedGears(step, prefill, decode, generation)
+    return captured
 
 
 _INDEX_PUT = torch.ops.aten.index_put.default
