@@ -16,8 +16,8 @@ tables together. Where that is more than `MAX_TABLE`, `MAX_AXES` or `MAX_WORK`, 
 to the integer program (`ilp`, HiGHS under its time limit) instead, and the solution says so.
 
 Memory is priced into the costs exactly as the O2 solver prices it (see `ilp.solve`); where
-that finds a plan only by repairing one far above the bound pricing gives, the integer program
-with the memory rows is tried too (`ilp.solve_with`'s `try_rows`).
+that finds a plan only by repairing one far above the bound pricing gives, memory is priced
+again with the integer program (`ilp.solve_with`'s `try_rows`).
 """
 
 from __future__ import annotations

@@ -226,8 +226,8 @@ def solve_with(
     prices times the budget: Lagrangian duality). A priced answer that fits is the cheapest
     under its prices; a repaired one only fits. With `try_rows` (a `priced` other than the
     integer program's), where the cheapest fit found is a repaired one more than `BOUND_GAP`
-    above the highest bound, the integer program with the memory rows is solved too, and the
-    cheaper answer is kept.
+    above the highest bound, memory is priced again with the integer program (its answers
+    break ties otherwise), and the cheaper answer is kept.
     """
     start = time.perf_counter()
     budget = problem.memory_budget
@@ -297,23 +297,21 @@ def solve_with(
         if not try_rows or not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
             return fitting
         log.info(
-            "the repaired fit costs %.4g, %.0f%% above the bound %.4g: memory rows in the program",
+            "the repaired fit costs %.4g, %.0f%% above the bound %.4g: pricing with the "
+            "integer program too",
             fitting.objective,
             100 * (fitting.objective / bound - 1),
             bound,
         )
-        try:
-            exact = _solve_constrained(problem, max(left, 1.0))
-        except InfeasibleError:
+        other = solve_with(problem, solve_priced, max(left, 1.0))
+        if other.objective >= fitting.objective:
             return fitting
-        if exact.objective >= fitting.objective:
-            return fitting
-        exact.fallback = (
+        other.fallback = (
             f"pricing memory found a plan only by repairing one, "
-            f"{100 * (fitting.objective / bound - 1):.0f}% above the bound on the best: the "
-            f"memory rows were solved in the integer program (HiGHS)"
+            f"{100 * (fitting.objective / bound - 1):.0f}% above the bound on the best: "
+            f"priced again with the integer program (HiGHS)"
         )
-        return exact
+        return other
     # no prices made an answer fit: the memory rows go into the integer program itself
     return _solve_constrained(problem, left)
 
