@@ -21,6 +21,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.parallel_option import ParallelOption
 from tessel.demo import tight_cluster
+from tessel.package import Package
 from tessel.plan import PlanError
 from tessel.report import state_bytes
 
@@ -135,13 +136,38 @@ def test_the_cache_is_declared_per_rank_and_never_stored(tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_packages(tmp_path_factory) -> dict[int, str]:
+def llama_packages(tmp_path_factory) -> dict[int | str, str]:
+    """Packages by device count, tensor parallel over them all; "2x2": two data-parallel
+    replicas of two tensor-parallel ranks, each replica holding one row of the cache."""
     root = tmp_path_factory.mktemp("llama_gen")
     generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(4, 8))
-    return {
+    packages: dict[int | str, str] = {
         n: str(tessel.save(_build("llama", n, "default", generation)[1], root / f"llama{n}"))
         for n in (1, 2, 4)
     }
+    model = FAMILIES["llama"].make().model
+    replicas = ParallelOption(data_parallel_size=2, tensor_parallel_size=2)
+    built = tessel.build(model, cluster=4, policy=replicas, generation=generation)
+    packages["2x2"] = str(tessel.save(built, root / "llama2x2"))
+    return packages
+
+
+def test_replicas_hold_their_rows_of_the_cache(llama_packages) -> None:
+    """Each data-parallel replica's ranks hold its row of every layer's cache, between them
+    the whole row; the manifest declares the whole cache and the whole batch's inputs."""
+    manifest = Package.open(llama_packages["2x2"]).manifest
+    assert manifest.mesh.shape == (2, 2) and manifest.mesh.dim_names == ("dp", "tp")
+    assert manifest.generation.max_batch_size == 2
+    assert dict(zip([s.name for s in manifest.inputs], [s.shape[0] for s in manifest.inputs])) == {
+        "input_ids": 2, "position_ids": 2, "cache_position": 1, "attention_mask": 2,
+    }  # fmt: skip
+    for spec in manifest.generation.state:
+        assert spec.shape[0] == 2
+        for d in range(2):
+            boxes = [manifest.submodels[2 * d + t].state[spec.name] for t in range(2)]
+            assert all(box[0] == (d, d + 1) for box in boxes), boxes
+            held = sum(math.prod(b - a for a, b in box) for box in boxes)
+            assert held >= math.prod(spec.shape) // 2  # the row whole, split or replicated
 
 
 def test_seeded_sampling_gives_the_same_tokens_at_any_device_count(
@@ -161,7 +187,7 @@ def test_seeded_sampling_gives_the_same_tokens_at_any_device_count(
     )
     drawn = {}
     for n, path in llama_packages.items():
-        session = sessions.setdefault(n, tessel.Session())
+        session = sessions.setdefault(4 if n == "2x2" else n, tessel.Session())
         session.load_graph(0, {}, path)
         try:
             drawn[n] = session.generate(
@@ -181,7 +207,7 @@ def test_seeded_sampling_gives_the_same_tokens_at_any_device_count(
             session.remove_graph(0)
         assert torch.equal(drawn[n], again)
         assert not torch.equal(drawn[n], other)
-    assert torch.equal(drawn[1], drawn[2]) and torch.equal(drawn[1], drawn[4])
+    assert all(torch.equal(drawn[1], tokens) for tokens in drawn.values())
 
 
 def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> None:
@@ -228,6 +254,12 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
         tessel.build(
             model, cluster=2, policy=ParallelOption(pipe_stage_num=2), generation=GENERATION
         )
+    with pytest.raises(ConfigError, match="cannot share evenly") as err:
+        tessel.build(
+            model, cluster=2, policy=ParallelOption(data_parallel_size=2),
+            generation=Generation(max_batch_size=3, max_seq_len=24, prefill_lengths=(8,)),
+        )  # fmt: skip
+    assert err.value.key == "max_batch_size"
     with pytest.raises(ConfigError, match="not taken with generation"):
         tessel.build(
             model, cluster=1, generation=GENERATION, optimizer=torch.optim.SGD(model.parameters())

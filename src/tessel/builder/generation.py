@@ -6,7 +6,9 @@ for their own shapes. Where the devices hold the whole model beside the longest 
 activations, the decode gear places them (it runs once per new token); where memory binds,
 the longest prefill gear does, since it needs the most room beside them. The package stores
 the decode gear as each rank's program and the prefill gears beside it; the cache is
-declared, never stored.
+declared, never stored. Data-parallel replicas each hold their rows of the cache: the gears
+are captured and planned for one replica's share of the batch, and every rank's programs made
+from that replica's (`lower/replicas.py`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from dataclasses import replace
 import torch
 
 from tessel.builder.fit import Fitted, Level, fit
-from tessel.builder.packing import pack
-from tessel.capture.generation import CapturedGears, capture_gears
+from tessel.builder.packing import input_spec, pack
+from tessel.capture import CapturedModel
+from tessel.capture.generation import BATCH_INPUTS, GEAR_INPUTS, CapturedGears, capture_gears
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption
-from tessel.lower.program import groups_in
+from tessel.lower.program import RankProgram, groups_in
+from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest
 from tessel.package.manifest import Gears, TensorSpec
 from tessel.plan import PlanError
@@ -61,26 +65,36 @@ def build_generation(
             "build()", "model", f"generation captures an nn.Module, found {type(model).__name__}"
         )
     dims = parallel_dims(cluster, policy)
-    for axis in ("dp", "pp"):
-        if dims.size(axis) > 1:
-            raise ConfigError(
-                policy.source,
-                f"graph_parallel_option.{POLICY_KEYS[axis]}",
-                f"is {dims.size(axis)}: generation packages are built over tensor parallelism "
-                "alone so far (data-parallel replicas and pipeline stages of the gears are not "
-                "built yet)",
-            )
+    if dims.size("pp") > 1:
+        raise ConfigError(
+            policy.source,
+            f"graph_parallel_option.{POLICY_KEYS['pp']}",
+            f"is {dims.size('pp')}: generation packages are built over tensor parallelism and "
+            "data-parallel replicas so far (pipeline stages of the gears are not built yet)",
+        )
+    dp = dims.size("dp")
+    if generation.max_batch_size % dp:
+        raise ConfigError(
+            "Generation",
+            "max_batch_size",
+            f"is {generation.max_batch_size}, which {dp} data-parallel replicas "
+            f"({policy.source}: graph_parallel_option.{POLICY_KEYS['dp']}) cannot share "
+            f"evenly; give a multiple of {dp}",
+        )
     timings: dict[str, float] = {}
     t = time.perf_counter()
+    # each replica holds its rows of the cache: the gears are captured at its share
+    share = replace(generation, max_batch_size=generation.max_batch_size // dp)
     with phase("capturing the gears"):
-        gears = capture_gears(model, generation, reuse_layers)
+        gears = capture_gears(model, share, reuse_layers)
     timings["capture"] = time.perf_counter() - t
     options = dict(time_limit=time_limit, reuse_layers=reuse_layers, timings=timings)
     # every gear holds the weights and the cache beside its own activations: the longest
     # prompt's, at the least, bound what the weights may take
+    tp = cluster.world_size // dp
     reserve = 0
     for captured in gears.prefill.values():
-        peak, weights = least_memory_plan(captured, cluster.world_size)
+        peak, weights = least_memory_plan(captured, tp)
         reserve = max(reserve, peak - weights)
     longest = max(gears.prefill)
     ep = gears.decode.program
@@ -91,10 +105,11 @@ def build_generation(
     prefill: dict[int, Fitted] = {}
     if decode_first:  # memory does not bind: the gear that runs most places the weights
         try:
-            decode = fit(gears.decode, cluster, policy, dims, [Level(reserve=reserve)], **options)
+            level = Level(reserve=reserve + _replicas_bytes(gears.decode, dp))
+            decode = fit(gears.decode, cluster, policy, dims, [level], **options)
             given = _placed_as(decode, policy)
             for n, captured in gears.prefill.items():
-                prefill[n] = fit(captured, cluster, given, dims, [Level()], **options)
+                prefill[n] = fit(captured, cluster, given, dims, [_kept(captured, dp)], **options)
         except PlanError as exc:
             log.info("the decode gear's placements leave a prefill gear no room (%s)", exc)
             decode_first = False
@@ -102,26 +117,49 @@ def build_generation(
         # memory binds: the longest prompt's gear places the weights and the cache, so the
         # gear that needs the most room fits, and the others follow it
         try:
-            first = fit(gears.prefill[longest], cluster, policy, dims, [Level()], **options)
+            first = fit(
+                gears.prefill[longest], cluster, policy, dims, [_kept(gears.prefill[longest], dp)],
+                **options,
+            )  # fmt: skip
         except PlanError as exc:
-            raise PlanError(f"{exc}{_what_would_fit(generation, exc.least)}", exc.least) from None
+            raise PlanError(f"{exc}{_what_would_fit(share, exc.least, dp)}", exc.least) from None
         given = _placed_as(first, policy)
-        decode = fit(gears.decode, cluster, given, dims, [Level()], **options)
+        decode = fit(gears.decode, cluster, given, dims, [_kept(gears.decode, dp)], **options)
         prefill = {
-            n: first if n == longest else fit(captured, cluster, given, dims, [Level()], **options)
+            n: first
+            if n == longest
+            else fit(captured, cluster, given, dims, [_kept(captured, dp)], **options)
             for n, captured in gears.prefill.items()
         }
     t = time.perf_counter()
     with phase("packing"):
-        manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version)
+        manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version, dp)
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
 
 
-def _what_would_fit(g: Generation, least: LeastMemory | None) -> str:
+def _replicas_bytes(captured: CapturedModel, dp: int) -> int:
+    """What a rank of one of `dp` replicas holds beside its replica's program: the whole batch
+    of the gear's batched inputs, and its logits (a contiguous copy, and the batch's gathered)."""
+    if dp == 1:
+        return 0
+    inputs = sum(
+        captured.example_inputs[i].numel() * captured.example_inputs[i].element_size()
+        for i in BATCH_INPUTS
+    )
+    out = captured.program.graph_module.graph.output_node().args[0][-1].meta["val"]
+    return (dp - 1) * inputs + (1 + dp) * out.numel() * out.element_size()
+
+
+def _kept(captured: CapturedModel, dp: int) -> Level:
+    return Level(reserve=_replicas_bytes(captured, dp))
+
+
+def _what_would_fit(g: Generation, least: LeastMemory | None, replicas: int = 1) -> str:
     """The largest batch at this cache length, and the longest cache at this batch, that the
     least plan of the longest prefill gear puts within the devices: its cache grows with rows
-    x slots, its activations with rows, its weights not at all."""
+    x slots, its activations with rows, its weights not at all. `g` is one replica's share of
+    the batch; each of the `replicas` holds as many rows."""
     if least is None or not least.state_bytes:
         return ""
     room = least.device_bytes
@@ -134,7 +172,8 @@ def _what_would_fit(g: Generation, least: LeastMemory | None) -> str:
             f"and a prompt's activations take {human_bytes(one_row)} per device of "
             f"{human_bytes(room)}"
         )
-    fits = [f"max_batch_size={int(g.max_batch_size * (room - weights) // (cache + activations))}"]
+    rows = int(g.max_batch_size * (room - weights) // (cache + activations))
+    fits = [f"max_batch_size={rows * replicas}"]
     slots = int(g.max_seq_len * (room - weights - activations) // cache)
     if slots > max(g.prefill_lengths):
         fits.append(f"max_seq_len={slots}")
@@ -162,16 +201,32 @@ def _pack(
     model: torch.nn.Module,
     cluster: ClusterConfig,
     soc_version: str,
+    dp: int,
 ) -> tuple[Manifest, dict]:
-    """The decode gear packed as the model, its prefill gears' programs added beside it."""
+    """The decode gear packed as the model, its prefill gears' programs added beside it; with
+    `dp` replicas, every rank's programs made from one replica's (`replica_programs`)."""
     written = frozenset(gears.cache_names)
+    rows = gears.generation.max_batch_size
+
+    def every_rank(fitted: Fitted) -> list[RankProgram]:
+        if dp == 1:
+            return fitted.programs
+        return replica_programs(fitted.programs, dp, rows, len(GEAR_INPUTS), BATCH_INPUTS)
+
     manifest, members = pack(
-        gears.decode, decode.plan, decode.programs, cluster, soc_version, True, written=written
+        gears.decode,
+        decode.plan,
+        every_rank(decode),
+        cluster,
+        soc_version,
+        True,
+        dp=dp,
+        written=written,
     )
     submodels = list(manifest.submodels)
     for length, fitted in prefill.items():
         seen: dict[bytes, str] = {}
-        for rank, rp in enumerate(fitted.programs):
+        for rank, rp in enumerate(every_rank(fitted)):
             data = json.dumps(rp.program).encode()
             if data not in seen:
                 seen[data] = f"programs/prefill_{length}_{len(seen)}.json"
@@ -193,19 +248,32 @@ def _pack(
         eos = eos[0] if eos else None
     vocab = int(text.vocab_size)
     spec = Gears(
-        max_batch_size=gears.generation.max_batch_size,
+        max_batch_size=rows * dp,
         max_seq_len=gears.generation.max_seq_len,
         prefill_lengths=gears.generation.prefill_lengths,
         vocab_size=vocab,
         state=tuple(
-            TensorSpec(tuple(held[n].shape), str(held[n].dtype).removeprefix("torch."), n)
+            TensorSpec(
+                (held[n].shape[0] * dp, *held[n].shape[1:]),
+                str(held[n].dtype).removeprefix("torch."),
+                n,
+            )
             for n in gears.cache_names
         ),
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else 0,
         eos_token_id=eos if isinstance(eos, int) and 0 <= eos < vocab else None,
     )
     outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
+    # the whole batch's inputs: a replica reads its rows of the batched ones
+    inputs = tuple(
+        input_spec(name, x, dp if i in BATCH_INPUTS else 1)
+        for i, (name, x) in enumerate(
+            zip(gears.decode.input_names, gears.decode.example_inputs, strict=True)
+        )
+    )
     return (
-        replace(manifest, submodels=tuple(submodels), generation=spec, outputs=outputs),
+        replace(
+            manifest, submodels=tuple(submodels), generation=spec, outputs=outputs, inputs=inputs
+        ),
         members,
     )

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from tessel._torch import is_fake, tree_leaves
 from tessel._version import __version__ as tessel_version
@@ -62,7 +62,8 @@ def pack(
     With pipeline stages, `staged` holds each rank's program, stage and the weights it takes.
     `stored` gives the weights' values where the captured model holds fake tensors. `written`
     names the state the programs write in place (a generation step's cache): never stored, each
-    rank's part declared by its shape."""
+    rank's part declared by its box; with replicas, each holds rows of its own (the state's
+    rows sharded over `dp`)."""
     ep = captured.program
     tp = math.prod(plan.mesh_shape)
     state = {**ep.state_dict, **ep.constants}
@@ -79,6 +80,16 @@ def pack(
         fqn
         for _, fqn in weights
         if not graph_parallel or all(isinstance(p, Replicate) for p in placements[fqn])
+    }
+    mesh_shape, dim_names = list(plan.mesh_shape), list(plan.mesh_names)
+    if dp > 1:  # weights are replicated over the replicas, state sharded by rows
+        mesh_shape, dim_names = [dp, *mesh_shape], ["dp", *dim_names]
+    over_dp = [Shard(0)] * (dp > 1)
+    global_shape = {
+        fqn: (state[fqn].shape[0] * dp, *state[fqn].shape[1:])
+        if fqn in written
+        else tuple(state[fqn].shape)
+        for _, fqn in weights
     }
     for rank, device in enumerate(cluster.devices):
         mesh_rank = rank % tp if graph_parallel else 0
@@ -140,7 +151,7 @@ def pack(
                 tied=ties,
                 comm_groups=tuple(map(tuple, groups_in(rp.program))) if graph_parallel else (),
                 state={
-                    fqn: rank_box(state[fqn].shape, placements[fqn], plan.mesh_shape, mesh_rank)
+                    fqn: rank_box(global_shape[fqn], [*over_dp, *placements[fqn]], mesh_shape, rank)
                     for fqn in order
                     if fqn in written
                 },
@@ -170,15 +181,12 @@ def pack(
         )
         for v, name in itertools.zip_longest(values, names)
     )
-    mesh_shape, dim_names = list(plan.mesh_shape), list(plan.mesh_names)
-    if dp > 1:  # weights are replicated over the replicas
-        mesh_shape, dim_names = [dp, *mesh_shape], ["dp", *dim_names]
     layouts = {
         fqn: {
-            "shape": list(state[fqn].shape),
+            "shape": list(global_shape[fqn]),
             "dtype": dtype_name(state[fqn].dtype),
             "mesh_shape": mesh_shape,
-            "placements": ["R"] * (dp > 1)
+            "placements": [("S(0)" if fqn in written else "R")] * (dp > 1)
             + [placement_str(p) for p in plan.out_placements(placeholders[ph])],
         }
         for ph, fqn in weights

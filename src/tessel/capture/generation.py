@@ -166,6 +166,11 @@ class GenerationStep(torch.nn.Module):
         return out.logits[:, -1]
 
 
+# a gear's inputs, in order, and those with the batch's rows first (a replica reads its rows)
+GEAR_INPUTS = ("input_ids", "position_ids", "cache_position", "attention_mask")
+BATCH_INPUTS = (0, 1, 3)
+
+
 def gear_inputs(batch: int, length: int, max_seq_len: int) -> tuple[torch.Tensor, ...]:
     """Example inputs of a gear of `length` tokens: a full prompt written from slot 0."""
     return (

@@ -17,7 +17,7 @@ to the integer program (`ilp`, HiGHS under its time limit) instead, and the solu
 
 Memory is priced into the costs exactly as the O2 solver prices it (see `ilp.solve`); where
 that finds a plan only by repairing one far above the bound pricing gives, memory is priced
-again with the integer program (`ilp.solve_with`'s `try_rows`).
+again with the integer program (`ilp.solve_with`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None =
     """The cheapest choice whose every memory row fits, found by dynamic programming; past the
     width elimination can afford, by the integer program under `time_limit` (said in the
     solution's `fallback`)."""
-    return solve_with(problem, _solve_priced, time_limit, fastest, try_rows=True)
+    return solve_with(problem, _solve_priced, time_limit, fastest)
 
 
 def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 # a plan within this fraction of the best one is good enough: the last fraction of a percent
 # costs HiGHS most of its time on memory-tight problems, and the cost model is not that exact
 MIP_GAP = 0.01
-# how far above the dual bound a fit found by pricing memory may cost before the rows go in
+# how far above the dual bound a fit found only by greedy repair may cost before memory is
+# priced again with the integer program
 BOUND_GAP = 0.05
 
 
@@ -207,7 +208,6 @@ def solve_with(
     priced: PricedSolver,
     time_limit: float = 60.0,
     fastest: Solution | None = None,
-    try_rows: bool = False,
 ) -> Solution:
     """The cheapest choice whose every memory row fits `memory_budget`; `priced` solves the
     problem without memory rows, each priced row's bytes charged at its price.
@@ -224,12 +224,13 @@ def solve_with(
 
     Every priced answer bounds the best fitting cost from below (its priced cost less the
     prices times the budget: Lagrangian duality). A priced answer that fits is the cheapest
-    under its prices; a repaired one only fits. With `try_rows` (a `priced` other than the
-    integer program's), where the cheapest fit found is a repaired one more than `BOUND_GAP`
-    above the highest bound, memory is priced again with the integer program (its answers
-    break ties otherwise), and the cheaper answer is kept.
+    under its prices; a repaired one only fits. Where `priced` is not the integer program and
+    the cheapest fit found is a repaired one more than `BOUND_GAP` above the highest bound,
+    memory is priced again with the integer program (its answers break ties otherwise), and the
+    cheaper answer is kept.
     """
     start = time.perf_counter()
+    second_look = priced is not solve_priced
     budget = problem.memory_budget
     best = fastest or priced(problem, {}, time_limit)
     if budget is None or _fits(problem, best.choice):
@@ -249,7 +250,8 @@ def solve_with(
         if time.perf_counter() - start > time_limit / 2:
             break
         candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
-        bound = max(bound, _dual_bound(problem, candidate, prices, rows))
+        if second_look:  # the bound is read only to decide on a second look
+            bound = max(bound, _dual_bound(problem, candidate, prices, rows))
         broken = sorted(index[id(r)] for r in _broken(problem, candidate.choice))
         log.debug(
             "prices %d: cost %.4g, %d rows broken, %.2f s",
@@ -294,7 +296,7 @@ def solve_with(
     left = time_limit - (time.perf_counter() - start)
     if fitting is not None:
         log.info("memory priced on %d rows; %d problems solved", len(prices), step + 1)
-        if not try_rows or not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
+        if not second_look or not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
             return fitting
         log.info(
             "the repaired fit costs %.4g, %.0f%% above the bound %.4g: pricing with the "
