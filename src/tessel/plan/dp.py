@@ -13,7 +13,8 @@ decisions eliminated after it.
 The order is chosen from the tables' scopes alone, before any table is built, and with it the
 cost of the elimination is known: its widest table (entries and axes) and the entries of all its
 tables together. Where that is more than `MAX_TABLE`, `MAX_AXES` or `MAX_WORK`, the problem goes
-to the integer program (`ilp`, HiGHS under its time limit) instead, and the solution says so.
+to the integer program (`ilp.solve`, HiGHS under its time limit, memory priced its way) instead,
+and the solution says so.
 
 Memory is priced into the costs exactly as the O2 solver prices it (see `ilp.solve`); where
 that finds a plan only by repairing one far above the bound pricing gives, memory is priced
@@ -69,19 +70,34 @@ class Width:
         )
 
 
-class TooWide(Exception):
-    """Exact elimination would cost more than the limits allow."""
-
-    def __init__(self, width: Width) -> None:
-        super().__init__(width.describe())
-        self.width = width
-
-
 def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None = None) -> Solution:
     """The cheapest choice whose every memory row fits, found by dynamic programming; past the
     width elimination can afford, by the integer program under `time_limit` (said in the
-    solution's `fallback`)."""
+    solution's `fallback`). The width depends on the problem's structure alone (which decisions
+    share a cost), never on its costs, so it is weighed once, before any solve."""
+    width = _width(problem)
+    if not width.affordable():
+        solution = ilp.solve(problem, time_limit, fastest)
+        solution.fallback = "; then ".join(
+            s
+            for s in (
+                f"dynamic programming would cost too much ({width.describe()}): solved by the "
+                f"integer program (HiGHS, time limit {time_limit:g} s)",
+                solution.fallback,
+            )
+            if s
+        )
+        return solution
     return solve_with(problem, _solve_priced, time_limit, fastest)
+
+
+def _width(problem: Problem) -> Width:
+    """What eliminating `problem`'s decisions costs, in the order `_eliminate` takes."""
+    free = {v: k for v, k in problem.sizes.items() if k > 1}
+    given: list[tuple[object, ...]] = [(v,) for v in problem.sizes]
+    given += [(a,) if a == b else (a, b) for a, b in problem.pairs]
+    scopes = [s for s in (tuple(v for v in scope if v in free) for scope in given) if s]
+    return elimination_order(free, scopes)[1]
 
 
 def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:
@@ -102,15 +118,7 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
             factors.append(_Factor((a,), np.diag(m).copy()))
         else:
             factors.append(_Factor((a, b), m))
-    try:
-        choice = _eliminate(problem.sizes, factors, bounded=True)
-    except TooWide as wide:
-        solution = ilp.solve_priced(problem, prices, time_limit)
-        solution.fallback = (
-            f"dynamic programming would cost too much ({wide.width.describe()}): "
-            f"solved by the integer program (HiGHS, time limit {time_limit:g} s)"
-        )
-        return solution
+    choice = _eliminate(problem.sizes, factors)
     objective = sum(float(problem.linear[v][choice[v]]) for v in problem.linear) + sum(
         float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
     )
@@ -175,24 +183,21 @@ def _eliminate(
     sizes: dict[object, int],
     factors: list[_Factor],
     order: list[object] | None = None,
-    bounded: bool = False,
 ) -> dict[object, int]:
     """Eliminate every decision; then read the choices back, last eliminated first.
 
     `order`, where given and not empty, is the elimination order to follow; where empty, it is
     filled with the order taken (which depends on the factors' scopes alone, not their
-    costs, so problems of one structure can share it). With `bounded`, raises `TooWide` where
-    the order's tables are past the limits; otherwise a bucket whose table would be is split
-    into parts minimised apart (mini-buckets: a lower bound whose choices are then read back)."""
+    costs, so problems of one structure can share it). A bucket whose table would be past the
+    limits is split into parts minimised apart (mini-buckets: a lower bound whose choices are
+    then read back); `solve` hands such problems to the integer program before they get here."""
     choice = {v: 0 for v, k in sizes.items() if k == 1}
     factors = _fold_constants(sizes, factors)
     free = {v: k for v, k in sizes.items() if k > 1}
     if order:
         steps = list(order)
     else:
-        steps, width = elimination_order(free, [f.scope for f in factors])
-        if bounded and not width.affordable():
-            raise TooWide(width)
+        steps, _ = elimination_order(free, [f.scope for f in factors])
         if order is not None:
             order.extend(steps)
     alive: dict[int, _Factor] = dict(enumerate(factors))

@@ -247,7 +247,9 @@ def solve_with(
     tried: set[tuple[int, ...]] = set()
     last: tuple[int, ...] = ()
     for step in range(_PRICE_STEPS):
-        if time.perf_counter() - start > time_limit / 2:
+        # half the time for pricing while nothing fits (the integer program with memory rows
+        # needs the rest); once an answer fits, pricing may use it all to find a cheaper one
+        if time.perf_counter() - start > time_limit / (2 if fitting is None else 1):
             break
         candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
         if second_look:  # the bound is read only to decide on a second look
@@ -305,7 +307,10 @@ def solve_with(
             100 * (fitting.objective / bound - 1),
             bound,
         )
-        other = solve_with(problem, solve_priced, max(left, 1.0))
+        try:
+            other = solve_with(problem, solve_priced, max(left, 1.0))
+        except InfeasibleError:  # nothing better within the time left: the fit stands
+            return fitting
         if other.objective >= fitting.objective:
             return fitting
         other.fallback = (
@@ -315,7 +320,23 @@ def solve_with(
         )
         return other
     # no prices made an answer fit: the memory rows go into the integer program itself
-    return _solve_constrained(problem, left)
+    try:
+        return _solve_constrained(problem, left)
+    except InfeasibleError as exc:
+        # HiGHS found no answer in its time; where the plan needing least memory fits, it is
+        # an answer, if not the cheapest (a plan that fits is never refused as not fitting)
+        least, choice = least_memory(problem, max(left, 1.0))
+        if not _fits(problem, choice):
+            raise exc from None
+        return Solution(
+            choice,
+            _objective(problem, choice),
+            f"{exc}; the plan needing least memory ({least:.4g} of {budget:.4g} bytes)",
+            sum(problem.sizes.values()),
+            len(problem.memory),
+            fallback="no cheaper plan that fits was found within the time limit: the plan "
+            "needing least memory is used",
+        )
 
 
 def _dual_bound(
@@ -336,16 +357,19 @@ def _repaired(problem: Problem, neighbourhood: Neighbourhood, near: Solution) ->
     choice = neighbourhood.repair(near.choice)
     if choice is None:
         return None
-    objective = sum(float(c[choice[v]]) for v, c in problem.linear.items()) + sum(
-        float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
-    )
     return Solution(
         choice,
-        objective,
+        _objective(problem, choice),
         f"{near.status}; repaired to fit memory",
         near.num_variables,
         near.num_constraints,
         near.fallback,
+    )
+
+
+def _objective(problem: Problem, choice: dict[object, int]) -> float:
+    return sum(float(c[choice[v]]) for v, c in problem.linear.items()) + sum(
+        float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
     )
 
 
