@@ -244,3 +244,26 @@ def test_constrained_rounds_past_their_time_limit_still_end_in_the_optimum(probl
     solution = _solve_constrained(problem, 0.0)
     assert _fits(problem, solution.choice)
     assert _cost(problem, solution.choice) == pytest.approx(best)
+
+
+def test_a_fit_is_never_refused_when_the_integer_program_runs_out_of_time(monkeypatch):
+    """Where no priced answer fits and HiGHS, given the memory rows, finds nothing in its time
+    (a loaded machine), the plan needing least memory is the answer where it fits: never a
+    refusal saying the model does not fit. Where even it does not fit, the refusal stands."""
+    from tessel.plan import ilp
+
+    def out_of_time(problem, time_limit):
+        raise InfeasibleError("time limit reached")
+
+    monkeypatch.setattr(ilp, "_solve_constrained", out_of_time)
+    monkeypatch.setattr(ilp, "_PRICE_STEPS", 1)  # pricing gives up at once
+    monkeypatch.setattr(ilp, "_ROWS_PER_ROUND", 0)  # and repairs nothing
+    sizes = {"a": 2, "b": 2}
+    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 1.0])}
+    rows = [MemoryRow({"a": np.array([4.0, 1.0])}), MemoryRow({"b": np.array([4.0, 1.0])})]
+    solution = solve(Problem(sizes, linear, {}, rows, 3.0))
+    assert solution.choice == {"a": 1, "b": 1}
+    assert solution.objective == pytest.approx(2.0)
+    assert "least memory" in solution.fallback
+    with pytest.raises(InfeasibleError):
+        solve(Problem(sizes, linear, {}, rows, 0.5))
