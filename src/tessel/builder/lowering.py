@@ -11,7 +11,7 @@ from tessel.capture import CapturedModel
 from tessel.config.cluster import ClusterConfig
 from tessel.config.parallel_option import ParallelOption
 from tessel.lower.ranks import lower_every_rank
-from tessel.lower.trace import LoweringError, NotAsPlanned, RankProgram
+from tessel.lower.trace import PLACED_OTHERWISE, LoweringError, NotAsPlanned, RankProgram
 from tessel.plan import Plan, PlanError, make_plan
 from tessel.plan.stages import StageAssignment
 from tessel.plan.strategies import describe_strategy, strategy_key
@@ -110,6 +110,12 @@ def plan_and_lower(
                     }
                 )
                 log.info("re-planning %s without %s: %s", owner, key, reason)
+                if reason.startswith(PLACED_OTHERWISE):
+                    # DTensor places an output by its operator and its inputs' placements:
+                    # every node of that operator would be placed otherwise too
+                    for other, c in plan.choices.items():
+                        if other.target == node.target:
+                            banned.setdefault((c.owner or other).name, set()).add(key)
             continue
         finally:
             timings["lower"] = timings.get("lower", 0.0) + time.perf_counter() - t

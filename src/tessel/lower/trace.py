@@ -352,6 +352,11 @@ def _moved_for_op(value: DTensor, want: tuple) -> DTensor:
     return redistribute(value, want)
 
 
+# a failure of an operator whose inputs were placed as planned: DTensor's rule for it placed
+# the output otherwise (a property of the operator and its inputs' placements)
+PLACED_OTHERWISE = "DTensor placed the output"
+
+
 class NotAsPlanned(LoweringError):
     """DTensor cannot run some nodes the way the plan places them; the planner drops those
     strategies. `failures` holds (node, strategy, reason) for each."""
@@ -439,7 +444,7 @@ def _as_planned(out: Any, strategy: Any, n: fx.Node, checked: _Checked) -> Any:
             return value
         want = tuple(spec.placements)
         if _text(value.placements) != _text(want):
-            checked.fail(n, strategy, f"DTensor placed the output {tuple(value.placements)}")
+            checked.fail(n, strategy, f"{PLACED_OTHERWISE} {tuple(value.placements)}")
             try:
                 value = redistribute(value, want)
             except Exception:  # noqa: BLE001 - the trace cannot go on as planned: stop it here

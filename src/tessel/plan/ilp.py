@@ -247,9 +247,7 @@ def solve_with(
     tried: set[tuple[int, ...]] = set()
     last: tuple[int, ...] = ()
     for step in range(_PRICE_STEPS):
-        # half the time for pricing while nothing fits (the integer program with memory rows
-        # needs the rest); once an answer fits, pricing may use it all to find a cheaper one
-        if time.perf_counter() - start > time_limit / (2 if fitting is None else 1):
+        if time.perf_counter() - start > time_limit / 2:  # the rest for what follows
             break
         candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
         if second_look:  # the bound is read only to decide on a second look
