@@ -119,11 +119,8 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
         else:
             factors.append(_Factor((a, b), m))
     choice = _eliminate(problem.sizes, factors)
-    objective = sum(float(problem.linear[v][choice[v]]) for v in problem.linear) + sum(
-        float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
-    )
     status = f"dynamic programming over {len(problem.sizes)} decisions"
-    return Solution(choice, objective, status, sum(problem.sizes.values()), 0)
+    return Solution(choice, problem.cost_of(choice), status, sum(problem.sizes.values()), 0)
 
 
 def elimination_order(

@@ -328,7 +328,7 @@ def solve_with(
             raise exc from None
         return Solution(
             choice,
-            _objective(problem, choice),
+            problem.cost_of(choice),
             f"{exc}; the plan needing least memory ({least:.4g} of {budget:.4g} bytes)",
             sum(problem.sizes.values()),
             len(problem.memory),
@@ -357,17 +357,11 @@ def _repaired(problem: Problem, neighbourhood: Neighbourhood, near: Solution) ->
         return None
     return Solution(
         choice,
-        _objective(problem, choice),
+        problem.cost_of(choice),
         f"{near.status}; repaired to fit memory",
         near.num_variables,
         near.num_constraints,
         near.fallback,
-    )
-
-
-def _objective(problem: Problem, choice: dict[object, int]) -> float:
-    return sum(float(c[choice[v]]) for v, c in problem.linear.items()) + sum(
-        float(m[choice[a], choice[b]]) for (a, b), m in problem.pairs.items()
     )
 
 

@@ -46,6 +46,11 @@ class Problem(Generic[D]):
     memory: list[MemoryRow[D]] = field(default_factory=list)
     memory_budget: float | None = None
 
+    def cost_of(self, choice: dict[D, int]) -> float:
+        """The cost of `choice`: its strategies' costs and its pairs'."""
+        total = sum(float(c[choice[v]]) for v, c in self.linear.items())
+        return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in self.pairs.items())
+
 
 @dataclass
 class Solution(Generic[D]):

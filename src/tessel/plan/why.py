@@ -236,9 +236,7 @@ class _Resolver:
 
     def cost(self, choice: dict) -> float:
         """The estimated time of `choice`, as the solvers count it."""
-        p = self.problem
-        total = sum(float(c[choice[v]]) for v, c in p.linear.items())
-        return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in p.pairs.items())
+        return self.problem.cost_of(choice)
 
     def fits(self, choice: dict) -> bool:
         return self.memory.fits(choice)
