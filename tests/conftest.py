@@ -172,15 +172,15 @@ def no_leftover_workers():
 
 # -- the memory model over the suite ------------------------------------------------------
 
-# each build records (the planner's predicted peak, each rank's lowered peak, memory re-plans)
-# as the user property MEMORY_MODEL: properties travel to the controller with the reports, so
-# the summary below sees every build, with or without pytest-xdist's workers
+# each build records (the planner's predicted peak, each rank's lowered peak, memory re-plans,
+# strategies dropped) as the user property MEMORY_MODEL: properties travel to the controller
+# with the reports, so the summary below sees every build, with or without pytest-xdist's workers
 MEMORY_MODEL = "memory_model"
 
 
 def record_memory_model(record_property, plan: PlanReport) -> None:
-    """Records a build's predicted peak, each rank's lowered peak and its memory re-plans for
-    the summary below."""
+    """Records a build's predicted peak, each rank's lowered peak, its memory re-plans and the
+    strategies its lowering dropped, for the summary below."""
     memory = plan.memory
     # rank 0 receives the outputs; the others have a peak of their own, and the last ranks of
     # an uneven split hold smaller shards (counted for one tensor-parallel group, without
@@ -197,6 +197,7 @@ def record_memory_model(record_property, plan: PlanReport) -> None:
             [by_rank[rank.rank] for rank in plan.ranks],
             [rank.peak_bytes for rank in plan.ranks],
             sum(r.node == "(memory)" for r in plan.replanned),
+            sum(r.node != "(memory)" for r in plan.replanned),
         ),
     )
 
@@ -213,18 +214,20 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     ratios = [
         (name, peak / predicted)
-        for name, (predictions, peaks, _) in builds
+        for name, (predictions, peaks, *_) in builds
         for predicted, peak in zip(predictions, peaks)
     ]
     within = sum(0.95 <= r <= 1.05 for _, r in ratios)
     # the fullest rank is the one the devices' memory is checked against
-    fullest = [(name, max(peaks) / max(predictions)) for name, (predictions, peaks, _) in builds]
+    fullest = [(name, max(peaks) / max(predictions)) for name, (predictions, peaks, *_) in builds]
     fullest_within = sum(0.95 <= r <= 1.05 for _, r in fullest)
-    replans = sum(count for _, (*_, count) in builds)
+    replans = sum(value[2] for _, value in builds)
+    # strategies the lowering found DTensor runs otherwise than planned (each costs a re-plan)
+    dropped = sum(value[3] for _, value in builds)
     worst = sorted(ratios, key=lambda x: abs(x[1] - 1))[-3:]
     terminalreporter.write_line(
         f"memory model: every rank's lowered peak within 5% of the planner's for it in {within} "
         f"of {len(ratios)} ranks, the fullest rank's in {fullest_within} of {len(builds)} builds "
-        f"({replans} memory re-plans); furthest ranks: "
-        + ", ".join(f"{name} {r:.3f}" for name, r in reversed(worst))
+        f"({replans} memory re-plans, {dropped} strategies dropped by the lowering); "
+        "furthest ranks: " + ", ".join(f"{name} {r:.3f}" for name, r in reversed(worst))
     )

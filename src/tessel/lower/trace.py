@@ -344,10 +344,12 @@ def _masked(value: DTensor) -> bool:
 
 def _moved_for_op(value: DTensor, want: tuple) -> DTensor:
     """`value` moved to the placements an op takes it in, except that a replicated tensor the
-    op takes as partial is handed over replicated: the op's own dispatch makes that local move
-    (a masked embedding lookup keeps what it needs of it)."""
+    op takes as masked partial is handed over replicated: the embedding lookup's own dispatch
+    makes that local move and keeps the mask it needs. Any other partial input is made here:
+    given a replicated input, DTensor's dispatch would keep the output replicated, not the
+    partial output the plan counts on."""
     have = tuple(value.placements)
-    if all(a == b or (a.is_replicate() and b.is_partial()) for a, b in zip(have, want)):
+    if all(a == b or (a.is_replicate() and isinstance(b, MaskPartial)) for a, b in zip(have, want)):
         return value
     return redistribute(value, want)
 

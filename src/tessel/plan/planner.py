@@ -31,7 +31,7 @@ from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
 from tessel.plan.problem import FORBIDDEN, InfeasibleError, Problem, pairwise
 from tessel.plan.stages import StageAssignment
-from tessel.plan.strategies import NodeStrategy, Replicate
+from tessel.plan.strategies import NodeStrategy, Partial, Replicate
 from tessel.units import human_bytes, two_sizes
 
 log = logging.getLogger(__name__)
@@ -372,6 +372,15 @@ def _flat_nodes(n: fx.Node) -> list[fx.Node]:
     return tensor_args(n)
 
 
+def _partials_clash(src: tuple, dst: tuple) -> bool:
+    """A value partial by one reduction cannot be moved to partial by another: DTensor has no
+    such move, so the planner never offers it."""
+    return any(
+        isinstance(a, Partial) and isinstance(b, Partial) and a.reduce_op != b.reduce_op
+        for a, b in zip(src, dst)
+    )
+
+
 def _owner(choices: dict[fx.Node, NodeChoices], n: fx.Node) -> fx.Node:
     return choices[n].owner or n
 
@@ -510,8 +519,11 @@ def _problem(
             if sp < 0 or dp < 0:
                 return 0.0
             if (sp, dp) not in table:
-                table[sp, dp] = cost.redistribute_time(
-                    placements[sp], placements[dp], b, mesh_shape, links, shape
+                src_p, dst_p = placements[sp], placements[dp]
+                table[sp, dp] = (
+                    FORBIDDEN
+                    if _partials_clash(src_p, dst_p)
+                    else cost.redistribute_time(src_p, dst_p, b, mesh_shape, links, shape)
                 )
             return table[sp, dp]
 
