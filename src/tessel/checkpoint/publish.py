@@ -61,8 +61,10 @@ def pause_point(name: str) -> None:
     if os.environ.get(PAUSE_ENV) != name:
         return
     marker = os.environ.get(PAUSE_MARKER_ENV)
-    if marker:
-        Path(marker).write_text(str(os.getpid()))
+    if marker:  # written aside and renamed, so a watcher never reads it empty
+        aside = Path(f"{marker}.{os.getpid()}.tmp")
+        aside.write_text(str(os.getpid()))
+        os.replace(aside, marker)
     while True:
         time.sleep(3600)
 
