@@ -118,11 +118,17 @@ def token_ids(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 1) ->
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
-def _is_resource_tracker(p: psutil.Process) -> bool:
-    """Python's multiprocessing resource tracker lives as long as the test process, by design."""
+def is_multiprocessing_helper(p: psutil.Process) -> bool:
+    """Python's multiprocessing resource tracker and the workers' fork server live as long as the
+    test process, by design. The fork server's workers do not: they are forked from it, so they
+    share its command line, and they are told apart by their parent, the server."""
     try:
-        return "resource_tracker" in " ".join(p.cmdline())
-    except psutil.Error:
+        command = " ".join(p.cmdline())
+        if "resource_tracker" in command:
+            return True
+        server = "multiprocessing.forkserver"
+        return server in command and server not in " ".join(p.parent().cmdline())
+    except (psutil.Error, AttributeError):  # gone, or no parent left
         return False
 
 
@@ -163,7 +169,7 @@ def no_leftover_workers():
     """Every test must leave no worker process behind."""
     yield
     me = psutil.Process()
-    children = [p for p in me.children(recursive=True) if not _is_resource_tracker(p)]
+    children = [p for p in me.children(recursive=True) if not is_multiprocessing_helper(p)]
     gone, alive = psutil.wait_procs(children, timeout=10)
     for p in alive:
         p.kill()

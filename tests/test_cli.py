@@ -13,7 +13,12 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.conftest import ctrl_c_as_in_a_terminal, signal_state, subprocess_env
+from tests.conftest import (
+    ctrl_c_as_in_a_terminal,
+    is_multiprocessing_helper,
+    signal_state,
+    subprocess_env,
+)
 
 import tessel
 from tessel.cli import main
@@ -216,7 +221,7 @@ def test_ctrl_c_leaves_no_worker(model, tmp_path):
         workers = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())
+            if not is_multiprocessing_helper(p)
         ]
         assert len(workers) >= 2, "no worker per device"
         state = signal_state(proc.pid)  # SIGINT is bit 2 (0x2): neither blocked nor ignored

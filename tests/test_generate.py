@@ -11,6 +11,7 @@ import zipfile
 import psutil
 import pytest
 import torch
+from tests.conftest import is_multiprocessing_helper
 from tests.differential.zoo import FAMILIES
 from tests.training import conftest as training_conftest
 
@@ -362,9 +363,7 @@ def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> N
     session.load_graph(0, {}, tessel.save(built, tmp_path / "llama"))
     try:
         workers = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())
+            p for p in psutil.Process().children(recursive=True) if not is_multiprocessing_helper(p)
         ]
         assert len(workers) >= 2, workers
         ids = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(2))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tests.conftest import is_multiprocessing_helper
 
 import tessel.dataflow as df
 
@@ -29,10 +30,9 @@ def _children(forked_only: bool) -> set[int]:
     out = set()
     for c in me.children(recursive=True):
         try:
-            cmd = c.cmdline()
-            if "resource_tracker" in " ".join(cmd):
-                continue  # multiprocessing's tracker lives as long as the test process
-            if not forked_only or cmd == me.cmdline():
+            if is_multiprocessing_helper(c):
+                continue  # they live as long as the test process
+            if not forked_only or c.cmdline() == me.cmdline():
                 out.add(c.pid)
         except psutil.Error:
             pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from tests.conftest import _is_resource_tracker
+from tests.conftest import is_multiprocessing_helper
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,9 @@ def no_leftover_workers():
 @pytest.fixture(scope="module", autouse=True)
 def no_leftover_workers_after_the_module():
     yield
-    children = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
+    children = [
+        p for p in psutil.Process().children(recursive=True) if not is_multiprocessing_helper(p)
+    ]
     _, alive = psutil.wait_procs(children, timeout=10)
     for p in alive:
         p.kill()

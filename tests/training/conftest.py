@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from tests.conftest import _is_resource_tracker
+from tests.conftest import is_multiprocessing_helper
 
 import tessel
 
@@ -26,7 +26,9 @@ def sessions():
     for session in opened.values():
         session.close()
     tessel.finalize()
-    children = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
+    children = [
+        p for p in psutil.Process().children(recursive=True) if not is_multiprocessing_helper(p)
+    ]
     _, alive = psutil.wait_procs(children, timeout=10)
     for p in alive:
         p.kill()

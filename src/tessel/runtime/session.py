@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
@@ -35,6 +34,7 @@ from tessel.package.format import Package, PackageError
 from tessel.package.manifest import TensorSpec
 from tessel.progress import phase
 from tessel.runtime import cpu_cache
+from tessel.runtime.fork_server import stop_fork_server, worker_context
 from tessel.runtime.main_guard import unguarded_call_site
 from tessel.runtime.worker import WorkerSpec, worker_main
 
@@ -76,7 +76,7 @@ class SessionError(TesselError, RuntimeError):
 def _exit_if_importing_main() -> None:
     """In a worker that is still importing the user's script, stop quietly with a known code.
 
-    With the spawn start method each worker runs the main script again before it starts; a
+    Each worker runs the main script again before it starts (`tessel.runtime.fork_server`); a
     script that starts a session at its top level would make every worker start workers of its
     own. Exiting here, before that, lets the session report it once (see `_describe_exit`).
     """
@@ -94,7 +94,7 @@ def _refuse_unguarded_main(call: str) -> None:
         file, line = site
         raise SessionError(
             f"{file}:{line}: {call} runs at the script's top level, and every worker a session "
-            "starts imports the script again (the spawn start method) and would run it too: "
+            "starts imports the script again and would run it too: "
             'put the code that uses tessel\'s runtime under `if __name__ == "__main__":`'
         )
 
@@ -113,6 +113,7 @@ def finalize() -> None:
     """Stop every session's workers and release the runtime (GEFinalize)."""
     for session in list(_sessions):
         session.close()
+    stop_fork_server()
     _state["initialized"] = False
 
 
@@ -699,7 +700,7 @@ def _start_workers(
     package, local, addr, port, threads, run_timeout, distributed, reuse_memory, resume=""
 ) -> _Workers:
     manifest = package.manifest
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     cache = ""
     if manifest.device_type == "cpu" and not reuse_memory:
         cache = cpu_cache.library() or ""
@@ -722,6 +723,7 @@ def _start_workers(
             cpu_cache=cache,
             resume=resume,
             log_level=logging.getLogger("tessel").getEffectiveLevel(),
+            environ=dict(os.environ),
         )
         proc = ctx.Process(
             target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}"

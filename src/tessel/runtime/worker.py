@@ -35,7 +35,7 @@ from tessel.runtime.step import TrainingStep, data_parallel_group
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs, passed at spawn (plain values only)."""
+    """Everything a worker needs, passed when it starts (plain values only)."""
 
     rank: int
     world_size: int
@@ -52,6 +52,7 @@ class WorkerSpec:
     cpu_cache: str = ""  # the compiled block cache to allocate CPU tensors with (`cpu_cache`)
     resume: str = ""  # a training checkpoint in the package's layout to start from
     log_level: int = logging.WARNING  # the session's: torch's own warnings show at DEBUG only
+    environ: dict[str, str] | None = None  # the session's environment when it started the worker
 
     @property
     def collective_timeout_s(self) -> float:
@@ -318,6 +319,9 @@ def _fix_mmap_threshold() -> None:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
+    if spec.environ is not None:  # forked from the fork server, whose environment may be older
+        os.environ.clear()
+        os.environ.update(spec.environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
     die_with_parent()
     keep_torch_quiet(spec.log_level)
