@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessel.plan import dp, ilp
-from tessel.plan.problem import InfeasibleError, MemoryRow, Problem
+from tessel.plan.problem import FORBIDDEN, InfeasibleError, MemoryRow, Problem
 
 
 def _objective(problem: Problem, choice: dict) -> float:
@@ -169,3 +169,25 @@ def test_a_problem_too_wide_for_elimination_goes_to_the_integer_program(monkeypa
     assert "solved by the integer program" in solution.fallback
     assert "span 10 decisions and 1,024 entries" in solution.fallback
     assert solution.objective == pytest.approx(_brute_force(problem))
+
+
+def _forbidden_outweighs_memory() -> Problem:
+    """a=2 holds nothing but is forbidden; a=1 fits at a cost half of FORBIDDEN. Priced
+    memory makes a=0 dearer than a=2 before it makes it dearer than a=1."""
+    linear = {"a": np.array([0.0, 5e5, FORBIDDEN])}
+    row = MemoryRow({"a": np.array([2e9, 1.1e9, 0.0])})
+    return Problem({"a": 3}, linear, {}, [row], 1.2e9)
+
+
+@pytest.mark.parametrize("solver", [dp.solve, ilp.solve], ids=["o1", "o2"])
+def test_no_memory_price_makes_a_solver_take_a_forbidden_strategy(solver):
+    assert solver(_forbidden_outweighs_memory(), time_limit=5.0).choice == {"a": 1}
+
+
+@pytest.mark.parametrize("solver", [dp.solve, ilp.solve], ids=["o1", "o2"])
+def test_where_only_a_forbidden_choice_fits_there_is_no_plan(solver):
+    # a=1 would fit, but it is forbidden (b only helps a little)
+    linear = {"a": np.array([0.0, FORBIDDEN]), "b": np.array([0.0, 10.0])}
+    row = MemoryRow({"a": np.array([2e9, 0.0]), "b": np.array([1e9, 5e8])})
+    with pytest.raises(InfeasibleError):
+        solver(Problem({"a": 2, "b": 2}, linear, {}, [row], 1.2e9), time_limit=5.0)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.plan.test_ilp import _choices, _cost, _fits, _problem_strategy
 
-from tessel.plan.problem import MemoryRow, Problem
+from tessel.plan.problem import FORBIDDEN, MemoryRow, Problem
 from tessel.plan.repair import Neighbourhood
 
 
@@ -47,4 +47,12 @@ def test_a_choice_no_single_change_can_mend_is_left_to_the_solver():
     # the row needs a and b moved together (a pair buffer of 9 bytes unless both take 1)
     pair = np.array([[9.0, 9.0], [9.0, 0.0]])
     problem = Problem({"a": 2, "b": 2}, {}, {}, [MemoryRow({}, {("a", "b"): pair})], 4.0)
+    assert Neighbourhood(problem).repair({"a": 0, "b": 0}) is None
+
+
+def test_the_repair_never_steps_onto_a_forbidden_strategy():
+    # b's cheap step leaves the row over; only a's forbidden strategy would then fit it
+    linear = {"a": np.array([0.0, FORBIDDEN]), "b": np.array([0.0, 10.0])}
+    row = MemoryRow({"a": np.array([2e9, 0.0]), "b": np.array([1e9, 5e8])})
+    problem = Problem({"a": 2, "b": 2}, linear, {}, [row], 1.2e9)
     assert Neighbourhood(problem).repair({"a": 0, "b": 0}) is None

@@ -31,7 +31,7 @@ import numpy as np
 
 from tessel.plan import ilp
 from tessel.plan.ilp import solve_with
-from tessel.plan.problem import MemoryRow, Problem, Solution
+from tessel.plan.problem import FORBIDDEN, InfeasibleError, MemoryRow, Problem, Solution
 
 MAX_TABLE = 1 << 22  # entries of the largest table built whole (32 MiB of float64)
 MAX_AXES = 32  # decisions one table spans (numpy's arrays have at most 64 axes)
@@ -91,6 +91,13 @@ def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None =
     return solve_with(problem, _solve_priced, time_limit, fastest)
 
 
+def _closed(costs: np.ndarray) -> np.ndarray:
+    """`costs` with every `FORBIDDEN` entry infinite: no memory price outweighs it."""
+    costs = np.array(costs, dtype=float)
+    costs[costs >= FORBIDDEN] = np.inf
+    return costs
+
+
 def _width(problem: Problem) -> Width:
     """What eliminating `problem`'s decisions costs, in the order `_eliminate` takes."""
     free = {v: k for v, k in problem.sizes.items() if k > 1}
@@ -104,8 +111,8 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
     per_budget = 1.0 / max(problem.memory_budget or 1.0, 1.0)
     linear = {v: np.zeros(k) for v, k in problem.sizes.items()}
     for v, costs in problem.linear.items():
-        linear[v] += costs
-    pairs: dict[tuple, np.ndarray] = {k: np.array(m, dtype=float) for k, m in problem.pairs.items()}
+        linear[v] += _closed(costs)
+    pairs: dict[tuple, np.ndarray] = {k: _closed(m) for k, m in problem.pairs.items()}
     for row, price in prices.items():
         weight = price * per_budget
         for v, b in row.linear.items():
@@ -119,6 +126,8 @@ def _solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: 
         else:
             factors.append(_Factor((a, b), m))
     choice = _eliminate(problem.sizes, factors)
+    if problem.takes_forbidden(choice):  # the cheapest choice is infinite: there is none
+        raise InfeasibleError("every choice takes a strategy or a move no plan may take")
     status = f"dynamic programming over {len(problem.sizes)} decisions"
     return Solution(choice, problem.cost_of(choice), status, sum(problem.sizes.values()), 0)
 

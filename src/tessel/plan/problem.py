@@ -14,8 +14,9 @@ D = TypeVar("D", bound=Hashable)
 
 
 # the cost of a combination no plan may take (a move of state into the op that writes it in
-# place): the integer program closes its columns outright, so its scaled costs keep their
-# resolution; the other solvers pay it, and no answer within reach does
+# place, a move DTensor has not): the integer program closes its columns outright, so its
+# scaled costs keep their resolution; dynamic programming counts it infinite, and the greedy
+# repair never steps onto it
 FORBIDDEN = 1e6
 
 
@@ -45,6 +46,12 @@ class Problem(Generic[D]):
     pairs: dict[tuple[D, D], np.ndarray]  # (a, b) -> cost[k_a, k_b]
     memory: list[MemoryRow[D]] = field(default_factory=list)
     memory_budget: float | None = None
+
+    def takes_forbidden(self, choice: dict[D, int]) -> bool:
+        """Whether `choice` takes a strategy or a pair of strategies priced `FORBIDDEN`."""
+        return any(c[choice[v]] >= FORBIDDEN for v, c in self.linear.items()) or any(
+            m[choice[a], choice[b]] >= FORBIDDEN for (a, b), m in self.pairs.items()
+        )
 
     def cost_of(self, choice: dict[D, int]) -> float:
         """The cost of `choice`: its strategies' costs and its pairs'."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessel.plan.problem import Problem
+from tessel.plan.problem import FORBIDDEN, Problem
 
 
 @dataclass
@@ -24,6 +24,19 @@ class _Term:
 
     linear: np.ndarray | None
     pairs: list[tuple[np.ndarray, object, bool]]
+
+    def forbidden(self, choice: dict[object, int], v: object, k: int) -> bool:
+        """Whether strategy `k` of `v` takes an entry priced `FORBIDDEN`, the rest as `choice`."""
+        if self.linear is not None and self.linear[k] >= FORBIDDEN:
+            return True
+        for m, other, first in self.pairs:
+            if other == v:
+                entry = m[k, k]
+            else:
+                entry = m[k, choice[other]] if first else m[choice[other], k]
+            if entry >= FORBIDDEN:
+                return True
+        return False
 
     def value(self, choice: dict[object, int], v: object, k: int) -> float:
         total = 0.0 if self.linear is None else float(self.linear[k])
@@ -65,6 +78,11 @@ class Neighbourhood:
             for v, term in _terms(row.linear, row.pairs).items():
                 self.rows[v].append((i, term))
 
+    def _allowed(self, choice: dict[object, int], v: object, k: int) -> bool:
+        """Whether setting `v` to `k` keeps `choice` off every forbidden entry."""
+        term = self.cost.get(v)
+        return term is None or not term.forbidden(choice, v, k)
+
     def _change(self, choice: dict[object, int], v: object, k: int) -> tuple[float, list]:
         """The cost added and each touched row's bytes added by setting `v` to `k`."""
         old = choice[v]
@@ -86,7 +104,7 @@ class Neighbourhood:
                 if n == 1 or not any(i in broken for i, _ in self.rows[v]):
                     continue
                 for k in range(n):
-                    if k == choice[v]:
+                    if k == choice[v] or not self._allowed(choice, v, k):
                         continue
                     cost, rows = self._change(choice, v, k)
                     excess = sum(
@@ -108,7 +126,7 @@ class Neighbourhood:
             for v, n in self.problem.sizes.items():
                 best: tuple[float, int] | None = None
                 for k in range(n):
-                    if k == choice[v]:
+                    if k == choice[v] or not self._allowed(choice, v, k):
                         continue
                     cost, rows = self._change(choice, v, k)
                     if cost < -1e-12 * (1 + abs(cost)) and all(
