@@ -12,6 +12,7 @@ BENCHMARKS = [
     ["bench_build.py", "--nodes", "2", "--layers", "32"],
     ["bench_run.py"],
     ["bench_run.py", "--mesh", "2x2"],
+    ["bench_start.py"],
     ["bench_generate.py"],
     ["bench_slices.py"],
     ["bench_weights.py"],
