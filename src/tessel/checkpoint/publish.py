@@ -40,6 +40,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from tessel.atomic import replace_atomically
 from tessel.checkpoint.errors import CheckpointError
 
 try:
@@ -61,10 +62,9 @@ def pause_point(name: str) -> None:
     if os.environ.get(PAUSE_ENV) != name:
         return
     marker = os.environ.get(PAUSE_MARKER_ENV)
-    if marker:  # written aside and renamed, so a watcher never reads it empty
-        aside = Path(f"{marker}.{os.getpid()}.tmp")
-        aside.write_text(str(os.getpid()))
-        os.replace(aside, marker)
+    if marker:  # published whole, so a watcher never reads it empty
+        with replace_atomically(marker) as aside:
+            aside.write_text(str(os.getpid()))
     while True:
         time.sleep(3600)
 

@@ -2,10 +2,10 @@
 
 A session's workers start as spawned processes do (forked from a fork server that has not run
 the script, or spawned): each imports the main script again (as `__mp_main__`) to find what the
-parent defined. A script that loads a graph at its
-top level, outside `if __name__ == "__main__":`, would have every worker run the script too:
-build and write the package again, start a session of its own. This module looks at the
-running script itself, so the mistake is named at once instead of after the workers fail.
+parent defined. A script that loads a graph at its top level, outside
+`if __name__ == "__main__":`, would have every worker run the script too: build and write the
+package again, start a session of its own. This module looks at the running script itself, so
+the mistake is named at once instead of after the workers fail.
 """
 
 from __future__ import annotations

@@ -711,6 +711,7 @@ def _start_workers(
             rank=device.rank,
             world_size=package.world_size,
             package=str(package.path),
+            environ=dict(os.environ),
             master_addr=addr,
             master_port=port,
             backend=manifest.backend,
@@ -723,7 +724,6 @@ def _start_workers(
             cpu_cache=cache,
             resume=resume,
             log_level=logging.getLogger("tessel").getEffectiveLevel(),
-            environ=dict(os.environ),
         )
         proc = ctx.Process(
             target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}"

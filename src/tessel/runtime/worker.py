@@ -40,6 +40,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     package: str
+    environ: dict[str, str]  # the session's environment as it started this worker
     master_addr: str
     master_port: int
     backend: str
@@ -52,7 +53,6 @@ class WorkerSpec:
     cpu_cache: str = ""  # the compiled block cache to allocate CPU tensors with (`cpu_cache`)
     resume: str = ""  # a training checkpoint in the package's layout to start from
     log_level: int = logging.WARNING  # the session's: torch's own warnings show at DEBUG only
-    environ: dict[str, str] | None = None  # the session's environment when it started the worker
 
     @property
     def collective_timeout_s(self) -> float:
@@ -319,9 +319,8 @@ def _fix_mmap_threshold() -> None:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process."""
-    if spec.environ is not None:  # forked from the fork server, whose environment may be older
-        os.environ.clear()
-        os.environ.update(spec.environ)
+    os.environ.clear()  # a fork server's environment is the one it started with: take ours
+    os.environ.update(spec.environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
     die_with_parent()
     keep_torch_quiet(spec.log_level)
