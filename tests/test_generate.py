@@ -40,8 +40,16 @@ sessions = training_conftest.sessions
 no_leftover_workers = training_conftest.no_leftover_workers
 
 
-def _build(family: str, devices: int, memory: str, generation: Generation = GENERATION):
+def _build(
+    family: str,
+    devices: int,
+    memory: str,
+    generation: Generation = GENERATION,
+    eos_token_id: object = None,
+):
     model = FAMILIES[family].make().model
+    if eos_token_id is not None:
+        model.generation_config.eos_token_id = eos_token_id
     cluster: object = devices
     if memory == "tight":  # the longest prompt's activations beside 1.15/N of the weights
         gear = capture_gear(model, generation, generation.prefill_lengths[-1])
@@ -96,8 +104,11 @@ def test_the_cache_is_declared_per_rank_and_never_stored(tmp_path) -> None:
     """A cache of 4 rows x 256 slots outweighs the model: the plan splits it, each
     rank declares its part, and no member of the package holds any of it."""
     generation = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
-    model, built = _build("llama", 2, "tight", generation)
+    # a model that stops at any of several tokens (as Llama 3's instruct models do), one of
+    # them outside the vocabulary, which it can never make: the package keeps the others
+    model, built = _build("llama", 2, "tight", generation, eos_token_id=[3, 250, 4096, 3])
     manifest = built.manifest
+    assert manifest.generation.eos_token_id == (3, 250)
     state = {s.name: s for s in manifest.generation.state}
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert len(state) == 2 * layers
@@ -223,6 +234,10 @@ def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> 
             (dict(do_sample=True, temperature=-1.0), "temperature"),
             (dict(top_p=2.0), "top_p"),
             (dict(eos_token_id=-1), "eos_token_id"),
+            (dict(eos_token_id=[2, 256]), "eos_token_id"),  # outside the vocabulary
+            (dict(pad_token_id=256), "pad_token_id"),
+            (dict(num_beams=4), "num_beams"),  # transformers' beam search: not taken
+            (dict(max_length=30), "max_length"),
             (dict(stream="yes"), "stream"),
         ]:
             args = dict(input_ids=torch.zeros(1, 4, dtype=torch.long)) | call
@@ -236,6 +251,16 @@ def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> 
             1,
             6,
         )
+        # a row stops at the first of several eos tokens it makes, as transformers' rows do
+        ids = FAMILIES["llama"].inputs(2)[0][:, :4]
+        free = session.generate(0, ids, max_new_tokens=8)[:, 4:]
+        ends = [int(free[0, 1]), int(free[1, 3])]
+        firsts = [next(i for i, t in enumerate(row) if t in ends) for row in free.tolist()]
+        got = session.generate(0, ids, max_new_tokens=8, eos_token_id=ends, pad_token_id=0)
+        assert got.shape == (2, 4 + 1 + max(firsts))
+        for row, first in enumerate(firsts):
+            assert torch.equal(got[row, 4 : 5 + first], free[row, : first + 1])
+            assert (got[row, 5 + first :] == 0).all()
     finally:
         session.remove_graph(0)
     plain = tessel.build(FAMILIES["gpt2"].make(), FAMILIES["gpt2"].inputs(1), cluster=2)

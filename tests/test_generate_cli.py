@@ -172,7 +172,11 @@ def test_bad_generate_arguments_get_tessels_errors(package, tmp_path, capsys) ->
     save_file(
         {"input_ids": torch.zeros(3, 4, dtype=torch.long)}, str(tmp_path / "rows.safetensors")
     )
+    save_file({"input_ids": torch.ones(1, 4, dtype=torch.long)}, str(tmp_path / "ok.safetensors"))
+    several = ("--eos-token-id", "1", "--eos-token-id", str(VOCAB))  # each in the vocabulary
     cases = {
+        ("--input-ids", str(tmp_path / "ok.safetensors"), *several): "eos_token_id: must be a "
+        f"token id from 0 to {VOCAB - 1}, found {VOCAB}",
         ("--input-ids", str(tmp_path / "misnamed.safetensors")): "input_ids: is missing",
         ("--input-ids", str(tmp_path / "floats.safetensors")): "found [1, 4] float32",
         ("--input-ids", str(tmp_path / "nothing.safetensors")): "no such file",

@@ -11,6 +11,7 @@ from tessel.capture.generation import capture_gears
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.decoding import Sampling, choose, decode
+from tessel.package.fields import Field, PackageError
 from tessel.package.manifest import Gears
 
 
@@ -125,6 +126,42 @@ def test_finished_rows_give_the_pad_token_and_the_loop_stops(llama) -> None:
     assert torch.equal(stops[1, :n], free[1, :n])
 
 
+def test_a_row_stops_at_any_of_several_eos_tokens(llama) -> None:
+    _, captured, gears = llama
+    ids = FAMILIES["llama"].inputs(2)[0][:, :6]
+    free = _tokens(captured, gears, ids, new=10)
+    ends = [int(free[0, 2]), int(free[1, 4])]  # row 0's third token, row 1's fifth
+    got = _tokens(captured, gears, ids, new=10, eos_token_id=ends, pad_token_id=7)
+    for row in range(2):
+        first = next(i for i, t in enumerate(free[row].tolist()) if t in ends)
+        assert torch.equal(got[row, : first + 1], free[row, : first + 1])
+        assert (got[row, first + 1 :] == 7).all()
+    assert got.shape[1] == 1 + max(
+        next(i for i, t in enumerate(free[row].tolist()) if t in ends) for row in range(2)
+    )
+
+
+@pytest.mark.parametrize("eos", [256, -1, True, [3, 256], "2", [[3]]])
+def test_an_eos_token_outside_the_vocabulary_is_refused(llama, eos) -> None:
+    _, captured, gears = llama
+    with pytest.raises(ConfigError) as err:
+        _tokens(captured, gears, torch.zeros(1, 4, dtype=torch.long), eos_token_id=eos)
+    assert err.value.key == "eos_token_id"
+
+
+def test_the_manifest_reads_one_eos_token_or_several() -> None:
+    gears = Gears(1, 16, (8,), 100, (), pad_token_id=0, eos_token_id=(2, 9))
+    assert gears.to_json()["eos_token_id"] == [2, 9]
+    assert Gears.read(Field(gears.to_json(), "generation", "m.json")) == gears
+    single = Gears.read(Field({**gears.to_json(), "eos_token_id": 2}, "generation", "m.json"))
+    assert single.eos_token_id == (2,)
+    none = dict(gears.to_json())
+    del none["eos_token_id"]
+    assert Gears.read(Field(none, "generation", "m.json")).eos_token_id == ()
+    with pytest.raises(PackageError, match=r"eos_token_id\[1\]: found 100"):
+        Gears.read(Field({**gears.to_json(), "eos_token_id": [2, 100]}, "generation", "m.json"))
+
+
 @pytest.mark.parametrize(
     "call, key",
     [
@@ -133,6 +170,7 @@ def test_finished_rows_give_the_pad_token_and_the_loop_stops(llama) -> None:
         (dict(ids=torch.full((1, 4), 256)), "input_ids"),  # outside the vocabulary
         (dict(ids=torch.zeros(1, 4)), "input_ids"),  # not ids
         (dict(ids=torch.zeros(4, dtype=torch.long)), "input_ids"),  # not [batch, tokens]
+        (dict(ids=torch.zeros(1, 0, dtype=torch.long)), "input_ids"),  # no token
         (dict(new=18), "max_new_tokens"),  # 8-token gear: 17 new tokens fill the 24 slots
         (dict(new=0), "max_new_tokens"),
         (dict(mask=torch.tensor([[1, 1, 0, 0]])), "attention_mask"),  # padded on the right

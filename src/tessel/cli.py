@@ -371,7 +371,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="the sampling seed")
     g.add_argument(
-        "--eos-token-id", type=int, help="stop a row at this token (default: the model's)"
+        "--eos-token-id",
+        type=int,
+        action="append",
+        help="stop a row at this token; again for each of several (default: the model's)",
     )
     g.add_argument(
         "--pad-token-id", type=int, help="pad finished rows with it (default: the model's)"

@@ -9,7 +9,7 @@ caller given the same logits makes the same tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +70,24 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def token_id(value: object, key: str, vocab_size: int) -> int:
+    """`value` as a token id of a vocabulary of `vocab_size`, or `key`'s `ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ConfigError(
+            "generate()", key, f"must be a token id from 0 to {vocab_size - 1}, found {value!r}"
+        )
+    return value
+
+
+def stop_tokens(value: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """`eos_token_id` as the ids a row stops at: none, one id, or several (a model may end a
+    turn with any of a few tokens, as Llama 3's instruct models do), each in the vocabulary."""
+    if value is None:
+        return ()
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(dict.fromkeys(token_id(v, "eos_token_id", vocab_size) for v in ids))
+
+
 class GearShapes(Protocol):
     """A generation package's shapes: its cache's rows and slots, its prefill gears' prompt
     lengths (rising) and its vocabulary (the manifest's `Gears`)."""
@@ -102,6 +120,8 @@ def check_request(
             "generate()", "input_ids", f"must hold integer ids, found {input_ids.dtype}"
         )
     rows, length = input_ids.shape
+    if length == 0:
+        raise ConfigError("generate()", "input_ids", "holds no token: a prompt needs at least one")
     if not 1 <= rows <= gears.max_batch_size:
         raise ConfigError(
             "generate()",
@@ -183,17 +203,19 @@ def decode(
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 1,
     sampling: Sampling = Sampling(),
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
 ) -> Iterator[torch.Tensor]:
     """Generate: yields each step's new tokens `[rows]` (rows that finished at
-    `eos_token_id` give `pad_token_id`), until `max_new_tokens` or every row has finished.
+    `eos_token_id`, one id or any of several, give `pad_token_id`), until `max_new_tokens`
+    or every row has finished.
 
     `run(length, (input_ids, position_ids, cache_position, attention_mask))` calls the gear of
     `length` tokens on the cache's `max_batch_size` rows and returns the last token's logits;
     rows past the request's are padding that attends to nothing.
     """
     mask, gear = check_request(gears, input_ids, attention_mask, max_new_tokens)
+    stops = torch.tensor(stop_tokens(eos_token_id, gears.vocab_size), dtype=torch.long)
     rows, length = input_ids.shape
     batch, slots = gears.max_batch_size, gears.max_seq_len
     ids = torch.full((batch, gear), pad_token_id, dtype=torch.long)
@@ -207,9 +229,9 @@ def decode(
     last = positions[:, -1]
     for step in range(max_new_tokens):
         token = choose(logits[:rows], sampling, generator)
-        if eos_token_id is not None:
+        if len(stops):
             token = token.masked_fill(finished, pad_token_id)
-            finished |= token == eos_token_id
+            finished |= torch.isin(token, stops)
         yield token
         if step == max_new_tokens - 1 or bool(finished.all()):
             return

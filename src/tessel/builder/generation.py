@@ -244,9 +244,13 @@ def _pack(
     settings = getattr(model, "generation_config", None)
     pad = getattr(settings, "pad_token_id", None)
     eos = getattr(settings, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
     vocab = int(text.vocab_size)
+    # every id the model stops at (Llama 3's instruct models end a turn with any of several)
+    stops = [
+        e
+        for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+        if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab
+    ]
     spec = Gears(
         max_batch_size=rows * dp,
         max_seq_len=gears.generation.max_seq_len,
@@ -261,7 +265,7 @@ def _pack(
             for n in gears.cache_names
         ),
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else 0,
-        eos_token_id=eos if isinstance(eos, int) and 0 <= eos < vocab else None,
+        eos_token_id=tuple(dict.fromkeys(stops)),
     )
     outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
     # the whole batch's inputs: a replica reads its rows of the batched ones

@@ -344,7 +344,7 @@ class Gears:
     vocab_size: int
     state: tuple[TensorSpec, ...]
     pad_token_id: int = 0
-    eos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()  # a row stops at any of them (none: at no token)
 
     @classmethod
     def read(cls, f: Field) -> Gears:
@@ -361,9 +361,7 @@ class Gears:
             vocab_size=vocab,
             state=tuple(TensorSpec.read(x, named=True) for x in f.get("state").list()),
             pad_token_id=f.get("pad_token_id").int(low=0, high=vocab - 1),
-            eos_token_id=f.get("eos_token_id", optional=True).optional(
-                lambda e: e.int(low=0, high=vocab - 1)
-            ),
+            eos_token_id=_token_ids(f.get("eos_token_id", optional=True), vocab),
         )
 
     def to_json(self) -> dict:
@@ -374,8 +372,16 @@ class Gears:
             "vocab_size": self.vocab_size,
             "state": [x.to_json() for x in self.state],
             "pad_token_id": self.pad_token_id,
-            **({"eos_token_id": self.eos_token_id} if self.eos_token_id is not None else {}),
+            **({"eos_token_id": list(self.eos_token_id)} if self.eos_token_id else {}),
         }
+
+
+def _token_ids(f: Field, vocab: int) -> tuple[int, ...]:
+    """One token id or a list of them, as `generation_config.json` gives `eos_token_id`."""
+    if f.value is None:
+        return ()
+    ids = f.list() if isinstance(f.value, list) else [f]
+    return tuple(x.int(low=0, high=vocab - 1) for x in ids)
 
 
 @dataclass(frozen=True)

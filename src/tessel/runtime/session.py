@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -27,7 +27,7 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
-from tessel.decoding import Sampling, check_request
+from tessel.decoding import Sampling, check_request, stop_tokens, token_id
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
@@ -481,15 +481,27 @@ class Session:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         stream: bool = False,
+        **unknown: Any,
     ) -> Any:
         """Generate from a generation package: token ids `[rows, prompt + new tokens]`, as
-        `transformers`' `generate` returns them (rows finished at `eos_token_id` padded with
-        `pad_token_id`; both default to the model's). With `stream`, an iterator of each
-        step's new tokens `[rows]` instead. Prompts are padded on the left (`attention_mask`
-        0 over the padding); the loop runs on the devices, every rank choosing each token."""
+        `transformers`' `generate` returns them (rows finished at `eos_token_id`, one id or
+        any of several, padded with `pad_token_id`; both default to the model's). With
+        `stream`, an iterator of each step's new tokens `[rows]` instead. Prompts are padded on
+        the left (`attention_mask` 0 over the padding); the loop runs on the devices, every
+        rank choosing each token. A `transformers` argument this loop does not take (beam
+        search, penalties, `max_length`) is refused by name, never ignored."""
+        if unknown:
+            key = next(iter(unknown))
+            raise ConfigError(
+                "generate()",
+                key,
+                "is not an argument tessel's generate takes; it takes attention_mask, "
+                "max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id, "
+                "pad_token_id and stream",
+            )
         graph = self._graph(graph_id)
         gears = graph.package.manifest.generation
         if gears is None:
@@ -506,12 +518,12 @@ class Session:
                 attention_mask = attention_mask[None]
         mask, _ = check_request(gears, input_ids, attention_mask, max_new_tokens)
         eos = gears.eos_token_id if eos_token_id is None else eos_token_id
-        pad = gears.pad_token_id if pad_token_id is None else pad_token_id
-        for key, value in (("eos_token_id", eos), ("pad_token_id", pad)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value
-            ):
-                raise ConfigError("generate()", key, f"must be a token id, found {value!r}")
+        eos = stop_tokens(eos, gears.vocab_size)
+        pad = token_id(
+            gears.pad_token_id if pad_token_id is None else pad_token_id,
+            "pad_token_id",
+            gears.vocab_size,
+        )
         if not isinstance(stream, bool):
             raise ConfigError("generate()", "stream", f"must be True or False, found {stream!r}")
         if graph.stream is not None:  # a stream its caller left before its end
@@ -528,7 +540,7 @@ class Session:
             "length": input_ids.shape[1],
             "max_new_tokens": max_new_tokens,
             "sampling": dataclasses.asdict(sampling),
-            "eos_token_id": eos,
+            "eos_token_id": list(eos),
             "pad_token_id": pad,
             "stream": stream,
         }
