@@ -158,6 +158,11 @@ def test_the_manifest_reads_one_eos_token_or_several() -> None:
     none = dict(gears.to_json())
     del none["eos_token_id"]
     assert Gears.read(Field(none, "generation", "m.json")).eos_token_id == ()
+    # where the model sets no pad, rows are padded with the first eos token, as in transformers
+    unpadded = {k: v for k, v in gears.to_json().items() if k != "pad_token_id"}
+    unpadded = Gears.read(Field(unpadded, "generation", "m.json"))
+    assert unpadded.pad_token_id is None and "pad_token_id" not in unpadded.to_json()
+    assert (unpadded.pad_for((9, 2)), unpadded.pad_for(()), gears.pad_for((9,))) == (9, 0, 0)
     with pytest.raises(PackageError, match=r"eos_token_id\[1\]: found 100"):
         Gears.read(Field({**gears.to_json(), "eos_token_id": [2, 100]}, "generation", "m.json"))
 

@@ -264,7 +264,7 @@ def _pack(
             )
             for n in gears.cache_names
         ),
-        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else 0,
+        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else None,
         eos_token_id=tuple(dict.fromkeys(stops)),
     )
     outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs

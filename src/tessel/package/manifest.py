@@ -343,8 +343,15 @@ class Gears:
     prefill_lengths: tuple[int, ...]
     vocab_size: int
     state: tuple[TensorSpec, ...]
-    pad_token_id: int = 0
+    pad_token_id: int | None = None  # None: the model sets none (see `pad_for`)
     eos_token_id: tuple[int, ...] = ()  # a row stops at any of them (none: at no token)
+
+    def pad_for(self, eos_token_id: tuple[int, ...]) -> int:
+        """The id finished rows are padded with: the model's, or where it sets none the first
+        of the request's eos tokens (as `transformers`' `generate` does), else 0."""
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return eos_token_id[0] if eos_token_id else 0
 
     @classmethod
     def read(cls, f: Field) -> Gears:
@@ -360,7 +367,9 @@ class Gears:
             prefill_lengths=lengths,
             vocab_size=vocab,
             state=tuple(TensorSpec.read(x, named=True) for x in f.get("state").list()),
-            pad_token_id=f.get("pad_token_id").int(low=0, high=vocab - 1),
+            pad_token_id=f.get("pad_token_id", optional=True).optional(
+                lambda p: p.int(low=0, high=vocab - 1)
+            ),
             eos_token_id=_token_ids(f.get("eos_token_id", optional=True), vocab),
         )
 
@@ -371,7 +380,7 @@ class Gears:
             "prefill_lengths": list(self.prefill_lengths),
             "vocab_size": self.vocab_size,
             "state": [x.to_json() for x in self.state],
-            "pad_token_id": self.pad_token_id,
+            **({"pad_token_id": self.pad_token_id} if self.pad_token_id is not None else {}),
             **({"eos_token_id": list(self.eos_token_id)} if self.eos_token_id else {}),
         }
 

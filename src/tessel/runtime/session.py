@@ -488,7 +488,8 @@ class Session:
     ) -> Any:
         """Generate from a generation package: token ids `[rows, prompt + new tokens]`, as
         `transformers`' `generate` returns them (rows finished at `eos_token_id`, one id or
-        any of several, padded with `pad_token_id`; both default to the model's). With
+        any of several, padded with `pad_token_id`; both default to the model's, and the pad
+        where the model sets none to the first eos token, as in `transformers`). With
         `stream`, an iterator of each step's new tokens `[rows]` instead. Prompts are padded on
         the left (`attention_mask` 0 over the padding); the loop runs on the devices, every
         rank choosing each token. A `transformers` argument this loop does not take (beam
@@ -520,7 +521,7 @@ class Session:
         eos = gears.eos_token_id if eos_token_id is None else eos_token_id
         eos = stop_tokens(eos, gears.vocab_size)
         pad = token_id(
-            gears.pad_token_id if pad_token_id is None else pad_token_id,
+            gears.pad_for(eos) if pad_token_id is None else pad_token_id,
             "pad_token_id",
             gears.vocab_size,
         )
