@@ -1,7 +1,8 @@
-"""Operators a model library registers itself (`torch.library` custom ops).
+"""Operators a model library registers itself (`torch.library` custom ops), and ATen
+operators with no sharding rule that models call (`aten._grouped_mm`, experts in bf16).
 
 The planner has no sharding rule for them and a package may only call operators from tessel's
-list, so each custom op a captured model calls is rewritten into ATen at capture, by a
+list, so each one a captured model calls is rewritten into ATen at capture, by a
 decomposition that computes the same values with static shapes. A custom op tessel has no
 decomposition for is refused by name, with the layer that calls it.
 """
@@ -56,10 +57,57 @@ def _grouped_mm_backward_over_all_experts(
     return grad_input, grad_weight
 
 
+def _group_of(index: torch.Tensor, offs: torch.Tensor, groups: int) -> torch.Tensor:
+    """One-hot `[len(index), groups]`: the group each index falls in, `offs` holding each
+    group's end (an index past the last end is in none)."""
+    group = torch.searchsorted(offs, index.to(offs.dtype), right=True)
+    return (group.unsqueeze(1) == torch.arange(groups, device=offs.device)).to(torch.float32)
+
+
+def _grouped_mm_aten(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`aten._grouped_mm` (what `transformers` calls for experts in bf16) in every form its
+    kernel takes, each group's product computed for all and a one-hot mask keeping its own:
+    rows of `a` grouped (2-D x 3-D, the experts' forward), columns of `b` grouped (3-D x 2-D),
+    the summed dimension grouped (2-D x 2-D: a 3-D result, the experts' weight gradient), or
+    a batch (3-D x 3-D)."""
+    if bias is not None:
+        raise CaptureError("aten._grouped_mm with a bias: tessel decomposes it without one")
+    if offs is None:
+        if a.dim() != 3 or b.dim() != 3:
+            raise CaptureError(
+                f"aten._grouped_mm without offsets takes two 3-D tensors, found "
+                f"{a.dim()}-D and {b.dim()}-D"
+            )
+        out = torch.bmm(a, b)
+    elif a.dim() == 2 and b.dim() == 3:
+        mask = _group_of(torch.arange(a.shape[0], device=a.device), offs, b.shape[0])
+        out = torch.einsum("mk,ekn,me->mn", a, b, mask.to(a.dtype))
+    elif a.dim() == 3 and b.dim() == 2:
+        mask = _group_of(torch.arange(b.shape[1], device=b.device), offs, a.shape[0])
+        out = torch.einsum("emk,kn,ne->mn", a, b, mask.to(a.dtype))
+    elif a.dim() == 2 and b.dim() == 2:
+        mask = _group_of(torch.arange(a.shape[1], device=a.device), offs, offs.shape[0])
+        out = torch.einsum("mk,kn,ke->emn", a, b, mask.to(a.dtype))
+    else:
+        raise CaptureError(
+            f"aten._grouped_mm with offsets takes 2-D and 3-D tensors, found {a.dim()}-D and "
+            f"{b.dim()}-D"
+        )
+    return out if out_dtype is None else out.to(out_dtype)
+
+
 DECOMPOSITIONS: dict[str, Callable[..., Any]] = {
     "transformers::grouped_mm_fallback": _grouped_mm_over_all_experts,
     "transformers::grouped_mm_fallback_backward": _grouped_mm_backward_over_all_experts,
 }
+# ATen operators with no sharding rule that models call: rewritten like the custom ops
+ATEN_DECOMPOSITIONS: dict[str, Callable[..., Any]] = {"aten::_grouped_mm": _grouped_mm_aten}
 
 
 def _layer(node: fx.Node) -> str:
@@ -75,9 +123,12 @@ def custom_op_decompositions(graph: fx.Graph) -> dict[Any, Callable[..., Any]]:
         target = n.target
         if n.op != "call_function" or not isinstance(target, OpOverload):
             continue
+        name = target._schema.name
+        if name in ATEN_DECOMPOSITIONS:
+            table[target] = ATEN_DECOMPOSITIONS[name]
+            continue
         if target.namespace in BUILT_IN_NAMESPACES or target in table:
             continue
-        name = target._schema.name
         if name not in DECOMPOSITIONS:
             raise CaptureError(
                 f"the model calls the custom operator {name} (in {_layer(n)}), which tessel "
