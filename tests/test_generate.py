@@ -45,11 +45,11 @@ def _build(
     devices: int,
     memory: str,
     generation: Generation = GENERATION,
-    eos_token_id: object = None,
+    settings: dict | None = None,
 ):
     model = FAMILIES[family].make().model
-    if eos_token_id is not None:
-        model.generation_config.eos_token_id = eos_token_id
+    for key, value in (settings or {}).items():  # the model's own generation_config
+        setattr(model.generation_config, key, value)
     cluster: object = devices
     if memory == "tight":  # the longest prompt's activations beside 1.15/N of the weights
         gear = capture_gear(model, generation, generation.prefill_lengths[-1])
@@ -105,10 +105,13 @@ def test_the_cache_is_declared_per_rank_and_never_stored(tmp_path) -> None:
     rank declares its part, and no member of the package holds any of it."""
     generation = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
     # a model that stops at any of several tokens (as Llama 3's instruct models do), one of
-    # them outside the vocabulary, which it can never make: the package keeps the others
-    model, built = _build("llama", 2, "tight", generation, eos_token_id=[3, 250, 4096, 3])
+    # them outside the vocabulary, which it can never make: the package keeps the others, and
+    # the model's repetition penalty as generate's default
+    settings = {"eos_token_id": [3, 250, 4096, 3], "repetition_penalty": 1.2}
+    model, built = _build("llama", 2, "tight", generation, settings)
     manifest = built.manifest
     assert manifest.generation.eos_token_id == (3, 250)
+    assert manifest.generation.repetition_penalty == 1.2
     state = {s.name: s for s in manifest.generation.state}
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert len(state) == 2 * layers
@@ -237,6 +240,7 @@ def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> 
             (dict(eos_token_id=[2, 256]), "eos_token_id"),  # outside the vocabulary
             (dict(pad_token_id=256), "pad_token_id"),
             (dict(num_beams=4), "num_beams"),  # transformers' beam search: not taken
+            (dict(repetition_penalty=-1.0), "repetition_penalty"),
             (dict(max_length=30), "max_length"),
             (dict(stream="yes"), "stream"),
         ]:

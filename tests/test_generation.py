@@ -3,6 +3,8 @@ cache written in place, run by `tessel.decoding`, against `transformers`' own `g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tests.differential.zoo import FAMILIES
@@ -10,7 +12,7 @@ from tests.differential.zoo import FAMILIES
 from tessel.capture.generation import capture_gears
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
-from tessel.decoding import Sampling, choose, decode
+from tessel.decoding import Sampling, choose, decode, penalize
 from tessel.package.fields import Field, PackageError
 from tessel.package.manifest import Gears
 
@@ -126,6 +128,34 @@ def test_finished_rows_give_the_pad_token_and_the_loop_stops(llama) -> None:
     assert torch.equal(stops[1, :n], free[1, :n])
 
 
+def test_the_repetition_penalty_equals_transformers(llama) -> None:
+    """Greedy under a repetition penalty gives `generate`'s tokens: its processor runs over
+    each row's prompt, padding included, and the row's new tokens."""
+    model, captured, gears = llama
+    ids = FAMILIES["llama"].inputs(2)[0][:, :8]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ours = _tokens(captured, gears, ids, mask, new=12, sampling=Sampling(repetition_penalty=3.0))
+    assert not torch.equal(ours, _tokens(captured, gears, ids, mask, new=12))
+    theirs = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        repetition_penalty=3.0,
+        cache_implementation="static",
+        pad_token_id=0,
+    )[:, 8:]
+    assert torch.equal(ours, theirs)
+
+
+def test_the_penalty_divides_positive_scores_and_multiplies_negative_ones() -> None:
+    logits = torch.tensor([[2.0, -2.0, 4.0, 1.0]])
+    seen = torch.tensor([[0, 1, 0]])  # a token held twice is penalised once
+    assert penalize(logits, seen, 2.0).tolist() == [[1.0, -4.0, 4.0, 1.0]]
+    assert penalize(logits, seen, 1.0).tolist() == logits.tolist()
+
+
 def test_a_row_stops_at_any_of_several_eos_tokens(llama) -> None:
     _, captured, gears = llama
     ids = FAMILIES["llama"].inputs(2)[0][:, :6]
@@ -150,7 +180,7 @@ def test_an_eos_token_outside_the_vocabulary_is_refused(llama, eos) -> None:
 
 
 def test_the_manifest_reads_one_eos_token_or_several() -> None:
-    gears = Gears(1, 16, (8,), 100, (), pad_token_id=0, eos_token_id=(2, 9))
+    gears = Gears(1, 16, (8,), 100, (), pad_token_id=0, eos_token_id=(2, 9), repetition_penalty=1.1)
     assert gears.to_json()["eos_token_id"] == [2, 9]
     assert Gears.read(Field(gears.to_json(), "generation", "m.json")) == gears
     single = Gears.read(Field({**gears.to_json(), "eos_token_id": 2}, "generation", "m.json"))
@@ -163,6 +193,11 @@ def test_the_manifest_reads_one_eos_token_or_several() -> None:
     unpadded = Gears.read(Field(unpadded, "generation", "m.json"))
     assert unpadded.pad_token_id is None and "pad_token_id" not in unpadded.to_json()
     assert (unpadded.pad_for((9, 2)), unpadded.pad_for(()), gears.pad_for((9,))) == (9, 0, 0)
+    assert Gears.read(
+        Field({**none, "repetition_penalty": 1.1}, "generation", "m.json")
+    ) == replace(gears, eos_token_id=())
+    with pytest.raises(PackageError, match="repetition penalty is above 0"):
+        Gears.read(Field({**gears.to_json(), "repetition_penalty": 0}, "generation", "m.json"))
     with pytest.raises(PackageError, match=r"eos_token_id\[1\]: found 100"):
         Gears.read(Field({**gears.to_json(), "eos_token_id": [2, 100]}, "generation", "m.json"))
 
@@ -209,6 +244,8 @@ def test_the_cache_holds_exactly_the_promised_new_tokens(llama) -> None:
         (dict(temperature=0.7), "temperature"),  # greedy: a sampling setting would be ignored
         (dict(top_k=5), "top_k"),
         (dict(seed=3), "seed"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     ],
 )
 def test_sampling_arguments_out_of_range_are_refused(options: dict, key: str) -> None:

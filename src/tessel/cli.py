@@ -371,6 +371,11 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="the sampling seed")
     g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="divide the scores of tokens a row holds by it (default: the model's)",
+    )
+    g.add_argument(
         "--eos-token-id",
         type=int,
         action="append",

@@ -29,6 +29,9 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # transformers' repetition penalty: the scores of tokens the row holds already divided by
+    # it (multiplied where negative) before any choice, greedy or sampled
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ConfigError:
@@ -46,10 +49,24 @@ class Sampling:
             raise bad("top_p", "must be a number in (0, 1]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", "must be an int of at least 0")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise bad("repetition_penalty", "must be a number above 0 (1: no penalty)")
         if not self.do_sample:  # greedy decoding takes none of them: refused, never ignored
             for key, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0)):
                 if getattr(self, key) != default:
                     raise bad(key, "takes effect only with do_sample=True (greedy otherwise)")
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """`logits` `[B, vocab]` in fp32 with the score of every token of `seen` `[B, tokens]` (each
+    row's prompt as given and its tokens so far) divided by `penalty`, or multiplied where it
+    is negative, as `transformers`' `RepetitionPenaltyLogitsProcessor` does."""
+    scores = logits.float()
+    if penalty == 1:
+        return scores
+    held = scores.gather(1, seen)
+    return scores.scatter(1, seen, torch.where(held < 0, held * penalty, held / penalty))
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
@@ -225,13 +242,17 @@ def decode(
     positions = (valid[:, :gear].cumsum(dim=1) - 1).clamp(min=0)
     generator = torch.Generator().manual_seed(sampling.seed)
     finished = torch.zeros(rows, dtype=torch.bool)
+    seen = input_ids.long()  # every row's tokens so far, for the repetition penalty
     logits = run(gear, (ids, positions, torch.arange(gear), valid))
     last = positions[:, -1]
     for step in range(max_new_tokens):
-        token = choose(logits[:rows], sampling, generator)
+        scores = penalize(logits[:rows], seen, sampling.repetition_penalty)
+        token = choose(scores, sampling, generator)
         if len(stops):
             token = token.masked_fill(finished, pad_token_id)
             finished |= torch.isin(token, stops)
+        if sampling.repetition_penalty != 1:
+            seen = torch.cat([seen, token[:, None]], dim=1)
         yield token
         if step == max_new_tokens - 1 or bool(finished.all()):
             return

@@ -266,6 +266,7 @@ def _pack(
         ),
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else None,
         eos_token_id=tuple(dict.fromkeys(stops)),
+        repetition_penalty=_repetition_penalty(settings),
     )
     outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
     # the whole batch's inputs: a replica reads its rows of the batched ones
@@ -281,3 +282,11 @@ def _pack(
         ),
         members,
     )
+
+
+def _repetition_penalty(settings: object) -> float:
+    """The model's repetition penalty (its `generation_config`), which `transformers`'
+    `generate` applies by default, greedy or sampled: the package's default too."""
+    value = getattr(settings, "repetition_penalty", None)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and 0 < value < float("inf") else 1.0

@@ -345,6 +345,7 @@ class Gears:
     state: tuple[TensorSpec, ...]
     pad_token_id: int | None = None  # None: the model sets none (see `pad_for`)
     eos_token_id: tuple[int, ...] = ()  # a row stops at any of them (none: at no token)
+    repetition_penalty: float = 1.0  # the model's (its generation_config), generate's default
 
     def pad_for(self, eos_token_id: tuple[int, ...]) -> int:
         """The id finished rows are padded with: the model's, or where it sets none the first
@@ -371,6 +372,7 @@ class Gears:
                 lambda p: p.int(low=0, high=vocab - 1)
             ),
             eos_token_id=_token_ids(f.get("eos_token_id", optional=True), vocab),
+            repetition_penalty=f.get("repetition_penalty", optional=True).optional(_penalty) or 1.0,
         )
 
     def to_json(self) -> dict:
@@ -382,7 +384,19 @@ class Gears:
             "state": [x.to_json() for x in self.state],
             **({"pad_token_id": self.pad_token_id} if self.pad_token_id is not None else {}),
             **({"eos_token_id": list(self.eos_token_id)} if self.eos_token_id else {}),
+            **(
+                {"repetition_penalty": self.repetition_penalty}
+                if self.repetition_penalty != 1
+                else {}
+            ),
         }
+
+
+def _penalty(f: Field) -> float:
+    value = f.number()
+    if value <= 0:
+        raise f.fail(f"found {value}; a repetition penalty is above 0")
+    return value
 
 
 def _token_ids(f: Field, vocab: int) -> tuple[int, ...]:

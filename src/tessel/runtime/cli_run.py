@@ -215,6 +215,7 @@ def generate_command(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
         eos_token_id=args.eos_token_id,
         pad_token_id=args.pad_token_id,
     )

@@ -481,6 +481,7 @@ class Session:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        repetition_penalty: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         stream: bool = False,
@@ -492,16 +493,17 @@ class Session:
         where the model sets none to the first eos token, as in `transformers`). With
         `stream`, an iterator of each step's new tokens `[rows]` instead. Prompts are padded on
         the left (`attention_mask` 0 over the padding); the loop runs on the devices, every
-        rank choosing each token. A `transformers` argument this loop does not take (beam
-        search, penalties, `max_length`) is refused by name, never ignored."""
+        rank choosing each token. `repetition_penalty` defaults to the model's, as in
+        `transformers`. A `transformers` argument this loop does not take (beam
+        search, `no_repeat_ngram_size`, `max_length`) is refused by name, never ignored."""
         if unknown:
             key = next(iter(unknown))
             raise ConfigError(
                 "generate()",
                 key,
                 "is not an argument tessel's generate takes; it takes attention_mask, "
-                "max_new_tokens, do_sample, temperature, top_k, top_p, seed, eos_token_id, "
-                "pad_token_id and stream",
+                "max_new_tokens, do_sample, temperature, top_k, top_p, seed, "
+                "repetition_penalty, eos_token_id, pad_token_id and stream",
             )
         graph = self._graph(graph_id)
         gears = graph.package.manifest.generation
@@ -512,7 +514,8 @@ class Session:
                 f"graph {graph_id} was built without generation (tessel.build(..., "
                 "generation=tessel.Generation(...)))",
             )
-        sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
+        penalty = gears.repetition_penalty if repetition_penalty is None else repetition_penalty
+        sampling = Sampling(do_sample, temperature, top_k, top_p, seed, penalty)
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[None]
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
