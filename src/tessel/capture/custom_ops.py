@@ -85,9 +85,8 @@ def _grouped_mm_aten(
                 f"{a.dim()}-D and {b.dim()}-D"
             )
         out = torch.bmm(a, b)
-    elif a.dim() == 2 and b.dim() == 3:
-        mask = _group_of(torch.arange(a.shape[0], device=a.device), offs, b.shape[0])
-        out = torch.einsum("mk,ekn,me->mn", a, b, mask.to(a.dtype))
+    elif a.dim() == 2 and b.dim() == 3:  # the fallback op's form: its decomposition
+        out = _grouped_mm_over_all_experts(a, b, offs)
     elif a.dim() == 3 and b.dim() == 2:
         mask = _group_of(torch.arange(b.shape[1], device=b.device), offs, a.shape[0])
         out = torch.einsum("emk,kn,ne->mn", a, b, mask.to(a.dtype))
