@@ -100,18 +100,69 @@ def test_generate_equals_transformers_generate(
     assert torch.equal(torch.stack(streamed, dim=1), want[:, ids.shape[1] :])
 
 
-def test_the_cache_is_declared_per_rank_and_never_stored(tmp_path) -> None:
+# a model's own decoding settings (its generation_config), which transformers' generate applies
+# unasked: it stops at any of several tokens (as Llama 3's instruct models do), one of them
+# outside the vocabulary, which it can never make; it samples, penalises repeats, bans repeated
+# bigrams, and makes 9 tokens, at least 3 of them before an eos token
+MODEL_SETTINGS = {
+    "eos_token_id": [3, 250, 4096, 3],
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_k": 20,
+    "repetition_penalty": 1.2,
+    "no_repeat_ngram_size": 2,
+    "min_new_tokens": 3,
+    "max_new_tokens": 9,
+}
+
+
+@pytest.fixture(scope="module")
+def llama_with_settings():
+    """A cache of 4 rows x 256 slots, which outweighs the model, over 2 devices whose memory
+    forbids replicated weights; the model carries `MODEL_SETTINGS`."""
+    generation = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
+    return _build("llama", 2, "tight", generation, MODEL_SETTINGS)
+
+
+def test_the_model_settings_are_generates_defaults(llama_with_settings, sessions, tmp_path):
+    """The package keeps the model's settings, and `generate` applies them where a call does
+    not set them, as transformers' `generate` does: greedy with the model's penalty, bigram
+    ban, minimum and length equals transformers; left to the model, it samples with the
+    model's temperature and top-k."""
+    model, built = llama_with_settings
+    gears = built.manifest.generation
+    assert gears.eos_token_id == (3, 250)
+    assert gears.defaults == {k: v for k, v in MODEL_SETTINGS.items() if k != "eos_token_id"}
+    assert "decoding: the model's do_sample=True, temperature=0.7" in str(built)
+    ids, mask = _prompts("llama")
+    model = FAMILIES["llama"].make().model
+    for key, value in MODEL_SETTINGS.items():
+        setattr(model.generation_config, key, value)
+    want = model.generate(ids, attention_mask=mask, do_sample=False, cache_implementation="static")
+    session = sessions.setdefault(2, tessel.Session())
+    session.load_graph(0, {}, tessel.save(built, tmp_path / "llama"))
+    try:
+        greedy = session.generate(0, ids, attention_mask=mask, do_sample=False)
+        sampled = [session.generate(0, ids, attention_mask=mask, seed=s) for s in (1, 2)]
+        asked = session.generate(
+            0, ids, attention_mask=mask, do_sample=True, temperature=0.7, top_k=20, seed=1
+        )
+        plain = session.generate(
+            0, ids, attention_mask=mask, do_sample=False, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, min_new_tokens=0, max_new_tokens=9,
+        )  # fmt: skip
+    finally:
+        session.remove_graph(0)
+    assert want.shape[1] == 8 + 9 and torch.equal(greedy, want)
+    assert torch.equal(sampled[0], asked) and not torch.equal(sampled[0], sampled[1])
+    assert not torch.equal(plain, greedy)  # the settings changed the tokens
+
+
+def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tmp_path) -> None:
     """A cache of 4 rows x 256 slots outweighs the model: the plan splits it, each
     rank declares its part, and no member of the package holds any of it."""
-    generation = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
-    # a model that stops at any of several tokens (as Llama 3's instruct models do), one of
-    # them outside the vocabulary, which it can never make: the package keeps the others, and
-    # the model's repetition penalty as generate's default
-    settings = {"eos_token_id": [3, 250, 4096, 3], "repetition_penalty": 1.2}
-    model, built = _build("llama", 2, "tight", generation, settings)
+    model, built = llama_with_settings
     manifest = built.manifest
-    assert manifest.generation.eos_token_id == (3, 250)
-    assert manifest.generation.repetition_penalty == 1.2
     state = {s.name: s for s in manifest.generation.state}
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert len(state) == 2 * layers
@@ -242,6 +293,9 @@ def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> 
             (dict(num_beams=4), "num_beams"),  # transformers' beam search: not taken
             (dict(repetition_penalty=-1.0), "repetition_penalty"),
             (dict(max_length=30), "max_length"),
+            (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
+            (dict(min_new_tokens=1.5), "min_new_tokens"),
+            (dict(min_length=True), "min_length"),
             (dict(stream="yes"), "stream"),
         ]:
             args = dict(input_ids=torch.zeros(1, 4, dtype=torch.long)) | call
@@ -305,6 +359,17 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
         tessel.build(
             model, cluster=1, generation=GENERATION, optimizer=torch.optim.SGD(model.parameters())
         )
+    # what the model's generation_config sets that transformers' generate would apply and
+    # tessel's cannot, or out of range: refused naming the setting, never generated without
+    for key, value in [
+        ("num_beams", 4), ("typical_p", 0.5), ("suppress_tokens", [5]), ("temperature", 0.0),
+        ("top_k", -1), ("no_repeat_ngram_size", 1.5), ("max_new_tokens", 0),
+    ]:  # fmt: skip
+        model = FAMILIES["llama"].make().model
+        setattr(model.generation_config, key, value)
+        with pytest.raises(ConfigError) as err:
+            tessel.build(model, cluster=1, generation=GENERATION)
+        assert (err.value.source, err.value.key) == ("model.generation_config", key), err.value
 
 
 def test_a_cache_that_does_not_fit_names_the_largest_that_would() -> None:

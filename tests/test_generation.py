@@ -12,7 +12,15 @@ from tests.differential.zoo import FAMILIES
 from tessel.capture.generation import capture_gears
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
-from tessel.decoding import Sampling, choose, decode, penalize
+from tessel.decoding import (
+    Sampling,
+    choose,
+    decode,
+    new_tokens_for,
+    penalize,
+    processed,
+    sampling_for,
+)
 from tessel.package.fields import Field, PackageError
 from tessel.package.manifest import Gears
 
@@ -130,7 +138,7 @@ def test_finished_rows_give_the_pad_token_and_the_loop_stops(llama) -> None:
 
 def test_the_repetition_penalty_equals_transformers(llama) -> None:
     """Greedy under a repetition penalty gives `generate`'s tokens: its processor runs over
-    each row's prompt, padding included, and the row's new tokens."""
+    each row's prompt (its left padding left out) and the row's new tokens."""
     model, captured, gears = llama
     ids = FAMILIES["llama"].inputs(2)[0][:, :8]
     mask = torch.ones_like(ids)
@@ -180,7 +188,8 @@ def test_an_eos_token_outside_the_vocabulary_is_refused(llama, eos) -> None:
 
 
 def test_the_manifest_reads_one_eos_token_or_several() -> None:
-    gears = Gears(1, 16, (8,), 100, (), pad_token_id=0, eos_token_id=(2, 9), repetition_penalty=1.1)
+    model = {"repetition_penalty": 1.1, "do_sample": True, "top_k": 20, "max_length": 30}
+    gears = Gears(1, 16, (8,), 100, (), pad_token_id=0, eos_token_id=(2, 9), defaults=model)
     assert gears.to_json()["eos_token_id"] == [2, 9]
     assert Gears.read(Field(gears.to_json(), "generation", "m.json")) == gears
     single = Gears.read(Field({**gears.to_json(), "eos_token_id": 2}, "generation", "m.json"))
@@ -193,11 +202,16 @@ def test_the_manifest_reads_one_eos_token_or_several() -> None:
     unpadded = Gears.read(Field(unpadded, "generation", "m.json"))
     assert unpadded.pad_token_id is None and "pad_token_id" not in unpadded.to_json()
     assert (unpadded.pad_for((9, 2)), unpadded.pad_for(()), gears.pad_for((9,))) == (9, 0, 0)
-    assert Gears.read(
-        Field({**none, "repetition_penalty": 1.1}, "generation", "m.json")
-    ) == replace(gears, eos_token_id=())
-    with pytest.raises(PackageError, match="repetition penalty is above 0"):
-        Gears.read(Field({**gears.to_json(), "repetition_penalty": 0}, "generation", "m.json"))
+    assert Gears.read(Field(none, "generation", "m.json")) == replace(gears, eos_token_id=())
+    for bad, message in [
+        ({"repetition_penalty": 0}, r"defaults.repetition_penalty: must be a number above 0"),
+        ({"top_k": 2.5}, r"defaults.top_k: must be an int"),
+        ({"do_sample": 1}, r"defaults\['do_sample'\]: expected true or false"),
+        ({"max_length": 0}, r"defaults\['max_length'\]: found 0"),
+        ({"num_beams": 2}, r"unknown key 'num_beams'"),
+    ]:
+        with pytest.raises(PackageError, match=message):
+            Gears.read(Field({**gears.to_json(), "defaults": bad}, "generation", "m.json"))
     with pytest.raises(PackageError, match=r"eos_token_id\[1\]: found 100"):
         Gears.read(Field({**gears.to_json(), "eos_token_id": [2, 100]}, "generation", "m.json"))
 
@@ -246,12 +260,87 @@ def test_the_cache_holds_exactly_the_promised_new_tokens(llama) -> None:
         (dict(seed=3), "seed"),
         (dict(repetition_penalty=0), "repetition_penalty"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
+        (dict(min_length=2.0), "min_length"),
+        (dict(min_new_tokens=None), "min_new_tokens"),
     ],
 )
 def test_sampling_arguments_out_of_range_are_refused(options: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         Sampling(**options)
     assert err.value.key == key
+
+
+def test_the_scores_equal_transformers_logits_processors() -> None:
+    """The penalty, the n-gram ban and the minimum lengths equal `transformers`' processors in
+    its order, score for score, on random logits, prompts (left-padded) and settings."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinLengthLogitsProcessor,
+        MinNewTokensLengthLogitsProcessor,
+        NoRepeatNGramLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
+
+    g = torch.Generator().manual_seed(0)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=g))
+
+    eos = torch.tensor([1, 3])
+    for _ in range(200):
+        rows, vocab, prompt, new = draw(1, 4), draw(5, 30), draw(1, 8), draw(0, 8)
+        seen = torch.randint(0, 6, (rows, prompt + new), generator=g)  # few ids: repeats
+        padding = torch.randint(0, prompt, (rows,), generator=g)
+        mask = (torch.arange(prompt)[None] >= padding[:, None]).long()
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        sampling = Sampling(
+            repetition_penalty=float(torch.rand(1, generator=g)) * 2 + 0.5,
+            no_repeat_ngram_size=draw(0, 4),
+            min_length=draw(0, 15),
+            min_new_tokens=draw(0, 6),
+        )
+        theirs = LogitsProcessorList(
+            [RepetitionPenaltyLogitsProcessor(
+                sampling.repetition_penalty, prompt_ignore_length=mask.argmax(dim=1)
+            )]
+            + [NoRepeatNGramLogitsProcessor(n) for n in [sampling.no_repeat_ngram_size] if n]
+            + [MinLengthLogitsProcessor(n, eos) for n in [sampling.min_length] if n]
+            + [MinNewTokensLengthLogitsProcessor(prompt, n, eos)
+               for n in [sampling.min_new_tokens] if n]
+        )(seen, logits.clone())  # fmt: skip
+        ours = processed(logits, seen, (mask == 0).sum(dim=1), new, sampling, eos)
+        assert torch.equal(ours, theirs), sampling
+
+
+def test_a_call_takes_the_models_settings_where_it_sets_none() -> None:
+    model = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert sampling_for({}, model) == Sampling(
+        do_sample=True, temperature=0.6, top_p=0.9, repetition_penalty=1.1
+    )
+    # greedy by the call: the model's sampling settings are not read (as in transformers), the
+    # call's own are refused, and the penalty holds either way
+    greedy = sampling_for({"do_sample": False, "top_k": None}, model)
+    assert greedy == Sampling(repetition_penalty=1.1)
+    with pytest.raises(ConfigError) as err:
+        sampling_for({"do_sample": False, "temperature": 0.5}, model)
+    assert err.value.key == "temperature"
+    assert sampling_for({}, {}) == Sampling() and Sampling().top_k == 50  # transformers' own
+    # min_new_tokens, where set, overrules min_length (transformers counts it from the prompt)
+    assert sampling_for({"min_new_tokens": 2}, {"min_length": 9}).min_length == 0
+    assert sampling_for({}, {"min_length": 9}).min_length == 9
+
+
+def test_a_call_makes_the_models_count_of_tokens_where_it_gives_none() -> None:
+    gears = Gears(1, 24, (4, 8), 100, ())
+    assert new_tokens_for(5, {"max_new_tokens": 9}, gears, 3) == 5
+    assert new_tokens_for(None, {"max_new_tokens": 9, "max_length": 4}, gears, 3) == 9
+    assert new_tokens_for(None, {"max_length": 10}, gears, 3) == 7  # the prompt counts
+    assert new_tokens_for(None, {}, gears, 3) == 20
+    assert new_tokens_for(None, {}, gears, 6) == 17  # the 8-token gear leaves room for 17
+    with pytest.raises(ConfigError, match="max_length \\(3, its generation_config\\)") as err:
+        new_tokens_for(None, {"max_length": 3}, gears, 3)
+    assert err.value.key == "max_new_tokens"
 
 
 @pytest.mark.parametrize(

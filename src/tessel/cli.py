@@ -364,16 +364,37 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prompt", action="append", help="a prompt's text (with --tokenizer); repeat for a batch"
     )
-    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=20)
-    g.add_argument("--do-sample", action="store_true", help="sample each token (default: greedy)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    model_default = "(default: the model's generation_config, else transformers')"
+    g.add_argument(
+        "--max-new-tokens",
+        type=_positive("--max-new-tokens"),
+        help="how many tokens to make (default: the model's, else 20, as transformers counts)",
+    )
+    g.add_argument(
+        "--do-sample",
+        action=argparse.BooleanOptionalAction,
+        help=f"sample each token, or with --no-do-sample choose greedily {model_default}",
+    )
+    g.add_argument("--temperature", type=float, help=f"with sampling {model_default}")
+    g.add_argument(
+        "--top-k", type=int, help=f"keep the k likeliest tokens (0: all) {model_default}"
+    )
+    g.add_argument("--top-p", type=float, help=f"keep the nucleus of this mass {model_default}")
+    g.add_argument("--seed", type=int, help="the sampling seed (default: 0)")
     g.add_argument(
         "--repetition-penalty",
         type=float,
-        help="divide the scores of tokens a row holds by it (default: the model's)",
+        help=f"divide the scores of tokens a row holds by it {model_default}",
+    )
+    g.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        help=f"never repeat an n-gram of this many tokens {model_default}",
+    )
+    g.add_argument(
+        "--min-new-tokens",
+        type=int,
+        help=f"make at least this many tokens before an eos token {model_default}",
     )
     g.add_argument(
         "--eos-token-id",

@@ -9,8 +9,8 @@ caller given the same logits makes the same tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -20,53 +20,168 @@ from tessel.config.errors import ConfigError
 
 @dataclass(frozen=True)
 class Sampling:
-    """How each new token is chosen: greedy (`do_sample=False`), or drawn from the logits
-    scaled by `temperature`, kept to the `top_k` largest (0: all) and the smallest set whose
-    probability reaches `top_p`, as `transformers`' `generate` does."""
+    """How each new token is chosen, as `transformers`' `generate` chooses it: greedy
+    (`do_sample=False`), or drawn from the logits scaled by `temperature`, kept to the `top_k`
+    largest (0: all) and the smallest set whose probability reaches `top_p`. Before either,
+    greedy or sampled: the `repetition_penalty`, no n-gram of `no_repeat_ngram_size` tokens
+    twice in a row, and no eos token before the row holds `min_length` tokens (its prompt as
+    given and its new ones) and `min_new_tokens` new ones. The defaults are `transformers`'
+    own, used where neither the call nor the model (`MODEL_SETTINGS`) sets a value."""
 
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = 50
     top_p: float = 1.0
     seed: int = 0
-    # transformers' repetition penalty: the scores of tokens the row holds already divided by
-    # it (multiplied where negative) before any choice, greedy or sampled
     repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_length: int = 0
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ConfigError:
             return ConfigError("generate()", key, f"{allowed}, found {getattr(self, key)!r}")
 
+        def number(key: str) -> bool:
+            value = getattr(self, key)
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def count(key: str) -> bool:
+            value = getattr(self, key)
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
         if not isinstance(self.do_sample, bool):
             raise bad("do_sample", "must be True or False")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        if not number("temperature") or not 0 < self.temperature < float("inf"):
             raise bad("temperature", "must be a number above 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not count("top_k"):
             raise bad("top_k", "must be an int of at least 0 (0 keeps every token)")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        if not number("top_p") or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be a number in (0, 1]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not count("seed"):
             raise bad("seed", "must be an int of at least 0")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+        if not number("repetition_penalty") or not 0 < r < float("inf"):
             raise bad("repetition_penalty", "must be a number above 0 (1: no penalty)")
+        for key in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
+            if not count(key):
+                raise bad(key, "must be an int of at least 0 (0: none)")
         if not self.do_sample:  # greedy decoding takes none of them: refused, never ignored
-            for key, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", 0)):
-                if getattr(self, key) != default:
+            unsampled = {f.name: f.default for f in fields(self)}
+            for key in SAMPLED_ONLY:
+                if getattr(self, key) != unsampled[key]:
                     raise bad(key, "takes effect only with do_sample=True (greedy otherwise)")
 
 
-def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+# the settings only a sampled token reads; the seed too, which only the call gives
+SAMPLED_ONLY = ("temperature", "top_k", "top_p", "seed")
+# the settings a model's `generation_config` may carry that `transformers`' `generate` applies
+# unasked, and tessel's loop too: each call's default where the model sets it
+SAMPLING_SETTINGS = (
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "min_length",
+    "min_new_tokens",
+)
+# and how many tokens a call makes where it does not say
+LENGTH_SETTINGS = ("max_new_tokens", "max_length")
+MODEL_SETTINGS = SAMPLING_SETTINGS + LENGTH_SETTINGS
+NEW_TOKENS = 20  # transformers' default, where neither the call nor the model sets a length
+
+
+def sampling_for(asked: Mapping[str, object], model: Mapping[str, object]) -> Sampling:
+    """A call's `Sampling`: each setting as `asked` (None: not asked), else the model's, else
+    `transformers`' default. As in `transformers`, the model's temperature, top-k and top-p
+    apply only where the call samples (the call's own are refused when it does not), and
+    `min_new_tokens`, where set, overrules `min_length`."""
+    chosen = {k: v for k, v in model.items() if k in SAMPLING_SETTINGS}
+    chosen.update((k, v) for k, v in asked.items() if v is not None)
+    if not chosen.get("do_sample", False):
+        for key in SAMPLED_ONLY:
+            if asked.get(key) is None:
+                chosen.pop(key, None)
+    if "min_new_tokens" in chosen:
+        chosen.pop("min_length", None)
+    return Sampling(**chosen)  # type: ignore[arg-type]
+
+
+def new_tokens_for(
+    asked: int | None, model: Mapping[str, object], gears: GearShapes, prompt_length: int
+) -> int:
+    """How many tokens a call makes: as `asked`, else the model's `max_new_tokens`, else what
+    its `max_length` leaves after the prompt, else 20, as `transformers`' `generate` counts;
+    a default is cut to what the package's cache holds after the prompt."""
+    if asked is not None:
+        return asked
+    wanted = model.get("max_new_tokens")
+    if wanted is None and "max_length" in model:
+        wanted = int(model["max_length"]) - prompt_length  # type: ignore[call-overload]
+        if wanted < 1:
+            raise ConfigError(
+                "generate()",
+                "max_new_tokens",
+                f"is not given, and the model's max_length ({model['max_length']}, its "
+                f"generation_config) leaves no new token after a prompt of {prompt_length}; "
+                "give max_new_tokens",
+            )
+    wanted = NEW_TOKENS if wanted is None else int(wanted)  # type: ignore[call-overload]
+    gear = next((n for n in gears.prefill_lengths if n >= prompt_length), None)
+    return wanted if gear is None else min(wanted, gears.max_seq_len - gear + 1)
+
+
+def penalize(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: float, skip: torch.Tensor | None = None
+) -> torch.Tensor:
     """`logits` `[B, vocab]` in fp32 with the score of every token of `seen` `[B, tokens]` (each
-    row's prompt as given and its tokens so far) divided by `penalty`, or multiplied where it
-    is negative, as `transformers`' `RepetitionPenaltyLogitsProcessor` does."""
+    row's tokens so far, its first `skip[row]` left out: the left padding) divided by
+    `penalty`, or multiplied where it is negative, as `transformers`'
+    `RepetitionPenaltyLogitsProcessor` does."""
     scores = logits.float()
     if penalty == 1:
         return scores
-    held = scores.gather(1, seen)
-    return scores.scatter(1, seen, torch.where(held < 0, held * penalty, held / penalty))
+    vocab = scores.shape[-1]
+    if skip is not None:  # left-out tokens go to a spare column past the vocabulary
+        seen = seen.masked_fill(torch.arange(seen.shape[1]) < skip[:, None], vocab)
+    spare = torch.cat([scores, scores.new_zeros(len(scores), 1)], dim=1)
+    held = spare.gather(1, seen)
+    spare = spare.scatter(1, seen, torch.where(held < 0, held * penalty, held / penalty))
+    return spare[:, :vocab]
+
+
+def ban_repeated_ngrams(scores: torch.Tensor, seen: torch.Tensor, n: int) -> torch.Tensor:
+    """`scores` with every token that would end an n-gram of `n` tokens the row of `seen` holds
+    already set to -inf, as `transformers`' `NoRepeatNGramLogitsProcessor` does."""
+    if n == 0 or seen.shape[1] < n:
+        return scores
+    vocab = scores.shape[-1]
+    prefix = seen[:, seen.shape[1] + 1 - n :]
+    windows = seen.unfold(1, n, 1)
+    matches = (windows[..., :-1] == prefix[:, None]).all(dim=-1)
+    banned = torch.zeros(len(scores), vocab + 1, dtype=torch.bool)
+    banned.scatter_(1, torch.where(matches, windows[..., -1], vocab), True)
+    return scores.masked_fill(banned[:, :vocab], float("-inf"))
+
+
+def processed(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    padding: torch.Tensor,
+    new: int,
+    sampling: Sampling,
+    stops: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's scores `[B, vocab]` (fp32) before its token is chosen: the logits after the
+    penalty, the n-gram ban and the minimum lengths, in `transformers`' order. `seen` holds
+    each row's prompt as given and its `new` tokens so far; `padding` counts its left padding."""
+    scores = penalize(logits, seen, sampling.repetition_penalty, padding)
+    scores = ban_repeated_ngrams(scores, seen, sampling.no_repeat_ngram_size)
+    if len(stops) and (seen.shape[1] < sampling.min_length or new < sampling.min_new_tokens):
+        scores = scores.index_fill(1, stops, float("-inf"))
+    return scores
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
@@ -242,17 +357,17 @@ def decode(
     positions = (valid[:, :gear].cumsum(dim=1) - 1).clamp(min=0)
     generator = torch.Generator().manual_seed(sampling.seed)
     finished = torch.zeros(rows, dtype=torch.bool)
-    seen = input_ids.long()  # every row's tokens so far, for the repetition penalty
+    seen = input_ids.long()  # every row's prompt as given and its tokens so far
+    padding = (mask == 0).sum(dim=1)
     logits = run(gear, (ids, positions, torch.arange(gear), valid))
     last = positions[:, -1]
     for step in range(max_new_tokens):
-        scores = penalize(logits[:rows], seen, sampling.repetition_penalty)
+        scores = processed(logits[:rows], seen, padding, step, sampling, stops)
         token = choose(scores, sampling, generator)
         if len(stops):
             token = token.masked_fill(finished, pad_token_id)
             finished |= torch.isin(token, stops)
-        if sampling.repetition_penalty != 1:
-            seen = torch.cat([seen, token[:, None]], dim=1)
+        seen = torch.cat([seen, token[:, None]], dim=1)
         yield token
         if step == max_new_tokens - 1 or bool(finished.all()):
             return

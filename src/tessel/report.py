@@ -157,6 +157,9 @@ def generation_lines(manifest: Manifest) -> list[str]:
             + (f" to {human_bytes(max(held))}" if min(held) != max(held) else "")
             + f" (total / {manifest.world_size}: {human_bytes(total / manifest.world_size)})"
         )
+    if gears.defaults:
+        settings = ", ".join(f"{k}={v}" for k, v in gears.defaults.items())
+        lines.append(f"decoding: the model's {settings} unless a call sets them")
     return lines
 
 

@@ -29,6 +29,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption
+from tessel.decoding import LENGTH_SETTINGS, MODEL_SETTINGS, SAMPLING_SETTINGS, sampling_for
 from tessel.lower.program import RankProgram, groups_in
 from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest
@@ -64,6 +65,7 @@ def build_generation(
         raise ConfigError(
             "build()", "model", f"generation captures an nn.Module, found {type(model).__name__}"
         )
+    check_model_settings(model)
     dims = parallel_dims(cluster, policy)
     if dims.size("pp") > 1:
         raise ConfigError(
@@ -266,7 +268,7 @@ def _pack(
         ),
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else None,
         eos_token_id=tuple(dict.fromkeys(stops)),
-        repetition_penalty=_repetition_penalty(settings),
+        defaults=model_settings(settings),
     )
     outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
     # the whole batch's inputs: a replica reads its rows of the batched ones
@@ -284,9 +286,78 @@ def _pack(
     )
 
 
-def _repetition_penalty(settings: object) -> float:
-    """The model's repetition penalty (its `generation_config`), which `transformers`'
-    `generate` applies by default, greedy or sampled: the package's default too."""
-    value = getattr(settings, "repetition_penalty", None)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok and 0 < value < float("inf") else 1.0
+# generation_config settings that `transformers`' `generate` applies unasked and tessel's loop
+# does not, each with the value that leaves decoding as it is: a model that sets one otherwise
+# is refused at build, never generated from without it
+UNSUPPORTED_SETTINGS: dict[str, object] = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "diversity_penalty": 0.0,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "constraints": None,
+    "force_words_ids": None,
+    "typical_p": 1.0,
+    "min_p": None,
+    "top_h": None,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "remove_invalid_values": False,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "max_time": None,
+    "stop_strings": None,
+}
+
+
+def check_model_settings(model: torch.nn.Module) -> None:
+    """Refuse a model whose `generation_config` sets what tessel's `generate` does not apply
+    (beam search, a typical-p cutoff, banned words, ...): its tokens would differ from
+    `transformers`' `generate`, which applies them unasked."""
+    settings = getattr(model, "generation_config", None)
+    for key, neutral in UNSUPPORTED_SETTINGS.items():
+        value = getattr(settings, key, None)
+        if value is not None and value != neutral:
+            raise ConfigError(
+                "model.generation_config",
+                key,
+                f"is {value!r}, which transformers' generate applies and tessel's generate "
+                f"does not (it decodes greedily or by sampling, with {', '.join(SAMPLING_SETTINGS)}"
+                f"); set it to {neutral!r} before building to generate without it",
+            )
+    model_settings(settings)
+
+
+def model_settings(settings: object) -> dict[str, bool | int | float]:
+    """The model's own decoding settings (its `generation_config`), each a default of the
+    package's `generate` as in `transformers`' (`MODEL_SETTINGS`; unset ones left out)."""
+    found = {
+        key: getattr(settings, key)
+        for key in MODEL_SETTINGS
+        if getattr(settings, key, None) is not None
+    }
+    try:  # read as if sampling: every setting `generate` may apply is in range
+        sampling_for({}, {**found, "do_sample": True})
+        for key in LENGTH_SETTINGS:
+            value = found.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    "generate()", key, f"must be an int of at least 1, found {value!r}"
+                )
+    except ConfigError as exc:
+        raise ConfigError(
+            "model.generation_config",
+            exc.key,
+            f"{exc.detail}; set it to None before building to generate with transformers' default",
+        ) from None
+    return found

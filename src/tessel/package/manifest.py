@@ -16,6 +16,7 @@ from typing import Any
 
 from tessel.config.errors import ConfigError
 from tessel.config.optimizer import spec_from_json
+from tessel.decoding import LENGTH_SETTINGS, MODEL_SETTINGS, sampling_for
 from tessel.package.fields import Field, PackageError, valid_member_name
 from tessel.package.plan_report import PlanReport
 from tessel.sharding.geometry import Box
@@ -345,7 +346,9 @@ class Gears:
     state: tuple[TensorSpec, ...]
     pad_token_id: int | None = None  # None: the model sets none (see `pad_for`)
     eos_token_id: tuple[int, ...] = ()  # a row stops at any of them (none: at no token)
-    repetition_penalty: float = 1.0  # the model's (its generation_config), generate's default
+    # the model's own decoding settings (its generation_config, `MODEL_SETTINGS`), which
+    # `generate` applies where a call does not set them, as `transformers` does
+    defaults: Mapping[str, bool | int | float] = field(default_factory=dict)
 
     def pad_for(self, eos_token_id: tuple[int, ...]) -> int:
         """The id finished rows are padded with: the model's, or where it sets none the first
@@ -372,7 +375,7 @@ class Gears:
                 lambda p: p.int(low=0, high=vocab - 1)
             ),
             eos_token_id=_token_ids(f.get("eos_token_id", optional=True), vocab),
-            repetition_penalty=f.get("repetition_penalty", optional=True).optional(_penalty) or 1.0,
+            defaults=f.get("defaults", optional=True).optional(_model_settings) or {},
         )
 
     def to_json(self) -> dict:
@@ -384,19 +387,28 @@ class Gears:
             "state": [x.to_json() for x in self.state],
             **({"pad_token_id": self.pad_token_id} if self.pad_token_id is not None else {}),
             **({"eos_token_id": list(self.eos_token_id)} if self.eos_token_id else {}),
-            **(
-                {"repetition_penalty": self.repetition_penalty}
-                if self.repetition_penalty != 1
-                else {}
-            ),
+            **({"defaults": dict(self.defaults)} if self.defaults else {}),
         }
 
 
-def _penalty(f: Field) -> float:
-    value = f.number()
-    if value <= 0:
-        raise f.fail(f"found {value}; a repetition penalty is above 0")
-    return value
+def _model_settings(f: Field) -> dict[str, bool | int | float]:
+    """A model's decoding settings, each one `transformers`' `generate` would accept."""
+    f.only(MODEL_SETTINGS)
+    settings: dict[str, bool | int | float] = {}
+    for key, value in f.items():
+        if key == "do_sample":
+            if not isinstance(value.value, bool):
+                raise value.fail(f"expected true or false, found {value.value!r}")
+            settings[key] = value.value
+        elif key in LENGTH_SETTINGS:
+            settings[key] = value.int(low=1)
+        else:
+            settings[key] = value.number() if isinstance(value.value, float) else value.int()
+    try:  # the ranges `generate` checks, every setting read as if sampling
+        sampling_for({}, {**settings, "do_sample": True})
+    except ConfigError as exc:
+        raise f.get(str(exc.key)).fail(str(exc.detail)) from None
+    return settings
 
 
 def _token_ids(f: Field, vocab: int) -> tuple[int, ...]:

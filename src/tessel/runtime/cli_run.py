@@ -216,6 +216,8 @@ def generate_command(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        min_new_tokens=args.min_new_tokens,
         eos_token_id=args.eos_token_id,
         pad_token_id=args.pad_token_id,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
-from tessel.decoding import Sampling, check_request, stop_tokens, token_id
+from tessel.decoding import check_request, new_tokens_for, sampling_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
@@ -474,14 +475,17 @@ class Session:
         graph_id: int,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 20,
+        max_new_tokens: int | None = None,
         *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
         repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_length: int | None = None,
+        min_new_tokens: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         stream: bool = False,
@@ -489,21 +493,29 @@ class Session:
     ) -> Any:
         """Generate from a generation package: token ids `[rows, prompt + new tokens]`, as
         `transformers`' `generate` returns them (rows finished at `eos_token_id`, one id or
-        any of several, padded with `pad_token_id`; both default to the model's, and the pad
-        where the model sets none to the first eos token, as in `transformers`). With
-        `stream`, an iterator of each step's new tokens `[rows]` instead. Prompts are padded on
-        the left (`attention_mask` 0 over the padding); the loop runs on the devices, every
-        rank choosing each token. `repetition_penalty` defaults to the model's, as in
-        `transformers`. A `transformers` argument this loop does not take (beam
-        search, `no_repeat_ngram_size`, `max_length`) is refused by name, never ignored."""
+        any of several, padded with `pad_token_id`; the pad where the model sets none is the
+        first eos token, as in `transformers`). With `stream`, an iterator of each step's new
+        tokens `[rows]` instead. Prompts are padded on the left (`attention_mask` 0 over the
+        padding); the loop runs on the devices, every rank choosing each token.
+
+        A setting left None is the model's own (its `generation_config`, recorded at build),
+        else `transformers`' default, as `transformers`' `generate` chooses it: a model that
+        samples by default samples here too, with its temperature, top-k and top-p.
+        `max_new_tokens` defaults to the model's, else to what its `max_length`
+        (`transformers`' 20 where unset) leaves after the prompt, at most what the cache holds.
+        A `transformers` argument this loop does not take (beam search, `max_length`) is
+        refused by name, never ignored."""
         if unknown:
             key = next(iter(unknown))
+            taken = [
+                p.name
+                for p in inspect.signature(Session.generate).parameters.values()
+                if p.kind is p.KEYWORD_ONLY or p.name in ("attention_mask", "max_new_tokens")
+            ]
             raise ConfigError(
                 "generate()",
                 key,
-                "is not an argument tessel's generate takes; it takes attention_mask, "
-                "max_new_tokens, do_sample, temperature, top_k, top_p, seed, "
-                "repetition_penalty, eos_token_id, pad_token_id and stream",
+                f"is not an argument tessel's generate takes; it takes {', '.join(taken)}",
             )
         graph = self._graph(graph_id)
         gears = graph.package.manifest.generation
@@ -514,12 +526,25 @@ class Session:
                 f"graph {graph_id} was built without generation (tessel.build(..., "
                 "generation=tessel.Generation(...)))",
             )
-        penalty = gears.repetition_penalty if repetition_penalty is None else repetition_penalty
-        sampling = Sampling(do_sample, temperature, top_k, top_p, seed, penalty)
+        asked = dict(
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            min_length=min_length,
+            min_new_tokens=min_new_tokens,
+        )
+        sampling = sampling_for(asked, gears.defaults)
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[None]
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
                 attention_mask = attention_mask[None]
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[1]:
+            length = input_ids.shape[1]
+            max_new_tokens = new_tokens_for(max_new_tokens, gears.defaults, gears, length)
         mask, _ = check_request(gears, input_ids, attention_mask, max_new_tokens)
         eos = gears.eos_token_id if eos_token_id is None else eos_token_id
         eos = stop_tokens(eos, gears.vocab_size)
