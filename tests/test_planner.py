@@ -85,15 +85,35 @@ def test_the_plan_says_which_solver_solved_it_and_why(monkeypatch):
     plan = make_plan(captured, local_cluster(2), ParallelOption())
     assert plan.solver["method"] == "integer program (HiGHS)"
     assert plan.solver["fallback"] == ""
-    # O2's program past its columns goes to O1, and O1 past its width to the integer program
+    # O2's program past its columns goes to O1 where elimination can afford it
     monkeypatch.setattr(planner, "ILP_MAX_VARIABLES", 0)
+    plan = make_plan(captured, local_cluster(2), ParallelOption())
+    assert plan.solver["fallback"].startswith("the integer program would have ")
+    assert plan.solver["fallback"].endswith("columns (more than 0): solved by dynamic programming")
+    assert plan.solver["method"] == "dynamic programming"
+    # and stays with the integer program where it cannot (never handed there and back)
     monkeypatch.setattr(dp, "MAX_TABLE", 2)
     plan = make_plan(captured, local_cluster(2), ParallelOption())
+    assert (plan.solver["method"], plan.solver["fallback"]) == ("integer program (HiGHS)", "")
+    # O1 asked for past its width: the integer program, said so
+    plan = make_plan(captured, local_cluster(2), ParallelOption(opt_level="O1"))
     fallback = plan.solver["fallback"]
-    assert fallback.startswith("the integer program would have ")
-    assert "solved by dynamic programming; then dynamic programming would cost too much" in fallback
+    assert fallback.startswith("dynamic programming would cost too much")
     assert fallback.endswith("solved by the integer program (HiGHS, time limit 60 s)")
     assert plan.solver["method"] == "integer program (HiGHS)"
+
+
+def test_a_plan_ruled_out_by_moves_alone_is_not_called_a_memory_failure(monkeypatch):
+    """Where no plan avoids a forbidden move before memory is even priced, the error says so,
+    never "does not fit" (more memory would not help)."""
+    from tessel.plan import planner
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    monkeypatch.setattr(planner, "_partials_clash", lambda src, dst: True)  # every move
+    with pytest.raises(PlanError) as err:
+        make_plan(captured, local_cluster(2), ParallelOption())
+    assert "avoids a strategy or a move no plan may take" in str(err.value)
+    assert "does not fit" not in str(err.value) and err.value.least is None
 
 
 def test_a_refusal_by_a_byte_gives_two_different_sizes():

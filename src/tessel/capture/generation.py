@@ -143,6 +143,9 @@ class GenerationStep(torch.nn.Module):
         self.model = model
         params = inspect.signature(model.forward).parameters
         self.takes_positions = "position_ids" in params  # ALiBi models count from the mask
+        # the head over the last token alone, as transformers' generate asks: a prompt's
+        # other tokens need no logits, and the head is the widest matmul of the model
+        self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.cache_names = [f"cache_{i}" for i in range(len(buffers))]
         for name, buffer in zip(self.cache_names, buffers):
             self.register_buffer(name, buffer, persistent=False)
@@ -162,6 +165,7 @@ class GenerationStep(torch.nn.Module):
             cache=cache,
             use_cache=True,
             **positions,
+            **self.last_logits,
         )
         return out.logits[:, -1]
 

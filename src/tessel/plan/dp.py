@@ -91,6 +91,11 @@ def solve(problem: Problem, time_limit: float = 60.0, fastest: Solution | None =
     return solve_with(problem, _solve_priced, time_limit, fastest)
 
 
+def affordable(problem: Problem) -> bool:
+    """Whether dynamic programming can afford `problem` (see `solve`)."""
+    return _width(problem).affordable()
+
+
 def _closed(costs: np.ndarray) -> np.ndarray:
     """`costs` with every `FORBIDDEN` entry infinite: no memory price outweighs it."""
     costs = np.array(costs, dtype=float)

@@ -42,7 +42,8 @@ METHODS = {"O2": "integer program (HiGHS)", "O1": "dynamic programming"}
 # Past this many columns each integer program takes HiGHS seconds, and pricing memory needs
 # tens of them: O2 solves such problems (on meshes of two axes, where a pointwise op has dozens
 # of strategies) by dynamic programming, which hands a problem too wide for its tables back to
-# the integer program under its time limit (see dp.py).
+# the integer program under its time limit (see dp.py); a problem too wide for those tables
+# stays with the integer program from the start.
 ILP_MAX_VARIABLES = 20_000
 
 
@@ -127,7 +128,12 @@ def make_plan(
     device_bytes = min(d.memory_bytes for d in cluster.devices)
     method = option.opt_level
     switched = ""
-    if method == "O2" and (columns := ilp.variable_count(problem)) > ILP_MAX_VARIABLES:
+    # only where elimination can afford the problem: otherwise it would hand it straight back
+    if (
+        method == "O2"
+        and dp.affordable(problem)
+        and (columns := ilp.variable_count(problem)) > ILP_MAX_VARIABLES
+    ):
         method = "O1"
         switched = (
             f"the integer program would have {columns:,} columns (more than "
@@ -140,6 +146,13 @@ def make_plan(
     )
     try:
         solution = SOLVERS[method](problem, time_limit)
+    except InfeasibleError as exc:  # memory is not priced yet: moves alone rule every plan out
+        raise PlanError(
+            f"no plan of this model on a mesh of {list(mesh.shape)} devices avoids a strategy "
+            "or a move no plan may take (state written in place moved, partial values "
+            f"combined with others, or strategies the lowering refused): {exc}"
+        ) from None
+    try:
         held = memory.held(solution.choice)
         if held.peak_bytes > device_bytes - reserve:
             problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
