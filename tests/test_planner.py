@@ -116,6 +116,34 @@ def test_a_plan_ruled_out_by_moves_alone_is_not_called_a_memory_failure(monkeypa
     assert "does not fit" not in str(err.value) and err.value.least is None
 
 
+def test_a_plan_the_clock_cut_short_says_so(monkeypatch):
+    """A search that ends at its time limit depends on the machine's speed: the plan says so
+    (HiGHS's answers marked as out of time here, so the test does not hang on the clock), and
+    a solver that finds nothing in its time is not called infeasible."""
+    from tessel.plan import ilp
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    real = ilp.milp
+
+    def out_of_time(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.status = 1  # scipy's "a limit was reached", the answer kept
+        return result
+
+    monkeypatch.setattr(ilp, "milp", out_of_time)
+    plan = make_plan(captured, local_cluster(2), ParallelOption(), time_limit=7)
+    assert "the search stopped at its time limit (7 s)" in plan.solver["fallback"]
+
+    def nothing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.status, result.x = 1, None  # out of time before any answer
+        return result
+
+    monkeypatch.setattr(ilp, "milp", nothing)
+    with pytest.raises(PlanError, match="found no plan at all in its time .*longer time_limit"):
+        make_plan(captured, local_cluster(2), ParallelOption(), time_limit=0.01)
+
+
 def test_a_refusal_by_a_byte_gives_two_different_sizes():
     captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
     need, _ = least_memory_plan(captured, 2, gap=0.0)

@@ -16,7 +16,14 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from tessel.plan.problem import FORBIDDEN, InfeasibleError, MemoryRow, Problem, Solution
+from tessel.plan.problem import (
+    FORBIDDEN,
+    InfeasibleError,
+    MemoryRow,
+    OutOfTimeError,
+    Problem,
+    Solution,
+)
 from tessel.plan.repair import Neighbourhood
 
 log = logging.getLogger(__name__)
@@ -174,11 +181,19 @@ class _Model:
                 bounds=Bounds(np.zeros(len(c)), upper),
                 options={"time_limit": limit, "disp": False, "mip_rel_gap": gap},
             )
-            if result.x is not None or result.status != 1 or limit >= _LIMIT_GROWTH * time_limit:
-                break  # 1: out of time before any answer
+            if (
+                result.x is not None
+                or result.status != _OUT_OF_TIME
+                or limit >= _LIMIT_GROWTH * time_limit
+            ):
+                break
             limit *= 2
             log.info("no plan within %.1f s; searching for %.1f s", limit / 2, limit)
-        if result.x is None and result.status != 1:
+        if result.x is None:
+            if result.status == _OUT_OF_TIME:
+                raise OutOfTimeError(
+                    f"no answer within {limit:g} s, {_LIMIT_GROWTH} times the time limit"
+                )
             raise InfeasibleError(result.message)
         return result
 
@@ -246,10 +261,13 @@ def solve_with(
     neighbourhood = Neighbourhood(problem)
     tried: set[tuple[int, ...]] = set()
     last: tuple[int, ...] = ()
+    clock = False  # whether the clock, not the search, ended a step
     for step in range(_PRICE_STEPS):
         if time.perf_counter() - start > time_limit / 2:  # the rest for what follows
+            clock = True
             break
         candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
+        clock |= candidate.stopped_by_clock
         if second_look:  # the bound is read only to decide on a second look
             bound = max(bound, _dual_bound(problem, candidate, prices, rows))
         broken = sorted(index[id(r)] for r in _broken(problem, candidate.choice))
@@ -296,6 +314,7 @@ def solve_with(
     left = time_limit - (time.perf_counter() - start)
     if fitting is not None:
         log.info("memory priced on %d rows; %d problems solved", len(prices), step + 1)
+        fitting.stopped_by_clock |= clock
         if not second_look or not greedy or fitting.objective <= bound * (1 + BOUND_GAP):
             return fitting
         log.info(
@@ -309,6 +328,7 @@ def solve_with(
             other = solve_with(problem, solve_priced, max(left, 1.0))
         except InfeasibleError:  # nothing better within the time left: the fit stands
             return fitting
+        other.stopped_by_clock |= clock
         if other.objective >= fitting.objective:
             return fitting
         other.fallback = (
@@ -319,19 +339,24 @@ def solve_with(
         return other
     # no prices made an answer fit: the memory rows go into the integer program itself
     try:
-        return _solve_constrained(problem, left)
+        constrained = _solve_constrained(problem, left)
+        constrained.stopped_by_clock |= clock
+        return constrained
     except InfeasibleError as exc:
         # HiGHS found no answer in its time; where the plan needing least memory fits, it is
         # an answer, if not the cheapest (a plan that fits is never refused as not fitting)
         least, choice = least_memory(problem, max(left, 1.0))
-        if not _fits(problem, choice):
-            raise exc from None
+        if not _fits(problem, choice):  # the least a plan can hold does not fit: none does
+            raise InfeasibleError(
+                f"{exc}; the plan needing least memory holds {least:.4g} of {budget:.4g} bytes"
+            ) from None
         return Solution(
             choice,
             problem.cost_of(choice),
             f"{exc}; the plan needing least memory ({least:.4g} of {budget:.4g} bytes)",
             sum(problem.sizes.values()),
             len(problem.memory),
+            stopped_by_clock=True,
             fallback="no cheaper plan that fits was found within the time limit: the plan "
             "needing least memory is used",
         )
@@ -385,11 +410,16 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
             c[col] += price * per_budget * v
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
     result = model.run(c / scale, model.n, model.upper(), time_limit)
-    if result.x is None:
-        raise InfeasibleError(result.message)
     choice = model.choice(result.x)
     cost = np.concatenate([model.cost, np.asarray(model.extra)]) @ result.x
-    return Solution(choice, float(cost), result.message, model.width, len(model.lo))
+    return Solution(
+        choice,
+        float(cost),
+        result.message,
+        model.width,
+        len(model.lo),
+        stopped_by_clock=result.status == _OUT_OF_TIME,
+    )
 
 
 def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
@@ -410,18 +440,23 @@ def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
         c = np.concatenate([model.cost, np.asarray(model.extra)])
         c_scale = float(np.abs(c).max()) or 1.0
         result = model.run(c / c_scale, model.n, model.upper(), max(1.0, left))
-        if result.x is None:
-            raise InfeasibleError(result.message)
         choice = model.choice(result.x)
         broken = _broken(problem, choice)
+        clock = left <= 0
         if not broken:
             return Solution(
-                choice, float(result.fun) * c_scale, result.message, model.width, len(model.lo)
+                choice,
+                float(result.fun) * c_scale,
+                result.message,
+                model.width,
+                len(model.lo),
+                stopped_by_clock=clock or result.status == _OUT_OF_TIME,
             )
         active += broken if left <= 0 else broken[:_ROWS_PER_ROUND]
 
 
 _LIMIT_GROWTH = 16  # how far past its time limit a solve goes to find any answer
+_OUT_OF_TIME = 1  # scipy's milp status: a limit reached, with or without an answer
 _PRICE_STEPS = 40  # programs solved while looking for the prices of memory
 _ROWS_PER_ROUND = 8  # broken memory rows added to the program per round
 
@@ -446,6 +481,4 @@ def least_memory(
     c = np.zeros(peak + 1)
     c[peak] = 1.0
     result = model.run(c, model.n, model.upper(extra=1), time_limit, gap)
-    if result.x is None:
-        raise InfeasibleError(result.message)
     return float(result.x[peak]) * scale, model.choice(result.x)

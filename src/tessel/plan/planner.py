@@ -29,7 +29,14 @@ from tessel.plan.errors import LeastMemory, PlanError
 from tessel.plan.ilp import MIP_GAP, least_memory
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
-from tessel.plan.problem import FORBIDDEN, InfeasibleError, Problem, pairwise
+from tessel.plan.problem import (
+    FORBIDDEN,
+    InfeasibleError,
+    OutOfTimeError,
+    Problem,
+    Solution,
+    pairwise,
+)
 from tessel.plan.stages import StageAssignment
 from tessel.plan.strategies import NodeStrategy, Partial, Replicate
 from tessel.units import human_bytes, two_sizes
@@ -146,6 +153,11 @@ def make_plan(
     )
     try:
         solution = SOLVERS[method](problem, time_limit)
+    except OutOfTimeError as exc:
+        raise PlanError(
+            f"the planner found no plan at all in its time ({exc}); give build() a longer "
+            "time_limit"
+        ) from None
     except InfeasibleError as exc:  # memory is not priced yet: moves alone rule every plan out
         raise PlanError(
             f"no plan of this model on a mesh of {list(mesh.shape)} devices avoids a strategy "
@@ -159,6 +171,11 @@ def make_plan(
             left = max(1.0, time_limit - (time.perf_counter() - t1))
             solution = SOLVERS[method](problem, left, fastest=solution)
             held = memory.held(solution.choice)
+    except OutOfTimeError as exc:
+        raise PlanError(
+            f"the planner found no plan that fits the devices' memory in its time ({exc}); "
+            "give build() a longer time_limit"
+        ) from None
     except InfeasibleError:
         problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
         raise _does_not_fit(
@@ -180,7 +197,9 @@ def make_plan(
             "variables": solution.num_variables,
             "constraints": solution.num_constraints,
             "status": solution.status,
-            "fallback": "; then ".join(s for s in (switched, solution.fallback) if s),
+            "fallback": "; then ".join(
+                s for s in (switched, solution.fallback, _clock_note(solution, time_limit)) if s
+            ),
             "decisions": len(problem.sizes),
             "repeated_layers": layers,
         },
@@ -188,6 +207,17 @@ def make_plan(
         problem=problem,
         memory_model=memory,
         fixed=frozenset(fixed),
+    )
+
+
+def _clock_note(solution: Solution, time_limit: float) -> str:
+    """What the plan owes to the clock: a search cut short by its time limit depends on the
+    machine's speed, so the plan says so rather than differ silently from a faster build's."""
+    if not solution.stopped_by_clock:
+        return ""
+    return (
+        f"the search stopped at its time limit ({time_limit:g} s) before its own end: a faster "
+        "machine, or a longer time_limit, may find a cheaper plan"
     )
 
 

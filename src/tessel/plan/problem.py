@@ -68,10 +68,18 @@ class Solution(Generic[D]):
     num_constraints: int
     # where the solver asked for handed the problem to another method: why, and to which
     fallback: str = ""
+    # the search ended at its time limit, not at its own end: on a faster machine, or with a
+    # longer limit, it may find a cheaper plan
+    stopped_by_clock: bool = False
 
 
 class InfeasibleError(RuntimeError):
     """No choice fits the memory budget."""
+
+
+class OutOfTimeError(InfeasibleError):
+    """The solver found no answer at all before its time ran out: whether one exists is not
+    known."""
 
 
 def pairwise(
