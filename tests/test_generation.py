@@ -12,15 +12,8 @@ from tests.differential.zoo import FAMILIES
 from tessel.capture.generation import capture_gears
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
-from tessel.decoding import (
-    Sampling,
-    choose,
-    decode,
-    new_tokens_for,
-    penalize,
-    processed,
-    sampling_for,
-)
+from tessel.config.sampling import Sampling, sampling_for
+from tessel.decoding import choose, decode, new_tokens_for, penalize, processed
 from tessel.package.fields import Field, PackageError
 from tessel.package.manifest import Gears
 

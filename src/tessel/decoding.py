@@ -10,103 +10,12 @@ caller given the same logits makes the same tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 
 from tessel.config.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How each new token is chosen, as `transformers`' `generate` chooses it: greedy
-    (`do_sample=False`), or drawn from the logits scaled by `temperature`, kept to the `top_k`
-    largest (0: all) and the smallest set whose probability reaches `top_p`. Before either,
-    greedy or sampled: the `repetition_penalty`, no n-gram of `no_repeat_ngram_size` tokens
-    twice in a row, and no eos token before the row holds `min_length` tokens (its prompt as
-    given and its new ones) and `min_new_tokens` new ones. The defaults are `transformers`'
-    own, used where neither the call nor the model (`MODEL_SETTINGS`) sets a value."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    min_length: int = 0
-    min_new_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        def bad(key: str, allowed: str) -> ConfigError:
-            return ConfigError("generate()", key, f"{allowed}, found {getattr(self, key)!r}")
-
-        def number(key: str) -> bool:
-            value = getattr(self, key)
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        def count(key: str) -> bool:
-            value = getattr(self, key)
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-        if not isinstance(self.do_sample, bool):
-            raise bad("do_sample", "must be True or False")
-        if not number("temperature") or not 0 < self.temperature < float("inf"):
-            raise bad("temperature", "must be a number above 0")
-        if not count("top_k"):
-            raise bad("top_k", "must be an int of at least 0 (0 keeps every token)")
-        if not number("top_p") or not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be a number in (0, 1]")
-        if not count("seed"):
-            raise bad("seed", "must be an int of at least 0")
-        r = self.repetition_penalty
-        if not number("repetition_penalty") or not 0 < r < float("inf"):
-            raise bad("repetition_penalty", "must be a number above 0 (1: no penalty)")
-        for key in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
-            if not count(key):
-                raise bad(key, "must be an int of at least 0 (0: none)")
-        if not self.do_sample:  # greedy decoding takes none of them: refused, never ignored
-            unsampled = {f.name: f.default for f in fields(self)}
-            for key in SAMPLED_ONLY:
-                if getattr(self, key) != unsampled[key]:
-                    raise bad(key, "takes effect only with do_sample=True (greedy otherwise)")
-
-
-# the settings only a sampled token reads; the seed too, which only the call gives
-SAMPLED_ONLY = ("temperature", "top_k", "top_p", "seed")
-# the settings a model's `generation_config` may carry that `transformers`' `generate` applies
-# unasked, and tessel's loop too: each call's default where the model sets it
-SAMPLING_SETTINGS = (
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "no_repeat_ngram_size",
-    "min_length",
-    "min_new_tokens",
-)
-# and how many tokens a call makes where it does not say
-LENGTH_SETTINGS = ("max_new_tokens", "max_length")
-MODEL_SETTINGS = SAMPLING_SETTINGS + LENGTH_SETTINGS
-NEW_TOKENS = 20  # transformers' default, where neither the call nor the model sets a length
-
-
-def sampling_for(asked: Mapping[str, object], model: Mapping[str, object]) -> Sampling:
-    """A call's `Sampling`: each setting as `asked` (None: not asked), else the model's, else
-    `transformers`' default. As in `transformers`, the model's temperature, top-k and top-p
-    apply only where the call samples (the call's own are refused when it does not), and
-    `min_new_tokens`, where set, overrules `min_length`."""
-    chosen = {k: v for k, v in model.items() if k in SAMPLING_SETTINGS}
-    chosen.update((k, v) for k, v in asked.items() if v is not None)
-    if not chosen.get("do_sample", False):
-        for key in SAMPLED_ONLY:
-            if asked.get(key) is None:
-                chosen.pop(key, None)
-    if "min_new_tokens" in chosen:
-        chosen.pop("min_length", None)
-    return Sampling(**chosen)  # type: ignore[arg-type]
+from tessel.config.sampling import NEW_TOKENS, Sampling
 
 
 def new_tokens_for(

@@ -29,7 +29,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption
-from tessel.decoding import LENGTH_SETTINGS, MODEL_SETTINGS, SAMPLING_SETTINGS, sampling_for
+from tessel.config.sampling import LENGTH_SETTINGS, MODEL_SETTINGS, SAMPLING_SETTINGS, sampling_for
 from tessel.lower.program import RankProgram, groups_in
 from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest

@@ -16,7 +16,7 @@ from typing import Any
 
 from tessel.config.errors import ConfigError
 from tessel.config.optimizer import spec_from_json
-from tessel.decoding import LENGTH_SETTINGS, MODEL_SETTINGS, sampling_for
+from tessel.config.sampling import LENGTH_SETTINGS, MODEL_SETTINGS, sampling_for
 from tessel.package.fields import Field, PackageError, valid_member_name
 from tessel.package.plan_report import PlanReport
 from tessel.sharding.geometry import Box

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from tessel.decoding import Sampling, decode
+from tessel.config.sampling import Sampling
+from tessel.decoding import decode
 from tessel.package.manifest import Gears
 
 

@@ -28,7 +28,8 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
-from tessel.decoding import check_request, new_tokens_for, sampling_for, stop_tokens, token_id
+from tessel.config.sampling import sampling_for
+from tessel.decoding import check_request, new_tokens_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
 from tessel.package.format import Package, PackageError
