@@ -119,9 +119,27 @@ def test_dead_worker_is_reported(model_file, session):
     victim = session._graphs[0].procs[1]
     os.kill(victim.pid, signal.SIGKILL)
     t = time.monotonic()
-    with pytest.raises(tessel.WorkerError, match=r"rank 1 died \(exit code -9\)"):
+    with pytest.raises(tessel.WorkerError, match=r"rank 1 died of SIGKILL \(exit code -9\)"):
         session.run_graph(0, [ids])
     assert time.monotonic() - t < 60
+
+
+def test_a_worker_that_crashes_in_native_code_says_where_it_was(model_file, session, capfd):
+    """A rank killed by a fatal signal (glibc aborting on a corrupt heap, a segfault) is reported
+    by its signal, and its stderr holds each of its threads' Python stacks."""
+    _, ids, path = model_file
+    session.load_graph(0, {}, path)
+    session.run_graph(0, [ids])
+    victim = session._graphs[0].procs[1]
+    os.kill(victim.pid, signal.SIGABRT)
+    victim.join(30)
+    with pytest.raises(
+        tessel.WorkerError,
+        match=r"rank 1 died of SIGABRT \(exit code -6\); its stderr shows each thread's Python",
+    ):
+        session.run_graph(0, [ids])
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "tessel/runtime/worker.py" in err, err
 
 
 def test_hung_worker_times_out(model_file, session):

@@ -866,7 +866,7 @@ def test_auto_chooses_the_least_sharding_that_fits(sessions, tmp_path):
     assert got == pytest.approx(_torch_losses(reference, _adamw, batches), abs=1e-4)
 
 
-def test_a_dead_or_hung_worker_fails_the_step_saying_the_state_is_lost(tmp_path):
+def test_a_dead_or_hung_worker_fails_the_step_saying_the_state_is_lost(sessions, tmp_path):
     import os
     import signal
 
@@ -887,7 +887,9 @@ def test_a_dead_or_hung_worker_fails_the_step_saying_the_state_is_lost(tmp_path)
         session.run_graph(0, batch)
         procs = list(session._graphs[0].procs)
         os.kill(procs[1].pid, signal.SIGKILL)
-        with pytest.raises(tessel.WorkerError, match=rf"rank 1 died \(exit code -9\); {lost}"):
+        with pytest.raises(
+            tessel.WorkerError, match=rf"rank 1 died of SIGKILL \(exit code -9\); {lost}"
+        ):
             session.run_graph(0, batch)
         assert not any(p.is_alive() for p in procs)
         session.remove_graph(0)

@@ -811,12 +811,29 @@ def _check_inputs(expected: tuple[TensorSpec, ...], inputs: Any) -> list[torch.T
     return [x.detach().cpu().contiguous() for x in inputs]
 
 
+# the signals a worker's faulthandler reports: it prints every thread's stack to its stderr
+_FAULTS = {
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS", "SIGILL")
+    if hasattr(signal, name)
+}
+
+
 def _describe_exit(workers: _Workers, i: int) -> str:
     # The pipe closes a moment before the OS reaps the process; wait briefly for the code.
     workers.procs[i].join(timeout=5)
     code = workers.procs[i].exitcode
     if code == _UNGUARDED_MAIN_EXIT:
         return f"rank {workers.ranks[i]} could not start: {_UNGUARDED_MAIN}"
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        said = f"rank {workers.ranks[i]} died of {name} (exit code {code})"
+        if -code in _FAULTS:  # a crash in native code: the worker printed its threads' stacks
+            said += "; its stderr shows each thread's Python stack"
+        return said
     return f"rank {workers.ranks[i]} died (exit code {code})"
 
 

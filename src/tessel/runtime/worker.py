@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import gc
 import json
 import logging
@@ -322,6 +323,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     os.environ.clear()  # a fork server's environment is the one it started with: take ours
     os.environ.update(spec.environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the session decides when workers stop
+    # a worker killed by a fatal signal (a crash in native code) prints every thread's Python
+    # stack to its stderr, so the report says where it died
+    faulthandler.enable(all_threads=True)
     die_with_parent()
     keep_torch_quiet(spec.log_level)
     if not spec.reuse_freed_memory:
