@@ -1,5 +1,5 @@
-"""Programs run on gloo take each reduce-scatter as the all-reduce gloo performs for it, and
-compute the same rows on every rank of the group."""
+"""Programs run on gloo take each reduce-scatter and each all-gather as one all-reduce, and
+compute the same values on every rank of the group as the collectives they replace."""
 
 from __future__ import annotations
 
@@ -11,50 +11,72 @@ import torch.multiprocessing as mp
 from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
-from tessel.runtime.gloo import reduce_scatters_as_all_reduces
+from tessel.runtime.gloo import collectives_as_all_reduces
 
 _COLLECTIVE = getattr(torch.ops, C10D_FUNCTIONAL)
+_WORLD = 3  # odd, so no rank's rows sit at the middle by accident
 
 
 def _program(group: str) -> fx.GraphModule:
     graph = fx.Graph()
     x = graph.placeholder("x")
-    scattered = graph.call_function(_COLLECTIVE.reduce_scatter_tensor.default, (x, "sum", 2, group))
+    ids = graph.placeholder("ids")
+    scattered = graph.call_function(
+        _COLLECTIVE.reduce_scatter_tensor.default, (x, "sum", _WORLD, group)
+    )
+    gathered = graph.call_function(_COLLECTIVE.all_gather_into_tensor.default, (x, _WORLD, group))
+    gathered_ids = graph.call_function(
+        _COLLECTIVE.all_gather_into_tensor.default, (ids, _WORLD, group)
+    )
     later = graph.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))  # work between the two
     mine = graph.call_function(_COLLECTIVE.wait_tensor.default, (scattered,))
-    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (mine, 1.0)), later))
+    whole = graph.call_function(_COLLECTIVE.wait_tensor.default, (gathered,))
+    whole_ids = graph.call_function(_COLLECTIVE.wait_tensor.default, (gathered_ids,))
+    graph.output(
+        (graph.call_function(torch.ops.aten.add.Tensor, (mine, 1.0)), later, whole, whole_ids)
+    )
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
+def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.arange(36, dtype=torch.float32).reshape(9, 4) * (rank + 1) - 7.5
+    x[0, 0] = float("inf") if rank == 1 else x[0, 0]
+    return x, torch.tensor([[rank, -rank, 2**40 + rank]])
+
+
 def _rank(rank: int, store: str, results: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=_WORLD)
     try:
         group = dist.group.WORLD.group_name
-        x = torch.arange(24, dtype=torch.float32).reshape(6, 4) * (rank + 1)
         program = _program(group)
-        want = [t.clone() for t in program(x)]
-        assert reduce_scatters_as_all_reduces(program, rank, {(0, 1): group}) == 1
+        assert collectives_as_all_reduces(program, rank, {(0, 1, 2): group}) == 3
         targets = {n.target for n in program.graph.nodes}
-        got = program(x)
+        got = program(*_inputs(rank))
         results[rank] = (
-            _COLLECTIVE.reduce_scatter_tensor.default in targets,
-            [torch.equal(g, w) for g, w in zip(got, want)],
+            {_COLLECTIVE.reduce_scatter_tensor.default, _COLLECTIVE.all_gather_into_tensor.default}
+            & targets,
+            [(g.tolist(), g.dtype) for g in got],
             got[0].is_contiguous() and got[0].untyped_storage().nbytes() == got[0].nbytes,
-            got[0].tolist(),
         )
     finally:
         dist.destroy_process_group()
 
 
-def test_a_reduce_scatter_on_gloo_becomes_an_all_reduce_and_each_rank_keeps_its_rows(tmp_path):
+def test_reduce_scatters_and_all_gathers_on_gloo_become_all_reduces_with_the_same_values(tmp_path):
     results = mp.Manager().dict()
     mp.start_processes(
-        _rank, args=(os.fspath(tmp_path / "store"), results), nprocs=2, start_method="spawn"
+        _rank, args=(os.fspath(tmp_path / "store"), results), nprocs=_WORLD, start_method="spawn"
     )
-    whole = (torch.arange(24, dtype=torch.float32).reshape(6, 4) * 3 + 1).tolist()
-    for rank in (0, 1):
-        still_scatters, same, own_storage, rows = results[rank]
-        assert not still_scatters
-        assert same == [True, True]
+    inputs = [_inputs(rank) for rank in range(_WORLD)]
+    summed = sum(x for x, _ in inputs)
+    for rank in range(_WORLD):
+        still_there, got, own_storage = results[rank]
+        x, _ = inputs[rank]
+        assert not still_there
+        assert got == [
+            ((summed[3 * rank : 3 * rank + 3] + 1).tolist(), torch.float32),
+            ((x * 3.0).tolist(), torch.float32),
+            (torch.cat([x for x, _ in inputs]).tolist(), torch.float32),
+            (torch.cat([ids for _, ids in inputs]).tolist(), torch.int64),
+        ]
         assert own_storage  # its rows in a buffer of their own, not a view keeping the sum alive
-        assert rows == whole[3 * rank : 3 * rank + 3]

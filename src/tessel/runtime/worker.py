@@ -29,7 +29,7 @@ from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache
 from tessel.runtime.generating import LoadedGears, generate_on_rank
-from tessel.runtime.gloo import reduce_scatters_as_all_reduces
+from tessel.runtime.gloo import collectives_as_all_reduces
 from tessel.runtime.loader import load_programs
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
@@ -154,7 +154,7 @@ def _load(
     programs, weights = load_programs(package, spec.rank, device, groups)
     if spec.distributed and spec.backend == "gloo":
         for loaded_program in programs.values():
-            reduce_scatters_as_all_reduces(loaded_program, spec.rank, groups)
+            collectives_as_all_reduces(loaded_program, spec.rank, groups)
     gears = package.manifest.generation
     program = programs[1 if gears is not None else None]
     step, strategy = None, b""
