@@ -96,8 +96,16 @@ class Child:
         self.stop()
 
 
+def signal_name(number: int) -> str:
+    """A signal's name (`SIGKILL`), or its number where this platform has no name for it."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def ended_how(exit_code: int) -> str:
     """How a child with `exit_code` ended, in words."""
     if exit_code < 0:
-        return f"was killed by {signal.Signals(-exit_code).name}"
+        return f"was killed by {signal_name(-exit_code)}"
     return f"exited with status {exit_code}"

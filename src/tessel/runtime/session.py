@@ -32,6 +32,7 @@ from tessel.config.sampling import sampling_for
 from tessel.decoding import check_request, new_tokens_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
+from tessel.forked import signal_name
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import TensorSpec
 from tessel.progress import phase
@@ -826,11 +827,7 @@ def _describe_exit(workers: _Workers, i: int) -> str:
     if code == _UNGUARDED_MAIN_EXIT:
         return f"rank {workers.ranks[i]} could not start: {_UNGUARDED_MAIN}"
     if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        said = f"rank {workers.ranks[i]} died of {name} (exit code {code})"
+        said = f"rank {workers.ranks[i]} died of {signal_name(-code)} (exit code {code})"
         if -code in _FAULTS:  # a crash in native code: the worker printed its threads' stacks
             said += "; its stderr shows each thread's Python stack"
         return said
