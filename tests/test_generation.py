@@ -200,7 +200,11 @@ def test_the_manifest_reads_one_eos_token_or_several() -> None:
         ({"repetition_penalty": 0}, r"defaults.repetition_penalty: must be a number above 0"),
         ({"top_k": 2.5}, r"defaults.top_k: must be an int"),
         ({"do_sample": 1}, r"defaults\['do_sample'\]: expected true or false"),
-        ({"max_length": 0}, r"defaults\['max_length'\]: found 0"),
+        ({"max_length": 0}, r"defaults.max_length: must be an int of at least 1, found 0"),
+        (
+            {"max_new_tokens": 2.0},
+            r"defaults.max_new_tokens: must be an int of at least 1, found 2.0",
+        ),
         ({"num_beams": 2}, r"unknown key 'num_beams'"),
     ]:
         with pytest.raises(PackageError, match=message):

@@ -29,7 +29,7 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption
-from tessel.config.sampling import LENGTH_SETTINGS, MODEL_SETTINGS, SAMPLING_SETTINGS, sampling_for
+from tessel.config.sampling import MODEL_SETTINGS, SAMPLING_SETTINGS, check_settings_in_range
 from tessel.lower.program import RankProgram, groups_in
 from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest
@@ -346,14 +346,8 @@ def model_settings(settings: object) -> dict[str, bool | int | float]:
         for key in MODEL_SETTINGS
         if getattr(settings, key, None) is not None
     }
-    try:  # read as if sampling: every setting `generate` may apply is in range
-        sampling_for({}, {**found, "do_sample": True})
-        for key in LENGTH_SETTINGS:
-            value = found.get(key, 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    "generate()", key, f"must be an int of at least 1, found {value!r}"
-                )
+    try:
+        check_settings_in_range(found)
     except ConfigError as exc:
         raise ConfigError(
             "model.generation_config",

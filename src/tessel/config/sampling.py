@@ -101,3 +101,14 @@ def sampling_for(asked: Mapping[str, object], model: Mapping[str, object]) -> Sa
     if "min_new_tokens" in chosen:
         chosen.pop("min_length", None)
     return Sampling(**chosen)  # type: ignore[arg-type]
+
+
+def check_settings_in_range(settings: Mapping[str, object]) -> None:
+    """Raise `ConfigError` unless each of a model's decoding settings (`MODEL_SETTINGS`) is one
+    `generate` would accept: every sampling setting in range as if sampling, and each length
+    an int of at least 1."""
+    sampling_for({}, {**settings, "do_sample": True})
+    for key in LENGTH_SETTINGS:
+        value = settings.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("generate()", key, f"must be an int of at least 1, found {value!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from tessel.config.errors import ConfigError
 from tessel.config.optimizer import spec_from_json
-from tessel.config.sampling import LENGTH_SETTINGS, MODEL_SETTINGS, sampling_for
+from tessel.config.sampling import MODEL_SETTINGS, check_settings_in_range
 from tessel.package.fields import Field, PackageError, valid_member_name
 from tessel.package.plan_report import PlanReport
 from tessel.sharding.geometry import Box
@@ -400,12 +400,10 @@ def _model_settings(f: Field) -> dict[str, bool | int | float]:
             if not isinstance(value.value, bool):
                 raise value.fail(f"expected true or false, found {value.value!r}")
             settings[key] = value.value
-        elif key in LENGTH_SETTINGS:
-            settings[key] = value.int(low=1)
         else:
             settings[key] = value.number() if isinstance(value.value, float) else value.int()
-    try:  # the ranges `generate` checks, every setting read as if sampling
-        sampling_for({}, {**settings, "do_sample": True})
+    try:
+        check_settings_in_range(settings)
     except ConfigError as exc:
         raise f.get(str(exc.key)).fail(str(exc.detail)) from None
     return settings
