@@ -296,6 +296,8 @@ def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> 
             (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
             (dict(min_new_tokens=1.5), "min_new_tokens"),
             (dict(min_length=True), "min_length"),
+            (dict(suppress_tokens=[3, 256]), "suppress_tokens"),  # outside the vocabulary
+            (dict(do_sample=True, typical_p=1.5), "typical_p"),
             (dict(stream="yes"), "stream"),
         ]:
             args = dict(input_ids=torch.zeros(1, 4, dtype=torch.long)) | call
@@ -362,7 +364,8 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
     # what the model's generation_config sets that transformers' generate would apply and
     # tessel's cannot, or out of range: refused naming the setting, never generated without
     for key, value in [
-        ("num_beams", 4), ("typical_p", 0.5), ("suppress_tokens", [5]), ("temperature", 0.0),
+        ("num_beams", 4), ("bad_words_ids", [[5]]), ("typical_p", 1.5), ("temperature", 0.0),
+        ("suppress_tokens", [2, 4096]), ("min_p", -0.5),
         ("top_k", -1), ("no_repeat_ngram_size", 1.5), ("max_new_tokens", 0),
     ]:  # fmt: skip
         model = FAMILIES["llama"].make().model

@@ -177,6 +177,11 @@ def test_bad_generate_arguments_get_tessels_errors(package, tmp_path, capsys) ->
     cases = {
         ("--input-ids", str(tmp_path / "ok.safetensors"), *several): "eos_token_id: must be a "
         f"token id from 0 to {VOCAB - 1}, found {VOCAB}",
+        ("--input-ids", str(tmp_path / "ok.safetensors"), "--suppress-token", str(VOCAB)): (
+            f"suppress_tokens: must be a token id from 0 to {VOCAB - 1}, found {VOCAB}"
+        ),
+        ("--input-ids", str(tmp_path / "ok.safetensors"), "--min-p=0.5"): "min_p: takes effect "
+        "only with do_sample=True",
         ("--input-ids", str(tmp_path / "misnamed.safetensors")): "input_ids: is missing",
         ("--input-ids", str(tmp_path / "floats.safetensors")): "found [1, 4] float32",
         ("--input-ids", str(tmp_path / "nothing.safetensors")): "no such file",

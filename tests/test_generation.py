@@ -13,7 +13,7 @@ from tessel.capture.generation import capture_gears
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.sampling import Sampling, sampling_for
-from tessel.decoding import choose, decode, new_tokens_for, penalize, processed
+from tessel.decoding import choose, decode, new_tokens_for, penalize, processed, warped
 from tessel.package.fields import Field, PackageError
 from tessel.package.manifest import Gears
 
@@ -181,7 +181,14 @@ def test_an_eos_token_outside_the_vocabulary_is_refused(llama, eos) -> None:
 
 
 def test_the_manifest_reads_one_eos_token_or_several() -> None:
-    model = {"repetition_penalty": 1.1, "do_sample": True, "top_k": 20, "max_length": 30}
+    model = {
+        "repetition_penalty": 1.1,
+        "do_sample": True,
+        "top_k": 20,
+        "max_length": 30,
+        "min_p": 0.05,
+        "suppress_tokens": [4, 7],
+    }
     gears = Gears(1, 16, (8,), 100, (), pad_token_id=0, eos_token_id=(2, 9), defaults=model)
     assert gears.to_json()["eos_token_id"] == [2, 9]
     assert Gears.read(Field(gears.to_json(), "generation", "m.json")) == gears
@@ -206,6 +213,8 @@ def test_the_manifest_reads_one_eos_token_or_several() -> None:
             r"defaults.max_new_tokens: must be an int of at least 1, found 2.0",
         ),
         ({"num_beams": 2}, r"unknown key 'num_beams'"),
+        ({"suppress_tokens": [4, 100]}, r"suppress_tokens'\]\[1\]: found 100"),
+        ({"typical_p": 0}, r"defaults.typical_p: must be a number in \(0, 1\]"),
     ]:
         with pytest.raises(PackageError, match=message):
             Gears.read(Field({**gears.to_json(), "defaults": bad}, "generation", "m.json"))
@@ -260,6 +269,15 @@ def test_the_cache_holds_exactly_the_promised_new_tokens(llama) -> None:
         (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
         (dict(min_length=2.0), "min_length"),
         (dict(min_new_tokens=None), "min_new_tokens"),
+        (dict(do_sample=True, min_p=1.5), "min_p"),
+        (dict(do_sample=True, typical_p=0), "typical_p"),
+        (dict(do_sample=True, epsilon_cutoff=1), "epsilon_cutoff"),
+        (dict(do_sample=True, eta_cutoff=-0.1), "eta_cutoff"),
+        (dict(min_p=0.1), "min_p"),  # greedy: a sampling cutoff would be ignored
+        (dict(typical_p=0.9), "typical_p"),
+        (dict(suppress_tokens=[-1]), "suppress_tokens"),
+        (dict(suppress_tokens="3"), "suppress_tokens"),
+        (dict(suppress_tokens=[True]), "suppress_tokens"),
     ],
 )
 def test_sampling_arguments_out_of_range_are_refused(options: dict, key: str) -> None:
@@ -308,6 +326,80 @@ def test_the_scores_equal_transformers_logits_processors() -> None:
         )(seen, logits.clone())  # fmt: skip
         ours = processed(logits, seen, (mask == 0).sum(dim=1), new, sampling, eos)
         assert torch.equal(ours, theirs), sampling
+
+
+def test_the_sampling_cutoffs_equal_transformers_warpers() -> None:
+    """Temperature, top-k, top-p, min-p, typical-p and the epsilon and eta cutoffs leave the
+    scores `transformers`' warpers leave, in its order, on random logits and settings."""
+    from transformers.generation.logits_process import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(0)
+
+    def some(neutral: float, low: float, high: float) -> float:  # half the time, no cutoff
+        if torch.rand(1, generator=g) < 0.5:
+            return neutral
+        return low + float(torch.rand(1, generator=g)) * (high - low)
+
+    cut = 0
+    for _ in range(300):
+        rows, vocab = int(torch.randint(1, 4, (1,), generator=g)), 40
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        sampling = Sampling(
+            do_sample=True,
+            temperature=some(1.0, 0.3, 2.0),
+            top_k=int(torch.randint(0, 45, (1,), generator=g)),
+            top_p=some(1.0, 0.2, 1.0),
+            min_p=some(0.0, 0.0, 0.5),
+            typical_p=some(1.0, 0.1, 0.99),
+            epsilon_cutoff=some(0.0, 1e-4, 0.05),
+            eta_cutoff=some(0.0, 1e-4, 0.05),
+        )
+        s = sampling
+        warpers = [
+            (TemperatureLogitsWarper, s.temperature, s.temperature != 1),
+            (TopKLogitsWarper, s.top_k, s.top_k != 0),
+            (TopPLogitsWarper, s.top_p, s.top_p < 1),
+            (MinPLogitsWarper, s.min_p, s.min_p > 0),
+            (TypicalLogitsWarper, s.typical_p, s.typical_p < 1),
+            (EpsilonLogitsWarper, s.epsilon_cutoff, s.epsilon_cutoff > 0),
+            (EtaLogitsWarper, s.eta_cutoff, s.eta_cutoff > 0),
+        ]
+        theirs = LogitsProcessorList([warper(value) for warper, value, on in warpers if on])(
+            torch.zeros(rows, 1, dtype=torch.long), logits.clone()
+        )
+        ours = warped(logits, sampling)
+        assert torch.equal(ours, theirs), sampling
+        cut += int((ours == float("-inf")).any())
+    assert cut > 100  # the cutoffs removed tokens, not only passed them through
+
+
+def test_suppressed_tokens_are_never_made_as_in_transformers(llama) -> None:
+    """Greedy with the tokens it would make first suppressed equals `generate`'s with
+    `suppress_tokens`, and makes none of them."""
+    model, captured, gears = llama
+    ids = FAMILIES["llama"].inputs(2)[0][:, :8]
+    free = _tokens(captured, gears, ids, new=12)
+    banned = sorted(set(free[:, :3].flatten().tolist()))
+    ours = _tokens(captured, gears, ids, new=12, sampling=Sampling(suppress_tokens=banned))
+    assert not set(ours.flatten().tolist()) & set(banned)
+    theirs = model.generate(
+        ids,
+        max_new_tokens=12,
+        do_sample=False,
+        suppress_tokens=banned,
+        cache_implementation="static",
+        pad_token_id=0,
+    )[:, 8:]
+    assert torch.equal(ours, theirs)
 
 
 def test_a_call_takes_the_models_settings_where_it_sets_none() -> None:

@@ -397,6 +397,34 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"make at least this many tokens before an eos token {model_default}",
     )
     g.add_argument(
+        "--min-p",
+        type=float,
+        help=f"with sampling, keep tokens at least this share as likely as the likeliest "
+        f"{model_default}",
+    )
+    g.add_argument(
+        "--typical-p",
+        type=float,
+        help=f"with sampling, keep the typical set of this mass {model_default}",
+    )
+    g.add_argument(
+        "--epsilon-cutoff",
+        type=float,
+        help=f"with sampling, drop tokens less likely than this {model_default}",
+    )
+    g.add_argument(
+        "--eta-cutoff",
+        type=float,
+        help=f"with sampling, drop tokens below this cutoff, lowered by the entropy {model_default}",
+    )
+    g.add_argument(
+        "--suppress-token",
+        type=int,
+        action="append",
+        dest="suppress_tokens",
+        help=f"never make this token; again for each of several {model_default}",
+    )
+    g.add_argument(
         "--eos-token-id",
         type=int,
         action="append",

@@ -84,12 +84,15 @@ def processed(
     stops: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's scores `[B, vocab]` (fp32) before its token is chosen: the logits after the
-    penalty, the n-gram ban and the minimum lengths, in `transformers`' order. `seen` holds
-    each row's prompt as given and its `new` tokens so far; `padding` counts its left padding."""
+    penalty, the n-gram ban, the minimum lengths and the suppressed tokens, in `transformers`'
+    order. `seen` holds each row's prompt as given and its `new` tokens so far; `padding`
+    counts its left padding."""
     scores = penalize(logits, seen, sampling.repetition_penalty, padding)
     scores = ban_repeated_ngrams(scores, seen, sampling.no_repeat_ngram_size)
     if len(stops) and (seen.shape[1] < sampling.min_length or new < sampling.min_new_tokens):
         scores = scores.index_fill(1, stops, float("-inf"))
+    if sampling.suppress_tokens:
+        scores = scores.index_fill(1, torch.tensor(sampling.suppress_tokens), float("-inf"))
     return scores
 
 
@@ -97,6 +100,15 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     """Each row's next token from its logits `[B, vocab]`."""
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
+    probs = warped(logits, sampling).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def warped(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The scores a sampled token is drawn from (fp32): the logits over `temperature`, then
+    every token outside the top-k, the top-p nucleus, the min-p set, the typical set and the
+    epsilon and eta cutoffs set to -inf, in `transformers`' order; the likeliest token always
+    stays."""
     scores = logits.float() / sampling.temperature
     if 0 < sampling.top_k < scores.shape[-1]:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
@@ -105,10 +117,42 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
         ordered, order = torch.sort(scores, descending=False, dim=-1)
         cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative <= 1 - sampling.top_p
-        drop[:, -1] = False  # the likeliest token always stays
+        drop[:, -1] = False
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if sampling.min_p > 0:
+        probs = scores.softmax(dim=-1)
+        drop = probs < sampling.min_p * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(_keeping_the_likeliest(drop, probs), float("-inf"))
+    if sampling.typical_p < 1:
+        scores = _typical(scores, sampling.typical_p)
+    if sampling.epsilon_cutoff > 0:
+        drop = scores.softmax(dim=-1) < sampling.epsilon_cutoff
+        scores = scores.masked_fill(_keeping_the_likeliest(drop, scores), float("-inf"))
+    if sampling.eta_cutoff > 0:  # a cutoff that falls as the row's entropy rises
+        eta = torch.tensor(sampling.eta_cutoff)
+        entropy = torch.distributions.Categorical(logits=scores).entropy()[:, None]
+        drop = scores.softmax(dim=-1) < torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
+        scores = scores.masked_fill(_keeping_the_likeliest(drop, scores), float("-inf"))
+    return scores
+
+
+def _keeping_the_likeliest(drop: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`drop` with each row's highest-scoring token kept."""
+    return drop & (scores < scores.amax(dim=-1, keepdim=True))
+
+
+def _typical(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling: the tokens whose surprise is closest to the row's entropy,
+    in that order, until they hold `mass` of the probability."""
+    logp = scores.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)
+    distance = (-logp - entropy).abs()
+    nearest, order = distance.sort(dim=-1)
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+    drop = nearest > nearest.gather(-1, last)
+    drop[:, 0] = False  # the nearest token always stays
+    return scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
 def token_id(value: object, key: str, vocab_size: int) -> int:

@@ -29,7 +29,12 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.mesh import POLICY_KEYS, parallel_dims
 from tessel.config.parallel_option import ParallelOption
-from tessel.config.sampling import MODEL_SETTINGS, SAMPLING_SETTINGS, check_settings_in_range
+from tessel.config.sampling import (
+    MODEL_SETTINGS,
+    SAMPLING_SETTINGS,
+    Setting,
+    check_settings_in_range,
+)
 from tessel.lower.program import RankProgram, groups_in
 from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest
@@ -241,12 +246,10 @@ def _pack(
                 sub, gears={**sub.gears, length: seen[data]}, comm_groups=tuple(groups)
             )
     held = dict(gears.step.named_buffers())
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     settings = getattr(model, "generation_config", None)
     pad = getattr(settings, "pad_token_id", None)
     eos = getattr(settings, "eos_token_id", None)
-    vocab = int(text.vocab_size)
+    vocab = vocab_size(model)
     # every id the model stops at (Llama 3's instruct models end a turn with any of several)
     stops = [
         e
@@ -268,7 +271,7 @@ def _pack(
         ),
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else None,
         eos_token_id=tuple(dict.fromkeys(stops)),
-        defaults=model_settings(settings),
+        defaults=model_settings(settings, vocab),
     )
     outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
     # the whole batch's inputs: a replica reads its rows of the batched ones
@@ -298,16 +301,11 @@ UNSUPPORTED_SETTINGS: dict[str, object] = {
     "dola_layers": None,
     "constraints": None,
     "force_words_ids": None,
-    "typical_p": 1.0,
-    "min_p": None,
     "top_h": None,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0,
     "encoder_no_repeat_ngram_size": 0,
     "bad_words_ids": None,
     "sequence_bias": None,
-    "suppress_tokens": None,
     "begin_suppress_tokens": None,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
@@ -335,19 +333,36 @@ def check_model_settings(model: torch.nn.Module) -> None:
                 f"does not (it decodes greedily or by sampling, with {', '.join(SAMPLING_SETTINGS)}"
                 f"); set it to {neutral!r} before building to generate without it",
             )
-    model_settings(settings)
+    model_settings(settings, vocab_size(model) if hasattr(model, "config") else None)
 
 
-def model_settings(settings: object) -> dict[str, bool | int | float]:
+def vocab_size(model: torch.nn.Module) -> int:
+    """The vocabulary of a `transformers` model (its text model's, where it has several)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def model_settings(settings: object, vocab: int | None = None) -> dict[str, Setting]:
     """The model's own decoding settings (its `generation_config`), each a default of the
-    package's `generate` as in `transformers`' (`MODEL_SETTINGS`; unset ones left out)."""
+    package's `generate` as in `transformers`' (`MODEL_SETTINGS`; unset ones left out), its
+    suppressed tokens inside a vocabulary of `vocab` where given."""
     found = {
         key: getattr(settings, key)
         for key in MODEL_SETTINGS
         if getattr(settings, key, None) is not None
     }
+    if isinstance(found.get("suppress_tokens"), tuple):
+        found["suppress_tokens"] = list(found["suppress_tokens"])
     try:
         check_settings_in_range(found)
+        for banned in found.get("suppress_tokens", []) if vocab is not None else []:
+            if banned >= vocab:
+                raise ConfigError(
+                    "generate()",
+                    "suppress_tokens",
+                    f"holds {banned}, outside the vocabulary of {vocab} tokens",
+                )
     except ConfigError as exc:
         raise ConfigError(
             "model.generation_config",

@@ -16,11 +16,14 @@ from tessel.config.errors import ConfigError
 class Sampling:
     """How each new token is chosen, as `transformers`' `generate` chooses it: greedy
     (`do_sample=False`), or drawn from the logits scaled by `temperature`, kept to the `top_k`
-    largest (0: all) and the smallest set whose probability reaches `top_p`. Before either,
-    greedy or sampled: the `repetition_penalty`, no n-gram of `no_repeat_ngram_size` tokens
-    twice in a row, and no eos token before the row holds `min_length` tokens (its prompt as
-    given and its new ones) and `min_new_tokens` new ones. The defaults are `transformers`'
-    own, used where neither the call nor the model (`MODEL_SETTINGS`) sets a value."""
+    largest (0: all), the smallest set whose probability reaches `top_p`, the tokens at least
+    `min_p` times as likely as the likeliest, the locally typical set of mass `typical_p`, and
+    the tokens above the `epsilon_cutoff` and `eta_cutoff` probabilities. Before either, greedy
+    or sampled: the `repetition_penalty`, no n-gram of `no_repeat_ngram_size` tokens twice in a
+    row, no eos token before the row holds `min_length` tokens (its prompt as given and its new
+    ones) and `min_new_tokens` new ones, and never a token of `suppress_tokens`. The defaults
+    are `transformers`' own (each cut off where it removes nothing), used where neither the
+    call nor the model (`MODEL_SETTINGS`) sets a value."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -31,6 +34,11 @@ class Sampling:
     no_repeat_ngram_size: int = 0
     min_length: int = 0
     min_new_tokens: int = 0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    suppress_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ConfigError:
@@ -60,6 +68,19 @@ class Sampling:
         for key in ("no_repeat_ngram_size", "min_length", "min_new_tokens"):
             if not count(key):
                 raise bad(key, "must be an int of at least 0 (0: none)")
+        if not number("min_p") or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be a number in [0, 1] (0: no cutoff)")
+        if not number("typical_p") or not 0 < self.typical_p <= 1:
+            raise bad("typical_p", "must be a number in (0, 1] (1: no cutoff)")
+        for key in ("epsilon_cutoff", "eta_cutoff"):
+            if not number(key) or not 0 <= getattr(self, key) < 1:
+                raise bad(key, "must be a number in [0, 1) (0: no cutoff)")
+        banned = self.suppress_tokens
+        if not isinstance(banned, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in banned
+        ):
+            raise bad("suppress_tokens", "must be a list of token ids")
+        object.__setattr__(self, "suppress_tokens", tuple(banned))
         if not self.do_sample:  # greedy decoding takes none of them: refused, never ignored
             unsampled = {f.name: f.default for f in fields(self)}
             for key in SAMPLED_ONLY:
@@ -68,7 +89,16 @@ class Sampling:
 
 
 # the settings only a sampled token reads; the seed too, which only the call gives
-SAMPLED_ONLY = ("temperature", "top_k", "top_p", "seed")
+SAMPLED_ONLY = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "seed",
+)
 # the settings a model's `generation_config` may carry that `transformers`' `generate` applies
 # unasked, and tessel's loop too: each call's default where the model sets it
 SAMPLING_SETTINGS = (
@@ -80,10 +110,17 @@ SAMPLING_SETTINGS = (
     "no_repeat_ngram_size",
     "min_length",
     "min_new_tokens",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "suppress_tokens",
 )
 # and how many tokens a call makes where it does not say
 LENGTH_SETTINGS = ("max_new_tokens", "max_length")
 MODEL_SETTINGS = SAMPLING_SETTINGS + LENGTH_SETTINGS
+# a setting's value: a flag, a count, a number, or token ids (`suppress_tokens`)
+Setting = bool | int | float | list[int]
 NEW_TOKENS = 20  # transformers' default, where neither the call nor the model sets a length
 
 

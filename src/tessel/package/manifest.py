@@ -16,7 +16,7 @@ from typing import Any
 
 from tessel.config.errors import ConfigError
 from tessel.config.optimizer import spec_from_json
-from tessel.config.sampling import MODEL_SETTINGS, check_settings_in_range
+from tessel.config.sampling import MODEL_SETTINGS, Setting, check_settings_in_range
 from tessel.package.fields import Field, PackageError, valid_member_name
 from tessel.package.plan_report import PlanReport
 from tessel.sharding.geometry import Box
@@ -348,7 +348,7 @@ class Gears:
     eos_token_id: tuple[int, ...] = ()  # a row stops at any of them (none: at no token)
     # the model's own decoding settings (its generation_config, `MODEL_SETTINGS`), which
     # `generate` applies where a call does not set them, as `transformers` does
-    defaults: Mapping[str, bool | int | float] = field(default_factory=dict)
+    defaults: Mapping[str, Setting] = field(default_factory=dict)
 
     def pad_for(self, eos_token_id: tuple[int, ...]) -> int:
         """The id finished rows are padded with: the model's, or where it sets none the first
@@ -375,7 +375,8 @@ class Gears:
                 lambda p: p.int(low=0, high=vocab - 1)
             ),
             eos_token_id=_token_ids(f.get("eos_token_id", optional=True), vocab),
-            defaults=f.get("defaults", optional=True).optional(_model_settings) or {},
+            defaults=f.get("defaults", optional=True).optional(lambda d: _model_settings(d, vocab))
+            or {},
         )
 
     def to_json(self) -> dict:
@@ -391,15 +392,17 @@ class Gears:
         }
 
 
-def _model_settings(f: Field) -> dict[str, bool | int | float]:
+def _model_settings(f: Field, vocab: int) -> dict[str, Setting]:
     """A model's decoding settings, each one `transformers`' `generate` would accept."""
     f.only(MODEL_SETTINGS)
-    settings: dict[str, bool | int | float] = {}
+    settings: dict[str, Setting] = {}
     for key, value in f.items():
         if key == "do_sample":
             if not isinstance(value.value, bool):
                 raise value.fail(f"expected true or false, found {value.value!r}")
             settings[key] = value.value
+        elif key == "suppress_tokens":
+            settings[key] = [x.int(low=0, high=vocab - 1) for x in value.list()]
         else:
             settings[key] = value.number() if isinstance(value.value, float) else value.int()
     try:

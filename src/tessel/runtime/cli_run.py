@@ -218,6 +218,11 @@ def generate_command(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size,
         min_new_tokens=args.min_new_tokens,
+        min_p=args.min_p,
+        typical_p=args.typical_p,
+        epsilon_cutoff=args.epsilon_cutoff,
+        eta_cutoff=args.eta_cutoff,
+        suppress_tokens=args.suppress_tokens,
         eos_token_id=args.eos_token_id,
         pad_token_id=args.pad_token_id,
     )

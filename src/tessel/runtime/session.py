@@ -488,6 +488,11 @@ class Session:
         no_repeat_ngram_size: int | None = None,
         min_length: int | None = None,
         min_new_tokens: int | None = None,
+        min_p: float | None = None,
+        typical_p: float | None = None,
+        epsilon_cutoff: float | None = None,
+        eta_cutoff: float | None = None,
+        suppress_tokens: Sequence[int] | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         stream: bool = False,
@@ -538,8 +543,15 @@ class Session:
             no_repeat_ngram_size=no_repeat_ngram_size,
             min_length=min_length,
             min_new_tokens=min_new_tokens,
+            min_p=min_p,
+            typical_p=typical_p,
+            epsilon_cutoff=epsilon_cutoff,
+            eta_cutoff=eta_cutoff,
+            suppress_tokens=suppress_tokens,
         )
         sampling = sampling_for(asked, gears.defaults)
+        for banned in sampling.suppress_tokens:
+            token_id(banned, "suppress_tokens", gears.vocab_size)
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[None]
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
