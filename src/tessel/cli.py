@@ -422,6 +422,7 @@ def make_parser() -> argparse.ArgumentParser:
         type=int,
         action="append",
         dest="suppress_tokens",
+        metavar="TOKEN_ID",
         help=f"never make this token; again for each of several {model_default}",
     )
     g.add_argument(
