@@ -25,30 +25,45 @@ DEFAULT_FUSION: tuple[str, Any] = ("size", 25.0)
 
 class Exchange:
     """The exchanges of units started over `group` and not yet waited on, oldest first, each
-    with the buffer it reads (kept alive until it is done)."""
+    with the buffer it reads (kept alive until it is done) and what is left to do once it is.
+
+    On gloo a reduce-scatter is the all-reduce of `whole` in place, this rank's chunk copied
+    out when it is waited on: gloo has no reduce-scatter, and its stand-in (a clone of the
+    whole, all-reduced, copied out by a callback) corrupted workers' heaps (see
+    `runtime/gloo.py`). The bytes moved are the ones gloo moves for it; the clone is saved.
+    """
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.pending: list[tuple[dist.Work, torch.Tensor | None]] = []
+        self.pending: list[tuple[dist.Work, torch.Tensor | None, Callable[[], Any] | None]] = []
 
     def all_reduce(self, flat: torch.Tensor) -> None:
         """Start summing `flat` over the group, in place."""
-        self.pending.append((dist.all_reduce(flat, group=self.group, async_op=True), None))
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.pending.append((work, None, None))
 
     def reduce_scatter(self, mine: torch.Tensor, whole: torch.Tensor) -> None:
-        """Start summing `whole` over the group into `mine`, this rank's chunk of it."""
-        work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
-        self.pending.append((work, whole))
+        """Start summing `whole` over the group into `mine`, this rank's chunk of it (`whole`
+        may hold the sum afterwards: it is not read again)."""
+        if dist.get_backend(self.group) != "gloo":
+            work = reduce_scatter_single(mine, whole, group=self.group, async_op=True)
+            self.pending.append((work, whole, None))
+            return
+        work = dist.all_reduce(whole, group=self.group, async_op=True)
+        position, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.pending.append((work, whole, lambda: mine.copy_(whole.chunk(size)[position])))
 
     def settle(self, keep: int, room: int = 0, limit: int | None = None) -> None:
         """Wait for the oldest exchanges until at most `keep` are in flight and, with `limit`,
         the buffers they read leave `room` bytes within `limit`."""
-        held = sum(b.nbytes for _, b in self.pending if b is not None)
+        held = sum(b.nbytes for _, b, _ in self.pending if b is not None)
         while self.pending and (
             len(self.pending) > keep or (limit is not None and held + room > limit)
         ):
-            work, buffer = self.pending.pop(0)
+            work, buffer, then = self.pending.pop(0)
             work.wait()
+            if then is not None:
+                then()
             held -= buffer.nbytes if buffer is not None else 0
 
     def wait(self) -> None:
