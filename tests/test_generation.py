@@ -402,6 +402,20 @@ def test_suppressed_tokens_are_never_made_as_in_transformers(llama) -> None:
     assert torch.equal(ours, theirs)
 
 
+def test_a_models_suppressed_tokens_past_its_vocabulary_are_left_out() -> None:
+    """No row can make them, and `transformers` passes them by, as it does such eos tokens;
+    a call that names one is refused (`test_generate.py`)."""
+    from transformers import GenerationConfig
+
+    from tessel.builder.generation import model_settings
+
+    config = GenerationConfig(suppress_tokens=[3, 300, 255])
+    assert model_settings(config, vocab=256) == {"suppress_tokens": [3, 255]}
+    with pytest.raises(ConfigError) as err:
+        model_settings(GenerationConfig(suppress_tokens=[3, -2]), vocab=256)
+    assert (err.value.source, err.value.key) == ("model.generation_config", "suppress_tokens")
+
+
 def test_a_call_takes_the_models_settings_where_it_sets_none() -> None:
     model = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
     assert sampling_for({}, model) == Sampling(

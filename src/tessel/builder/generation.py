@@ -345,24 +345,22 @@ def vocab_size(model: torch.nn.Module) -> int:
 
 def model_settings(settings: object, vocab: int | None = None) -> dict[str, Setting]:
     """The model's own decoding settings (its `generation_config`), each a default of the
-    package's `generate` as in `transformers`' (`MODEL_SETTINGS`; unset ones left out), its
-    suppressed tokens inside a vocabulary of `vocab` where given."""
+    package's `generate` as in `transformers`' (`MODEL_SETTINGS`; unset ones left out).
+    Suppressed tokens past a vocabulary of `vocab`, where given, are left out: no row can make
+    them, and `transformers` passes them by too (as it does such eos tokens)."""
     found = {
         key: getattr(settings, key)
         for key in MODEL_SETTINGS
         if getattr(settings, key, None) is not None
     }
-    if isinstance(found.get("suppress_tokens"), tuple):
-        found["suppress_tokens"] = list(found["suppress_tokens"])
+    if isinstance(found.get("suppress_tokens"), (list, tuple)):
+        found["suppress_tokens"] = [
+            t
+            for t in found["suppress_tokens"]
+            if vocab is None or not isinstance(t, int) or t < vocab
+        ]
     try:
         check_settings_in_range(found)
-        for banned in found.get("suppress_tokens", []) if vocab is not None else []:
-            if banned >= vocab:
-                raise ConfigError(
-                    "generate()",
-                    "suppress_tokens",
-                    f"holds {banned}, outside the vocabulary of {vocab} tokens",
-                )
     except ConfigError as exc:
         raise ConfigError(
             "model.generation_config",
