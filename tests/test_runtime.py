@@ -142,9 +142,10 @@ def test_a_worker_that_crashes_in_native_code_says_where_it_was(model_file, sess
     assert "Fatal Python error: Aborted" in err and "tessel/runtime/worker.py" in err, err
 
 
-def test_hung_worker_times_out(model_file, session):
+def test_hung_worker_times_out(model_file, session, capfd):
     """A stopped rank is reported by the session's run deadline, always: the workers' collectives
-    wait twice as long, so rank 0 never gives up on its peer first."""
+    wait twice as long, so rank 0 never gives up on its peer first. The ranks still running print
+    where they wait."""
     _, ids, path = model_file
     deadline = 3.0
     assert collective_timeout_s(deadline) > deadline
@@ -160,6 +161,8 @@ def test_hung_worker_times_out(model_file, session):
     # the failed run stopped every worker, the stopped one included, without waiting for it
     assert not any(p.is_alive() for p in procs)
     assert time.monotonic() - t < deadline + 5
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "tessel/runtime/worker.py" in err, err
 
 
 def _free_port() -> int:

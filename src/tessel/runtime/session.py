@@ -846,6 +846,25 @@ def _describe_exit(workers: _Workers, i: int) -> str:
     return f"rank {workers.ranks[i]} died (exit code {code})"
 
 
+# how long the workers are given to print their stacks before a failed run stops them
+_STACKS_GRACE_S = 0.5
+
+
+def _print_stacks(workers: _Workers) -> None:
+    """Have every live worker print each of its threads' Python stacks to its stderr (its
+    faulthandler's answer to SIGUSR1): where each rank waits when a run takes too long."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    asked = False
+    for proc in workers.procs:
+        if proc.pid is not None and proc.is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGUSR1)
+                asked = True
+    if asked:
+        time.sleep(_STACKS_GRACE_S)
+
+
 def _poll(
     workers: _Workers, deadline: float, want: str | tuple[str, ...], index: int | None
 ) -> Any:
@@ -862,6 +881,7 @@ def _poll(
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            _print_stacks(workers)
             raise WorkerError(f"no answer from ranks {[workers.ranks[i] for i in pending]} in time")
         ready = wait([*workers.conns, *sentinels], timeout=remaining)
         answered = set()

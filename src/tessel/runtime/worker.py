@@ -326,6 +326,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     # a worker killed by a fatal signal (a crash in native code) prints every thread's Python
     # stack to its stderr, so the report says where it died
     faulthandler.enable(all_threads=True)
+    if hasattr(signal, "SIGUSR1"):  # and on the session's word, where a rank that hangs waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     die_with_parent()
     keep_torch_quiet(spec.log_level)
     if not spec.reuse_freed_memory:
