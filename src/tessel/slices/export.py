@@ -91,12 +91,19 @@ def export_slice(
     with replace_atomically(path, suffix=".tmp.pt2") as tmp:  # torch.export.save wants .pt2
         torch.export.save(exported, tmp)
 
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, groups)
+    # only rank 0 writes the relation, so the groups go to it point to point (no all-gather:
+    # torch 2.13's gloo all-gather is the path that corrupted heaps in tessel's workers)
     if rank == 0:
+        everyone: list[Any] = [groups]
+        for source in range(1, world):
+            received: list[Any] = [None]
+            dist.recv_object_list(received, src=source)
+            everyone.append(received[0])
         relation = _relation(prefix, world, everyone, cluster_config)
         with replace_atomically(folder / RELATION_FILE) as tmp:
             tmp.write_text(json.dumps(relation, indent=2))
+    else:
+        dist.send_object_list([groups], dst=0)
     dist.barrier()
     return path
 
