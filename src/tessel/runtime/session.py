@@ -853,15 +853,8 @@ _STACKS_GRACE_S = 0.5
 def _print_stacks(workers: _Workers) -> None:
     """Have every live worker print each of its threads' Python stacks to its stderr (its
     faulthandler's answer to SIGUSR1): where each rank waits when a run takes too long."""
-    if not hasattr(signal, "SIGUSR1"):
-        return
-    asked = False
-    for proc in workers.procs:
-        if proc.pid is not None and proc.is_alive():
-            with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGUSR1)
-                asked = True
-    if asked:
+    asked = [_send(proc.pid, "SIGUSR1") for proc in workers.procs if proc.is_alive()]
+    if any(asked):
         time.sleep(_STACKS_GRACE_S)
 
 
@@ -983,12 +976,22 @@ class _TokenStream:
             self.done = kind == "result"
 
 
+def _send(pid: int | None, name: str) -> bool:
+    """Send the signal `name` to process `pid`, where this platform has it; whether it went."""
+    number = getattr(signal, name, None)
+    if pid is None or number is None:
+        return False
+    try:
+        os.kill(pid, number)
+    except OSError:  # gone already
+        return False
+    return True
+
+
 def _continue(pid: int | None) -> None:
     """Resume a stopped process (SIGSTOP, a debugger's pause) so a pending SIGTERM ends it now
     rather than when something else resumes it."""
-    if pid is not None and hasattr(signal, "SIGCONT"):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGCONT)
+    _send(pid, "SIGCONT")
 
 
 def _stop(workers: _Workers, graceful: bool = True) -> None:
