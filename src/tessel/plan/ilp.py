@@ -66,6 +66,8 @@ class _Model:
         self.vals: list[float] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
+        self._matrix = None  # the rows above as a sparse matrix, made at the first run
+        self._entries: dict[MemoryRow, tuple[np.ndarray, np.ndarray]] = {}
         for v, k in problem.sizes.items():
             self.add_row([(self.offset[v] + i, 1.0) for i in range(k)], 1.0, 1.0)
         memory_pairs: dict[tuple, list[np.ndarray]] = {}
@@ -93,6 +95,7 @@ class _Model:
         return bound
 
     def add_row(self, entries: list[tuple[int, float]], low: float, high: float) -> int:
+        self._matrix = None
         r = len(self.lo)
         for col, val in entries:
             self.rows.append(r)
@@ -139,6 +142,16 @@ class _Model:
             self.add_row(entries, 0.0, 0.0)
         self.edge[key] = (rgroups, cgroups, base)
 
+    def memory_columns(self, row: MemoryRow) -> tuple[np.ndarray, np.ndarray]:
+        """`memory_entries(row)` as arrays of columns and bytes, made once per row."""
+        if row not in self._entries:
+            entries = self.memory_entries(row)
+            self._entries[row] = (
+                np.array([col for col, _ in entries], dtype=np.int64),
+                np.array([v for _, v in entries], dtype=float),
+            )
+        return self._entries[row]
+
     def memory_entries(self, row: MemoryRow) -> list[tuple[int, float]]:
         entries = []
         for v, mem in row.linear.items():
@@ -170,7 +183,10 @@ class _Model:
         """Solve within `time_limit`; where the limit passes before any answer (a slow or busy
         machine), the time is doubled until one is found, up to `_LIMIT_GROWTH` times the
         limit: the limit bounds the search for better plans, never the finding of one."""
-        a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), len(c))).tocsr()
+        if self._matrix is None or self._matrix.shape != (len(self.lo), len(c)):
+            shape = (len(self.lo), len(c))
+            self._matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=shape).tocsr()
+        a = self._matrix
         integrality = np.concatenate([np.ones(integral), np.zeros(len(c) - integral)])
         limit = time_limit
         while True:
@@ -244,6 +260,15 @@ def solve_with(
     memory is priced again with the integer program (its answers break ties otherwise), and the
     cheaper answer is kept.
     """
+    try:
+        return _solve_with(problem, priced, time_limit, fastest)
+    finally:
+        problem.solver_cache.clear()  # a plan keeps its problem; not the programs made for it
+
+
+def _solve_with(
+    problem: Problem, priced: PricedSolver, time_limit: float, fastest: Solution | None
+) -> Solution:
     start = time.perf_counter()
     second_look = priced is not solve_priced
     budget = problem.memory_budget
@@ -402,12 +427,12 @@ def _broken(problem: Problem, choice: dict[object, int]) -> list[MemoryRow]:
 
 def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: float) -> Solution:
     """The cheapest choice when each priced row costs its price per budget-full of bytes."""
-    model = _Model(problem, list(prices))
+    model = _priced_model(problem, tuple(prices))
     c = np.concatenate([model.cost, np.asarray(model.extra)])
     per_budget = 1.0 / max(problem.memory_budget or 1.0, 1.0)
     for row, price in prices.items():
-        for col, v in model.memory_entries(row):
-            c[col] += price * per_budget * v
+        cols, vals = model.memory_columns(row)
+        np.add.at(c, cols, price * per_budget * vals)  # in column order, as a loop adds
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
     result = model.run(c / scale, model.n, model.upper(), time_limit)
     choice = model.choice(result.x)
@@ -420,6 +445,16 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
         len(model.lo),
         stopped_by_clock=result.status == _OUT_OF_TIME,
     )
+
+
+def _priced_model(problem: Problem, rows: tuple[MemoryRow, ...]) -> _Model:
+    """The program of `problem` with edge variables for `rows`. The rows priced only grow
+    while memory is priced, so the last one made is kept on the problem and made again only
+    when a row joins."""
+    kept = problem.solver_cache.get("priced")
+    if kept is None or kept[0] != rows:
+        kept = problem.solver_cache["priced"] = (rows, _Model(problem, list(rows)))
+    return kept[1]
 
 
 def _solve_constrained(problem: Problem, time_limit: float) -> Solution:

@@ -46,6 +46,10 @@ class Problem(Generic[D]):
     pairs: dict[tuple[D, D], np.ndarray]  # (a, b) -> cost[k_a, k_b]
     memory: list[MemoryRow[D]] = field(default_factory=list)
     memory_budget: float | None = None
+    # what a solver made from this problem and may use again on it (not part of the problem)
+    solver_cache: dict[str, Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def takes_forbidden(self, choice: dict[D, int]) -> bool:
         """Whether `choice` takes a strategy or a pair of strategies priced `FORBIDDEN`."""
