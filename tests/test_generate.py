@@ -186,6 +186,7 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
     assert held == [total // 2, total // 2]
     assert "per rank 256.00 KiB (total / 2: 256.00 KiB)" in str(built)
     path = tessel.save(built, tmp_path / "llama")
+    decode = {sub.program for sub in manifest.submodels}
     with zipfile.ZipFile(path) as z:
         for name in z.namelist():
             if name.endswith(".safetensors"):
@@ -199,6 +200,28 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
                     reads = json.dumps([node.get("args"), node.get("kwargs")])
                     if any(f'"$node": "{w}"' in reads for w in written):
                         assert node["target"] == "aten.index_put_.default", node
+                if name in decode:
+                    _attends_to_the_cache_as_it_is(program)
+
+
+def _attends_to_the_cache_as_it_is(program: dict) -> None:
+    """A decode step reads each written cache in attention, or returns a view of it: nothing
+    repeats the grouped keys and values into a copy of the cache (`lower.grouped_queries`)."""
+    calls = [n for n in program["nodes"] if n["op"] == "call"]
+    readers: dict[str, list[str]] = {n["name"]: [] for n in calls}
+    returned = json.dumps(program["nodes"][-1]["args"])
+    for n in calls:
+        for read in re.findall(r'"\$node": "([^"]+)"', json.dumps([n["args"], n["kwargs"]])):
+            readers.setdefault(read, []).append(n["target"])
+    caches = [n["name"] for n in calls if n["target"] == "aten.index_put_.default"]
+    assert caches
+    for name in caches:
+        assert "aten.scaled_dot_product_attention.default" in readers[name], name
+        for target in readers[name]:
+            assert target in ("aten.scaled_dot_product_attention.default", "aten.view.default")
+        views = [n["name"] for n in calls if n["target"] == "aten.view.default"
+                 and n["args"][0] == {"$node": name}]  # fmt: skip
+        assert all(not readers[v] and f'"{v}"' in returned for v in views), views
 
 
 @pytest.fixture(scope="module")

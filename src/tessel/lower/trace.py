@@ -39,6 +39,7 @@ from tessel.capture import CapturedModel
 from tessel.capture.portable import fresh_scalars, portable_attention, zero_fill_allocations
 from tessel.capture.training import placed_like, state_outputs
 from tessel.errors import TesselError
+from tessel.lower.grouped_queries import fold_grouped_queries
 from tessel.lower.outputs import output_layout, shards_only
 from tessel.lower.program import OutputLayout, RankProgram, encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError
@@ -210,6 +211,7 @@ def _trace(
         gm.graph.eliminate_dead_code()
         _drop_identity_views(gm.graph)
         portable_attention(gm, recompile=False)  # the program is read, never run, here
+        fold_grouped_queries(gm.graph)
         zero_fill_allocations(gm)
         fresh_scalars(gm)
         inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

@@ -1,0 +1,129 @@
+"""Single-token attention over grouped keys and values without copying them.
+
+A model with fewer key/value heads than query heads (grouped-query attention) repeats each
+key/value head for its group of query heads before attention: `transformers` traces this as an
+`expand` and a contiguous `clone` of the keys and of the values, `[B, kv heads, group, S, D]`,
+viewed as `[B, heads, S, D]`. For a decode step (one query token) those are the whole KV cache,
+copied on every step. With one query token the group's query heads can stand where the tokens
+stand instead: queries `[B, kv heads, group, D]` attend to the keys and values as they are, the
+mask broadcast over the group, and the result viewed back as `[B, heads, 1, D]`. Each query head
+meets the same keys, values and mask as before, so the result is the same attention.
+
+`fold_grouped_queries` makes that rewrite on a traced rank program wherever the pattern is
+exact on the rank's local shapes; anything else (several query tokens, a causal flag, a mask
+that differs between heads, a slice between the repeat and the attention) is left as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_CLONE = torch.ops.aten.clone.default
+_EXPAND = torch.ops.aten.expand.default
+_UNSQUEEZE = torch.ops.aten.unsqueeze.default
+
+
+def fold_grouped_queries(graph: fx.Graph) -> int:
+    """Rewrite each single-token attention over repeated keys and values (see the module
+    docstring) to attend to the unrepeated ones; returns how many. The repeats left unread
+    are removed."""
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _ATTENTION and _fold(graph, node):
+            folded += 1
+    if folded:
+        graph.eliminate_dead_code()
+    return folded
+
+
+def _val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _arguments(node: fx.Node) -> dict | None:
+    """The attention call's arguments by name, or None where it takes one this pass does
+    not know."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    args = dict(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        if key in args or key not in (*names, "scale", "enable_gqa"):
+            return None
+        args[key] = value
+    return args
+
+
+def _unrepeated(node: object, heads: int) -> tuple[fx.Node, int] | None:
+    """(the tensor `[B, kv heads, S, D]` that `node` repeats into `heads` heads, the group
+    size), where `node` is `view(clone(expand(unsqueeze(x, 2))))` doing exactly that."""
+    if not (isinstance(node, fx.Node) and node.target in _VIEWS):
+        return None
+    clone = node.args[0]
+    if not (isinstance(clone, fx.Node) and clone.target is _CLONE):
+        return None
+    expand = clone.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target is _EXPAND):
+        return None
+    unsqueeze = expand.args[0]
+    if not (
+        isinstance(unsqueeze, fx.Node) and unsqueeze.target is _UNSQUEEZE and unsqueeze.args[1] == 2
+    ):
+        return None
+    source = unsqueeze.args[0]
+    if not isinstance(source, fx.Node):
+        return None
+    kv, repeated, out = _val(source), _val(expand), _val(node)
+    if kv is None or repeated is None or out is None or kv.dim() != 4:
+        return None
+    b, kv_heads, s, d = kv.shape
+    group = repeated.shape[2]
+    if tuple(repeated.shape) != (b, kv_heads, group, s, d):
+        return None
+    if tuple(out.shape) != (b, kv_heads * group, s, d) or kv_heads * group != heads:
+        return None
+    return source, group
+
+
+def _fold(graph: fx.Graph, node: fx.Node) -> bool:
+    args = _arguments(node)
+    query, out = _val(args and args.get("query")), _val(node)
+    if args is None or query is None or out is None or query.dim() != 4:
+        return False
+    b, heads, tokens, d = query.shape
+    if tokens != 1 or args.get("is_causal", False) or args.get("dropout_p", 0.0) != 0.0:
+        return False
+    if args.get("enable_gqa", False):
+        return False
+    key = _unrepeated(args.get("key"), heads)
+    value = _unrepeated(args.get("value"), heads)
+    if key is None or value is None or key[1] != value[1] or key[1] < 2:
+        return False
+    mask = args.get("attn_mask")
+    if mask is not None:
+        m = _val(mask)
+        if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
+            return False  # a mask per head or per token cannot broadcast over the group
+    (keys, group), (values, _) = key, value
+    kv_heads = heads // group
+    with graph.inserting_before(node):
+        grouped = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, d]))
+        grouped.meta["val"] = query.view(b, kv_heads, group, d)
+        attended = graph.call_function(
+            _ATTENTION,
+            (grouped, keys, values, mask, 0.0, False),
+            {"scale": args.get("scale")},
+        )
+        attended.meta["val"] = out.new_empty((b, kv_heads, group, out.shape[-1]))
+        # attention's result need not be laid out heads-major: made so, it views as [B, H, 1, D]
+        laid_out = graph.call_function(
+            _CLONE, (attended,), {"memory_format": torch.contiguous_format}
+        )
+        laid_out.meta["val"] = attended.meta["val"].contiguous()
+        result = graph.call_function(_VIEWS[0], (laid_out, list(out.shape)))
+        result.meta["val"] = laid_out.meta["val"].view(out.shape)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return True

@@ -1,0 +1,102 @@
+"""Single-token attention over grouped keys and values: the fold that stops a decode step from
+copying the KV cache gives the same attention, and touches nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tessel.capture.portable import portable_attention
+from tessel.lower.grouped_queries import fold_grouped_queries
+
+
+def _repeated(x: torch.Tensor, group: int) -> torch.Tensor:
+    """What transformers' `repeat_kv` does: each key/value head once per query head."""
+    b, kv_heads, s, d = x.shape
+    return x[:, :, None].expand(b, kv_heads, group, s, d).reshape(b, kv_heads * group, s, d)
+
+
+def _attention(group: int, is_causal: bool = False, scale: float | None = None):
+    def run(q, k, v, mask):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, _repeated(k, group), _repeated(v, group), attn_mask=mask, is_causal=is_causal,
+            scale=scale,
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    return run
+
+
+def _traced(fn, *args):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    gm.graph.eliminate_dead_code()  # as a rank's trace is, before its attention is made portable
+    portable_attention(gm)
+    return gm
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _inputs(b, kv_heads, group, tokens, slots, d, mask_kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, tokens, kv_heads * group, d, generator=g).transpose(1, 2)  # as a model
+    k = torch.randn(b, kv_heads, slots, d, generator=g)
+    v = torch.randn(b, kv_heads, slots, d, generator=g)
+    keep = torch.rand(b, 1, tokens, slots, generator=g) > 0.3
+    keep[..., 0] = True  # every row attends to something
+    mask = {"none": None, "bool": keep, "float": torch.where(keep, 0.0, -1e9)}[mask_kind]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize(
+    "b,kv_heads,group,slots,d", [(1, 2, 2, 5, 4), (2, 3, 4, 16, 8), (3, 2, 7, 9, 16)]
+)
+def test_one_query_token_attends_to_the_cache_as_it_is_and_gives_the_same_attention(
+    b, kv_heads, group, slots, d, mask_kind
+):
+    args = _inputs(b, kv_heads, group, 1, slots, d, mask_kind)
+    for scale in (None, 0.3):
+        fn = _attention(group, scale=scale)
+        gm = _traced(fn, *args)
+        assert torch.ops.aten.clone.default in _targets(gm)  # the repeat copies keys and values
+        assert fold_grouped_queries(gm.graph) == 1
+        gm.recompile()
+        targets = _targets(gm)
+        assert torch.ops.aten.expand.default not in targets  # nothing repeats the cache now
+        attention = next(n for n in gm.graph.nodes if "scaled_dot" in str(n.target))
+        assert attention.args[1].op == "placeholder" and attention.args[2].op == "placeholder"
+        torch.testing.assert_close(gm(*args), fn(*args), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "why,tokens,is_causal,per_head_mask",
+    [
+        ("several query tokens", 3, False, False),
+        ("a causal flag", 1, True, False),
+        ("a mask that differs between heads", 1, False, True),
+    ],
+)
+def test_attention_the_fold_cannot_keep_the_same_is_left_as_it_is(
+    why, tokens, is_causal, per_head_mask
+):
+    b, kv_heads, group, slots, d = 2, 2, 3, 8, 4
+    q, k, v, mask = _inputs(b, kv_heads, group, tokens, slots, d, "bool")
+    if is_causal:
+        mask = None
+    if per_head_mask:
+        mask = mask.expand(b, kv_heads * group, tokens, slots).clone()
+        mask[:, 1, ..., 1:] = False
+    fn = _attention(group, is_causal=is_causal)
+    gm = _traced(fn, q, k, v, mask)
+    before = _targets(gm)
+    assert fold_grouped_queries(gm.graph) == 0, why
+    assert _targets(gm) == before
+
+
+def test_attention_without_grouped_heads_is_left_as_it_is():
+    q, k, v, mask = _inputs(2, 4, 1, 1, 8, 4, "bool")
+    gm = _traced(_attention(1), q, k, v, mask)
+    assert fold_grouped_queries(gm.graph) == 0
