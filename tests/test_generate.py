@@ -181,6 +181,10 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
         d = split[0]
         assert boxes[0][d][0] == 0 and boxes[0][d][1] == boxes[1][d][0], boxes
         assert boxes[1][d][1] == spec.shape[d], boxes
+    # the planner counts what each rank's decode program holds: no repeated copy of the cache
+    predicted = manifest.plan.memory.rank_peak_bytes
+    lowered = [rank.peak_bytes for rank in manifest.plan.ranks]
+    assert all(abs(p - q) <= 0.05 * q for p, q in zip(predicted, lowered)), (predicted, lowered)
     held = state_bytes(manifest)
     total = sum(math.prod(s.shape) * 4 for s in state.values())
     assert held == [total // 2, total // 2]
@@ -206,7 +210,7 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
 
 def _attends_to_the_cache_as_it_is(program: dict) -> None:
     """A decode step reads each written cache in attention, or returns a view of it: nothing
-    repeats the grouped keys and values into a copy of the cache (`lower.grouped_queries`)."""
+    repeats the grouped keys and values into a copy of the cache (`capture.grouped_queries`)."""
     calls = [n for n in program["nodes"] if n["op"] == "call"]
     readers: dict[str, list[str]] = {n["name"]: [] for n in calls}
     returned = json.dumps(program["nodes"][-1]["args"])

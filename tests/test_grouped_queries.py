@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tessel.capture.grouped_queries import fold_grouped_queries
 from tessel.capture.portable import portable_attention
-from tessel.lower.grouped_queries import fold_grouped_queries
 
 
 def _repeated(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -100,3 +100,16 @@ def test_attention_without_grouped_heads_is_left_as_it_is():
     q, k, v, mask = _inputs(2, 4, 1, 1, 8, 4, "bool")
     gm = _traced(_attention(1), q, k, v, mask)
     assert fold_grouped_queries(gm.graph) == 0
+
+
+def test_the_memory_model_holds_the_folded_copy_as_no_storage():
+    """The planner counts what the lowered program holds: the repeat's copy only where the
+    fold cannot remove it."""
+    from tessel.plan.memory import is_view
+
+    for tokens, free in ((1, True), (3, False)):
+        q, k, v, mask = _inputs(2, 2, 3, tokens, 8, 4, "bool")
+        gm = _traced(_attention(3), q, k, v, mask)
+        clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+        assert len(clones) == 2
+        assert [is_view(n) for n in clones] == [free, free]

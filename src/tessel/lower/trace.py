@@ -36,10 +36,10 @@ from tessel._torch import (
     tree_map,
 )
 from tessel.capture import CapturedModel
+from tessel.capture.grouped_queries import fold_grouped_queries
 from tessel.capture.portable import fresh_scalars, portable_attention, zero_fill_allocations
 from tessel.capture.training import placed_like, state_outputs
 from tessel.errors import TesselError
-from tessel.lower.grouped_queries import fold_grouped_queries
 from tessel.lower.outputs import output_layout, shards_only
 from tessel.lower.program import OutputLayout, RankProgram, encode, node_shapes
 from tessel.lower.stitch import Stitcher, StitchError

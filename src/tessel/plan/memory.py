@@ -24,6 +24,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from tessel._torch import C10D_FUNCTIONAL, redistribute_steps, tree_leaves
+from tessel.capture.grouped_queries import repeat_left_unread
 from tessel.capture.training import gradient_outputs, state_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow, pairwise
@@ -40,12 +41,13 @@ _UNANNOTATED_VIEWS = {
 
 
 def is_view(node: fx.Node) -> bool:
-    """Whether `node` returns (a view of) its first argument: no new storage."""
+    """Whether `node` returns (a view of) its first argument: no new storage. The copy of keys
+    and values that a one-token attention repeats is one: the lowering folds it away."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return is_view(node.args[0]) if isinstance(node.args[0], fx.Node) else False
-    if node.target in _UNANNOTATED_VIEWS:
+    if node.target in _UNANNOTATED_VIEWS or repeat_left_unread(node):
         return True
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns:

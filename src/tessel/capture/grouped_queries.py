@@ -9,9 +9,12 @@ stand instead: queries `[B, kv heads, group, D]` attend to the keys and values a
 mask broadcast over the group, and the result viewed back as `[B, heads, 1, D]`. Each query head
 meets the same keys, values and mask as before, so the result is the same attention.
 
-`fold_grouped_queries` makes that rewrite on a traced rank program wherever the pattern is
+`fold_grouped_queries` makes that rewrite on each traced rank program wherever the pattern is
 exact on the rank's local shapes; anything else (several query tokens, a causal flag, a mask
 that differs between heads, a slice between the repeat and the attention) is left as it is.
+The planner's memory model counts the repeat's copy as holding nothing (`repeat_left_unread`):
+where a plan leaves a rank's pattern inexact (more ranks than KV heads), the lowered program's
+measured peak is the one the build checks.
 """
 
 from __future__ import annotations
@@ -87,27 +90,55 @@ def _unrepeated(node: object, heads: int) -> tuple[fx.Node, int] | None:
     return source, group
 
 
-def _fold(graph: fx.Graph, node: fx.Node) -> bool:
+def repeat_left_unread(node: fx.Node) -> bool:
+    """Whether `node` is the copy of a repeat that `fold_grouped_queries` removes: what the
+    memory model counts as holding no storage of its own."""
+    if node.op != "call_function" or node.target is not _CLONE:
+        return False
+    views = list(node.users)
+    if len(views) != 1 or views[0].target not in _VIEWS:
+        return False
+    readers = list(views[0].users)
+    return bool(readers) and all(
+        r.op == "call_function" and r.target is _ATTENTION and _foldable(r) is not None
+        for r in readers
+    )
+
+
+def _foldable(node: fx.Node) -> tuple | None:
+    """(its arguments, the unrepeated keys and values, the group size) of an attention call
+    the fold keeps the same; None for any other."""
     args = _arguments(node)
     query, out = _val(args and args.get("query")), _val(node)
     if args is None or query is None or out is None or query.dim() != 4:
-        return False
-    b, heads, tokens, d = query.shape
+        return None
+    heads, tokens = query.shape[1], query.shape[2]
     if tokens != 1 or args.get("is_causal", False) or args.get("dropout_p", 0.0) != 0.0:
-        return False
+        return None
     if args.get("enable_gqa", False):
-        return False
+        return None
     key = _unrepeated(args.get("key"), heads)
     value = _unrepeated(args.get("value"), heads)
     if key is None or value is None or key[1] != value[1] or key[1] < 2:
-        return False
+        return None
     mask = args.get("attn_mask")
     if mask is not None:
         m = _val(mask)
         if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
-            return False  # a mask per head or per token cannot broadcast over the group
-    (keys, group), (values, _) = key, value
+            return None  # a mask per head or per token cannot broadcast over the group
+    return args, key[0], value[0], key[1]
+
+
+def _fold(graph: fx.Graph, node: fx.Node) -> bool:
+    found = _foldable(node)
+    if found is None:
+        return False
+    args, keys, values, group = found
+    query, out = _val(args["query"]), _val(node)
+    assert query is not None and out is not None
+    b, heads, _, d = query.shape
     kv_heads = heads // group
+    mask = args.get("attn_mask")
     with graph.inserting_before(node):
         grouped = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, d]))
         grouped.meta["val"] = query.view(b, kv_heads, group, d)
