@@ -432,7 +432,7 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
     per_budget = 1.0 / max(problem.memory_budget or 1.0, 1.0)
     for row, price in prices.items():
         cols, vals = model.memory_columns(row)
-        np.add.at(c, cols, price * per_budget * vals)  # in column order, as a loop adds
+        np.add.at(c, cols, price * per_budget * vals)  # entry by entry, as a loop adds
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
     result = model.run(c / scale, model.n, model.upper(), time_limit)
     choice = model.choice(result.x)
