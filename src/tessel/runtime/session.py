@@ -36,7 +36,7 @@ from tessel.forked import signal_name
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import TensorSpec
 from tessel.progress import phase
-from tessel.runtime import cpu_cache
+from tessel.runtime import cpu_cache, shared_memory
 from tessel.runtime.fork_server import stop_fork_server, worker_context
 from tessel.runtime.main_guard import unguarded_call_site
 from tessel.runtime.worker import WorkerSpec, worker_main
@@ -759,6 +759,9 @@ def _start_workers(
     cache = ""
     if manifest.device_type == "cpu" and not reuse_memory:
         cache = cpu_cache.library() or ""
+    meeting = ""
+    if manifest.device_type == "cpu" and distributed:
+        meeting = shared_memory.library() or ""
     procs, conns, ranks = [], [], []
     for device in local:
         parent, child = ctx.Pipe()
@@ -777,6 +780,7 @@ def _start_workers(
             distributed=distributed,
             reuse_freed_memory=reuse_memory,
             cpu_cache=cache,
+            shared_memory=meeting,
             resume=resume,
             log_level=logging.getLogger("tessel").getEffectiveLevel(),
         )

@@ -27,7 +27,7 @@ from tessel.dtypes import torch_dtype
 from tessel.log_levels import keep_torch_quiet
 from tessel.package.format import Package, PackageError
 from tessel.package.manifest import Manifest, TensorSpec
-from tessel.runtime import cpu_cache
+from tessel.runtime import cpu_cache, shared_memory
 from tessel.runtime.generating import LoadedGears, generate_on_rank
 from tessel.runtime.gloo import collectives_as_all_reduces
 from tessel.runtime.loader import load_programs
@@ -52,6 +52,7 @@ class WorkerSpec:
     distributed: bool
     reuse_freed_memory: bool = False  # keep glibc's own heap policy (see `_fix_mmap_threshold`)
     cpu_cache: str = ""  # the compiled block cache to allocate CPU tensors with (`cpu_cache`)
+    shared_memory: str = ""  # the compiled meeting point of same-machine groups (`shared_memory`)
     resume: str = ""  # a training checkpoint in the package's layout to start from
     log_level: int = logging.WARNING  # the session's: torch's own warnings show at DEBUG only
 
@@ -148,12 +149,19 @@ def _load(
         raise PackageError(
             path, f"built for {package.world_size} devices; these workers are {spec.world_size}"
         )
+    in_shared_memory: set[str] = set()
     if spec.distributed:
         _same_package_everywhere(package, device)
         make_groups(package.manifest, spec.world_size, groups)
+        if spec.shared_memory and device.type == "cpu":
+            in_shared_memory = shared_memory.join(
+                groups, spec.rank, spec.shared_memory, spec.collective_timeout_s
+            )
     programs, weights = load_programs(package, spec.rank, device, groups)
-    if spec.distributed and spec.backend == "gloo":
-        for loaded_program in programs.values():
+    for loaded_program in programs.values():
+        # same-machine groups meet in shared memory; gloo runs the rest as all-reduces
+        shared_memory.rewrite(loaded_program, in_shared_memory)
+        if spec.distributed and spec.backend == "gloo":
             collectives_as_all_reduces(loaded_program, spec.rank, groups)
     gears = package.manifest.generation
     program = programs[1 if gears is not None else None]
