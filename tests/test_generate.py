@@ -100,6 +100,33 @@ def test_generate_equals_transformers_generate(
     assert torch.equal(torch.stack(streamed, dim=1), want[:, ids.shape[1] :])
 
 
+def test_eager_attention_decodes_over_the_cache_as_it_is(sessions, tmp_path) -> None:
+    """Gemma-2's eager attention (soft-capped products over grouped KV heads) reads its cache
+    without repeating it into a copy, the planner counts what the program holds, and the
+    tokens are transformers'."""
+    model, built = _build("gemma2", 1, "default")
+    predicted = built.manifest.plan.memory.rank_peak_bytes
+    lowered = [rank.peak_bytes for rank in built.manifest.plan.ranks]
+    assert all(abs(p - q) <= 0.05 * q for p, q in zip(predicted, lowered)), (predicted, lowered)
+    path = tessel.save(built, tmp_path / "gemma2")
+    decode = {sub.program for sub in built.manifest.submodels}
+    with zipfile.ZipFile(path) as z:
+        for name in decode:
+            _attends_to_the_cache_as_it_is(json.loads(z.read(name)))
+    ids, mask = _prompts("gemma2")
+    want = FAMILIES["gemma2"].make().model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+        cache_implementation="static", pad_token_id=built.manifest.generation.pad_token_id,
+    )  # fmt: skip
+    session = sessions.setdefault(1, tessel.Session())
+    session.load_graph(0, {}, path)
+    try:
+        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+    finally:
+        session.remove_graph(0)
+    assert torch.equal(got, want)
+
+
 # a model's own decoding settings (its generation_config), which transformers' generate applies
 # unasked: it stops at any of several tokens (as Llama 3's instruct models do), one of them
 # outside the vocabulary, which it can never make; it samples, penalises repeats, bans repeated
@@ -209,23 +236,32 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
 
 
 def _attends_to_the_cache_as_it_is(program: dict) -> None:
-    """A decode step reads each written cache in attention, or returns a view of it: nothing
-    repeats the grouped keys and values into a copy of the cache (`capture.grouped_queries`)."""
+    """A decode step reads each written cache, or views of it, in attention (an attention call
+    or a batched product), or returns a view of it: nothing repeats the grouped keys and values
+    into a copy of the cache (`capture.grouped_queries`)."""
     calls = [n for n in program["nodes"] if n["op"] == "call"]
-    readers: dict[str, list[str]] = {n["name"]: [] for n in calls}
+    readers: dict[str, list[dict]] = {n["name"]: [] for n in calls}
     returned = json.dumps(program["nodes"][-1]["args"])
     for n in calls:
         for read in re.findall(r'"\$node": "([^"]+)"', json.dumps([n["args"], n["kwargs"]])):
-            readers.setdefault(read, []).append(n["target"])
+            readers.setdefault(read, []).append(n)
     caches = [n["name"] for n in calls if n["target"] == "aten.index_put_.default"]
     assert caches
+    views = ("aten.view.default", "aten.permute.default")
+    reads = ("aten.scaled_dot_product_attention.default", "aten.bmm.default")
     for name in caches:
-        assert "aten.scaled_dot_product_attention.default" in readers[name], name
-        for target in readers[name]:
-            assert target in ("aten.scaled_dot_product_attention.default", "aten.view.default")
-        views = [n["name"] for n in calls if n["target"] == "aten.view.default"
-                 and n["args"][0] == {"$node": name}]  # fmt: skip
-        assert all(not readers[v] and f'"{v}"' in returned for v in views), views
+        seen, todo, attended = set(), [name], False
+        while todo:  # the cache and its views: read by attention, viewed, or returned
+            node = todo.pop()
+            seen.add(node)
+            if not readers[node]:
+                assert node != name and f'"{node}"' in returned, node
+            for reader in readers[node]:
+                assert reader["target"] in views + reads, (node, reader["target"])
+                attended |= reader["target"] in reads
+                if reader["target"] in views and reader["name"] not in seen:
+                    todo.append(reader["name"])
+        assert attended, name
 
 
 @pytest.fixture(scope="module")

@@ -113,3 +113,51 @@ def test_the_memory_model_holds_the_folded_copy_as_no_storage():
         clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
         assert len(clones) == 2
         assert [is_view(n) for n in clones] == [free, free]
+
+
+def _eager_attention(group: int, cap: float = 50.0):
+    """Attention as eager `transformers` models (Gemma-2) write it: products over the repeated
+    keys and values, with soft-capping and the mask between them."""
+
+    def run(q, k, v, mask):
+        scores = torch.matmul(q, _repeated(k, group).transpose(2, 3)) * q.shape[-1] ** -0.5
+        scores = torch.tanh(scores / cap) * cap + mask
+        out = torch.matmul(torch.softmax(scores, dim=-1), _repeated(v, group))
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    return run
+
+
+@pytest.mark.parametrize("b,kv_heads,group,slots,d", [(1, 2, 2, 5, 4), (3, 2, 7, 9, 16)])
+def test_eager_attention_s_products_read_the_cache_as_it_is_and_give_the_same_attention(
+    b, kv_heads, group, slots, d
+):
+    q, k, v, mask = _inputs(b, kv_heads, group, 1, slots, d, "float")
+    fn = _eager_attention(group)
+    gm = _traced(fn, q, k, v, mask)
+    assert _targets(gm).count(torch.ops.aten.clone.default) == 2  # keys and values repeated
+    assert fold_grouped_queries(gm.graph) == 2
+    gm.recompile()
+    assert torch.ops.aten.clone.default not in _targets(gm)
+    for cache in [n for n in gm.graph.nodes if n.op == "placeholder"][1:3]:
+        for reader in cache.users:  # the keys (transposed) and values, viewed as a batch
+            assert reader.target in (torch.ops.aten.permute.default, torch.ops.aten.view.default), (
+                reader.target
+            )
+    torch.testing.assert_close(gm(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
+
+
+def test_eager_attention_over_several_tokens_is_left_and_counted_as_it_is():
+    from tessel.plan.memory import is_view
+
+    for tokens, folds in ((1, 2), (3, 0)):
+        q, k, v, mask = _inputs(2, 2, 3, tokens, 8, 4, "float")
+        gm = _traced(_eager_attention(3), q, k, v, mask)
+        clones = [  # the repeats' copies (several tokens' products copy their operands too)
+            n
+            for n in gm.graph.nodes
+            if n.target is torch.ops.aten.clone.default
+            and n.args[0].args[0].target is torch.ops.aten.unsqueeze.default
+        ]
+        assert [is_view(n) for n in clones] == [folds > 0] * 2
+        assert fold_grouped_queries(gm.graph) == folds

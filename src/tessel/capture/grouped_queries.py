@@ -9,7 +9,14 @@ stand instead: queries `[B, kv heads, group, D]` attend to the keys and values a
 mask broadcast over the group, and the result viewed back as `[B, heads, 1, D]`. Each query head
 meets the same keys, values and mask as before, so the result is the same attention.
 
-`fold_grouped_queries` makes that rewrite on each traced rank program wherever the pattern is
+Eager attention (Gemma-2's, with its soft-capping) multiplies instead: the scores are a batched
+matrix product of the queries `[B * heads, 1, D]` with the repeated keys, transposed, and the
+output one of the weights `[B * heads, 1, S]` with the repeated values. There the group's rows
+stand side by side in the same way: `[B * kv heads, group, D]` against the keys as they are,
+viewed back as `[B * heads, 1, S]`, with whatever runs between the two products (scaling,
+capping, the mask, the softmax) left as it was.
+
+`fold_grouped_queries` makes those rewrites on each traced rank program wherever the pattern is
 exact on the rank's local shapes; anything else (several query tokens, a causal flag, a mask
 that differs between heads, a slice between the repeat and the attention) is left as it is.
 The planner's memory model counts the repeat's copy as holding nothing (`repeat_left_unread`):
@@ -27,6 +34,9 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _CLONE = torch.ops.aten.clone.default
 _EXPAND = torch.ops.aten.expand.default
 _UNSQUEEZE = torch.ops.aten.unsqueeze.default
+_BMM = torch.ops.aten.bmm.default
+_PERMUTE = torch.ops.aten.permute.default
+_TRANSPOSE = torch.ops.aten.transpose.int
 
 
 def fold_grouped_queries(graph: fx.Graph) -> int:
@@ -35,7 +45,11 @@ def fold_grouped_queries(graph: fx.Graph) -> int:
     are removed."""
     folded = 0
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _ATTENTION and _fold(graph, node):
+        if node.op != "call_function":
+            continue
+        if node.target is _ATTENTION and _fold(graph, node):
+            folded += 1
+        elif node.target is _BMM and _fold_product(graph, node):
             folded += 1
     if folded:
         graph.eliminate_dead_code()
@@ -99,10 +113,26 @@ def repeat_left_unread(node: fx.Node) -> bool:
     if len(views) != 1 or views[0].target not in _VIEWS:
         return False
     readers = list(views[0].users)
-    return bool(readers) and all(
-        r.op == "call_function" and r.target is _ATTENTION and _foldable(r) is not None
-        for r in readers
-    )
+    return bool(readers) and all(_reads_through_a_fold(r) for r in readers)
+
+
+def _reads_through_a_fold(reader: fx.Node) -> bool:
+    """Whether `reader` of a repeat is an attention call or the way into a product that
+    the fold rewrites to read the unrepeated tensor instead."""
+    if reader.op != "call_function":
+        return False
+    if reader.target is _ATTENTION:
+        return _foldable(reader) is not None
+    node = reader
+    for _ in range(3):  # a transpose (keys), expand, view: then the product, the repeat its right
+        users = list(node.users)
+        if len(users) != 1:
+            return False
+        if users[0].target is _BMM:
+            product = users[0]
+            return product.args[1] is node and _foldable_product(product) is not None
+        node = users[0]
+    return False
 
 
 def _foldable(node: fx.Node) -> tuple | None:
@@ -155,6 +185,100 @@ def _fold(graph: fx.Graph, node: fx.Node) -> bool:
         laid_out.meta["val"] = attended.meta["val"].contiguous()
         result = graph.call_function(_VIEWS[0], (laid_out, list(out.shape)))
         result.meta["val"] = laid_out.meta["val"].view(out.shape)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return True
+
+
+def _batched_repeat(node: object) -> tuple[fx.Node, bool, int] | None:
+    """(the tensor `[B, kv heads, S, D]` repeated, whether it is transposed, the group size)
+    where `node` is the repeat, transposed or not, batched for a product:
+    `view(expand(repeat or permute(repeat, [0, 1, 3, 2])), [B * heads, ., .])` with an expand
+    that changes no shape."""
+    if not (isinstance(node, fx.Node) and node.target in _VIEWS):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target is _EXPAND):
+        return None
+    inner = expand.args[0]
+    inner_val, expanded = _val(inner), _val(expand)
+    if inner_val is None or expanded is None or inner_val.shape != expanded.shape:
+        return None
+    transposed = False
+    if isinstance(inner, fx.Node) and inner.target in (_PERMUTE, _TRANSPOSE):
+        dims = inner.args[1] if inner.target is _PERMUTE else _swap(*inner.args[1:3])
+        if [d % 4 for d in dims] != [0, 1, 3, 2]:
+            return None
+        transposed, inner = True, inner.args[0]
+    repeated = _val(inner)
+    if repeated is None or repeated.dim() != 4:
+        return None
+    found = _unrepeated(inner, repeated.shape[1])
+    if found is None:
+        return None
+    return found[0], transposed, found[1]
+
+
+def _swap(first: int, second: int) -> list[int]:
+    """The permutation of four dimensions that `transpose(first, second)` makes."""
+    dims = [0, 1, 2, 3]
+    dims[first % 4], dims[second % 4] = dims[second % 4], dims[first % 4]
+    return dims
+
+
+def _foldable_product(node: fx.Node) -> tuple[fx.Node, bool, int] | None:
+    """(the unrepeated tensor, whether it is transposed, the group size) of a product of one
+    token's rows `[B * heads, 1, n]` with a batched repeat that the fold keeps the same; None
+    for any other."""
+    rows, out = _val(node.args[0]), _val(node)
+    found = _batched_repeat(node.args[1])
+    if found is None or rows is None or out is None or rows.dim() != 3 or rows.shape[1] != 1:
+        return None
+    source, transposed, group = found
+    kv = _val(source)
+    assert kv is not None
+    b, kv_heads = kv.shape[:2]
+    if group < 2 or rows.shape[0] != b * kv_heads * group:
+        return None
+    side = kv.transpose(2, 3) if transposed else kv
+    if not _viewable(side, [b * kv_heads, *side.shape[2:]]):
+        return None
+    return found
+
+
+def _viewable(val: torch.Tensor, shape: list[int]) -> bool:
+    try:
+        val.view(shape)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _fold_product(graph: fx.Graph, node: fx.Node) -> bool:
+    found = _foldable_product(node)
+    if found is None:
+        return False
+    source, transposed, group = found
+    rows, out, kv = _val(node.args[0]), _val(node), _val(source)
+    assert rows is not None and out is not None and kv is not None
+    b, kv_heads = kv.shape[:2]
+    with graph.inserting_before(node):
+        # one token's rows of a group side by side: [B * heads, 1, n] splits as is
+        grouped = graph.call_function(
+            _VIEWS[0], (node.args[0], [b * kv_heads, group, rows.shape[2]])
+        )
+        grouped.meta["val"] = rows.view(b * kv_heads, group, rows.shape[2])
+        side, side_val = source, kv
+        if transposed:
+            side = graph.call_function(_PERMUTE, (source, [0, 1, 3, 2]))
+            side_val = kv.permute(0, 1, 3, 2)
+            side.meta["val"] = side_val
+        batched = graph.call_function(_VIEWS[0], (side, [b * kv_heads, *side_val.shape[2:]]))
+        batched.meta["val"] = side_val.view(b * kv_heads, *side_val.shape[2:])
+        product = graph.call_function(_BMM, (grouped, batched))
+        product.meta["val"] = out.new_empty((b * kv_heads, group, out.shape[2]))
+        result = graph.call_function(_VIEWS[0], (product, list(out.shape)))
+        result.meta["val"] = product.meta["val"].view(out.shape)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return True
