@@ -42,7 +42,13 @@ _SPLITS = [[3, 0, 5], [1, 4, 0], [0, 2, 7]]  # rows rank p sends to rank q: _SPL
 
 
 def _cases(rank: int, world: str, pair: str) -> dict[str, object]:
-    """Every collective on this rank, as a program calls it."""
+    """Every collective on this rank, as a program calls it: issued, then waited on."""
+    out = _issued(rank, world, pair)
+    wait = shared_memory.wait_tensor
+    return {k: [wait(x) for x in v] if isinstance(v, list) else wait(v) for k, v in out.items()}
+
+
+def _issued(rank: int, world: str, pair: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         x = _value(rank, (37, 5), dtype, 1)
@@ -200,6 +206,38 @@ def test_every_collective_gives_what_torch_s_gives_on_every_rank(tmp_path):
             assert results[0][4][name] == results[1][4][name] == results[2][4][name], name
 
 
+def _rank_issuing_in_its_own_order(rank: int, store: str, results: dict) -> None:
+    """Ranks 0 and 2 issue a collective of each group before waiting on either, each in its
+    own order (as a pipeline stage posts its receives first): the groups' collectives run on
+    their own threads, as gloo's do, so neither waits for the other."""
+    world, pair = _start(rank, store)
+    try:
+        # the pair listed sender first, as a pipeline's channels are: torch numbers its
+        # members in rank order all the same, so its source 1 is rank 2
+        shared_memory.join(
+            {(0, 1, 2): world, _PAIR[::-1]: pair}, rank, shared_memory.library(), 60.0
+        )
+        x = torch.full((5,), float(rank + 1))
+        if rank == 0:
+            first = shared_memory.all_reduce(x, "sum", world)
+            second = shared_memory.broadcast(x, 1, pair)
+        elif rank == 2:
+            second = shared_memory.broadcast(x, 1, pair)
+            first = shared_memory.all_reduce(x, "sum", world)
+        else:
+            first = second = shared_memory.all_reduce(x, "sum", world)
+        x.fill_(-1.0)  # written after the issue: the collectives saw it as it was
+        wait = shared_memory.wait_tensor
+        results[rank] = (wait(first).tolist(), wait(second).tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_of_several_groups_issued_in_different_orders_all_complete(tmp_path):
+    results = _spawn(_rank_issuing_in_its_own_order, tmp_path)
+    assert results == {r: ([6.0] * 5, [6.0 if r == 1 else 3.0] * 5) for r in range(_WORLD)}
+
+
 def _rank_on_two_machines(rank: int, store: str, results: dict) -> None:
     world, pair = _start(rank, store)
     try:
@@ -230,7 +268,7 @@ def _rank_with_a_peer_that_dies(rank: int, store: str, results: dict) -> None:
         os._exit(0)  # gone before the collective; its parent has not reaped it yet
     start = time.monotonic()
     try:
-        shared_memory.all_reduce(torch.ones(4), "sum", world)
+        shared_memory.wait_tensor(shared_memory.all_reduce(torch.ones(4), "sum", world))
         results[rank] = "no error"
     except shared_memory.CollectiveError as exc:
         results[rank] = (str(exc), time.monotonic() - start < 60)

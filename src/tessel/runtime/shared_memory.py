@@ -14,6 +14,12 @@ each did after reading round k - 2 from the same set, so no rank overwrites what
 yet to read. Larger tensors go in several rounds of one slot each. Every rank reduces the same
 values in rank order, so every rank's sum is the same, bit for bit.
 
+A program issues a collective and waits on it later, possibly after issuing others (a pipeline
+stage posts every receive when it starts): each group's collectives therefore run in the order
+they are issued on a thread of the group's own, as gloo runs them, and a wait blocks until its
+collective is done. Meeting at the issue instead would deadlock ranks that issue collectives of
+several groups in different orders.
+
 `join` sets up the segments of a package's groups at load (every rank calls it, in the same
 order); `rewrite` points a program's collectives on those groups here, by group name, with the
 signatures of torch's functional collectives. A group with members on other machines, or a
@@ -27,10 +33,13 @@ import functools
 import hashlib
 import logging
 import mmap
+import operator
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +49,7 @@ import torch.distributed as dist
 from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
+from tessel.lower.program import ProgramError
 from tessel.runtime import native
 
 log = logging.getLogger(__name__)
@@ -85,7 +95,7 @@ class SharedMemoryGroup:
         timeout_s: float,
         slot_bytes: int = SLOT_BYTES,
     ) -> None:
-        self.ranks = tuple(ranks)
+        self.ranks = tuple(sorted(ranks))  # torch numbers a group's members in rank order
         self.size = len(self.ranks)
         self.me = self.ranks.index(rank)
         self.slot_bytes = slot_bytes
@@ -97,6 +107,24 @@ class SharedMemoryGroup:
         self._sets = whole[header:].view(2, self.size, slot_bytes)
         self._meet = meet
         self._round = 0
+        self._jobs: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
+        self._runner: threading.Thread | None = None
+
+    def issue(self, collective: Callable[..., Any], *args: Any) -> _Pending:
+        """Run `collective(*args)` on the group's thread after every collective issued before
+        it; its result is the returned handle's, at `wait_tensor`."""
+        pending = _Pending(collective, args)
+        if self._runner is None:
+            self._runner = threading.Thread(
+                target=self._run, name=f"tessel-shm-{self.ranks}", daemon=True
+            )
+            self._runner.start()
+        self._jobs.put(pending)
+        return pending
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get().run()
 
     # rounds
 
@@ -386,52 +414,112 @@ def _map(file: Path, size: int) -> mmap.mmap | None:
         os.close(fd)
 
 
-# torch's functional collectives, by name, as a program calls them on a joined group
+class _Pending:
+    """A collective issued to a group's thread: its result once it has run."""
+
+    __slots__ = ("_args", "_collective", "_done", "_error", "_value")
+
+    def __init__(self, collective: Callable[..., Any], args: tuple) -> None:
+        self._collective, self._args = collective, args
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._value = self._collective(*self._args)
+        except BaseException as exc:  # noqa: BLE001 - raised where the program waits on it
+            self._error = exc
+        self._args = ()
+        self._done.set()
+
+    def result(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
-def all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-    return _JOINED[group_name].all_reduce(x, op)
+class _Item:
+    """One tensor of a coalesced collective's list."""
+
+    __slots__ = ("_index", "_pending")
+
+    def __init__(self, pending: _Pending, index: int) -> None:
+        self._pending, self._index = pending, index
+
+    def result(self) -> torch.Tensor:
+        return self._pending.result()[self._index]
 
 
-def all_reduce_coalesced(xs: list[torch.Tensor], op: str, group_name: str) -> list[torch.Tensor]:
-    return [_JOINED[group_name].all_reduce(x, op) for x in xs]
+def _snapshot(x: torch.Tensor) -> torch.Tensor:
+    """`x` as it is when the collective is issued (the program may write it before it runs)."""
+    return x.clone(memory_format=torch.contiguous_format)
 
 
-def all_gather_into_tensor(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    return _JOINED[group_name].all_gather(x)
+def _each(collective: Callable[..., torch.Tensor]) -> Callable[..., list[torch.Tensor]]:
+    def run(xs: list[torch.Tensor], *rest: Any) -> list[torch.Tensor]:
+        return [collective(x, *rest) for x in xs]
+
+    return run
+
+
+# torch's functional collectives, by name, as a program calls them on a joined group: each
+# returns a handle that `wait_tensor` turns into its result
+
+
+def all_reduce(x: torch.Tensor, op: str, group_name: str) -> _Pending:
+    group = _JOINED[group_name]
+    return group.issue(group.all_reduce, _snapshot(x), op)
+
+
+def all_reduce_coalesced(xs: list[torch.Tensor], op: str, group_name: str) -> list[_Item]:
+    group = _JOINED[group_name]
+    pending = group.issue(_each(group.all_reduce), [_snapshot(x) for x in xs], op)
+    return [_Item(pending, i) for i in range(len(xs))]
+
+
+def all_gather_into_tensor(x: torch.Tensor, group_size: int, group_name: str) -> _Pending:
+    group = _JOINED[group_name]
+    return group.issue(group.all_gather, _snapshot(x))
 
 
 def all_gather_into_tensor_coalesced(
     xs: list[torch.Tensor], group_size: int, group_name: str
-) -> list[torch.Tensor]:
-    return [_JOINED[group_name].all_gather(x) for x in xs]
+) -> list[_Item]:
+    group = _JOINED[group_name]
+    pending = group.issue(_each(group.all_gather), [_snapshot(x) for x in xs])
+    return [_Item(pending, i) for i in range(len(xs))]
 
 
-def reduce_scatter_tensor(
-    x: torch.Tensor, op: str, group_size: int, group_name: str
-) -> torch.Tensor:
-    return _JOINED[group_name].reduce_scatter(x, op)
+def reduce_scatter_tensor(x: torch.Tensor, op: str, group_size: int, group_name: str) -> _Pending:
+    group = _JOINED[group_name]
+    return group.issue(group.reduce_scatter, _snapshot(x), op)
 
 
 def reduce_scatter_tensor_coalesced(
     xs: list[torch.Tensor], op: str, group_size: int, group_name: str
-) -> list[torch.Tensor]:
-    return [_JOINED[group_name].reduce_scatter(x, op) for x in xs]
+) -> list[_Item]:
+    group = _JOINED[group_name]
+    pending = group.issue(_each(group.reduce_scatter), [_snapshot(x) for x in xs], op)
+    return [_Item(pending, i) for i in range(len(xs))]
 
 
 def all_to_all_single(
     x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str
-) -> torch.Tensor:
-    return _JOINED[group_name].all_to_all(x, output_split_sizes, input_split_sizes)
+) -> _Pending:
+    group = _JOINED[group_name]
+    return group.issue(group.all_to_all, _snapshot(x), output_split_sizes, input_split_sizes)
 
 
-def broadcast(x: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
-    return _JOINED[group_name].broadcast(x, src)
+def broadcast(x: torch.Tensor, src: int, group_name: str) -> _Pending:
+    group = _JOINED[group_name]
+    return group.issue(group.broadcast, _snapshot(x), src)
 
 
 def wait_tensor(x: Any) -> Any:
-    """A shared-memory collective is complete when it returns."""
-    return x
+    """The result of an issued shared-memory collective, once it has run."""
+    return x.result() if isinstance(x, (_Pending, _Item)) else x
 
 
 _CALLS: dict[str, Callable[..., Any]] = {
@@ -456,6 +544,7 @@ def rewrite(program: fx.GraphModule, names: set[str]) -> int:
     for node in program.graph.nodes:
         name = _collective_name(node)
         if name in _CALLS and node.args[-1] in names:
+            _check_waited(node)
             node.target = _CALLS[name]
             moved.add(node)
         elif name == "wait_tensor" and _source(node.args[0]) in moved:
@@ -463,6 +552,14 @@ def rewrite(program: fx.GraphModule, names: set[str]) -> int:
     if moved:
         program.recompile()
     return len(moved)
+
+
+def _check_waited(node: fx.Node) -> None:
+    """A collective's result (each item of a coalesced one's) is read only by its waits."""
+    for user in node.users:
+        readers = user.users if user.target is operator.getitem else {user: None}
+        if not readers or any(_collective_name(r) != "wait_tensor" for r in readers):
+            raise ProgramError(f"{node.name} is read before it is waited on")
 
 
 def _collective_name(node: fx.Node) -> str:
