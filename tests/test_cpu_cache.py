@@ -5,7 +5,6 @@ without it and say so."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -62,20 +61,6 @@ def test_kept_blocks_serve_their_size_and_the_total_stays_within_the_peak_in_use
         for counts in (r["during"], r["after"]):
             held = counts["cpu_cache_used_bytes"] + counts["cpu_cache_kept_bytes"]
             assert held <= counts["cpu_cache_bound_bytes"] == peak
-
-
-def test_without_a_compiler_workers_run_without_the_cache_and_say_so(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("TESSEL_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_cache.library.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="tessel.runtime.cpu_cache"):
-            assert cpu_cache.library() is None
-    finally:
-        cpu_cache.library.cache_clear()
-    assert "run without their block cache" in caplog.text
-    assert "no-such-compiler" in caplog.text
-    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is published
 
 
 @needs_cache

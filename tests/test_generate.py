@@ -77,27 +77,33 @@ def test_generate_equals_transformers_generate(
         for rank in built.manifest.plan.ranks:
             assert rank.weight_bytes < whole
     path = tessel.save(built, tmp_path / family)
-    ids, mask = _prompts(family)
-    model = FAMILIES[family].make().model  # a fresh copy: the build leaves the model as it was
-    want = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=NEW,
-        do_sample=False,
-        cache_implementation="static",
-        pad_token_id=gears.pad_token_id,
+    want, got, streamed = _generate_both_ways(
+        family, built, path, sessions.setdefault(devices, tessel.Session()), stream=True
     )
-    session = sessions.setdefault(devices, tessel.Session())
+    assert torch.equal(got, want)
+    prompt = _prompts(family)[0].shape[1]
+    assert torch.equal(torch.stack(streamed, dim=1), want[:, prompt:])
+
+
+def _generate_both_ways(family, built, path, session, *, stream=False):
+    """transformers' tokens (a fresh copy of the model: the build leaves it as it was) and the
+    session's for the family's prompts; with `stream`, the session's streamed steps too."""
+    ids, mask = _prompts(family)
+    want = FAMILIES[family].make().model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+        cache_implementation="static", pad_token_id=built.manifest.generation.pad_token_id,
+    )  # fmt: skip
     session.load_graph(0, {}, path)
     try:
         got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
-        streamed = list(
-            session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW, stream=True)
+        streamed = (
+            list(session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW, stream=True))
+            if stream
+            else None
         )
     finally:
         session.remove_graph(0)
-    assert torch.equal(got, want)
-    assert torch.equal(torch.stack(streamed, dim=1), want[:, ids.shape[1] :])
+    return want, got, streamed
 
 
 def test_eager_attention_decodes_over_the_cache_as_it_is(sessions, tmp_path) -> None:
@@ -113,17 +119,9 @@ def test_eager_attention_decodes_over_the_cache_as_it_is(sessions, tmp_path) -> 
     with zipfile.ZipFile(path) as z:
         for name in decode:
             _attends_to_the_cache_as_it_is(json.loads(z.read(name)))
-    ids, mask = _prompts("gemma2")
-    want = FAMILIES["gemma2"].make().model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-        cache_implementation="static", pad_token_id=built.manifest.generation.pad_token_id,
-    )  # fmt: skip
-    session = sessions.setdefault(1, tessel.Session())
-    session.load_graph(0, {}, path)
-    try:
-        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
-    finally:
-        session.remove_graph(0)
+    want, got, _ = _generate_both_ways(
+        "gemma2", built, path, sessions.setdefault(1, tessel.Session())
+    )
     assert torch.equal(got, want)
 
 

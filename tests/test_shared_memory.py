@@ -5,7 +5,6 @@ outlives the load."""
 
 from __future__ import annotations
 
-import logging
 import operator
 import os
 import time
@@ -278,17 +277,3 @@ def test_a_dead_peer_is_an_error_not_a_hang(tmp_path):
     results = _spawn(_rank_with_a_peer_that_dies, tmp_path)
     message = "rank 1 of group [0, 1, 2] died during a collective"
     assert results == {0: (message, True), 2: (message, True)}
-
-
-def test_without_a_compiler_workers_meet_through_gloo_and_say_so(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("TESSEL_CACHE_DIR", str(tmp_path / "cache"))
-    shared_memory.library.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="tessel.runtime.shared_memory"):
-            assert shared_memory.library() is None
-    finally:
-        shared_memory.library.cache_clear()
-    assert "meet through gloo's sockets only" in caplog.text
-    assert "no-such-compiler" in caplog.text
-    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is published

@@ -17,8 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
-import sys
 
 from tessel.runtime import native
 
@@ -31,20 +29,14 @@ STATS = ("used_bytes", "kept_bytes", "bound_bytes", "hits", "misses", "dropped")
 def library() -> str | None:
     """The compiled cache for this torch, built on first use; None (with a warning, once) where
     it cannot be built: not Linux, no C++ compiler, or no torch headers."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        path = native.build("cpu_cache", against_torch=True, log=log)
-        ctypes.CDLL(str(path)).tessel_cpu_cache_stats  # noqa: B018 - it links and has its symbols
-    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        log.warning(
-            "tessel: CPU workers run without their block cache (%s); each step then maps "
-            "fresh memory for its activations, which is slower. Install a C++ compiler (or set "
-            "CXX) to build it.",
-            native.reason(exc),
-        )
-        return None
-    return str(path)
+    return native.load(
+        "cpu_cache",
+        "tessel_cpu_cache_stats",
+        against_torch=True,
+        log=log,
+        without="CPU workers run without their block cache; each step then maps fresh memory "
+        "for its activations, which is slower",
+    )
 
 
 _installed: ctypes.CDLL | None = None

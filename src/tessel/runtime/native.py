@@ -9,12 +9,14 @@ once: a library is built under a temporary name and published in one step.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -80,6 +82,27 @@ def build(name: str, *, against_torch: bool, log: logging.Logger) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def load(
+    name: str, symbol: str, *, against_torch: bool, log: logging.Logger, without: str
+) -> str | None:
+    """The path of the compiled `<name>.cpp`, checked to link and export `symbol`; None, with
+    a warning that names the cause and then says `without` (what runs instead), where it cannot
+    be built: not Linux, no C++ compiler, or no torch headers."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        path = build(name, against_torch=against_torch, log=log)
+        getattr(ctypes.CDLL(str(path)), symbol)
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        log.warning(
+            "tessel: %s (%s). Install a C++ compiler (or set CXX) to build it.",
+            without,
+            reason(exc),
+        )
+        return None
+    return str(path)
 
 
 def reason(exc: BaseException) -> str:

@@ -37,8 +37,6 @@ import operator
 import os
 import queue
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,20 +65,16 @@ class CollectiveError(RuntimeError):
 def library() -> str | None:
     """The compiled meeting point, built on first use; None (with a warning, once) where it
     cannot be: not Linux, or no C++ compiler. Workers then meet through gloo alone."""
-    if not sys.platform.startswith("linux") or not _SHM_DIR.is_dir():
+    if not _SHM_DIR.is_dir():
         return None
-    try:
-        path = native.build("shared_memory", against_torch=False, log=log)
-        ctypes.CDLL(str(path)).tessel_shm_meet  # noqa: B018 - it links and has its symbols
-    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        log.warning(
-            "tessel: CPU workers meet through gloo's sockets only (%s), which is slower for "
-            "small collectives. Install a C++ compiler (or set CXX) to build the shared-memory "
-            "path.",
-            native.reason(exc),
-        )
-        return None
-    return str(path)
+    return native.load(
+        "shared_memory",
+        "tessel_shm_meet",
+        against_torch=False,
+        log=log,
+        without="CPU workers meet through gloo's sockets only, which is slower for small "
+        "collectives",
+    )
 
 
 class SharedMemoryGroup:
