@@ -267,3 +267,21 @@ def test_a_fit_is_never_refused_when_the_integer_program_runs_out_of_time(monkey
     assert "least memory" in solution.fallback
     with pytest.raises(InfeasibleError):
         solve(Problem(sizes, linear, {}, rows, 0.5))
+
+
+def test_a_busy_machines_wall_clock_leaves_the_answer_as_it_is(monkeypatch):
+    """The searches' time limits count this process's CPU seconds: a wall clock that runs far
+    ahead of them (a machine busy with other builds, or a test's workers) stops no search
+    early, so the plan is the one an idle machine finds, and does not say it owes the clock."""
+    import time
+
+    sizes = {"a": 2, "b": 2}
+    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 1.0])}
+    rows = [MemoryRow({"a": np.array([4.0, 1.0])}), MemoryRow({"b": np.array([4.0, 1.0])})]
+    idle = solve(Problem(sizes, linear, {}, rows, 3.0), time_limit=10.0)
+    wall = itertools.count(0.0, 1000.0)  # each reading 1000 s past the last
+    monkeypatch.setattr(time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(time, "monotonic", lambda: next(wall))
+    busy = solve(Problem(sizes, linear, {}, rows, 3.0), time_limit=10.0)
+    assert busy.choice == idle.choice == {"a": 1, "b": 1}
+    assert not busy.stopped_by_clock and not idle.stopped_by_clock

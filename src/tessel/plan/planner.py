@@ -128,7 +128,7 @@ def make_plan(
     param_targets, weight_tensors, families, choices = _candidates(captured, mesh, banned, fixed)
     timings["strategies"] = time.perf_counter() - t0
 
-    t1 = time.perf_counter()
+    t1, searching = time.perf_counter(), ilp.cpu_seconds()
     like = placed_like(graph, param_targets)
     state = set(like.values()) if state_outputs(graph) else set()
     problem = _problem(graph, choices, cluster, mesh, axes, like, state)
@@ -168,7 +168,7 @@ def make_plan(
         held = memory.held(solution.choice)
         if held.peak_bytes > device_bytes - reserve:
             problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
-            left = max(1.0, time_limit - (time.perf_counter() - t1))
+            left = max(1.0, time_limit - (ilp.cpu_seconds() - searching))
             solution = SOLVERS[method](problem, left, fastest=solution)
             held = memory.held(solution.choice)
     except OutOfTimeError as exc:

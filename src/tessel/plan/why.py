@@ -21,7 +21,6 @@ the first that holds of:
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tessel.capture.layers import layer_of
 from tessel.plan import dp
-from tessel.plan.ilp import MIP_GAP
+from tessel.plan.ilp import MIP_GAP, cpu_seconds
 from tessel.plan.memory import MemoryModel
 from tessel.plan.planner import Plan
 from tessel.plan.problem import Problem
@@ -42,7 +41,7 @@ REASONS = ("buffer", "fixed", "unsplittable", "no_rule", "faster", "memory", "to
 # decisions re-solved per weight: a transformer layer has fewer (a Llama layer 82); past it,
 # the nearest (on a 4-layer Llama planned without layers, 64 gave the estimates 256 did)
 REGION_DECISIONS = 128
-# seconds spent on the estimates of one plan; weights past it are reported as not estimated
+# CPU seconds spent on the estimates of one plan; weights past it are reported as not estimated
 TIME_BUDGET = 5.0
 _FORBIDDEN = 1e9  # seconds: a cost no chosen strategy has, to keep a weight off replicas
 
@@ -75,13 +74,13 @@ def replicated_weights(plan: Plan, time_budget: float = TIME_BUDGET) -> dict[str
             continue
         by_owner[plan.choices[n].owner or n].append(fqn)
     solver = _Resolver(plan, problem, held)
-    start = time.perf_counter()
+    start = cpu_seconds()
     out: dict[str, Replicated] = {}
     for owner, fqns in by_owner.items():
         axes = _replicated_axes(plan, plan.out_placements(owner))
         if not axes:
             continue
-        if time.perf_counter() - start > time_budget:
+        if cpu_seconds() - start > time_budget:
             why = Replicated(
                 "skipped",
                 axes,
