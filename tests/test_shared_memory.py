@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 import time
 
 import pytest
@@ -40,44 +41,48 @@ def _value(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> 
 _SPLITS = [[3, 0, 5], [1, 4, 0], [0, 2, 7]]  # rows rank p sends to rank q: _SPLITS[p][q]
 
 
-def _cases(rank: int, world: str, pair: str) -> dict[str, object]:
-    """Every collective on this rank, as a program calls it: issued, then waited on."""
-    out = _issued(rank, world, pair)
+def _cases(rank: int, world: str, pair: str, now: bool = False) -> dict[str, object]:
+    """Every collective on this rank, as a program calls it: issued, then waited on; with
+    `now`, as a program that waits on each before the next calls it (run at the issue)."""
+    out = _issued(rank, world, pair, now)
     wait = shared_memory.wait_tensor
     return {k: [wait(x) for x in v] if isinstance(v, list) else wait(v) for k, v in out.items()}
 
 
-def _issued(rank: int, world: str, pair: str) -> dict[str, object]:
+def _issued(rank: int, world: str, pair: str, now: bool = False) -> dict[str, object]:
     out: dict[str, object] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         x = _value(rank, (37, 5), dtype, 1)
         for op in ("sum", "avg", "product", "min", "max"):
             if op == "avg" and not dtype.is_floating_point:
                 continue
-            out[f"all_reduce {op} {dtype}"] = shared_memory.all_reduce(x, op, world)
+            out[f"all_reduce {op} {dtype}"] = shared_memory.all_reduce(x, op, world, now)
         out[f"reduce_scatter {dtype}"] = shared_memory.reduce_scatter_tensor(
-            _value(rank, (3 * 13, 3), dtype, 2), "sum", _WORLD, world
+            _value(rank, (3 * 13, 3), dtype, 2), "sum", _WORLD, world, now
         )
     out["all_gather bool"] = shared_memory.all_gather_into_tensor(
-        _value(rank, (11, 9), torch.bool, 3), _WORLD, world
+        _value(rank, (11, 9), torch.bool, 3), _WORLD, world, now
     )
     out["all_gather coalesced"] = shared_memory.all_gather_into_tensor_coalesced(
         [_value(rank, (2, 100), torch.float32, 4), _value(rank, (1,), torch.int64, 5)],
         _WORLD,
         world,
+        now,
     )
-    out["broadcast"] = shared_memory.broadcast(_value(rank, (70, 3), torch.float32, 6), 1, world)
+    out["broadcast"] = shared_memory.broadcast(
+        _value(rank, (70, 3), torch.float32, 6), 1, world, now
+    )
     sends = _SPLITS[rank]
     receives = [_SPLITS[p][rank] for p in range(_WORLD)]
     out["all_to_all"] = shared_memory.all_to_all_single(
-        _value(rank, (sum(sends), 17), torch.float32, 7), receives, sends, world
+        _value(rank, (sum(sends), 17), torch.float32, 7), receives, sends, world, now
     )
     out["all_to_all empty"] = shared_memory.all_to_all_single(
-        torch.empty(0, 4), [0] * _WORLD, [0] * _WORLD, world
+        torch.empty(0, 4), [0] * _WORLD, [0] * _WORLD, world, now
     )
     if rank in _PAIR:  # a second group, its rounds its own
         out["pair all_reduce"] = shared_memory.all_reduce(
-            _value(rank, (130,), torch.float32, 8), "sum", pair
+            _value(rank, (130,), torch.float32, 8), "sum", pair, now
         )
     return out
 
@@ -133,6 +138,26 @@ def _program(group: str) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
+def _program_in_turn(group: str) -> fx.GraphModule:
+    """A program that waits on each collective before it issues the next."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    summed = graph.call_function(_COLLECTIVE.all_reduce.default, (x, "sum", group))
+    later = graph.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))
+    total = graph.call_function(_COLLECTIVE.wait_tensor.default, (summed,))
+    gathered = graph.call_function(
+        _COLLECTIVE.all_gather_into_tensor_coalesced.default, ([total, x], _WORLD, group)
+    )
+    first = graph.call_function(operator.getitem, (gathered, 1))
+    whole = graph.call_function(_COLLECTIVE.wait_tensor.default, (first,))
+    graph.output((total, whole, later))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _group_threads() -> int:
+    return sum(t.name.startswith("tessel-shm") for t in threading.enumerate())
+
+
 def _start(rank: int, store: str) -> tuple[str, str]:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=_WORLD)
     pair = dist.new_group(list(_PAIR))
@@ -147,15 +172,22 @@ def _rank(rank: int, store: str, results: dict) -> None:
             {(0, 1, 2): world, _PAIR: pair}, rank, shared_memory.library(), 60.0, _SLOT
         )
         maps = [line for line in open("/proc/self/maps") if "/dev/shm/tessel-" in line]
+        x = _value(rank, (9, 4), torch.float32, 9)
+        # first at the issue, in this thread: no group starts a thread of its own
+        in_turn = _program_in_turn(world)
+        assert shared_memory.rewrite(in_turn, joined) == 2
+        ran_in_turn = [t.tolist() for t in in_turn(x)]
+        at_issue = {k: _plain(v) for k, v in _cases(rank, world, pair, now=True).items()}
+        threads_at_issue = _group_threads()
         program = _program(world)
         assert shared_memory.rewrite(program, joined) == 2
-        x = _value(rank, (9, 4), torch.float32, 9)
         results[rank] = (
             joined,
             maps,
             {str(n.target) for n in program.graph.nodes if n.op == "call_function"},
             [t.tolist() for t in program(x)],
             {k: _plain(v) for k, v in _cases(rank, world, pair).items()},
+            (ran_in_turn, at_issue, threads_at_issue, _group_threads()),
         )
     finally:
         dist.destroy_process_group()
@@ -182,13 +214,18 @@ def _spawn(target, tmp_path, *extra) -> dict:
 def test_every_collective_gives_what_torch_s_gives_on_every_rank(tmp_path):
     results = _spawn(_rank, tmp_path)
     for rank in range(_WORLD):
-        joined, maps, targets, got, cases = results[rank]
+        joined, maps, targets, got, cases, (in_turn, at_issue, before, after) = results[rank]
         assert len(joined) == (2 if rank in _PAIR else 1)
         # mapped, and the files already removed: nothing is left in /dev/shm after the load
         assert len(maps) == len(joined) and all(m.rstrip().endswith("(deleted)") for m in maps)
         assert not any(C10D_FUNCTIONAL in t for t in targets), targets
         x = [_value(r, (9, 4), torch.float32, 9) for r in range(_WORLD)]
         assert got == [(x[0] + x[1] + x[2]).tolist(), torch.cat(x).tolist(), (x[rank] * 3).tolist()]
+        # the program that waits in turn ran its collectives at the issue, with no threads;
+        # the one that issues two before waiting, and the cases issued, started their groups'
+        assert in_turn == [got[0], got[1], got[2]]
+        assert at_issue == cases
+        assert (before, after) == (0, len(joined))
         expected = {k: _plain(v) for k, v in _expected(rank).items()}
         assert cases.keys() == expected.keys()
         for name, value in expected.items():

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from tessel._torch import C10D_FUNCTIONAL
+from tessel._torch import C10D_FUNCTIONAL, tree_map
 from tessel.lower.program import ProgramError
 from tessel.runtime import native
 
@@ -103,6 +103,14 @@ class SharedMemoryGroup:
         self._round = 0
         self._jobs: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._runner: threading.Thread | None = None
+        self._issued = self._finished = 0
+
+    def call(self, now: bool, collective: Callable[..., Any], *args: Any) -> Any:
+        """`collective(*args)`: with `now`, run here and its result returned, where the group's
+        thread has nothing in flight (else issued behind what it has); otherwise issued."""
+        if now and self._issued == self._finished:
+            return collective(*args)
+        return self.issue(collective, *_snapshot(args))
 
     def issue(self, collective: Callable[..., Any], *args: Any) -> _Pending:
         """Run `collective(*args)` on the group's thread after every collective issued before
@@ -113,12 +121,17 @@ class SharedMemoryGroup:
                 target=self._run, name=f"tessel-shm-{self.ranks}", daemon=True
             )
             self._runner.start()
+        self._issued += 1
         self._jobs.put(pending)
         return pending
 
     def _run(self) -> None:
+        # each count is written by one thread only: issued by the program's, finished here
         while True:
-            self._jobs.get().run()
+            job = self._jobs.get()
+            job.run()
+            self._finished += 1
+            job.signal()
 
     # rounds
 
@@ -425,6 +438,8 @@ class _Pending:
         except BaseException as exc:  # noqa: BLE001 - raised where the program waits on it
             self._error = exc
         self._args = ()
+
+    def signal(self) -> None:
         self._done.set()
 
     def result(self) -> Any:
@@ -446,9 +461,15 @@ class _Item:
         return self._pending.result()[self._index]
 
 
-def _snapshot(x: torch.Tensor) -> torch.Tensor:
-    """`x` as it is when the collective is issued (the program may write it before it runs)."""
-    return x.clone(memory_format=torch.contiguous_format)
+def _snapshot(args: tuple) -> tuple:
+    """`args`' tensors as they are when the collective is issued (the program may write them
+    before it runs)."""
+    return tree_map(
+        lambda x: (
+            x.clone(memory_format=torch.contiguous_format) if isinstance(x, torch.Tensor) else x
+        ),
+        args,
+    )
 
 
 def _each(collective: Callable[..., torch.Tensor]) -> Callable[..., list[torch.Tensor]]:
@@ -458,57 +479,73 @@ def _each(collective: Callable[..., torch.Tensor]) -> Callable[..., list[torch.T
     return run
 
 
-# torch's functional collectives, by name, as a program calls them on a joined group: each
-# returns a handle that `wait_tensor` turns into its result
+def _items(result: Any, count: int) -> Any:
+    """A coalesced collective's list: its tensors, or handles to each where it was issued."""
+    if isinstance(result, _Pending):
+        return [_Item(result, i) for i in range(count)]
+    return result
 
 
-def all_reduce(x: torch.Tensor, op: str, group_name: str) -> _Pending:
+# torch's functional collectives, by name, as a program calls them on a joined group. `rewrite`
+# appends `now`: true in a program that waits on each collective before it issues the next,
+# where the collective runs at once in the program's thread; otherwise each returns a handle
+# that `wait_tensor` turns into its result
+
+
+def all_reduce(x: torch.Tensor, op: str, group_name: str, now: bool = False) -> Any:
     group = _JOINED[group_name]
-    return group.issue(group.all_reduce, _snapshot(x), op)
+    return group.call(now, group.all_reduce, x, op)
 
 
-def all_reduce_coalesced(xs: list[torch.Tensor], op: str, group_name: str) -> list[_Item]:
+def all_reduce_coalesced(
+    xs: list[torch.Tensor], op: str, group_name: str, now: bool = False
+) -> Any:
     group = _JOINED[group_name]
-    pending = group.issue(_each(group.all_reduce), [_snapshot(x) for x in xs], op)
-    return [_Item(pending, i) for i in range(len(xs))]
+    return _items(group.call(now, _each(group.all_reduce), xs, op), len(xs))
 
 
-def all_gather_into_tensor(x: torch.Tensor, group_size: int, group_name: str) -> _Pending:
+def all_gather_into_tensor(
+    x: torch.Tensor, group_size: int, group_name: str, now: bool = False
+) -> Any:
     group = _JOINED[group_name]
-    return group.issue(group.all_gather, _snapshot(x))
+    return group.call(now, group.all_gather, x)
 
 
 def all_gather_into_tensor_coalesced(
-    xs: list[torch.Tensor], group_size: int, group_name: str
-) -> list[_Item]:
+    xs: list[torch.Tensor], group_size: int, group_name: str, now: bool = False
+) -> Any:
     group = _JOINED[group_name]
-    pending = group.issue(_each(group.all_gather), [_snapshot(x) for x in xs])
-    return [_Item(pending, i) for i in range(len(xs))]
+    return _items(group.call(now, _each(group.all_gather), xs), len(xs))
 
 
-def reduce_scatter_tensor(x: torch.Tensor, op: str, group_size: int, group_name: str) -> _Pending:
+def reduce_scatter_tensor(
+    x: torch.Tensor, op: str, group_size: int, group_name: str, now: bool = False
+) -> Any:
     group = _JOINED[group_name]
-    return group.issue(group.reduce_scatter, _snapshot(x), op)
+    return group.call(now, group.reduce_scatter, x, op)
 
 
 def reduce_scatter_tensor_coalesced(
-    xs: list[torch.Tensor], op: str, group_size: int, group_name: str
-) -> list[_Item]:
+    xs: list[torch.Tensor], op: str, group_size: int, group_name: str, now: bool = False
+) -> Any:
     group = _JOINED[group_name]
-    pending = group.issue(_each(group.reduce_scatter), [_snapshot(x) for x in xs], op)
-    return [_Item(pending, i) for i in range(len(xs))]
+    return _items(group.call(now, _each(group.reduce_scatter), xs, op), len(xs))
 
 
 def all_to_all_single(
-    x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str
-) -> _Pending:
+    x: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group_name: str,
+    now: bool = False,
+) -> Any:
     group = _JOINED[group_name]
-    return group.issue(group.all_to_all, _snapshot(x), output_split_sizes, input_split_sizes)
+    return group.call(now, group.all_to_all, x, output_split_sizes, input_split_sizes)
 
 
-def broadcast(x: torch.Tensor, src: int, group_name: str) -> _Pending:
+def broadcast(x: torch.Tensor, src: int, group_name: str, now: bool = False) -> Any:
     group = _JOINED[group_name]
-    return group.issue(group.broadcast, _snapshot(x), src)
+    return group.call(now, group.broadcast, x, src)
 
 
 def wait_tensor(x: Any) -> Any:
@@ -533,19 +570,48 @@ _CALLS: dict[str, Callable[..., Any]] = {
 
 def rewrite(program: fx.GraphModule, names: set[str]) -> int:
     """Point `program`'s collectives on the groups named in `names` (and their waits) at the
-    shared-memory ones, in place; returns how many collectives it rewrote."""
+    shared-memory ones, in place; returns how many collectives it rewrote.
+
+    Where the program waits on each collective before it issues the next (of any group), its
+    collectives run at once in its own thread: every rank then reaches each collective in the
+    order it would wait on it on the group's thread, so no rank can be held where it would not
+    be, and the hand-off to that thread is saved. A program that issues several before waiting
+    (a pipeline stage posting its receives) keeps the group's thread.
+    """
+    now = _waits_in_turn(program)
     moved: set[fx.Node] = set()
     for node in program.graph.nodes:
         name = _collective_name(node)
         if name in _CALLS and node.args[-1] in names:
             _check_waited(node)
             node.target = _CALLS[name]
+            node.args = (*node.args, now)
             moved.add(node)
         elif name == "wait_tensor" and _source(node.args[0]) in moved:
             node.target = wait_tensor
     if moved:
         program.recompile()
+        log.debug(
+            "%d collectives in shared memory, run %s",
+            len(moved),
+            "at the issue" if now else "on their groups' threads",
+        )
     return len(moved)
+
+
+def _waits_in_turn(program: fx.GraphModule) -> bool:
+    """Whether `program` waits on each collective it issues before it issues another."""
+    waiting: fx.Node | None = None
+    for node in program.graph.nodes:
+        name = _collective_name(node)
+        if name == "wait_tensor":
+            if _source(node.args[0]) is waiting:
+                waiting = None
+        elif name:
+            if waiting is not None:
+                return False
+            waiting = node
+    return waiting is None
 
 
 def _check_waited(node: fx.Node) -> None:
