@@ -14,11 +14,13 @@ each did after reading round k - 2 from the same set, so no rank overwrites what
 yet to read. Larger tensors go in several rounds of one slot each. Every rank reduces the same
 values in rank order, so every rank's sum is the same, bit for bit.
 
-A program issues a collective and waits on it later, possibly after issuing others (a pipeline
-stage posts every receive when it starts): each group's collectives therefore run in the order
-they are issued on a thread of the group's own, as gloo runs them, and a wait blocks until its
-collective is done. Meeting at the issue instead would deadlock ranks that issue collectives of
-several groups in different orders.
+A program issues a collective and waits on it later. Where it waits on each before it issues
+the next (a decode step, most forward passes), its collectives run at the issue, in its own
+thread: every rank reaches each collective when it would have waited on it anyway. A program
+that issues several before waiting (a pipeline stage posts every receive when it starts) runs
+each group's collectives on a thread of the group's own, in the order issued, as gloo runs them:
+meeting at the issue there would deadlock ranks that issue collectives of several groups in
+different orders. `rewrite` decides which, per program.
 
 `join` sets up the segments of a package's groups at load (every rank calls it, in the same
 order); `rewrite` points a program's collectives on those groups here, by group name, with the
@@ -570,14 +572,10 @@ _CALLS: dict[str, Callable[..., Any]] = {
 
 def rewrite(program: fx.GraphModule, names: set[str]) -> int:
     """Point `program`'s collectives on the groups named in `names` (and their waits) at the
-    shared-memory ones, in place; returns how many collectives it rewrote.
-
-    Where the program waits on each collective before it issues the next (of any group), its
-    collectives run at once in its own thread: every rank then reaches each collective in the
-    order it would wait on it on the group's thread, so no rank can be held where it would not
-    be, and the hand-off to that thread is saved. A program that issues several before waiting
-    (a pipeline stage posting its receives) keeps the group's thread.
-    """
+    shared-memory ones, in place; returns how many collectives it rewrote. Each call gets a
+    last argument, `now`: whether the program waits on each collective (of any group) before it
+    issues the next, so its collectives can run at the issue without the hand-off to their
+    groups' threads (see the module's docstring)."""
     now = _waits_in_turn(program)
     moved: set[fx.Node] = set()
     for node in program.graph.nodes:
