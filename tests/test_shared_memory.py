@@ -168,9 +168,12 @@ def _start(rank: int, store: str) -> tuple[str, str]:
 def _rank(rank: int, store: str, results: dict) -> None:
     world, pair = _start(rank, store)
     try:
+        # rank 1 waits as on a machine with fewer cores than ranks: it sleeps at once
         joined = shared_memory.join(
-            {(0, 1, 2): world, _PAIR: pair}, rank, shared_memory.library(), 60.0, _SLOT
-        )
+            {(0, 1, 2): world, _PAIR: pair}, rank, shared_memory.library(), 60.0, _SLOT,
+            crowded=rank == 1,
+        )  # fmt: skip
+        patience = {g._patience for g in shared_memory._JOINED.values()}
         maps = [line for line in open("/proc/self/maps") if "/dev/shm/tessel-" in line]
         x = _value(rank, (9, 4), torch.float32, 9)
         # first at the issue, in this thread: no group starts a thread of its own
@@ -188,6 +191,7 @@ def _rank(rank: int, store: str, results: dict) -> None:
             [t.tolist() for t in program(x)],
             {k: _plain(v) for k, v in _cases(rank, world, pair).items()},
             (ran_in_turn, at_issue, threads_at_issue, _group_threads()),
+            patience,
         )
     finally:
         dist.destroy_process_group()
@@ -214,8 +218,12 @@ def _spawn(target, tmp_path, *extra) -> dict:
 def test_every_collective_gives_what_torch_s_gives_on_every_rank(tmp_path):
     results = _spawn(_rank, tmp_path)
     for rank in range(_WORLD):
-        joined, maps, targets, got, cases, (in_turn, at_issue, before, after) = results[rank]
+        joined, maps, targets, got, cases, (in_turn, at_issue, before, after), patience = results[
+            rank
+        ]
         assert len(joined) == (2 if rank in _PAIR else 1)
+        waits = (0, 0.0) if rank == 1 else (shared_memory.SPINS, shared_memory.YIELD_S)
+        assert patience == {waits}
         # mapped, and the files already removed: nothing is left in /dev/shm after the load
         assert len(maps) == len(joined) and all(m.rstrip().endswith("(deleted)") for m in maps)
         assert not any(C10D_FUNCTIONAL in t for t in targets), targets

@@ -233,3 +233,26 @@ def test_cpu_flash_attention_splits_grouped_heads_evenly_and_keeps_broadcast_mas
     assert _cpu_attention((2, 4, 8, 4), mask_shape=(2, 1, 8, 8), backward=True)[2] == (
         "S(1), S(1), S(1), S(1), S(1), S(1), R -> (S(1), S(1), S(1))"
     )
+
+
+@pytest.mark.parametrize("size", [(8, 6), (3,)])
+def test_one_output_per_input_placement_the_one_dtensors_dispatch_gives(size):
+    # new_zeros may replicate its output or, at its input's shape, follow the input: DTensor's
+    # rule offers both, and its dispatch runs one; a plan counting on the other is refused late
+    from torch.distributed.tensor import DTensor
+
+    from tessel.lower.trace import fake_world
+
+    x = torch.empty(8, 6)
+    found = op_strategies(torch.ops.aten.new_zeros.default, (_any_placement(x), list(size)), {},
+                          torch.empty(size), MESH)  # fmt: skip
+    outputs: dict = {}
+    for s in found:
+        ins, out = _placements(s)
+        outputs.setdefault(ins, []).append(out)
+    assert len(outputs) == 3  # R, S(0) and S(1) inputs
+    with fake_world(0, (2,)) as mesh:
+        for (placements,), offered in outputs.items():
+            local = DTensor.from_local(torch.empty(8, 6), mesh, [Replicate()], run_check=False)
+            dispatched = local.redistribute(mesh, placements).new_zeros(size).placements
+            assert offered == [tuple(dispatched)], (placements, offered)

@@ -22,6 +22,7 @@ from tessel._torch import (
     OpStrategy,
     StridedShard,
     TensorMeta,
+    TupleStrategy,
     expand_to_full_mesh_op_strategy,
     fill_single_dim_strategy_placeholders,
     insert_single_dim_replication_strategy,
@@ -165,7 +166,50 @@ def op_strategies(
         return None
     if not isinstance(result, OpStrategy):
         return None
-    return _dedup(result)
+    return _as_dispatched(op, args, kwargs, _dedup(result))
+
+
+def _as_dispatched(
+    op: OpOverload, args: tuple, kwargs: dict, strategies: list[NodeStrategy]
+) -> list[NodeStrategy]:
+    """`strategies` less those DTensor's dispatch never runs: where a rule offers several
+    outputs for one set of input placements (a factory like `new_zeros` may replicate its
+    output or follow its input), dispatch, given inputs in those placements, picks one, and a
+    plan that counts on another would be refused when it is lowered. DTensor is asked which.
+
+    Left as they are where the op's tensor arguments are not all top-level positional ones."""
+    by_inputs: dict[tuple, list[NodeStrategy]] = {}
+    for s in strategies:
+        by_inputs.setdefault(tuple(_key(i) for i in s.inputs), []).append(s)
+    if all(len(group) == 1 for group in by_inputs.values()):
+        return strategies
+    positions = [i for i, a in enumerate(args) if isinstance(a, OpStrategy)]
+    if any(_holds_strategy(a) for a in args) or any(
+        isinstance(v, OpStrategy) or _holds_strategy(v) for v in kwargs.values()
+    ):
+        return strategies
+    prop = sharding_propagator()
+    dropped: set[int] = set()
+    for group in by_inputs.values():
+        inputs = group[0].inputs
+        if len(group) == 1 or len(inputs) != len(positions) or None in inputs:
+            continue
+        placed = list(args)
+        for position, spec in zip(positions, inputs):
+            placed[position] = spec
+        info = prop.op_to_schema_info.get(op)
+        try:
+            chosen = prop.propagate_op_sharding_non_cached(
+                OpSchema(op, tuple(placed), kwargs, schema_info=info)
+            ).output_spec
+        except Exception:  # noqa: BLE001  (DTensor's own refusal: the lowering will say why)
+            continue
+        if chosen is None or isinstance(chosen, (list, tuple)):
+            continue
+        if not any(_key(s.output) == _key(chosen) for s in group):
+            continue
+        dropped.update(id(s) for s in group if _key(s.output) != _key(chosen))
+    return [s for s in strategies if id(s) not in dropped]
 
 
 def _attention_strategies(
@@ -215,6 +259,15 @@ def _attention_input(
 
 LOCAL_RULES = {torch.ops.aten.scaled_dot_product_attention.default: _attention_strategies}
 """Ops tessel places itself and lowers by running them on the local shards."""
+
+
+def _holds_strategy(arg: Any) -> bool:
+    """Whether `arg` is a list or a tuple strategy holding some tensor's strategy."""
+    if isinstance(arg, TupleStrategy):
+        return True
+    return isinstance(arg, (list, tuple)) and any(
+        isinstance(a, (OpStrategy, TupleStrategy)) for a in arg
+    )
 
 
 def _dedup(result: OpStrategy) -> list[NodeStrategy]:

@@ -6,9 +6,10 @@
 //   line r + 1:  uint32 round     (the last round rank r reached; rounds count from 1 and wrap)
 //                int32 pid        (rank r's process, to tell a slow rank from a dead one)
 // A rank publishes its round with a release store after writing its data, and a reader's
-// acquire load of every round makes their data visible before it reads it. A waiter spins a
-// little (its peers are usually a few microseconds away), then yields, then sleeps on the
-// futex of the rank it waits for, which that rank wakes when it arrives.
+// acquire load of every round makes their data visible before it reads it. A waiter polls
+// `spins` times (its peers are usually a few microseconds away), then yields for `yield_s`
+// seconds, then sleeps on the futex of the rank it waits for, which that rank wakes when it
+// arrives; the caller gives no polls and no yields where the peer may be waiting for its core.
 
 #include <cerrno>
 #include <climits>
@@ -26,8 +27,6 @@
 namespace {
 
 constexpr int kLine = 64;
-constexpr int kSpins = 1000;         // busy polls before yielding
-constexpr double kYieldS = 50e-6;    // yields before sleeping
 constexpr long kSleepNs = 10000000;  // the longest sleep between checks of the clock
 
 uint32_t* sleepers(char* segment) { return reinterpret_cast<uint32_t*>(segment); }
@@ -86,9 +85,11 @@ void tessel_shm_join(char* segment, int rank) {
   __atomic_store_n(pid_of(segment, rank), static_cast<int32_t>(getpid()), __ATOMIC_SEQ_CST);
 }
 
-// Reach `round` as `rank` of `ranks` and wait until every rank has. Returns -1 once they all
-// have; r when rank r has not within `timeout_s`; -2 - r when rank r's process is gone.
-int tessel_shm_meet(char* segment, int ranks, int rank, uint32_t round, double timeout_s) {
+// Reach `round` as `rank` of `ranks` and wait until every rank has (polling, yielding, then
+// sleeping, as above). Returns -1 once they all have; r when rank r has not within
+// `timeout_s`; -2 - r when rank r's process is gone.
+int tessel_shm_meet(char* segment, int ranks, int rank, uint32_t round, double timeout_s, int spins,
+                    double yield_s) {
   __atomic_store_n(round_of(segment, rank), round, __ATOMIC_SEQ_CST);
   // a waiter counts itself in before its last look at the round (both sequentially
   // consistent), so either it sees this round or this rank sees it counted and wakes it
@@ -102,12 +103,12 @@ int tessel_shm_meet(char* segment, int ranks, int rank, uint32_t round, double t
     for (long spin = 0;; ++spin) {
       uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
       if (reached(seen, round)) break;
-      if (spin < kSpins) {
+      if (spin < spins) {
         pause_briefly();
         continue;
       }
       const double t = now();
-      if (t - start < kYieldS) {
+      if (t - start < yield_s) {
         sched_yield();
         continue;
       }

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _LINE = 64
 SLOT_BYTES = 256 * 1024  # one rank's data per round: larger tensors take several rounds
+SPINS, YIELD_S = 1000, 50e-6  # a waiter's busy polls, then its time yielding, before it sleeps
 _SHM_DIR = Path("/dev/shm")
 
 
@@ -90,6 +91,7 @@ class SharedMemoryGroup:
         meet: Callable[..., int],
         timeout_s: float,
         slot_bytes: int = SLOT_BYTES,
+        crowded: bool = False,
     ) -> None:
         self.ranks = tuple(sorted(ranks))  # torch numbers a group's members in rank order
         self.size = len(self.ranks)
@@ -102,6 +104,10 @@ class SharedMemoryGroup:
         header = header_bytes(self.size)
         self._sets = whole[header:].view(2, self.size, slot_bytes)
         self._meet = meet
+        # a waiter polls, then yields, then sleeps until woken; where the machine's workers
+        # outnumber its cores, the peer it waits for may be waiting for this core: it sleeps
+        # at once and hands the core over
+        self._patience = (0, 0.0) if crowded else (SPINS, YIELD_S)
         self._round = 0
         self._jobs: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._runner: threading.Thread | None = None
@@ -144,8 +150,9 @@ class SharedMemoryGroup:
 
     def _arrive(self) -> None:
         late = self._meet(
-            self._address, self.size, self.me, self._round & 0xFFFFFFFF, self.timeout_s
-        )
+            self._address, self.size, self.me, self._round & 0xFFFFFFFF, self.timeout_s,
+            *self._patience,
+        )  # fmt: skip
         if late == -1:
             return
         if late >= 0:
@@ -306,10 +313,13 @@ def join(
     path: str,
     timeout_s: float,
     slot_bytes: int = SLOT_BYTES,
+    crowded: bool | None = None,
 ) -> set[str]:
     """Set up a segment for each of `groups` (rank lists to torch group names; "" where this
     rank is not a member) not set up before, whose members all run on this machine; returns the
-    names of every group of this rank's now in shared memory.
+    names of every group of this rank's now in shared memory. `crowded`: whether this machine's
+    ranks outnumber the cores this process may run on (then a rank that waits sleeps at once);
+    by default, counted.
 
     Every rank calls this with the same groups, in the same order: it meets the others over the
     world group (gloo) three times. The segments' files are removed once every member has
@@ -317,7 +327,7 @@ def join(
     """
     new = sorted(set(groups) - _TRIED)
     if new:
-        _join(new, groups, rank, path, timeout_s, slot_bytes)
+        _join(new, groups, rank, path, timeout_s, slot_bytes, crowded)
         _TRIED.update(new)
     return {name for name in _JOINED if name}
 
@@ -329,9 +339,13 @@ def _join(
     path: str,
     timeout_s: float,
     slot_bytes: int,
+    crowded: bool | None,
 ) -> None:
     meet = ctypes.CDLL(path).tessel_shm_meet
-    meet.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_double]
+    meet.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_double,
+        ctypes.c_int, ctypes.c_double,
+    ]  # fmt: skip
     meet.restype = ctypes.c_int
     joined = ctypes.CDLL(path).tessel_shm_join
     joined.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -350,6 +364,8 @@ def _join(
         return _SHM_DIR / f"tessel-{token}-{key}"
 
     local = [g for g in new if len({machine[r] for r in g}) == 1 and len(g) > 1]
+    if crowded is None:
+        crowded = machine.count(machine[rank]) > len(os.sched_getaffinity(0))
     created = torch.zeros(len(local), dtype=torch.int32)
     for i, ranks in enumerate(local):
         if ranks[0] == rank:
@@ -374,7 +390,7 @@ def _join(
         if not (created[i] and mapped[i]):
             segment.close()
             continue
-        group = SharedMemoryGroup(segment, ranks, rank, meet, timeout_s, slot_bytes)
+        group = SharedMemoryGroup(segment, ranks, rank, meet, timeout_s, slot_bytes, crowded)
         joined(group._address, group.me)
         _JOINED[names[ranks]] = group
     dist.barrier()  # every member has recorded its process before any program meets
