@@ -4,6 +4,7 @@ value traced on every rank of a fake mesh, its peak taken as the lowering takes 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -87,3 +88,21 @@ def test_moves_on_two_axes_are_counted_step_by_step_as_dtensor_takes_them(case) 
     shape, src, dst = case
     if src != dst:
         _check(shape, src, dst, (2, 3))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (3, 2, 2)])
+def test_dtensors_steps_for_a_move_depend_on_the_placements_not_the_sizes(mesh_shape) -> None:
+    # the memory model keeps DTensor's steps per placements and mesh (`redistribute_steps`):
+    # a torch whose planner picks other steps for other sizes must fail here
+    from tessel._torch import _greedy_steps, _greedy_steps_for
+
+    placements = [Replicate(), Partial(), Shard(0), Shard(1), Shard(2)]
+    if len(mesh_shape) > 2:  # fewer per axis, so the pairs stay a few thousand
+        placements = placements[:4]
+    combos = list(itertools.product(placements, repeat=len(mesh_shape)))
+    for src in combos:
+        for dst in combos:
+            kept = _greedy_steps(src, dst, mesh_shape, 3, torch.float32)
+            for shape in SHAPES:
+                got = _greedy_steps_for(torch.Size(shape), src, dst, mesh_shape, torch.float32)
+                assert got == kept, (src, dst, shape)
