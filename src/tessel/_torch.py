@@ -306,34 +306,32 @@ def redistribute_steps(
     first, and a shard that moves to another dim on one axis is an all-to-all on that axis.
     Which steps it takes depends on the placements and the mesh, not on the tensor's sizes
     (those only size each step), so they are kept per placements and mesh: the memory model
-    asks for the same move of many values. `tests/test_torch_internals.py` checks that
+    asks for the same move of many values. `tests/plan/test_moves.py` checks that
     independence on uneven and even shapes, so a torch that breaks it fails there.
     """
     if len(mesh_shape) == 1:
         return [] if src[0] == dst[0] else [(0, src[0], dst[0])]
-    return list(_greedy_steps(tuple(src), tuple(dst), tuple(mesh_shape), val.dim(), val.dtype))
+    return list(_greedy_steps(tuple(src), tuple(dst), tuple(mesh_shape), val.dim()))
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _greedy_steps(
-    src: tuple, dst: tuple, mesh_shape: tuple[int, ...], ndim: int, dtype: torch.dtype
+    src: tuple, dst: tuple, mesh_shape: tuple[int, ...], ndim: int
 ) -> tuple[tuple[int, Any, Any], ...]:
     """DTensor's greedy steps between `src` and `dst`, for a tensor of `ndim` dims whose every
     dim splits evenly over the whole mesh (see `redistribute_steps`)."""
-    return _greedy_steps_for(
-        torch.Size([2 * math.prod(mesh_shape)] * ndim), src, dst, mesh_shape, dtype
-    )
+    return _greedy_steps_for(torch.Size([2 * math.prod(mesh_shape)] * ndim), src, dst, mesh_shape)
 
 
 def _greedy_steps_for(
-    shape: torch.Size, src: tuple, dst: tuple, mesh_shape: tuple[int, ...], dtype: torch.dtype
+    shape: torch.Size, src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
 ) -> tuple[tuple[int, Any, Any], ...]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import get_redistribute_planner
 
     mesh = _mesh_of_shape(mesh_shape)
     stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-    meta = TensorMeta(shape, stride, dtype)
+    meta = TensorMeta(shape, stride, torch.float32)  # the steps depend on neither
     infos = get_redistribute_planner(mesh, meta).generate_greedy_transform_infos(
         DTensorSpec(mesh, src, meta), DTensorSpec(mesh, dst, meta)
     )

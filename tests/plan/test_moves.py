@@ -102,7 +102,7 @@ def test_dtensors_steps_for_a_move_depend_on_the_placements_not_the_sizes(mesh_s
     combos = list(itertools.product(placements, repeat=len(mesh_shape)))
     for src in combos:
         for dst in combos:
-            kept = _greedy_steps(src, dst, mesh_shape, 3, torch.float32)
+            kept = _greedy_steps(src, dst, mesh_shape, 3)
             for shape in SHAPES:
-                got = _greedy_steps_for(torch.Size(shape), src, dst, mesh_shape, torch.float32)
+                got = _greedy_steps_for(torch.Size(shape), src, dst, mesh_shape)
                 assert got == kept, (src, dst, shape)

@@ -183,12 +183,13 @@ def _as_dispatched(
         by_inputs.setdefault(tuple(_key(i) for i in s.inputs), []).append(s)
     if all(len(group) == 1 for group in by_inputs.values()):
         return strategies
-    positions = [i for i, a in enumerate(args) if isinstance(a, OpStrategy)]
     if any(_holds_strategy(a) for a in args) or any(
         isinstance(v, OpStrategy) or _holds_strategy(v) for v in kwargs.values()
     ):
         return strategies
+    positions = [i for i, a in enumerate(args) if isinstance(a, OpStrategy)]
     prop = sharding_propagator()
+    info = prop.op_to_schema_info.get(op)
     dropped: set[int] = set()
     for group in by_inputs.values():
         inputs = group[0].inputs
@@ -197,7 +198,6 @@ def _as_dispatched(
         placed = list(args)
         for position, spec in zip(positions, inputs):
             placed[position] = spec
-        info = prop.op_to_schema_info.get(op)
         try:
             chosen = prop.propagate_op_sharding_non_cached(
                 OpSchema(op, tuple(placed), kwargs, schema_info=info)
