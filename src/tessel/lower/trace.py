@@ -28,6 +28,7 @@ from tessel._torch import (
     MaskPartial,
     clear_dtensor_caches,
     fake_process_group,
+    local_tensor,
     merged_moves,
     redistribute,
     traced_graph_length,
@@ -315,7 +316,9 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
         if isinstance(value, DTensor):
             value = _move(env, a, value, tuple(targets[j].placements))
             if all(isinstance(p, Replicate) for p in value.placements):
-                local = value.to_local()
+                # the shard itself, not `to_local`'s view of it: that view is traced into the
+                # program (and dropped again) for every replicated input
+                local = local_tensor(value)
                 remade = _laid_out(local, a.meta.get("val"))
                 if remade is not local:
                     value = DTensor.from_local(remade, mesh, value.placements, run_check=False)
@@ -467,7 +470,7 @@ def _run_local(n: fx.Node, args: Any, kwargs: Any, plan: Plan, mesh: DeviceMesh)
     """An op whose planned layout makes it shard-local: run it on the local tensors."""
 
     def local(a: Any) -> Any:
-        return a.to_local() if isinstance(a, DTensor) else a
+        return local_tensor(a) if isinstance(a, DTensor) else a
 
     out = _operator(n)(*tree_map(local, args), **tree_map(local, kwargs))
     return _wrap(out, mesh, plan.out_placements(n), n.meta["val"])
@@ -507,7 +510,7 @@ def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
         if isinstance(a, fx.Node):
             value = env[a]
             if isinstance(value, DTensor):
-                return _laid_out(_move(env, a, value, whole).to_local(), a.meta.get("val"))
+                return _laid_out(local_tensor(_move(env, a, value, whole)), a.meta.get("val"))
             return value
         return _whole(a, mesh)
 
