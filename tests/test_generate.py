@@ -215,7 +215,6 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
     assert held == [total // 2, total // 2]
     assert "per rank 256.00 KiB (total / 2: 256.00 KiB)" in str(built)
     path = tessel.save(built, tmp_path / "llama")
-    decode = {sub.program for sub in manifest.submodels}
     with zipfile.ZipFile(path) as z:
         for name in z.namelist():
             if name.endswith(".safetensors"):
@@ -229,14 +228,13 @@ def test_the_cache_is_declared_per_rank_and_never_stored(llama_with_settings, tm
                     reads = json.dumps([node.get("args"), node.get("kwargs")])
                     if any(f'"$node": "{w}"' in reads for w in written):
                         assert node["target"] == "aten.index_put_.default", node
-                if name in decode:
-                    _attends_to_the_cache_as_it_is(program)
+                _attends_to_the_cache_as_it_is(program)  # the decode gear's and the prompts'
 
 
 def _attends_to_the_cache_as_it_is(program: dict) -> None:
-    """A decode step reads each written cache, or views of it, in attention (an attention call
-    or a batched product), or returns a view of it: nothing repeats the grouped keys and values
-    into a copy of the cache (`capture.grouped_queries`)."""
+    """A gear (a decode step or a prompt) reads each written cache, or views of it, in
+    attention (an attention call or a batched product), or returns a view of it: nothing
+    repeats the grouped keys and values into a copy of the cache (`capture.grouped_queries`)."""
     calls = [n for n in program["nodes"] if n["op"] == "call"]
     readers: dict[str, list[dict]] = {n["name"]: [] for n in calls}
     returned = json.dumps(program["nodes"][-1]["args"])

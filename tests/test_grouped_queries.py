@@ -1,5 +1,5 @@
-"""Single-token attention over grouped keys and values: the fold that stops a decode step from
-copying the KV cache gives the same attention, and touches nothing else."""
+"""Attention over grouped keys and values: the folds that stop a decode step, a prompt or any
+forward from copying the keys and values give the same attention, and touch nothing else."""
 
 from __future__ import annotations
 
@@ -71,29 +71,48 @@ def test_one_query_token_attends_to_the_cache_as_it_is_and_gives_the_same_attent
         torch.testing.assert_close(gm(*args), fn(*args), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
 @pytest.mark.parametrize(
-    "why,tokens,is_causal,per_head_mask",
-    [
-        ("several query tokens", 3, False, False),
-        ("a causal flag", 1, True, False),
-        ("a mask that differs between heads", 1, False, True),
-    ],
+    "b,kv_heads,group,tokens,slots,d",
+    [(1, 2, 2, 3, 5, 4), (2, 3, 4, 16, 16, 8), (3, 2, 7, 4, 9, 16), (2, 2, 3, 1, 6, 4)],
 )
-def test_attention_the_fold_cannot_keep_the_same_is_left_as_it_is(
-    why, tokens, is_causal, per_head_mask
+def test_several_query_tokens_attend_member_by_member_to_the_keys_as_they_are(
+    b, kv_heads, group, tokens, slots, d, mask_kind
 ):
+    """A prompt's tokens (or a causal forward's): one call per member of each group over the
+    keys and values themselves, stacked back into the layout the single call returned."""
+    q, k, v, mask = _inputs(b, kv_heads, group, tokens, slots, d, mask_kind)
+    for is_causal, scale in ((False, None), (False, 0.3), (mask is None, None)):
+        if tokens == 1 and not is_causal:
+            continue  # one token without a causal flag: one call (the test above)
+        fn = _attention(group, is_causal=is_causal, scale=scale)
+        gm = _traced(fn, q, k, v, mask)
+        attention = next(n for n in gm.graph.nodes if "scaled_dot" in str(n.target))
+        out, reader = attention.meta["val"], next(iter(attention.users))
+        assert fold_grouped_queries(gm.graph) == 1
+        gm.recompile()
+        targets = _targets(gm)
+        assert torch.ops.aten.expand.default not in targets  # nothing repeats keys or values
+        assert torch.ops.aten.clone.default not in targets
+        calls = [n for n in gm.graph.nodes if "scaled_dot" in str(n.target)]
+        assert len(calls) == group
+        for call in calls:
+            assert call.args[1].op == "placeholder" and call.args[2].op == "placeholder"
+        result = reader.args[0]  # what the model reads where it read the single call's
+        assert (result.meta["val"].shape, result.meta["val"].stride()) == (out.shape, out.stride())
+        torch.testing.assert_close(gm(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
+
+
+def test_a_mask_that_differs_between_heads_is_left_as_it_is():
     b, kv_heads, group, slots, d = 2, 2, 3, 8, 4
-    q, k, v, mask = _inputs(b, kv_heads, group, tokens, slots, d, "bool")
-    if is_causal:
-        mask = None
-    if per_head_mask:
+    for tokens in (1, 3):
+        q, k, v, mask = _inputs(b, kv_heads, group, tokens, slots, d, "bool")
         mask = mask.expand(b, kv_heads * group, tokens, slots).clone()
         mask[:, 1, ..., 1:] = False
-    fn = _attention(group, is_causal=is_causal)
-    gm = _traced(fn, q, k, v, mask)
-    before = _targets(gm)
-    assert fold_grouped_queries(gm.graph) == 0, why
-    assert _targets(gm) == before
+        gm = _traced(_attention(group), q, k, v, mask)
+        before = _targets(gm)
+        assert fold_grouped_queries(gm.graph) == 0
+        assert _targets(gm) == before
 
 
 def test_attention_without_grouped_heads_is_left_as_it_is():
@@ -107,8 +126,10 @@ def test_the_memory_model_holds_the_folded_copy_as_no_storage():
     fold cannot remove it."""
     from tessel.plan.memory import is_view
 
-    for tokens, free in ((1, True), (3, False)):
+    for tokens, per_head, free in ((1, False, True), (3, False, True), (3, True, False)):
         q, k, v, mask = _inputs(2, 2, 3, tokens, 8, 4, "bool")
+        if per_head:
+            mask = mask.expand(2, 6, tokens, 8).clone()
         gm = _traced(_attention(3), q, k, v, mask)
         clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
         assert len(clones) == 2

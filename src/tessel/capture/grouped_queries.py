@@ -1,24 +1,31 @@
-"""Single-token attention over grouped keys and values without copying them.
+"""Attention over grouped keys and values without copying them.
 
 A model with fewer key/value heads than query heads (grouped-query attention) repeats each
 key/value head for its group of query heads before attention: `transformers` traces this as an
 `expand` and a contiguous `clone` of the keys and of the values, `[B, kv heads, group, S, D]`,
-viewed as `[B, heads, S, D]`. For a decode step (one query token) those are the whole KV cache,
-copied on every step. With one query token the group's query heads can stand where the tokens
-stand instead: queries `[B, kv heads, group, D]` attend to the keys and values as they are, the
-mask broadcast over the group, and the result viewed back as `[B, heads, 1, D]`. Each query head
-meets the same keys, values and mask as before, so the result is the same attention.
+viewed as `[B, heads, S, D]`. In a generation gear those are the whole KV cache, copied on every
+step; in any forward they are a copy of every layer's keys and values. Two rewrites read them
+as they are instead, each meeting every query head with the same keys, values and mask as
+before, so the result is the same attention:
+
+- one query token: the group's query heads stand where the tokens stand, queries
+  `[B, kv heads, group, D]` attending to the keys and values in one call, the mask broadcast
+  over the group, the result viewed back as `[B, heads, 1, D]`;
+- several query tokens (a prompt, a causal flag): one attention call per member of the group,
+  its query heads `[B, kv heads, T, D]` (a strided view of the queries) against the keys and
+  values as they are, the mask as given; the calls' results are stacked in the layout the
+  single call returned.
 
 Eager attention (Gemma-2's, with its soft-capping) multiplies instead: the scores are a batched
 matrix product of the queries `[B * heads, 1, D]` with the repeated keys, transposed, and the
-output one of the weights `[B * heads, 1, S]` with the repeated values. There the group's rows
-stand side by side in the same way: `[B * kv heads, group, D]` against the keys as they are,
-viewed back as `[B * heads, 1, S]`, with whatever runs between the two products (scaling,
-capping, the mask, the softmax) left as it was.
+output one of the weights `[B * heads, 1, S]` with the repeated values. There, for one query
+token, the group's rows stand side by side in the same way: `[B * kv heads, group, D]` against
+the keys as they are, viewed back as `[B * heads, 1, S]`, with whatever runs between the two
+products (scaling, capping, the mask, the softmax) left as it was.
 
 `fold_grouped_queries` makes those rewrites on each traced rank program wherever the pattern is
-exact on the rank's local shapes; anything else (several query tokens, a causal flag, a mask
-that differs between heads, a slice between the repeat and the attention) is left as it is.
+exact on the rank's local shapes; anything else (a mask that differs between heads, a slice
+between the repeat and the attention, eager products over several tokens) is left as it is.
 The planner's memory model counts the repeat's copy as holding nothing (`repeat_left_unread`):
 where a plan leaves a rank's pattern inexact (more ranks than KV heads), the lowered program's
 measured peak is the one the build checks.
@@ -37,6 +44,8 @@ _UNSQUEEZE = torch.ops.aten.unsqueeze.default
 _BMM = torch.ops.aten.bmm.default
 _PERMUTE = torch.ops.aten.permute.default
 _TRANSPOSE = torch.ops.aten.transpose.int
+_SELECT = torch.ops.aten.select.int
+_STACK = torch.ops.aten.stack.default
 
 
 def fold_grouped_queries(graph: fx.Graph) -> int:
@@ -136,58 +145,131 @@ def _reads_through_a_fold(reader: fx.Node) -> bool:
 
 
 def _foldable(node: fx.Node) -> tuple | None:
-    """(its arguments, the unrepeated keys and values, the group size) of an attention call
-    the fold keeps the same; None for any other."""
+    """(its arguments, the unrepeated keys and values, the group size, and how the fold
+    rewrites it: "tokens" or "groups") of an attention call the fold keeps the same; None for
+    any other."""
     args = _arguments(node)
     query, out = _val(args and args.get("query")), _val(node)
-    if args is None or query is None or out is None or query.dim() != 4:
+    if args is None or query is None or out is None or query.dim() != 4 or out.dim() != 4:
         return None
     heads, tokens = query.shape[1], query.shape[2]
-    if tokens != 1 or args.get("is_causal", False) or args.get("dropout_p", 0.0) != 0.0:
-        return None
-    if args.get("enable_gqa", False):
+    if args.get("dropout_p", 0.0) != 0.0 or args.get("enable_gqa", False):
         return None
     key = _unrepeated(args.get("key"), heads)
     value = _unrepeated(args.get("value"), heads)
     if key is None or value is None or key[1] != value[1] or key[1] < 2:
         return None
     mask = args.get("attn_mask")
-    if mask is not None:
-        m = _val(mask)
-        if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
-            return None  # a mask per head or per token cannot broadcast over the group
-    return args, key[0], value[0], key[1]
+    m = _val(mask) if mask is not None else None
+    if mask is not None and (m is None or (m.dim() == 4 and m.shape[1] != 1)):
+        return None  # a mask per head cannot stand for every head of a group
+    causal = bool(args.get("is_causal", False))
+    if tokens == 1 and not causal and (m is None or (m.dim() == 4 and m.shape[2] == 1)):
+        return args, key[0], value[0], key[1], "tokens"
+    if _stacked_layout(out, key[1]) is None:
+        return None
+    return args, key[0], value[0], key[1], "groups"
+
+
+def _stacked_layout(out: torch.Tensor, group: int) -> str | None:
+    """How the per-member results stack into `out`'s layout: "heads" where `out` is
+    `[B, heads, T, D]` in that order, "tokens" where it is laid out `[B, T, heads, D]` (CPU
+    flash attention's own); None for any other layout."""
+    b, heads, tokens, d = out.shape
+    if _same_strides(out, (heads * tokens * d, tokens * d, d, 1)):
+        return "heads"
+    if _same_strides(out, (tokens * heads * d, d, heads * d, 1)):
+        return "tokens"
+    return None
+
+
+def _same_strides(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether `t` has `strides` on every dimension longer than one (a dimension of one
+    element may have any stride)."""
+    return all(n == 1 or s == want for n, s, want in zip(t.shape, t.stride(), strides))
 
 
 def _fold(graph: fx.Graph, node: fx.Node) -> bool:
     found = _foldable(node)
     if found is None:
         return False
-    args, keys, values, group = found
+    args, keys, values, group, kind = found
+    with graph.inserting_before(node):
+        if kind == "tokens":
+            result = _one_call(graph, node, args, keys, values, group)
+        else:
+            result = _call_per_member(graph, node, args, keys, values, group)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return True
+
+
+def _one_call(
+    graph: fx.Graph, node: fx.Node, args: dict, keys: fx.Node, values: fx.Node, group: int
+) -> fx.Node:
+    """One token's query heads of a group stand where the tokens stand: one attention call."""
     query, out = _val(args["query"]), _val(node)
     assert query is not None and out is not None
     b, heads, _, d = query.shape
     kv_heads = heads // group
-    mask = args.get("attn_mask")
-    with graph.inserting_before(node):
-        grouped = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, d]))
-        grouped.meta["val"] = query.view(b, kv_heads, group, d)
+    grouped = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, d]))
+    grouped.meta["val"] = query.view(b, kv_heads, group, d)
+    attended = graph.call_function(
+        _ATTENTION,
+        (grouped, keys, values, args.get("attn_mask"), 0.0, False),
+        {"scale": args.get("scale")},
+    )
+    attended.meta["val"] = out.new_empty((b, kv_heads, group, out.shape[-1]))
+    # attention's result need not be laid out heads-major: made so, it views as [B, H, 1, D]
+    laid_out = graph.call_function(_CLONE, (attended,), {"memory_format": torch.contiguous_format})
+    laid_out.meta["val"] = attended.meta["val"].contiguous()
+    result = graph.call_function(_VIEWS[0], (laid_out, list(out.shape)))
+    result.meta["val"] = laid_out.meta["val"].view(out.shape)
+    return result
+
+
+def _call_per_member(
+    graph: fx.Graph, node: fx.Node, args: dict, keys: fx.Node, values: fx.Node, group: int
+) -> fx.Node:
+    """One attention call per member of the group over the keys and values as they are, the
+    results stacked in the layout of `node`'s."""
+    query, out = _val(args["query"]), _val(node)
+    assert query is not None and out is not None
+    b, heads, tokens, d = query.shape
+    kv_heads, dv = heads // group, out.shape[-1]
+    split = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, tokens, d]))
+    split.meta["val"] = query.view(b, kv_heads, group, tokens, d)
+    by_tokens = _stacked_layout(out, group) == "tokens"
+    members = []
+    for i in range(group):
+        member = graph.call_function(_SELECT, (split, 2, i))
+        member.meta["val"] = split.meta["val"].select(2, i)
         attended = graph.call_function(
             _ATTENTION,
-            (grouped, keys, values, mask, 0.0, False),
+            (member, keys, values, args.get("attn_mask"), 0.0, args.get("is_causal", False)),
             {"scale": args.get("scale")},
         )
-        attended.meta["val"] = out.new_empty((b, kv_heads, group, out.shape[-1]))
-        # attention's result need not be laid out heads-major: made so, it views as [B, H, 1, D]
-        laid_out = graph.call_function(
-            _CLONE, (attended,), {"memory_format": torch.contiguous_format}
+        attended.meta["val"] = out.new_empty((b, kv_heads, tokens, dv))
+        if by_tokens:  # [B, T, kv heads, D]: stacked on dim 3, the heads of a group adjacent
+            attended = _call(graph, _TRANSPOSE, (attended, 1, 2), lambda v: v.transpose(1, 2))
+        members.append(attended)
+    vals = [m.meta["val"] for m in members]
+    if by_tokens:
+        stacked = _call(graph, _STACK, (members, 3), lambda _: torch.stack(vals, 3))
+        stacked = _call(
+            graph, _PERMUTE, (stacked, [0, 2, 3, 1, 4]), lambda v: v.permute(0, 2, 3, 1, 4)
         )
-        laid_out.meta["val"] = attended.meta["val"].contiguous()
-        result = graph.call_function(_VIEWS[0], (laid_out, list(out.shape)))
-        result.meta["val"] = laid_out.meta["val"].view(out.shape)
-    node.replace_all_uses_with(result)
-    graph.erase_node(node)
-    return True
+    else:
+        stacked = _call(graph, _STACK, (members, 2), lambda _: torch.stack(vals, 2))
+    return _call(graph, _VIEWS[0], (stacked, list(out.shape)), lambda v: v.view(out.shape))
+
+
+def _call(graph: fx.Graph, target: object, args: tuple, val: object) -> fx.Node:
+    """A new call of `target` whose value is `val` of its first argument's value."""
+    node = graph.call_function(target, args)
+    first = args[0][0] if isinstance(args[0], list) else args[0]
+    node.meta["val"] = val(first.meta["val"])
+    return node
 
 
 def _batched_repeat(node: object) -> tuple[fx.Node, bool, int] | None:
