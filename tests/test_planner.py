@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from tests.conftest import small_llama, token_ids
@@ -162,6 +163,37 @@ def test_a_refusal_by_a_byte_gives_two_different_sizes():
     assert (holds, has) == two_sizes(need, need - 1)
 
 
+def test_a_search_for_least_memory_the_clock_stopped_never_says_the_model_does_not_fit(
+    monkeypatch,
+):
+    """Where no plan that fits was found and the search for the least memory stopped at its
+    time limit with its bound below the devices, whether the model fits is not known: the
+    error says the time ran out (a longer time limit may find a plan), not "does not fit"."""
+    from tessel.plan import PlanOutOfTime, ilp
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    need, _ = least_memory_plan(captured, 2, gap=0.0)
+    data = local_cluster_dict(2)
+    data["item_def"][0]["memory"] = f"[DDR:{need - 1}B]"  # one byte short: nothing fits
+    cluster = cluster_from_dict(data, "close.json")
+    real = ilp.milp
+
+    def stopped(c, *args, **kwargs):
+        result = real(c, *args, **kwargs)
+        if c[-1] == 1.0 and not np.any(c[:-1]):  # a search for the least memory
+            result.status, result.mip_dual_bound = 1, 0.0  # stopped by the clock, unproven
+        return result
+
+    monkeypatch.setattr(ilp, "milp", stopped)
+    with pytest.raises(PlanOutOfTime, match="nor showed that none does.*longer time_limit") as cut:
+        make_plan(captured, cluster, ParallelOption())
+    assert "does not fit" not in str(cut.value) and cut.value.least is None
+    monkeypatch.setattr(ilp, "milp", real)  # the search ends on its own: it does not fit
+    with pytest.raises(PlanError, match="does not fit") as proven:
+        make_plan(captured, cluster, ParallelOption())
+    assert not isinstance(proven.value, PlanOutOfTime) and proven.value.least is not None
+
+
 def test_plan_explains_layers_and_reports_no_fallback_for_a_llama():
     model = small_llama(layers=2)
     built = tessel.build(model, (token_ids(),), cluster=2)
@@ -284,7 +316,6 @@ def test_why_a_weight_is_replicated_is_the_planners_own_estimate():
     """Each replicated weight's estimate is the best plan sharding it, re-solved around it with
     the rest as chosen: never below what a global re-solve finds, on a Llama equal to it
     within the solver's gap. Buffers and weights the policy places say so."""
-    import numpy as np
     from torch.distributed.tensor import Shard
 
     from tessel.plan import ilp

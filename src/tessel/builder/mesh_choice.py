@@ -45,7 +45,7 @@ from tessel.lower.estimate import program_seconds
 from tessel.lower.program import RankProgram
 from tessel.lower.trace import LoweringError
 from tessel.package.plan_report import ShapeWeighed
-from tessel.plan import PlanError, cost, has_rule, make_plan
+from tessel.plan import PlanError, PlanOutOfTime, cost, has_rule, make_plan
 from tessel.plan.planner import Plan
 from tessel.plan.traffic import sent_bytes
 from tessel.progress import phase
@@ -152,6 +152,9 @@ def choose_mesh(
             if pp > 1:
                 entry.micro_batches = micro
                 seconds = pipeline_estimate(captured, plan, cluster, dims, micro)
+        except PlanOutOfTime as exc:  # whether it fits is not known
+            entry.set_aside = f"not planned within the time limit: {exc}"
+            continue
         except PlanError as exc:
             entry.set_aside = f"does not fit the devices' memory: {exc}"
             continue
@@ -435,6 +438,9 @@ def choose_data_parallel(
         mark_gradients(graph, GradientOutputs(names, held_factor))
         try:
             plan = make_plan(captured, devices, policy, time_limit)
+        except PlanOutOfTime:
+            entry["set_aside"] = "not planned within the time limit"
+            continue
         except PlanError:
             entry["set_aside"] = "does not fit the devices' memory"
             continue

@@ -25,3 +25,8 @@ class PlanError(TesselError, RuntimeError):
     def __init__(self, message: str, least: LeastMemory | None = None) -> None:
         super().__init__(message)
         self.least = least
+
+
+class PlanOutOfTime(PlanError):
+    """The planner's time ran out before it found a plan or showed that none fits: whether
+    one fits is not known (a longer time limit may find one)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -498,19 +499,37 @@ def _solve_constrained(problem: Problem, time_limit: float) -> Solution:
 
 
 _LIMIT_GROWTH = 16  # how far past its time limit a solve goes to find any answer
+_OPTIMAL = 0  # scipy's milp status: solved, within the gap asked
 _OUT_OF_TIME = 1  # scipy's milp status: a limit reached, with or without an answer
 _PRICE_STEPS = 40  # programs solved while looking for the prices of memory
 _ROWS_PER_ROUND = 8  # broken memory rows added to the program per round
 
 
+class Least(NamedTuple):
+    """What a search for the least memory found: the per-device bytes of the best choice it
+    met, that choice, a bound no choice goes below, and whether the search ended on its own
+    (within its gap) rather than at its time limit. Only a proven search says what the least
+    is; one the clock stopped says only that it lies between `bound` and `bytes`."""
+
+    bytes: float
+    choice: dict[object, int]
+    bound: float
+    proven: bool
+
+
 def least_memory(
     problem: Problem, time_limit: float = 60.0, gap: float = MIP_GAP
 ) -> tuple[float, dict[object, int]]:
-    """The smallest per-device memory any choice needs, within `gap` of it, and a choice that
-    needs it.
+    """The smallest per-device memory any choice needs, within `gap` of it (where the search
+    ends within `time_limit`), and a choice that needs it (see `least_memory_search`)."""
+    found = least_memory_search(problem, time_limit, gap)
+    return found.bytes, found.choice
 
-    Minimises the largest memory row (a continuous variable bounds every row), costs aside.
-    """
+
+def least_memory_search(problem: Problem, time_limit: float = 60.0, gap: float = MIP_GAP) -> Least:
+    """The least per-device memory any choice needs, costs aside, as far as HiGHS gets in
+    `time_limit`: it minimises the largest memory row (a continuous variable bounds every
+    row), and its dual bound says how far below its best answer the least may lie."""
     model = _Model(problem)
     peak = model.width  # the bound's column
     rows = [model.memory_entries(row) for row in problem.memory]
@@ -523,4 +542,9 @@ def least_memory(
     c = np.zeros(peak + 1)
     c[peak] = 1.0
     result = model.run(c, model.n, model.upper(extra=1), time_limit, gap)
-    return float(result.x[peak]) * scale, model.choice(result.x)
+    least = float(result.x[peak]) * scale
+    proven = result.status == _OPTIMAL
+    bound = getattr(result, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        bound = least if proven else 0.0
+    return Least(least, model.choice(result.x), min(least, max(0.0, float(bound) * scale)), proven)

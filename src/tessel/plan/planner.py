@@ -25,8 +25,8 @@ from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
-from tessel.plan.errors import LeastMemory, PlanError
-from tessel.plan.ilp import MIP_GAP, least_memory
+from tessel.plan.errors import LeastMemory, PlanError, PlanOutOfTime
+from tessel.plan.ilp import MIP_GAP, least_memory, least_memory_search
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
 from tessel.plan.problem import (
@@ -154,7 +154,7 @@ def make_plan(
     try:
         solution = SOLVERS[method](problem, time_limit)
     except OutOfTimeError as exc:
-        raise PlanError(
+        raise PlanOutOfTime(
             f"the planner found no plan at all in its time ({exc}); give build() a longer "
             "time_limit"
         ) from None
@@ -172,7 +172,7 @@ def make_plan(
             solution = SOLVERS[method](problem, left, fastest=solution)
             held = memory.held(solution.choice)
     except OutOfTimeError as exc:
-        raise PlanError(
+        raise PlanOutOfTime(
             f"the planner found no plan that fits the devices' memory in its time ({exc}); "
             "give build() a longer time_limit"
         ) from None
@@ -307,14 +307,25 @@ def _does_not_fit(
 ) -> PlanError:
     """Why no plan fits: the least memory any plan needs, and what it is made of (`state`: the
     placeholders of state among the weights). `reserve` is what lowered programs were found to
-    need beyond the memory model's count."""
-    least, found = least_memory(problem, time_limit)
-    if (held.fixed + least + reserve) * (1 - MIP_GAP) <= device_bytes:
+    need beyond the memory model's count. Where the search for the least stops at its time
+    limit without ruling out a plan that fits, the error says that instead: the model may fit."""
+    found = least_memory_search(problem, time_limit)
+    if (held.fixed + found.bytes + reserve) * (1 - MIP_GAP) <= device_bytes:
         # the device is within the solver's gap of that plan: the least itself says whether
         # (and by how much) it falls short
-        least, found = least_memory(problem, time_limit, gap=0.0)
-    choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
-    need = held.fixed + int(math.ceil(least)) + reserve
+        found = least_memory_search(problem, time_limit, gap=0.0)
+    choice = cast("dict[fx.Node, int]", found.choice)  # the planner's decisions are graph nodes
+    need = held.fixed + int(math.ceil(found.bytes)) + reserve
+    if not found.proven and held.fixed + reserve + found.bound <= device_bytes:
+        best, has = two_sizes(need, device_bytes)
+        return PlanOutOfTime(
+            f"the planner found no plan that fits the devices' memory in its time "
+            f"({time_limit:g} s), nor showed that none does: the plan needing least memory it "
+            f"found holds {best} per device against the {has} of the smallest device in "
+            f"{cluster.source}, and a plan holding as little as "
+            f"{human_bytes(held.fixed + reserve + found.bound)} is not ruled out; give build() "
+            "a longer time_limit"
+        )
     weights = held.weight_bytes(choice)
     owners = {_owner(choices, n) for n in state if n in choices}
     state_bytes = int(sum(b[choice[v]] for v, b in held.weights.items() if v in owners))
