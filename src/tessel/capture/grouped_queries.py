@@ -146,8 +146,8 @@ def _reads_through_a_fold(reader: fx.Node) -> bool:
 
 def _foldable(node: fx.Node) -> tuple | None:
     """(its arguments, the unrepeated keys and values, the group size, and how the fold
-    rewrites it: "tokens" or "groups") of an attention call the fold keeps the same; None for
-    any other."""
+    rewrites it: "one call", or a call per member of the group stacked as `_stacked_layout`
+    says) of an attention call the fold keeps the same; None for any other."""
     args = _arguments(node)
     query, out = _val(args and args.get("query")), _val(node)
     if args is None or query is None or out is None or query.dim() != 4 or out.dim() != 4:
@@ -165,13 +165,14 @@ def _foldable(node: fx.Node) -> tuple | None:
         return None  # a mask per head cannot stand for every head of a group
     causal = bool(args.get("is_causal", False))
     if tokens == 1 and not causal and (m is None or (m.dim() == 4 and m.shape[2] == 1)):
-        return args, key[0], value[0], key[1], "tokens"
-    if _stacked_layout(out, key[1]) is None:
+        return args, key[0], value[0], key[1], "one call"
+    layout = _stacked_layout(out)
+    if layout is None:
         return None
-    return args, key[0], value[0], key[1], "groups"
+    return args, key[0], value[0], key[1], layout
 
 
-def _stacked_layout(out: torch.Tensor, group: int) -> str | None:
+def _stacked_layout(out: torch.Tensor) -> str | None:
     """How the per-member results stack into `out`'s layout: "heads" where `out` is
     `[B, heads, T, D]` in that order, "tokens" where it is laid out `[B, T, heads, D]` (CPU
     flash attention's own); None for any other layout."""
@@ -195,10 +196,10 @@ def _fold(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     args, keys, values, group, kind = found
     with graph.inserting_before(node):
-        if kind == "tokens":
+        if kind == "one call":
             result = _one_call(graph, node, args, keys, values, group)
         else:
-            result = _call_per_member(graph, node, args, keys, values, group)
+            result = _call_per_member(graph, node, args, keys, values, group, kind)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return True
@@ -212,63 +213,75 @@ def _one_call(
     assert query is not None and out is not None
     b, heads, _, d = query.shape
     kv_heads = heads // group
-    grouped = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, d]))
-    grouped.meta["val"] = query.view(b, kv_heads, group, d)
-    attended = graph.call_function(
-        _ATTENTION,
-        (grouped, keys, values, args.get("attn_mask"), 0.0, False),
-        {"scale": args.get("scale")},
+    grouped = _call(
+        graph,
+        _VIEWS[0],
+        (args["query"], [b, kv_heads, group, d]),
+        query.view(b, kv_heads, group, d),
     )
-    attended.meta["val"] = out.new_empty((b, kv_heads, group, out.shape[-1]))
+    attended = _call(
+        graph, _ATTENTION, (grouped, keys, values, args.get("attn_mask"), 0.0, False),
+        out.new_empty((b, kv_heads, group, out.shape[-1])), {"scale": args.get("scale")},
+    )  # fmt: skip
     # attention's result need not be laid out heads-major: made so, it views as [B, H, 1, D]
-    laid_out = graph.call_function(_CLONE, (attended,), {"memory_format": torch.contiguous_format})
-    laid_out.meta["val"] = attended.meta["val"].contiguous()
-    result = graph.call_function(_VIEWS[0], (laid_out, list(out.shape)))
-    result.meta["val"] = laid_out.meta["val"].view(out.shape)
-    return result
+    laid_out = _call(
+        graph, _CLONE, (attended,), attended.meta["val"].contiguous(),
+        {"memory_format": torch.contiguous_format},
+    )  # fmt: skip
+    return _call(
+        graph, _VIEWS[0], (laid_out, list(out.shape)), laid_out.meta["val"].view(out.shape)
+    )
 
 
 def _call_per_member(
-    graph: fx.Graph, node: fx.Node, args: dict, keys: fx.Node, values: fx.Node, group: int
+    graph: fx.Graph,
+    node: fx.Node,
+    args: dict,
+    keys: fx.Node,
+    values: fx.Node,
+    group: int,
+    layout: str,
 ) -> fx.Node:
     """One attention call per member of the group over the keys and values as they are, the
-    results stacked in the layout of `node`'s."""
+    results stacked in `node`'s `layout` (`_stacked_layout`)."""
     query, out = _val(args["query"]), _val(node)
     assert query is not None and out is not None
     b, heads, tokens, d = query.shape
     kv_heads, dv = heads // group, out.shape[-1]
-    split = graph.call_function(_VIEWS[0], (args["query"], [b, kv_heads, group, tokens, d]))
-    split.meta["val"] = query.view(b, kv_heads, group, tokens, d)
-    by_tokens = _stacked_layout(out, group) == "tokens"
+    split = _call(
+        graph, _VIEWS[0], (args["query"], [b, kv_heads, group, tokens, d]),
+        query.view(b, kv_heads, group, tokens, d),
+    )  # fmt: skip
     members = []
     for i in range(group):
-        member = graph.call_function(_SELECT, (split, 2, i))
-        member.meta["val"] = split.meta["val"].select(2, i)
-        attended = graph.call_function(
-            _ATTENTION,
+        member = _call(graph, _SELECT, (split, 2, i), split.meta["val"].select(2, i))
+        attended = _call(
+            graph, _ATTENTION,
             (member, keys, values, args.get("attn_mask"), 0.0, args.get("is_causal", False)),
-            {"scale": args.get("scale")},
-        )
-        attended.meta["val"] = out.new_empty((b, kv_heads, tokens, dv))
-        if by_tokens:  # [B, T, kv heads, D]: stacked on dim 3, the heads of a group adjacent
-            attended = _call(graph, _TRANSPOSE, (attended, 1, 2), lambda v: v.transpose(1, 2))
+            out.new_empty((b, kv_heads, tokens, dv)), {"scale": args.get("scale")},
+        )  # fmt: skip
+        if layout == "tokens":  # [B, T, kv heads, D]: stacked on dim 3, a group's heads adjacent
+            attended = _call(
+                graph, _TRANSPOSE, (attended, 1, 2), attended.meta["val"].transpose(1, 2)
+            )
         members.append(attended)
     vals = [m.meta["val"] for m in members]
-    if by_tokens:
-        stacked = _call(graph, _STACK, (members, 3), lambda _: torch.stack(vals, 3))
+    if layout == "tokens":
+        stacked = _call(graph, _STACK, (members, 3), torch.stack(vals, 3))
         stacked = _call(
-            graph, _PERMUTE, (stacked, [0, 2, 3, 1, 4]), lambda v: v.permute(0, 2, 3, 1, 4)
+            graph, _PERMUTE, (stacked, [0, 2, 3, 1, 4]), stacked.meta["val"].permute(0, 2, 3, 1, 4)
         )
     else:
-        stacked = _call(graph, _STACK, (members, 2), lambda _: torch.stack(vals, 2))
-    return _call(graph, _VIEWS[0], (stacked, list(out.shape)), lambda v: v.view(out.shape))
+        stacked = _call(graph, _STACK, (members, 2), torch.stack(vals, 2))
+    return _call(graph, _VIEWS[0], (stacked, list(out.shape)), stacked.meta["val"].view(out.shape))
 
 
-def _call(graph: fx.Graph, target: object, args: tuple, val: object) -> fx.Node:
-    """A new call of `target` whose value is `val` of its first argument's value."""
-    node = graph.call_function(target, args)
-    first = args[0][0] if isinstance(args[0], list) else args[0]
-    node.meta["val"] = val(first.meta["val"])
+def _call(
+    graph: fx.Graph, target: object, args: tuple, val: torch.Tensor, kwargs: dict | None = None
+) -> fx.Node:
+    """A new call of `target` on `args` whose value is `val`."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = val
     return node
 
 
