@@ -165,6 +165,39 @@ def test_a_masked_partial_value_is_reduced_once_for_all_its_consumers():
     assert torch.equal(first.to_local(), second.to_local())
 
 
+def test_a_shard_moved_across_uneven_shards_is_dense_and_counted_so():
+    """Tokens 16 over 3 devices (6, 6, 4) moved to shards of the hidden dim: DTensor pads the
+    token shards, gathers them and cuts the padding off with a view, which leaves gaps between
+    a batch's rows. The lowering hands the op a dense shard of the same global shape (a view
+    joining batch and tokens then runs), and the memory model counts that copy."""
+    from tessel.lower.trace import _lookup, _Values
+    from tessel.plan.memory import _move_bytes
+
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["val"] = torch.empty(2, 16, 6)
+    hidden = SimpleNamespace(placements=[Shard(2)])
+    with fake_world(1, (3,)) as mesh:
+        tokens = DTensor.from_local(
+            torch.randn(2, 6, 6),
+            mesh,
+            [Shard(1)],
+            run_check=False,
+            shape=(2, 16, 6),
+            stride=(96, 6, 1),
+        )
+        env = _Values({}, None)
+        env[node] = tokens
+        (moved,) = _lookup((node,), env, [hidden], mesh)
+        local = moved.to_local()
+        assert moved.shape == (2, 16, 6) and moved.placements == (Shard(2),)
+        assert local.shape == (2, 16, 2) and local.is_contiguous()
+        assert local.view(32, 2).shape == (32, 2)
+    peak, last, _ = _move_bytes(node.meta["val"], (Shard(1),), (Shard(2),), (3,))
+    assert last == 2 * 16 * 2 * 4  # the dense copy outlives the padded buffer
+    assert peak >= last + 2 * 18 * 2 * 4  # made from the padded buffer, both held at once
+
+
 def test_a_whole_value_takes_the_layout_the_captured_graph_gave_it():
     from tessel.lower.trace import _laid_out
 

@@ -314,14 +314,24 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
         if targets is None or j >= len(targets) or targets[j] is None:
             return value
         if isinstance(value, DTensor):
-            value = _move(env, a, value, tuple(targets[j].placements))
-            if all(isinstance(p, Replicate) for p in value.placements):
-                # the shard itself, not `to_local`'s view of it: that view is traced into the
-                # program (and dropped again) for every replicated input
-                local = local_tensor(value)
+            moved = _move(env, a, value, tuple(targets[j].placements))
+            # the shard itself, not `to_local`'s view of it: that view is traced into the
+            # program (and dropped again) for every input
+            local = local_tensor(moved)
+            if all(isinstance(p, Replicate) for p in moved.placements):
                 remade = _laid_out(local, a.meta.get("val"))
-                if remade is not local:
-                    value = DTensor.from_local(remade, mesh, value.placements, run_check=False)
+            else:
+                remade = _without_gaps(local) if moved is not value else local
+            if remade is not local:
+                moved = DTensor.from_local(
+                    remade,
+                    mesh,
+                    moved.placements,
+                    run_check=False,
+                    shape=moved.shape,
+                    stride=moved.stride(),
+                )
+            value = moved
         return value
 
     return tree_map(sub, args, is_leaf=lambda x: isinstance(x, fx.Node))
@@ -499,6 +509,26 @@ def _laid_out(t: torch.Tensor, captured: Any) -> torch.Tensor:
     inverse = sorted(range(t.dim()), key=order.__getitem__)
     remade = t.permute(order).contiguous().permute(inverse)
     return remade if remade.stride() == want else t
+
+
+def _without_gaps(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it in the same dim order where its elements leave gaps in memory.
+
+    A collective over uneven shards pads them and cuts the padding off its result with a
+    view, which leaves gaps between rows; an op that views the shard across such a gap (a
+    `view` joining the dims on either side) cannot run on it. The moved value is made dense
+    instead, and the padded buffer freed (`tessel.plan.memory` counts the copy)."""
+    if t.dim() == 0:
+        return t
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))  # outermost first
+    step = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and strides[d] != step:
+            inverse = sorted(range(t.dim()), key=order.__getitem__)
+            return t.permute(order).contiguous().permute(inverse)
+        step *= t.shape[d]
+    return t
 
 
 def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:

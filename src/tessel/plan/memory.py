@@ -754,13 +754,14 @@ def _move_bytes(
         if step.kind == "local":  # a slice (always a copy), a sum or a partition of the value
             moved, dense = [local_bytes(val, tuple(here), mesh_shape)], True
         made += moved
-    if made and _relaid(val):
-        # a collective's result is contiguous: the shard it sends is made so first, and a
-        # replicated result is copied into the captured layout (lower/trace._laid_out)
-        if any(isinstance(p, Shard) for p in src):
-            made.insert(0, local_bytes(val, src, mesh_shape))
-        if all(isinstance(p, Replicate) for p in dst):
-            made.append(local_bytes(val, dst, mesh_shape))
+    relaid = made and _relaid(val)
+    if relaid and any(isinstance(p, Shard) for p in src):
+        # a collective's result is contiguous: the shard it sends is made so first
+        made.insert(0, local_bytes(val, src, mesh_shape))
+    if made and (not dense or relaid and all(isinstance(p, Replicate) for p in dst)):
+        # a result with gaps (padding cut off by a view) is copied dense, and a replicated
+        # result into the captured layout (lower/trace._without_gaps, _laid_out)
+        made.append(local_bytes(val, dst, mesh_shape))
     if not made:
         return 0.0, 0.0, 0.0
     # each allocation is freed once the next is made from it: two are held at once at most
