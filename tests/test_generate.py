@@ -108,16 +108,17 @@ def _generate_both_ways(family, built, path, session, *, stream=False):
 
 def test_eager_attention_decodes_over_the_cache_as_it_is(sessions, tmp_path) -> None:
     """Gemma-2's eager attention (soft-capped products over grouped KV heads) reads its cache
-    without repeating it into a copy, the planner counts what the program holds, and the
-    tokens are transformers'."""
+    without repeating it into a copy, in the decode step and the prompt alike, the planner
+    counts what the programs hold, and the tokens are transformers'."""
     model, built = _build("gemma2", 1, "default")
     predicted = built.manifest.plan.memory.rank_peak_bytes
     lowered = [rank.peak_bytes for rank in built.manifest.plan.ranks]
     assert all(abs(p - q) <= 0.05 * q for p, q in zip(predicted, lowered)), (predicted, lowered)
     path = tessel.save(built, tmp_path / "gemma2")
-    decode = {sub.program for sub in built.manifest.submodels}
     with zipfile.ZipFile(path) as z:
-        for name in decode:
+        programs = [name for name in z.namelist() if name.startswith("programs/")]
+        assert len(programs) == 2  # the decode gear's and the prompt's (2 rows of 8 tokens)
+        for name in programs:
             _attends_to_the_cache_as_it_is(json.loads(z.read(name)))
     want, got, _ = _generate_both_ways(
         "gemma2", built, path, sessions.setdefault(1, tessel.Session())

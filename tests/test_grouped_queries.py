@@ -149,18 +149,23 @@ def _eager_attention(group: int, cap: float = 50.0):
     return run
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("b,kv_heads,group,slots,d", [(1, 2, 2, 5, 4), (3, 2, 7, 9, 16)])
 def test_eager_attention_s_products_read_the_cache_as_it_is_and_give_the_same_attention(
-    b, kv_heads, group, slots, d
+    b, kv_heads, group, slots, d, tokens
 ):
-    q, k, v, mask = _inputs(b, kv_heads, group, 1, slots, d, "float")
+    q, k, v, mask = _inputs(b, kv_heads, group, tokens, slots, d, "float")
     fn = _eager_attention(group)
     gm = _traced(fn, q, k, v, mask)
-    assert _targets(gm).count(torch.ops.aten.clone.default) == 2  # keys and values repeated
-    assert fold_grouped_queries(gm.graph) == 2
+    assert len(_repeats(gm)) == 2  # keys and values repeated
+    # a batch of one prompt's queries, token-major as the model made them, is batched for the
+    # keys' product without a copy: a group's rows lie apart, and that product is left
+    keys_fold = tokens == 1 or b > 1
+    assert fold_grouped_queries(gm.graph) == 1 + keys_fold
     gm.recompile()
-    assert torch.ops.aten.clone.default not in _targets(gm)
-    for cache in [n for n in gm.graph.nodes if n.op == "placeholder"][1:3]:
+    assert len(_repeats(gm)) == 1 - keys_fold
+    caches = [n for n in gm.graph.nodes if n.op == "placeholder"][1 if keys_fold else 2 : 3]
+    for cache in caches:
         for reader in cache.users:  # the keys (transposed) and values, viewed as a batch
             assert reader.target in (torch.ops.aten.permute.default, torch.ops.aten.view.default), (
                 reader.target
@@ -168,17 +173,31 @@ def test_eager_attention_s_products_read_the_cache_as_it_is_and_give_the_same_at
     torch.testing.assert_close(gm(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
 
 
-def test_eager_attention_over_several_tokens_is_left_and_counted_as_it_is():
+def _repeats(gm) -> list:
+    """The copies that repeat each key/value head for its group (several tokens' products also
+    copy the queries into a batch: those stay)."""
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.ops.aten.clone.default
+        and n.args[0].args[0].target is torch.ops.aten.unsqueeze.default
+    ]
+
+
+def test_eager_attention_s_repeats_are_counted_as_no_storage_where_the_products_fold():
     from tessel.plan.memory import is_view
 
-    for tokens, folds in ((1, 2), (3, 0)):
+    for tokens, contiguous_rows in ((1, True), (3, True), (3, False)):
         q, k, v, mask = _inputs(2, 2, 3, tokens, 8, 4, "float")
         gm = _traced(_eager_attention(3), q, k, v, mask)
-        clones = [  # the repeats' copies (several tokens' products copy their operands too)
-            n
-            for n in gm.graph.nodes
-            if n.target is torch.ops.aten.clone.default
-            and n.args[0].args[0].target is torch.ops.aten.unsqueeze.default
-        ]
-        assert [is_view(n) for n in clones] == [folds > 0] * 2
+        if not contiguous_rows:  # the rows laid out token-major: a group's rows are apart
+            for n in [n for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default]:
+                rows = n.args[0]
+                val = rows.meta["val"].transpose(0, 1).contiguous()
+                with gm.graph.inserting_before(n):
+                    made = gm.graph.call_function(torch.ops.aten.clone.default, (rows,))
+                    made.meta["val"] = val.transpose(0, 1)  # strides (n, B * heads * n, 1)
+                n.replace_input_with(rows, made)
+        folds = 2 if contiguous_rows else 0
+        assert [is_view(n) for n in _repeats(gm)] == [folds > 0] * 2
         assert fold_grouped_queries(gm.graph) == folds

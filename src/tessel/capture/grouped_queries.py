@@ -17,15 +17,16 @@ before, so the result is the same attention:
   single call returned.
 
 Eager attention (Gemma-2's, with its soft-capping) multiplies instead: the scores are a batched
-matrix product of the queries `[B * heads, 1, D]` with the repeated keys, transposed, and the
-output one of the weights `[B * heads, 1, S]` with the repeated values. There, for one query
-token, the group's rows stand side by side in the same way: `[B * kv heads, group, D]` against
-the keys as they are, viewed back as `[B * heads, 1, S]`, with whatever runs between the two
-products (scaling, capping, the mask, the softmax) left as it was.
+matrix product of the queries `[B * heads, T, D]` with the repeated keys, transposed, and the
+output one of the weights `[B * heads, T, S]` with the repeated values. There the rows of a
+group's heads, where they lie one after the other, are one batch: `[B * kv heads, group * T, D]`
+against the keys as they are, viewed back as `[B * heads, T, S]`, with whatever runs between
+the two products (scaling, capping, the mask, the softmax) left as it was.
 
 `fold_grouped_queries` makes those rewrites on each traced rank program wherever the pattern is
 exact on the rank's local shapes; anything else (a mask that differs between heads, a slice
-between the repeat and the attention, eager products over several tokens) is left as it is.
+between the repeat and the attention, a product whose rows of one group lie apart, as one
+prompt's token-major queries do) is left as it is.
 The planner's memory model counts the repeat's copy as holding nothing (`repeat_left_unread`):
 where a plan leaves a rank's pattern inexact (more ranks than KV heads), the lowered program's
 measured peak is the one the build checks.
@@ -49,8 +50,8 @@ _STACK = torch.ops.aten.stack.default
 
 
 def fold_grouped_queries(graph: fx.Graph) -> int:
-    """Rewrite each single-token attention over repeated keys and values (see the module
-    docstring) to attend to the unrepeated ones; returns how many. The repeats left unread
+    """Rewrite each attention over repeated keys and values (see the module docstring) to
+    attend to the unrepeated ones; returns how many. The repeats left unread
     are removed."""
     folded = 0
     for node in list(graph.nodes):
@@ -322,18 +323,21 @@ def _swap(first: int, second: int) -> list[int]:
 
 
 def _foldable_product(node: fx.Node) -> tuple[fx.Node, bool, int] | None:
-    """(the unrepeated tensor, whether it is transposed, the group size) of a product of one
-    token's rows `[B * heads, 1, n]` with a batched repeat that the fold keeps the same; None
-    for any other."""
+    """(the unrepeated tensor, whether it is transposed, the group size) of a product of the
+    rows `[B * heads, T, n]` with a batched repeat that the fold keeps the same: the rows of a
+    group's heads must lie one after the other (`[B * kv heads, group * T, n]` a view of
+    them); None for any other."""
     rows, out = _val(node.args[0]), _val(node)
     found = _batched_repeat(node.args[1])
-    if found is None or rows is None or out is None or rows.dim() != 3 or rows.shape[1] != 1:
+    if found is None or rows is None or out is None or rows.dim() != 3:
         return None
     source, transposed, group = found
     kv = _val(source)
     assert kv is not None
     b, kv_heads = kv.shape[:2]
     if group < 2 or rows.shape[0] != b * kv_heads * group:
+        return None
+    if not _viewable(rows, [b * kv_heads, group * rows.shape[1], rows.shape[2]]):
         return None
     side = kv.transpose(2, 3) if transposed else kv
     if not _viewable(side, [b * kv_heads, *side.shape[2:]]):
@@ -344,7 +348,7 @@ def _foldable_product(node: fx.Node) -> tuple[fx.Node, bool, int] | None:
 def _viewable(val: torch.Tensor, shape: list[int]) -> bool:
     try:
         val.view(shape)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # a fake tensor's view raises ValueError
         return False
     return True
 
@@ -357,23 +361,20 @@ def _fold_product(graph: fx.Graph, node: fx.Node) -> bool:
     rows, out, kv = _val(node.args[0]), _val(node), _val(source)
     assert rows is not None and out is not None and kv is not None
     b, kv_heads = kv.shape[:2]
+    tokens = rows.shape[1]
     with graph.inserting_before(node):
-        # one token's rows of a group side by side: [B * heads, 1, n] splits as is
-        grouped = graph.call_function(
-            _VIEWS[0], (node.args[0], [b * kv_heads, group, rows.shape[2]])
-        )
-        grouped.meta["val"] = rows.view(b * kv_heads, group, rows.shape[2])
+        # a group's rows one after the other: [B * heads, T, n] viewed as [B * kv, group * T, n]
+        shape = [b * kv_heads, group * tokens, rows.shape[2]]
+        grouped = _call(graph, _VIEWS[0], (node.args[0], shape), rows.view(shape))
         side, side_val = source, kv
         if transposed:
-            side = graph.call_function(_PERMUTE, (source, [0, 1, 3, 2]))
             side_val = kv.permute(0, 1, 3, 2)
-            side.meta["val"] = side_val
-        batched = graph.call_function(_VIEWS[0], (side, [b * kv_heads, *side_val.shape[2:]]))
-        batched.meta["val"] = side_val.view(b * kv_heads, *side_val.shape[2:])
-        product = graph.call_function(_BMM, (grouped, batched))
-        product.meta["val"] = out.new_empty((b * kv_heads, group, out.shape[2]))
-        result = graph.call_function(_VIEWS[0], (product, list(out.shape)))
-        result.meta["val"] = product.meta["val"].view(out.shape)
+            side = _call(graph, _PERMUTE, (source, [0, 1, 3, 2]), side_val)
+        batch = [b * kv_heads, *side_val.shape[2:]]
+        batched = _call(graph, _VIEWS[0], (side, batch), side_val.view(batch))
+        made = out.new_empty((b * kv_heads, group * tokens, out.shape[2]))
+        product = _call(graph, _BMM, (grouped, batched), made)
+        result = _call(graph, _VIEWS[0], (product, list(out.shape)), made.view(out.shape))
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return True
