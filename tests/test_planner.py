@@ -79,6 +79,35 @@ def test_impossible_memory_is_a_clear_error():
         make_plan(capture(model, (ids,)), cluster_from_dict(data, "tiny.json"), ParallelOption())
 
 
+def test_devices_too_small_for_the_weights_alone_are_refused_without_a_search(monkeypatch):
+    """Devices that cannot hold even every weight cut as finely as the mesh allows are refused
+    at once (`auto` weighs such shapes too): no search for the least memory runs."""
+    from tessel.demo import weight_bytes
+    from tessel.plan import planner
+
+    def searched(*args, **kwargs):
+        raise AssertionError("the least-memory search ran")
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    half = weight_bytes(captured) // 2  # no piece of a weight on 2 devices is smaller than half
+    data = local_cluster_dict(2)
+    data["item_def"][0]["memory"] = f"[DDR:{half - 1}B]"
+    monkeypatch.setattr(planner, "least_memory_search", searched)
+    with pytest.raises(PlanError) as refused:
+        make_plan(captured, cluster_from_dict(data, "small.json"), ParallelOption())
+    found = re.search(
+        r"its weights alone, each cut as finely as a mesh of \[2\] devices allows, hold (.+?) "
+        r"per device, but the smallest device in small.json has (.+?); the devices need more",
+        str(refused.value),
+    )
+    assert found, str(refused.value)
+    assert found[1] != found[2]
+    monkeypatch.undo()  # with room for the weights, the search says what the plan needs
+    data["item_def"][0]["memory"] = f"[DDR:{half + 1024}B]"
+    with pytest.raises(PlanError, match="devices of at least .* would fit"):
+        make_plan(captured, cluster_from_dict(data, "small.json"), ParallelOption())
+
+
 def test_the_plan_says_which_solver_solved_it_and_why(monkeypatch):
     from tessel.plan import dp, planner
 

@@ -326,6 +326,19 @@ class MemoryModel:
             )
         return int(short * self._held_per_weight)
 
+    def weight_floor(self) -> int:
+        """The fewest weight bytes any choice leaves a device: every weight at its smallest
+        shard. Weights are held for the whole run, so no plan holds less at its peak."""
+        _, choices, _, mesh_shape, _ = self._args
+        least = 0
+        for v, n in self._weights:
+            val = n.meta["val"]
+            least += min(
+                local_bytes(val, _placements(s.output_at(None)), mesh_shape)
+                for s in choices[v].strategies
+            )
+        return int(least * self._held_per_weight)
+
     def fits(self, choice: dict[fx.Node, int]) -> bool:
         """Whether every device's peak under `choice` is within `limit`."""
         return self.limit is None or self.held(choice).peak_bytes <= self.limit

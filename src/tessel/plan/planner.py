@@ -167,6 +167,8 @@ def make_plan(
     try:
         held = memory.held(solution.choice)
         if held.peak_bytes > device_bytes - reserve:
+            if not state:  # (a cache too large gets the largest batch that fits, below)
+                _weights_fit(memory, device_bytes, reserve, cluster, tuple(mesh.shape))
             problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
             left = max(1.0, time_limit - (ilp.cpu_seconds() - searching))
             solution = SOLVERS[method](problem, left, fastest=solution)
@@ -207,6 +209,29 @@ def make_plan(
         problem=problem,
         memory_model=memory,
         fixed=frozenset(fixed),
+    )
+
+
+def _weights_fit(
+    memory: MemoryModel,
+    device_bytes: int,
+    reserve: int,
+    cluster: ClusterConfig,
+    mesh_shape: tuple[int, ...],
+) -> None:
+    """Refuses at once a mesh whose devices cannot hold the weights alone, each cut as finely
+    as its strategies allow: no plan fits there, and the search for the least memory would
+    spend its time showing so."""
+    floor = memory.weight_floor()
+    if floor + reserve <= device_bytes:
+        return
+    needs, has = two_sizes(floor + reserve, device_bytes)
+    kept = f" ({needs} with the {human_bytes(reserve)} kept free)" if reserve else ""
+    raise PlanError(
+        f"the model does not fit: its weights alone, each cut as finely as a mesh of "
+        f"{list(mesh_shape)} devices allows, hold {human_bytes(floor) if reserve else needs} "
+        f"per device{kept}, but the smallest device in {cluster.source} has {has}; the devices "
+        f"need more than {needs}, or the mesh more devices"
     )
 
 
