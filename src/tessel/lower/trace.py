@@ -518,9 +518,9 @@ def _without_gaps(t: torch.Tensor) -> torch.Tensor:
     view, which leaves gaps between rows; an op that views the shard across such a gap (a
     `view` joining the dims on either side) cannot run on it. The moved value is made dense
     instead, and the padded buffer freed (`tessel.plan.memory` counts the copy)."""
-    if t.dim() == 0:
-        return t
     strides = t.stride()
+    if t.dim() == 0 or any(st == 0 and n > 1 for st, n in zip(strides, t.shape)):
+        return t  # a broadcast (overlapping) view: a copy would make it larger, not dense
     order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))  # outermost first
     step = 1
     for d in reversed(order):
