@@ -173,6 +173,23 @@ def test_eager_attention_s_products_read_the_cache_as_it_is_and_give_the_same_at
     torch.testing.assert_close(gm(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
 
 
+def test_one_prompt_s_queries_are_copied_so_that_its_keys_are_not():
+    """A batch of one prompt: its token-major queries, batched for the keys' product without
+    a copy, leave a group's rows apart. Capture copies the queries (a prompt's tokens), after
+    which both products fold and neither the keys nor the values are repeated."""
+    from tessel.capture.grouped_queries import group_query_rows
+
+    q, k, v, mask = _inputs(1, 2, 3, 4, 9, 8, "float")
+    fn = _eager_attention(3)
+    gm = _traced(fn, q, k, v, mask)
+    assert group_query_rows(gm.graph) == 1  # the keys' product; the values' rows are grouped
+    assert group_query_rows(gm.graph) == 0  # and once is enough
+    assert fold_grouped_queries(gm.graph) == 2
+    gm.recompile()
+    assert not _repeats(gm)
+    torch.testing.assert_close(gm(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
+
+
 def _repeats(gm) -> list:
     """The copies that repeat each key/value head for its group (several tokens' products also
     copy the queries into a batch: those stay)."""

@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 
 from tessel._torch import export_post_dispatch, tree_leaves
 from tessel.capture.custom_ops import custom_op_decompositions
+from tessel.capture.grouped_queries import group_query_rows
 from tessel.capture.held import describe_outputs, output_names, without_cache
 from tessel.capture.portable import portable_attention, zero_fill_allocations
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
@@ -103,6 +104,8 @@ def capture(
             ep = _export_stamped(model, args, kwargs) if reuse_layers else None
             ep = ep or _export_aten(model, args, kwargs)
     ep = _core_aten(ep, keep)
+    if group_query_rows(ep.graph_module.graph):  # inference alone: a prompt's attention
+        ep.graph_module.recompile()
     names, values = _user_inputs(ep)
     if args or kwargs:
         given = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]

@@ -25,8 +25,9 @@ the two products (scaling, capping, the mask, the softmax) left as it was.
 
 `fold_grouped_queries` makes those rewrites on each traced rank program wherever the pattern is
 exact on the rank's local shapes; anything else (a mask that differs between heads, a slice
-between the repeat and the attention, a product whose rows of one group lie apart, as one
-prompt's token-major queries do) is left as it is.
+between the repeat and the attention) is left as it is. A product whose rows of one group lie
+apart (one prompt's token-major queries) is given a copy of its rows at capture
+(`group_query_rows`): a prompt's queries are far fewer bytes than the cache's keys.
 The planner's memory model counts the repeat's copy as holding nothing (`repeat_left_unread`):
 where a plan leaves a rank's pattern inexact (more ranks than KV heads), the lowered program's
 measured peak is the one the build checks.
@@ -327,6 +328,14 @@ def _foldable_product(node: fx.Node) -> tuple[fx.Node, bool, int] | None:
     rows `[B * heads, T, n]` with a batched repeat that the fold keeps the same: the rows of a
     group's heads must lie one after the other (`[B * kv heads, group * T, n]` a view of
     them); None for any other."""
+    found = _product_over_repeat(node)
+    if found is None or not _grouped_rows(node, found):
+        return None
+    return found
+
+
+def _product_over_repeat(node: fx.Node) -> tuple[fx.Node, bool, int] | None:
+    """What `_foldable_product` finds, whatever the layout of the product's rows."""
     rows, out = _val(node.args[0]), _val(node)
     found = _batched_repeat(node.args[1])
     if found is None or rows is None or out is None or rows.dim() != 3:
@@ -337,12 +346,52 @@ def _foldable_product(node: fx.Node) -> tuple[fx.Node, bool, int] | None:
     b, kv_heads = kv.shape[:2]
     if group < 2 or rows.shape[0] != b * kv_heads * group:
         return None
-    if not _viewable(rows, [b * kv_heads, group * rows.shape[1], rows.shape[2]]):
-        return None
     side = kv.transpose(2, 3) if transposed else kv
     if not _viewable(side, [b * kv_heads, *side.shape[2:]]):
         return None
     return found
+
+
+def _grouped_rows(node: fx.Node, found: tuple[fx.Node, bool, int]) -> bool:
+    """Whether the product's rows of each group lie one after the other."""
+    rows, kv = _val(node.args[0]), _val(found[0])
+    assert rows is not None and kv is not None
+    b, kv_heads = kv.shape[:2]
+    return _viewable(rows, [b * kv_heads, found[2] * rows.shape[1], rows.shape[2]])
+
+
+def group_query_rows(graph: fx.Graph) -> int:
+    """Before each product over a batched repeat whose rows of a group lie apart, a copy of
+    the rows laid out one row after the other; returns how many.
+
+    One prompt's queries, token-major as a model makes them, are batched for the product
+    without a copy, so a group's rows lie apart and the product cannot be folded: its keys
+    would be repeated into a copy of the cache. A copy of the queries (a prompt's tokens) is
+    far smaller than that of the keys (every slot of the cache), and the copy is a node of the
+    captured graph, so the planner counts it."""
+    made = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _BMM:
+            continue
+        found = _product_over_repeat(node)
+        if found is None or _grouped_rows(node, found):
+            continue
+        rows = node.args[0]
+        assert isinstance(rows, fx.Node)
+        val = _val(rows)
+        assert val is not None
+        with graph.inserting_before(node):
+            copy = _call(
+                graph,
+                _CLONE,
+                (rows,),
+                val.clone(memory_format=torch.contiguous_format),
+                {"memory_format": torch.contiguous_format},
+            )
+        copy.meta = {**node.meta, "val": copy.meta["val"]}  # the layer the product is in
+        node.replace_input_with(rows, copy)
+        made += 1
+    return made
 
 
 def _viewable(val: torch.Tensor, shape: list[int]) -> bool:
