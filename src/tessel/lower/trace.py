@@ -317,11 +317,11 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
             moved = _move(env, a, value, tuple(targets[j].placements))
             # the shard itself, not `to_local`'s view of it: that view is traced into the
             # program (and dropped again) for every input
-            local = local_tensor(moved)
+            local = remade = local_tensor(moved)
             if all(isinstance(p, Replicate) for p in moved.placements):
                 remade = _laid_out(local, a.meta.get("val"))
-            else:
-                remade = _without_gaps(local) if moved is not value else local
+            elif moved is not value:
+                remade = _without_gaps(local)
             if remade is not local:
                 moved = DTensor.from_local(
                     remade,
@@ -505,10 +505,16 @@ def _laid_out(t: torch.Tensor, captured: Any) -> torch.Tensor:
     want = tuple(captured.stride())
     if t.stride() == want or t.dim() == 0:
         return t
-    order = sorted(range(t.dim()), key=lambda d: (-want[d], d))  # outermost first
-    inverse = sorted(range(t.dim()), key=order.__getitem__)
-    remade = t.permute(order).contiguous().permute(inverse)
+    remade = _dense_copy(t, want)
     return remade if remade.stride() == want else t
+
+
+def _dense_copy(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """A dense copy of `t` whose dims nest in the order `strides` gives them (the largest
+    stride outermost), by a permute, a copy and the inverse permute."""
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))  # outermost first
+    inverse = sorted(range(t.dim()), key=order.__getitem__)
+    return t.permute(order).contiguous().permute(inverse)
 
 
 def _without_gaps(t: torch.Tensor) -> torch.Tensor:
@@ -521,12 +527,10 @@ def _without_gaps(t: torch.Tensor) -> torch.Tensor:
     strides = t.stride()
     if t.dim() == 0 or any(st == 0 and n > 1 for st, n in zip(strides, t.shape)):
         return t  # a broadcast (overlapping) view: a copy would make it larger, not dense
-    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))  # outermost first
     step = 1
-    for d in reversed(order):
+    for d in sorted(range(t.dim()), key=lambda d: (strides[d], -d)):  # innermost first
         if t.shape[d] != 1 and strides[d] != step:
-            inverse = sorted(range(t.dim()), key=order.__getitem__)
-            return t.permute(order).contiguous().permute(inverse)
+            return _dense_copy(t, strides)
         step *= t.shape[d]
     return t
 

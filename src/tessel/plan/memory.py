@@ -767,7 +767,7 @@ def _move_bytes(
         if step.kind == "local":  # a slice (always a copy), a sum or a partition of the value
             moved, dense = [local_bytes(val, tuple(here), mesh_shape)], True
         made += moved
-    relaid = made and _relaid(val)
+    relaid = bool(made) and _relaid(val)
     if relaid and any(isinstance(p, Shard) for p in src):
         # a collective's result is contiguous: the shard it sends is made so first
         made.insert(0, local_bytes(val, src, mesh_shape))
