@@ -197,7 +197,8 @@ def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
     # other node (tensor parallelism over both nodes moves its collectives, where it has any)
     logits = 4 * 16 * 256 * 4
     assert choices[1].internode_bytes == logits / 2  # dp 2: one replica of 2 rows away
-    assert choices[2].internode_bytes == logits / 2  # dp 4: two replicas of 1 row away
+    # dp 4's fastest plan, with its gather, is slower than dp 2's: not weighed further
+    assert choices[2].set_aside.startswith("slower than dp 2 x tp 2")
     _keeps_the_slow_link_quiet(choices)
     (chosen,) = [c for c in choices if c.chosen]
     # the manifest's mesh leaves out a data-parallel axis of one replica
@@ -228,6 +229,37 @@ def test_auto_on_two_tight_nodes_fits_where_a_replica_fits_and_equals_eager():
     _keeps_the_slow_link_quiet(plan.mesh_choices)
     assert all(r.peak_bytes <= memory for r in plan.ranks)
     assert plan.verify.max_relative_diff <= 1e-4
+
+
+def test_a_shape_that_cannot_beat_one_weighed_is_set_aside_as_slower_and_the_choice_stands(
+    monkeypatch,
+):
+    """A shape whose fastest plan (memory aside) is no faster than the shape it must beat is
+    not searched further; weighing every shape in full chooses the same, and times each shape
+    set aside at least as slow as its bound said."""
+    from tessel.builder import mesh_choice as mc
+
+    torch.manual_seed(0)
+    model, ids = small_llama(), token_ids(4)
+
+    def choose():
+        return mc.choose_mesh(
+            model, (ids,), {}, two_nodes(2), policy(), reuse_layers=True, time_limit=60
+        )
+
+    bounded = choose()
+    monkeypatch.setattr(mc, "_rival", lambda *args: None)
+    full = choose()
+    assert bounded.dims == full.dims
+    slower = [e.set_aside.startswith("slower than") for e in bounded.weighed if e.set_aside]
+    assert any(slower)
+    for b, f in zip(bounded.weighed, full.weighed):
+        if b.set_aside and b.set_aside.startswith("slower than"):
+            rival = next(e for e in bounded.weighed if e.text in b.set_aside)
+            assert rival.estimated_time_s <= b.estimated_time_s <= f.estimated_time_s
+            assert not f.chosen
+        else:
+            assert (b.estimated_time_s, b.set_aside) == (f.estimated_time_s, f.set_aside)
 
 
 def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():

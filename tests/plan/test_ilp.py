@@ -285,3 +285,48 @@ def test_a_busy_machines_wall_clock_leaves_the_answer_as_it_is(monkeypatch):
     busy = solve(Problem(sizes, linear, {}, rows, 3.0), time_limit=10.0)
     assert busy.choice == idle.choice == {"a": 1, "b": 1}
     assert not busy.stopped_by_clock and not idle.stopped_by_clock
+
+
+def _integer_searches(monkeypatch) -> list[bool]:
+    """Records, per HiGHS call the O2 solver makes, whether it was an integer search."""
+    from tessel.plan import ilp
+
+    calls: list[bool] = []
+    real = ilp.milp
+
+    def counted(c, **kwargs):
+        integrality = kwargs.get("integrality")
+        calls.append(integrality is not None and bool(np.any(integrality)))
+        return real(c, **kwargs)
+
+    monkeypatch.setattr(ilp, "milp", counted)
+    return calls
+
+
+def test_a_relaxation_that_comes_out_whole_is_the_answer_without_a_search(monkeypatch):
+    # a chain whose pair costs favour agreeing: its relaxation's optimum is a whole choice
+    agree = np.array([[0.0, 3.0], [3.0, 0.0]])
+    problem = Problem(
+        {"a": 2, "b": 2, "c": 2},
+        {"a": np.array([1.0, 2.0]), "b": np.array([2.0, 1.5]), "c": np.array([1.0, 1.0])},
+        {("a", "b"): agree, ("b", "c"): agree},
+    )
+    calls = _integer_searches(monkeypatch)
+    solution = solve(problem)
+    assert calls == [False]  # the relaxation alone
+    assert solution.objective == pytest.approx(_brute_force(problem))
+
+
+def test_a_fractional_relaxation_falls_back_to_the_integer_search(monkeypatch):
+    # three decisions that each pay for agreeing with the others: the relaxation splits every
+    # one in halves and pays nothing, while any whole choice has two that agree
+    equal = np.eye(2)
+    problem = Problem(
+        {"a": 2, "b": 2, "c": 2},
+        {v: np.zeros(2) for v in "abc"},
+        {("a", "b"): equal, ("b", "c"): equal, ("a", "c"): equal},
+    )
+    calls = _integer_searches(monkeypatch)
+    solution = solve(problem)
+    assert calls == [False, True]
+    assert solution.objective == pytest.approx(1.0) == _brute_force(problem)

@@ -7,7 +7,10 @@ micro-batch of one replica's share of the batch on `tp` devices, under the devic
 stage holding its part of the weights) and priced by the planner's estimated time (pipelined
 over the stages, their sends on the link between them) plus the gather of the outputs over the
 replicas, on the link that axis crosses. The memory check that sets a shape aside is the one
-the build makes, and the plan weighed is the plan the build lowers (`MeshChoice.plan`).
+the build makes, and the plan weighed is the plan the build lowers (`MeshChoice.plan`). A
+shape whose fastest plan, memory aside, is no faster than a shape already weighed that it
+must beat (below) is set aside as slower, without the search for a plan that fits its memory:
+whether it fits cannot change the choice.
 
 The fastest shape that fits is chosen, with one exception: the slow link between nodes. Where
 it moves more bytes between nodes than the fastest shape that keeps tensor parallelism inside
@@ -45,7 +48,7 @@ from tessel.lower.estimate import program_seconds
 from tessel.lower.program import RankProgram
 from tessel.lower.trace import LoweringError
 from tessel.package.plan_report import ShapeWeighed
-from tessel.plan import PlanError, PlanOutOfTime, cost, has_rule, make_plan
+from tessel.plan import PlanError, PlanOutOfTime, PlanSlower, cost, has_rule, make_plan
 from tessel.plan.planner import Plan
 from tessel.plan.traffic import sent_bytes
 from tessel.progress import phase
@@ -139,6 +142,8 @@ def choose_mesh(
         if parts not in captures:  # shapes that split the batch alike share one capture
             captures[parts] = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
         captured = captures[parts]
+        rival = None if pp > 1 else _rival(fitting, dims, cluster)
+        gather = gather_seconds(captured, dims, cluster, micro)
         try:
             # the build's own first plan for this shape: its memory, its reserve
             plan = make_plan(
@@ -147,11 +152,23 @@ def choose_mesh(
                 policy,
                 time_limit,
                 reserve=gathered_bytes(captured, dp, micro),
+                slower_than=None if rival is None else rival.entry.estimated_time_s - gather,
             )
             seconds = plan.estimated_time
             if pp > 1:
                 entry.micro_batches = micro
                 seconds = pipeline_estimate(captured, plan, cluster, dims, micro)
+        except PlanSlower as exc:  # (only a rival it cannot beat has been weighed)
+            entry.estimated_time_s = exc.seconds + gather
+            gathers = (
+                f", and gathering the replicas' outputs {1e3 * gather:.3f} ms" if gather else ""
+            )
+            entry.set_aside = (
+                f"slower than {rival.entry.text} ({1e3 * rival.entry.estimated_time_s:.3f} ms) "
+                f"whether it fits or not: its fastest plan, memory aside, takes "
+                f"{1e3 * exc.seconds:.3f} ms per run{gathers}"
+            )
+            continue
         except PlanOutOfTime as exc:  # whether it fits is not known
             entry.set_aside = f"not planned within the time limit: {exc}"
             continue
@@ -161,7 +178,7 @@ def choose_mesh(
         except ConfigError as exc:  # more stages than layers
             entry.set_aside = exc.detail
             continue
-        entry.estimated_time_s = seconds + gather_seconds(captured, dims, cluster, micro)
+        entry.estimated_time_s = seconds + gather
         entry.internode_bytes = internode_bytes(plan, captured, dims, cluster, micro)
         fitting.append(Weighed(entry, dims, captured, micro, plan))
     if not fitting:
@@ -178,6 +195,21 @@ def choose_mesh(
     return MeshChoice(
         chosen.dims, chosen.captured, weighed, chosen.micro_batches, chosen.plan, programs
     )
+
+
+def _rival(fitting: list[Weighed], dims: ParallelDims, cluster: ClusterConfig) -> Weighed | None:
+    """The shape weighed so far that `dims` must beat to be chosen: the fastest of all where
+    its tensor axes cross nodes (the choice is the fastest shape or the fastest quiet one),
+    the fastest keeping tensor parallelism inside the nodes where it does too."""
+    if _tensor_axes_cross_nodes(dims, cluster):
+        rivals = [f for f in fitting if f.dims.size("pp") == 1]
+    else:
+        rivals = [
+            f
+            for f in fitting
+            if f.dims.size("pp") == 1 and not _tensor_axes_cross_nodes(f.dims, cluster)
+        ]
+    return min(rivals, key=lambda f: f.entry.estimated_time_s, default=None)
 
 
 def _prefer_quiet_links(

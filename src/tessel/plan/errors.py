@@ -30,3 +30,12 @@ class PlanError(TesselError, RuntimeError):
 class PlanOutOfTime(PlanError):
     """The planner's time ran out before it found a plan or showed that none fits: whether
     one fits is not known (a longer time limit may find one)."""
+
+
+class PlanSlower(PlanError):
+    """The fastest plan, memory aside, is no faster than a bound the caller set (a rival's
+    time): no plan of this problem beats the rival, so none is searched for."""
+
+    def __init__(self, message: str, seconds: float) -> None:
+        super().__init__(message)
+        self.seconds = seconds

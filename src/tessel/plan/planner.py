@@ -25,7 +25,7 @@ from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import cost, dp, ilp
 from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
-from tessel.plan.errors import LeastMemory, PlanError, PlanOutOfTime
+from tessel.plan.errors import LeastMemory, PlanError, PlanOutOfTime, PlanSlower
 from tessel.plan.ilp import MIP_GAP, least_memory, least_memory_search
 from tessel.plan.layers import template_map
 from tessel.plan.memory import Footprint, MemoryModel, footprint
@@ -112,12 +112,15 @@ def make_plan(
     time_limit: float = 60.0,
     banned: dict[str, set[str]] | None = None,
     reserve: int = 0,
+    slower_than: float | None = None,
 ) -> Plan:
     """Solve for the placement of every node on the mesh of the cluster's devices (one
     tensor-parallel group, meshed by `tensor_axes`: one axis, or nodes x devices).
 
     `banned` drops strategies, per node name, that lowering cannot run (see `strategy_key`);
-    `reserve` keeps that many bytes of each device free of what the memory model counts.
+    `reserve` keeps that many bytes of each device free of what the memory model counts;
+    `slower_than` (seconds per run) raises `PlanSlower` where the fastest plan, memory aside,
+    takes at least that long, before any search for a plan that fits.
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -164,6 +167,12 @@ def make_plan(
             "or a move no plan may take (state written in place moved, partial values "
             f"combined with others, or strategies the lowering refused): {exc}"
         ) from None
+    if slower_than is not None and solution.objective >= slower_than:
+        raise PlanSlower(
+            f"its fastest plan, memory aside, is estimated at {1e3 * solution.objective:.3f} "
+            f"ms per run, not under {1e3 * slower_than:.3f} ms",
+            solution.objective,
+        )
     try:
         held = memory.held(solution.choice)
         if held.peak_bytes > device_bytes - reserve:
