@@ -330,3 +330,18 @@ def test_a_fractional_relaxation_falls_back_to_the_integer_search(monkeypatch):
     solution = solve(problem)
     assert calls == [False, True]
     assert solution.objective == pytest.approx(1.0) == _brute_force(problem)
+
+
+def test_only_the_fastest_plans_program_is_relaxed_first(monkeypatch):
+    """Programs with memory priced or bounded split strategies in their relaxation: they go
+    straight to the integer search, as a relaxation would only add its time to it."""
+    sizes = {"a": 2, "b": 2}
+    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 2.0])}
+    row = MemoryRow(
+        linear={"a": np.array([1.0, 2.0])},
+        pairs={("a", "b"): np.array([[5.0, 0.0], [0.0, 0.0]])},
+    )
+    calls = _integer_searches(monkeypatch)
+    tight = solve(Problem(sizes, linear, {}, [row], 5.0))
+    assert tight.choice == {"a": 1, "b": 0}
+    assert calls[0] is False and len(calls) > 1 and all(calls[1:])

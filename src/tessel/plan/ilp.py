@@ -180,19 +180,23 @@ class _Model:
         upper: np.ndarray,
         time_limit: float,
         gap: float = MIP_GAP,
+        relax_first: bool = False,
     ):
         """Solve within `time_limit`; where the limit passes before any answer (a slow or busy
         machine), the time is doubled until one is found, up to `_LIMIT_GROWTH` times the
-        limit: the limit bounds the search for better plans, never the finding of one."""
+        limit: the limit bounds the search for better plans, never the finding of one. With
+        `relax_first`, the linear relaxation is solved first and answers where it comes out
+        whole (`_integral_relaxation`)."""
         if self._matrix is None or self._matrix.shape != (len(self.lo), len(c)):
             shape = (len(self.lo), len(c))
             self._matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=shape).tocsr()
         a = self._matrix
         constraints = LinearConstraint(a, np.asarray(self.lo), np.asarray(self.hi))
         bounds = Bounds(np.zeros(len(c)), upper)
-        relaxed = _integral_relaxation(c, constraints, bounds, integral, time_limit)
-        if relaxed is not None:
-            return relaxed
+        if relax_first:
+            relaxed = _integral_relaxation(c, constraints, bounds, integral, time_limit)
+            if relaxed is not None:
+                return relaxed
         integrality = np.concatenate([np.ones(integral), np.zeros(len(c) - integral)])
         limit = time_limit
         while True:
@@ -236,7 +240,9 @@ def _integral_relaxation(
     """The linear relaxation's answer where its first `integral` columns came out whole (else
     None). Such an answer is the integer program's own optimum, proven by the relaxation's
     bound, and the relaxation alone costs HiGHS far less than a branch-and-bound search that
-    would return to the same vertex: placement problems are mostly of that kind."""
+    would return to the same vertex. Placements priced by time alone are mostly of that kind;
+    with memory priced or bounded, the relaxation splits strategies and would only add its
+    time to the search's, so those programs do not ask for it."""
     result = milp(
         c,
         constraints=constraints,
@@ -329,7 +335,10 @@ def _solve_with(
         if cpu_seconds() - start > time_limit / 2:  # the rest for what follows
             clock = True
             break
-        candidate = priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit)
+        # (before any price, the program is the one `best` answers)
+        candidate = (
+            priced(problem, {rows[k]: v for k, v in prices.items()}, time_limit) if prices else best
+        )
         clock |= candidate.stopped_by_clock
         if second_look:  # the bound is read only to decide on a second look
             bound = max(bound, _dual_bound(problem, candidate, prices, rows))
@@ -472,7 +481,7 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
         cols, vals = model.memory_columns(row)
         np.add.at(c, cols, price * per_budget * vals)  # entry by entry, as a loop adds
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
-    result = model.run(c / scale, model.n, model.upper(), time_limit)
+    result = model.run(c / scale, model.n, model.upper(), time_limit, relax_first=not prices)
     choice = model.choice(result.x)
     cost = np.concatenate([model.cost, np.asarray(model.extra)]) @ result.x
     return Solution(
