@@ -332,16 +332,21 @@ def test_a_fractional_relaxation_falls_back_to_the_integer_search(monkeypatch):
     assert solution.objective == pytest.approx(1.0) == _brute_force(problem)
 
 
-def test_only_the_fastest_plans_program_is_relaxed_first(monkeypatch):
-    """Programs with memory priced or bounded split strategies in their relaxation: they go
-    straight to the integer search, as a relaxation would only add its time to it."""
-    sizes = {"a": 2, "b": 2}
-    linear = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 2.0])}
-    row = MemoryRow(
-        linear={"a": np.array([1.0, 2.0])},
-        pairs={("a", "b"): np.array([[5.0, 0.0], [0.0, 0.0]])},
-    )
+def test_a_problem_whose_relaxation_splits_once_is_searched_from_then_on(monkeypatch):
+    """While memory is priced, each program is relaxed first until a relaxation comes out
+    fractional; every later program of the problem goes straight to the integer search."""
+    # three decisions that each pay for agreeing with the others (the relaxation splits them
+    # in halves) and a memory row the fastest choice breaks
+    equal = np.eye(2)
+    sizes = {"a": 2, "b": 2, "c": 2}
+    linear = {"a": np.array([0.0, 0.1]), "b": np.zeros(2), "c": np.zeros(2)}
+    row = MemoryRow(linear={"a": np.array([3.0, 1.0])})
+    pairs = {("a", "b"): equal, ("b", "c"): equal, ("a", "c"): equal}
+    problem = Problem(sizes, linear, pairs, [row], 2.0)
     calls = _integer_searches(monkeypatch)
-    tight = solve(Problem(sizes, linear, {}, [row], 5.0))
-    assert tight.choice == {"a": 1, "b": 0}
-    assert calls[0] is False and len(calls) > 1 and all(calls[1:])
+    solution = solve(problem)
+    assert solution.objective == pytest.approx(_brute_force(problem))
+    assert True in calls
+    first = calls.index(True)
+    assert calls[first - 1] is False  # the relaxation that split
+    assert len(calls) > first + 1 and all(calls[first:])

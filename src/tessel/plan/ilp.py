@@ -68,6 +68,7 @@ class _Model:
         self.lo: list[float] = []
         self.hi: list[float] = []
         self._matrix = None  # the rows above as a sparse matrix, made at the first run
+        self.fractional = False  # whether a relaxation asked for came out fractional
         self._entries: dict[MemoryRow, tuple[np.ndarray, np.ndarray]] = {}
         for v, k in problem.sizes.items():
             self.add_row([(self.offset[v] + i, 1.0) for i in range(k)], 1.0, 1.0)
@@ -197,6 +198,7 @@ class _Model:
             relaxed = _integral_relaxation(c, constraints, bounds, integral, time_limit)
             if relaxed is not None:
                 return relaxed
+            self.fractional = True
         integrality = np.concatenate([np.ones(integral), np.zeros(len(c) - integral)])
         limit = time_limit
         while True:
@@ -240,9 +242,9 @@ def _integral_relaxation(
     """The linear relaxation's answer where its first `integral` columns came out whole (else
     None). Such an answer is the integer program's own optimum, proven by the relaxation's
     bound, and the relaxation alone costs HiGHS far less than a branch-and-bound search that
-    would return to the same vertex. Placements priced by time alone are mostly of that kind;
-    with memory priced or bounded, the relaxation splits strategies and would only add its
-    time to the search's, so those programs do not ask for it."""
+    would return to the same vertex. Placements priced by time alone are mostly of that kind,
+    and often still are with memory priced; a problem whose relaxation once splits strategies
+    goes to the integer search from then on, so a relaxation wastes its time once at most."""
     result = milp(
         c,
         constraints=constraints,
@@ -481,7 +483,12 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
         cols, vals = model.memory_columns(row)
         np.add.at(c, cols, price * per_budget * vals)  # entry by entry, as a loop adds
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
-    result = model.run(c / scale, model.n, model.upper(), time_limit, relax_first=not prices)
+    # relaxed first until a relaxation of this problem comes out fractional: the prices of
+    # one search move little from step to step, and neither do the relaxations' vertices
+    relax = not problem.solver_cache.get("fractional", False)
+    result = model.run(c / scale, model.n, model.upper(), time_limit, relax_first=relax)
+    if model.fractional:
+        problem.solver_cache["fractional"] = True
     choice = model.choice(result.x)
     cost = np.concatenate([model.cost, np.asarray(model.extra)]) @ result.x
     return Solution(
