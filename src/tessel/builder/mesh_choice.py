@@ -201,14 +201,12 @@ def _rival(fitting: list[Weighed], dims: ParallelDims, cluster: ClusterConfig) -
     """The shape weighed so far that `dims` must beat to be chosen: the fastest of all where
     its tensor axes cross nodes (the choice is the fastest shape or the fastest quiet one),
     the fastest keeping tensor parallelism inside the nodes where it does too."""
-    if _tensor_axes_cross_nodes(dims, cluster):
-        rivals = [f for f in fitting if f.dims.size("pp") == 1]
-    else:
-        rivals = [
-            f
-            for f in fitting
-            if f.dims.size("pp") == 1 and not _tensor_axes_cross_nodes(f.dims, cluster)
-        ]
+    crosses = _tensor_axes_cross_nodes(dims, cluster)
+    rivals = [
+        f
+        for f in fitting
+        if f.dims.size("pp") == 1 and (crosses or not _tensor_axes_cross_nodes(f.dims, cluster))
+    ]
     return min(rivals, key=lambda f: f.entry.estimated_time_s, default=None)
 
 

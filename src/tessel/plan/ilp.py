@@ -68,7 +68,6 @@ class _Model:
         self.lo: list[float] = []
         self.hi: list[float] = []
         self._matrix = None  # the rows above as a sparse matrix, made at the first run
-        self.fractional = False  # whether a relaxation asked for came out fractional
         self._entries: dict[MemoryRow, tuple[np.ndarray, np.ndarray]] = {}
         for v, k in problem.sizes.items():
             self.add_row([(self.offset[v] + i, 1.0) for i in range(k)], 1.0, 1.0)
@@ -174,6 +173,14 @@ class _Model:
     def width(self) -> int:
         return self.n + len(self.extra)
 
+    def _program(self, c: np.ndarray, upper: np.ndarray) -> tuple[LinearConstraint, Bounds]:
+        """The rows and the columns' bounds of the program with objective `c`."""
+        if self._matrix is None or self._matrix.shape != (len(self.lo), len(c)):
+            shape = (len(self.lo), len(c))
+            self._matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=shape).tocsr()
+        rows = LinearConstraint(self._matrix, np.asarray(self.lo), np.asarray(self.hi))
+        return rows, Bounds(np.zeros(len(c)), upper)
+
     def run(
         self,
         c: np.ndarray,
@@ -181,24 +188,11 @@ class _Model:
         upper: np.ndarray,
         time_limit: float,
         gap: float = MIP_GAP,
-        relax_first: bool = False,
     ):
         """Solve within `time_limit`; where the limit passes before any answer (a slow or busy
         machine), the time is doubled until one is found, up to `_LIMIT_GROWTH` times the
-        limit: the limit bounds the search for better plans, never the finding of one. With
-        `relax_first`, the linear relaxation is solved first and answers where it comes out
-        whole (`_integral_relaxation`)."""
-        if self._matrix is None or self._matrix.shape != (len(self.lo), len(c)):
-            shape = (len(self.lo), len(c))
-            self._matrix = coo_matrix((self.vals, (self.rows, self.cols)), shape=shape).tocsr()
-        a = self._matrix
-        constraints = LinearConstraint(a, np.asarray(self.lo), np.asarray(self.hi))
-        bounds = Bounds(np.zeros(len(c)), upper)
-        if relax_first:
-            relaxed = _integral_relaxation(c, constraints, bounds, integral, time_limit)
-            if relaxed is not None:
-                return relaxed
-            self.fractional = True
+        limit: the limit bounds the search for better plans, never the finding of one."""
+        constraints, bounds = self._program(c, upper)
         integrality = np.concatenate([np.ones(integral), np.zeros(len(c) - integral)])
         limit = time_limit
         while True:
@@ -225,38 +219,30 @@ class _Model:
             raise InfeasibleError(result.message)
         return result
 
+    def relaxed(self, c: np.ndarray, integral: int, upper: np.ndarray, time_limit: float):
+        """The linear relaxation's answer where its first `integral` columns came out whole
+        (else None). Such an answer is the integer program's own optimum, proven by the
+        relaxation's bound, and the relaxation alone costs HiGHS far less than a branch-and-
+        bound search that would return to the same vertex."""
+        constraints, bounds = self._program(c, upper)
+        result = milp(
+            c,
+            constraints=constraints,
+            bounds=bounds,
+            options={"time_limit": time_limit, "disp": False},
+        )
+        if result.status != _OPTIMAL or result.x is None:
+            return None
+        head = result.x[:integral]
+        if np.abs(head - np.round(head)).max(initial=0.0) > _WHOLE:
+            return None
+        return result
+
     def choice(self, x: np.ndarray) -> dict[object, int]:
         return {
             v: int(np.argmax(x[self.offset[v] : self.offset[v] + k]))
             for v, k in self.problem.sizes.items()
         }
-
-
-def _integral_relaxation(
-    c: np.ndarray,
-    constraints: LinearConstraint,
-    bounds: Bounds,
-    integral: int,
-    time_limit: float,
-):
-    """The linear relaxation's answer where its first `integral` columns came out whole (else
-    None). Such an answer is the integer program's own optimum, proven by the relaxation's
-    bound, and the relaxation alone costs HiGHS far less than a branch-and-bound search that
-    would return to the same vertex. Placements priced by time alone are mostly of that kind,
-    and often still are with memory priced; a problem whose relaxation once splits strategies
-    goes to the integer search from then on, so a relaxation wastes its time once at most."""
-    result = milp(
-        c,
-        constraints=constraints,
-        bounds=bounds,
-        options={"time_limit": time_limit, "disp": False},
-    )
-    if result.status != _OPTIMAL or result.x is None:
-        return None
-    head = result.x[:integral]
-    if np.abs(head - np.round(head)).max(initial=0.0) > _WHOLE:
-        return None
-    return result
 
 
 def cpu_seconds() -> float:
@@ -483,12 +469,15 @@ def solve_priced(problem: Problem, prices: dict[MemoryRow, float], time_limit: f
         cols, vals = model.memory_columns(row)
         np.add.at(c, cols, price * per_budget * vals)  # entry by entry, as a loop adds
     scale = float(np.abs(c).max()) or 1.0  # the cheapest plans differ by microseconds
-    # relaxed first until a relaxation of this problem comes out fractional: the prices of
-    # one search move little from step to step, and neither do the relaxations' vertices
-    relax = not problem.solver_cache.get("fractional", False)
-    result = model.run(c / scale, model.n, model.upper(), time_limit, relax_first=relax)
-    if model.fractional:
-        problem.solver_cache["fractional"] = True
+    # relaxed first until a relaxation of this problem comes out fractional (placements
+    # priced by time alone mostly relax whole, and the prices of one search move little from
+    # step to step), so a relaxation that splits strategies wastes its time once at most
+    result = None
+    if not problem.solver_cache.get("fractional", False):
+        result = model.relaxed(c / scale, model.n, model.upper(), time_limit)
+        problem.solver_cache["fractional"] = result is None
+    if result is None:
+        result = model.run(c / scale, model.n, model.upper(), time_limit)
     choice = model.choice(result.x)
     cost = np.concatenate([model.cost, np.asarray(model.extra)]) @ result.x
     return Solution(
