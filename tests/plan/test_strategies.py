@@ -256,3 +256,37 @@ def test_one_output_per_input_placement_the_one_dtensors_dispatch_gives(size):
             local = DTensor.from_local(torch.empty(8, 6), mesh, [Replicate()], run_check=False)
             dispatched = local.redistribute(mesh, placements).new_zeros(size).placements
             assert offered == [tuple(dispatched)], (placements, offered)
+
+
+def test_every_embedding_strategy_on_a_2d_mesh_runs_in_dtensor_as_offered():
+    # DTensor keeps one mask per tensor, so a vocabulary split over both axes (the weight
+    # S(0)/S(0), the output masked twice) cannot be made: it is not offered. Every strategy
+    # that is offered runs as it says, moving nothing.
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tessel._torch import MaskPartial
+    from tessel.lower.trace import fake_world
+
+    weight, ids, out = torch.empty(16, 4), torch.zeros(4, 6, dtype=torch.long), torch.empty(4, 6, 4)
+
+    def anywhere(t):
+        specs = [s.output for s in placement_strategies(GRID, t)]
+        return as_op_strategy(specs, GRID, tensor_meta(t))
+
+    embedding = torch.ops.aten.embedding.default
+    found = op_strategies(embedding, (anywhere(weight), anywhere(ids)), {}, out, GRID)
+    masked = lambda spec: sum(isinstance(p, MaskPartial) for p in spec.placements)  # noqa: E731
+    # the vocabulary split over one axis is offered, over both is not
+    assert max(masked(s.single_output()) for s in found) == 1
+    with fake_world(0, (2, 2)) as mesh:
+        for s in found:
+            w_at, ids_at = (tuple(spec.placements) for spec in s.inputs)
+            # the lowering hands a replicated index to a lookup that masks it itself
+            ids_at = tuple(Replicate() if isinstance(p, MaskPartial) else p for p in ids_at)
+            whole = lambda t: DTensor.from_local(t, mesh, [Replicate()] * 2, run_check=False)  # noqa: E731
+            w, i = whole(weight).redistribute(mesh, w_at), whole(ids).redistribute(mesh, ids_at)
+            with CommDebugMode() as comms:
+                got = embedding(w, i)
+            assert comms.get_total_counts() == 0, describe_strategy(s)
+            assert tuple(map(str, got.placements)) == tuple(map(str, s.single_output().placements))

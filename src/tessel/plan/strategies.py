@@ -16,6 +16,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from tessel._torch import (
     DTensorSpec,
+    MaskPartial,
     OpOverload,
     OpSchema,
     OpSpec,
@@ -280,18 +281,25 @@ def _dedup(result: OpStrategy) -> list[NodeStrategy]:
         inputs = tuple(spec.input_specs or ())
         out_key = tuple(_key(o) for o in output) if isinstance(output, tuple) else _key(output)
         key = (out_key, tuple(_key(s) for s in inputs))
-        if key in seen or _strided(output) or any(_strided(s) for s in inputs):
+        if key in seen or _left_out(output) or any(_left_out(s) for s in inputs):
             continue
         seen.add(key)
         out.append(NodeStrategy(output, inputs))
     return out
 
 
-def _strided(spec: Any) -> bool:
-    """Strided shards (a split dim merged into another) are left out of the search."""
+def _left_out(spec: Any) -> bool:
+    """Whether a spec is left out of the search: strided shards (a split dim merged into
+    another), and a tensor masked over several mesh dims (an embedding whose vocabulary is split
+    over two axes), which DTensor cannot make, as it keeps one mask per tensor."""
     if isinstance(spec, tuple):
-        return any(_strided(s) for s in spec)
-    return spec is not None and any(isinstance(p, StridedShard) for p in spec.placements)
+        return any(_left_out(s) for s in spec)
+    if spec is None:
+        return False
+    placements = spec.placements
+    return any(isinstance(p, StridedShard) for p in placements) or (
+        sum(isinstance(p, MaskPartial) for p in placements) > 1
+    )
 
 
 def _key(spec: DTensorSpec | None) -> Any:
