@@ -484,6 +484,20 @@ def test_models_whose_cache_is_not_captured_are_refused_in_one_line(family: str,
     assert why in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_model_whose_code_cannot_be_traced_over_the_cache_is_refused_naming_the_layer():
+    # MPT slices its ALiBi bias by the cache's length, a value the gear reads from its inputs:
+    # the trace fails inside the attention layer, which the refusal names in one line
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    config = MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=32)
+    with pytest.raises(ConfigError) as err:
+        capture_gears(MptForCausalLM(config).eval(), Generation(1, 16, (8,)))
+    message = str(err.value)
+    assert "MptForCausalLM cannot be captured for generation" in message
+    assert "transformer.blocks.0.attn (MptAttention)" in message and "\n" not in message
+
+
 def test_a_program_writes_in_place_only_into_the_state_it_declares() -> None:
     from tessel.lower.program import FORMAT, ProgramError, check
 

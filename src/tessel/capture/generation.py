@@ -18,7 +18,9 @@ the decode gear (T = 1) share the buffers by name.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from tessel.capture.export import CapturedModel, capture
 from tessel.capture.training import mark_state
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
+from tessel.errors import TesselError
 
 _CALL = ("input_ids", "attention_mask", "cache", "use_cache")  # and position_ids, if taken
 
@@ -268,12 +271,51 @@ def _gear(
     reuse_layers: bool,
 ) -> CapturedModel:
     b, n = generation.max_batch_size, generation.max_seq_len
-    captured = _writes_in_place(
-        capture(step, gear_inputs(b, length, n), reuse_layers=reuse_layers), model
-    )
+    with _entered_modules(step) as entered:
+        try:
+            captured = capture(step, gear_inputs(b, length, n), reuse_layers=reuse_layers)
+        except TesselError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's own code, named in one line
+            where = entered[-1] if entered else type(model).__name__
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                "model",
+                None,
+                f"{type(model).__name__} cannot be captured for generation: {where} fails "
+                f"while the gear of {length} token(s) is traced over tessel's cache "
+                f"({type(exc).__name__}: {first})",
+            ) from exc
+    captured = _writes_in_place(captured, model)
     for name in step.cache_names:  # the capture ran the model on its example inputs
         getattr(step, name).zero_()
     return captured
+
+
+@contextlib.contextmanager
+def _entered_modules(step: GenerationStep) -> Iterator[list[str]]:
+    """While it lasts, the modules of `step`'s model whose forward has begun and not returned,
+    outermost first, as `path (class)`: where a trace fails, the last is the layer that failed."""
+    names = {id(m): name for name, m in step.model.named_modules()}
+    entered: list[str] = []
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        if id(module) in names:
+            entered.append(f"{names[id(module)] or 'the model'} ({type(module).__name__})")
+
+    def leave(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if id(module) in names and entered:
+            entered.pop()
+
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(enter),
+        torch.nn.modules.module.register_module_forward_hook(leave),
+    ]
+    try:
+        yield entered
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 _INDEX_PUT = torch.ops.aten.index_put.default
