@@ -4,7 +4,8 @@ operators with no sharding rule that models call (`aten._grouped_mm`, experts in
 The planner has no sharding rule for them and a package may only call operators from tessel's
 list, so each one a captured model calls is rewritten into ATen at capture, by a
 decomposition that computes the same values with static shapes. A custom op tessel has no
-decomposition for is refused by name, with the layer that calls it.
+decomposition for is refused by name, with the layer that calls it, and so is an operator that
+draws random numbers (dropout in training mode): a program is a fixed function of its inputs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL, OpOverload
+from tessel.config.errors import ConfigError
 from tessel.errors import TesselError
 
 BUILT_IN_NAMESPACES = {"aten", "prims", C10D_FUNCTIONAL}
@@ -113,6 +115,54 @@ def _layer(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [path for path, _ in stack.values() if path]
     return paths[-1] if paths else "(outside any module)"
+
+
+def refuse_random_numbers(graph: fx.Graph) -> None:
+    """Refuse, naming its layer, an operator of `graph` that draws random numbers: dropout
+    in training mode (a module, `F.dropout`, attention's `dropout_p`) or a sampling operator.
+    Dropout at probability 0, or outside training, draws none and stays."""
+    for n in graph.nodes:
+        if n.op != "call_function" or not _draws_random_numbers(n):
+            continue
+        p = _argument(n, "dropout_p", _argument(n, "p", None))
+        if p is not None:
+            raise ConfigError(
+                "model",
+                _layer(n),
+                f"calls {n.target} with dropout p={p} in training mode: programs draw no "
+                "random numbers; set its p to 0 (transformers: the config's *dropout/*pdrop "
+                "keys) or call model.eval()",
+            )
+        raise ConfigError(
+            "model",
+            _layer(n),
+            f"calls {n.target}, which draws random numbers: programs draw none, so tessel "
+            "cannot build a model that samples inside its forward",
+        )
+
+
+def _draws_random_numbers(n: fx.Node) -> bool:
+    """Whether node `n` draws random numbers: a seeded operator, less dropout (an argument `p`
+    or `dropout_p`) at probability 0 or outside training (`train` False)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    p = _argument(n, "dropout_p", _argument(n, "p", None))
+    if p is not None and (p == 0 or _argument(n, "train", True) is False):
+        return False
+    return True
+
+
+def _argument(n: fx.Node, name: str, default: Any) -> Any:
+    """The value node `n` passes for its operator's argument `name` (its schema's default where
+    not passed), or `default` where the operator has no such argument."""
+    for i, arg in enumerate(n.target._schema.arguments):
+        if arg.name == name:
+            if i < len(n.args):
+                return n.args[i]
+            if name in n.kwargs:
+                return n.kwargs[name]
+            return arg.default_value if arg.has_default_value() else default
+    return default
 
 
 def custom_op_decompositions(graph: fx.Graph) -> dict[Any, Callable[..., Any]]:

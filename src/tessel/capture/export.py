@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 
 from tessel._torch import export_post_dispatch, tree_leaves
-from tessel.capture.custom_ops import custom_op_decompositions
+from tessel.capture.custom_ops import custom_op_decompositions, refuse_random_numbers
 from tessel.capture.grouped_queries import group_query_rows
 from tessel.capture.held import describe_outputs, output_names, without_cache
 from tessel.capture.portable import portable_attention, zero_fill_allocations
@@ -218,7 +218,8 @@ def capture_training(
 
 def _core_aten(ep: ExportedProgram, keep: Callable[[Any], bool] | None) -> ExportedProgram:
     """`ep` in core ATen, ops `keep` holds for left whole, attention device-neutral, every
-    allocation zero-filled."""
+    allocation zero-filled. A program that draws random numbers is refused."""
+    refuse_random_numbers(ep.graph)
     table = torch.export.default_decompositions()
     for name in _SDPA_OPS:
         op = _resolve(name)
