@@ -120,12 +120,20 @@ def _layer(node: fx.Node) -> str:
 def refuse_random_numbers(graph: fx.Graph) -> None:
     """Refuse, naming its layer, an operator of `graph` that draws random numbers: dropout
     in training mode (a module, `F.dropout`, attention's `dropout_p`) or a sampling operator.
-    Dropout at probability 0, or outside training, draws none and stays."""
+    Dropout at probability 0, or outside training (`train` False), draws none and stays."""
     for n in graph.nodes:
-        if n.op != "call_function" or not _draws_random_numbers(n):
+        seeded = torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        if n.op != "call_function" or not seeded:
             continue
         p = _argument(n, "dropout_p", _argument(n, "p", None))
-        if p is not None:
+        if p is None:
+            raise ConfigError(
+                "model",
+                _layer(n),
+                f"calls {n.target}, which draws random numbers: programs draw none, so tessel "
+                "cannot build a model that samples inside its forward",
+            )
+        if p != 0 and _argument(n, "train", True) is not False:
             raise ConfigError(
                 "model",
                 _layer(n),
@@ -133,23 +141,6 @@ def refuse_random_numbers(graph: fx.Graph) -> None:
                 "random numbers; set its p to 0 (transformers: the config's *dropout/*pdrop "
                 "keys) or call model.eval()",
             )
-        raise ConfigError(
-            "model",
-            _layer(n),
-            f"calls {n.target}, which draws random numbers: programs draw none, so tessel "
-            "cannot build a model that samples inside its forward",
-        )
-
-
-def _draws_random_numbers(n: fx.Node) -> bool:
-    """Whether node `n` draws random numbers: a seeded operator, less dropout (an argument `p`
-    or `dropout_p`) at probability 0 or outside training (`train` False)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
-        return False
-    p = _argument(n, "dropout_p", _argument(n, "p", None))
-    if p is not None and (p == 0 or _argument(n, "train", True) is False):
-        return False
-    return True
 
 
 def _argument(n: fx.Node, name: str, default: Any) -> Any:
