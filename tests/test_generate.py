@@ -423,10 +423,11 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
     model = FAMILIES["llama"].make().model
     with pytest.raises(ConfigError, match="tessel.Generation"):
         tessel.build(model, cluster=1, generation={"max_batch_size": 1})
-    with pytest.raises(ConfigError, match="pipeline stages of the gears are not built"):
+    with pytest.raises(ConfigError, match="more than the model's 2 layers") as err:
         tessel.build(
-            model, cluster=2, policy=ParallelOption(pipe_stage_num=2), generation=GENERATION
+            model, cluster=3, policy=ParallelOption(pipe_stage_num=3), generation=GENERATION
         )
+    assert err.value.key.endswith("pipe_stage_num")
     with pytest.raises(ConfigError, match="cannot share evenly") as err:
         tessel.build(
             model, cluster=2, policy=ParallelOption(data_parallel_size=2),
@@ -560,3 +561,80 @@ def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> N
     assert out.shape == (8, 8 + 256)
     grown = [b - a for a, b in zip(before, after)]
     assert max(grown) < min(held) // 4, (grown, held)
+
+
+def _llama(layers: int) -> torch.nn.Module:
+    """The suite's Llama with `layers` layers: more than pipeline stages, cut unevenly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+# (model, devices, policy): an odd count of stages over an uneven cut of the layers, stages of
+# tensor-parallel ranks over tied embeddings, and stages of data-parallel replicas
+STAGED = [
+    ("llama4", 3, dict(pipe_stage_num=3)),
+    ("gpt2", 4, dict(pipe_stage_num=2, tensor_parallel_size=2)),
+    ("gemma2", 4, dict(pipe_stage_num=2, data_parallel_size=2)),
+]
+
+
+@pytest.mark.parametrize(
+    "family,devices,policy",
+    STAGED,
+    ids=[f"{f}-{d}dev-pp{p['pipe_stage_num']}" for f, d, p in STAGED],
+)
+def test_pipeline_stages_generate_transformers_tokens(
+    family: str, devices: int, policy: dict, sessions, tmp_path
+) -> None:
+    """Each stage holds its own layers' weights and cache, no rank the whole model; every rank
+    ends each call with the logits, and the tokens are transformers' own."""
+    make = (lambda: _llama(4)) if family == "llama4" else (lambda: FAMILIES[family].make().model)
+    model = make()
+    built = tessel.build(
+        model, cluster=devices, policy=ParallelOption(**policy), generation=GENERATION
+    )
+    manifest = built.manifest
+    pp = policy["pipe_stage_num"]
+    assert manifest.mesh.dim_names[0] == "pp" and manifest.mesh.shape[0] == pp
+    per_stage = devices // pp
+    held_by_stage = [
+        {
+            name
+            for r in range(s * per_stage, (s + 1) * per_stage)
+            for name in manifest.submodels[r].state
+        }
+        for s in range(pp)
+    ]
+    caches = [spec.name for spec in manifest.generation.state]
+    assert sorted(c for held in held_by_stage for c in held) == sorted(caches)  # each on one stage
+    assert all(held_by_stage), held_by_stage
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert all(rank.weight_bytes < whole for rank in manifest.plan.ranks)
+    assert manifest.plan.verify.max_relative_diff is not None  # checked in process at build
+    assert "every rank of its layer's pipeline stage" in str(built)  # how the cache is held
+    path = tessel.save(built, tmp_path / family)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    want = make().generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+        cache_implementation="static", pad_token_id=manifest.generation.pad_token_id,
+    )  # fmt: skip
+    session = sessions.setdefault(devices, tessel.Session())
+    session.load_graph(0, {}, path)
+    try:
+        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+    finally:
+        session.remove_graph(0)
+    assert torch.equal(got, want)

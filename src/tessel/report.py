@@ -146,10 +146,13 @@ def generation_lines(manifest: Manifest) -> list[str]:
     if first is not None:
         local = manifest.submodels[0].state_shapes().get(first.name, first.shape)
         split = [d for d, (n, m) in enumerate(zip(first.shape, local)) if n != m]
+        stages = dict(zip(manifest.mesh.dim_names, manifest.mesh.shape)).get("pp", 1)
+        ranks = "every rank" if stages == 1 else "every rank of its layer's pipeline stage"
         how = (
-            f"split on dim {split[0]} (rank 0 holds {list(local)} of {list(first.shape)})"
+            f"split on dim {split[0]} over {ranks} (rank 0 holds {list(local)} of "
+            f"{list(first.shape)})"
             if split
-            else f"whole on every rank ({list(first.shape)})"
+            else f"whole on {ranks} ({list(first.shape)})"
         )
         lines.append(
             f"cache: {len(gears.state)} tensors, {human_bytes(total)} in all, each {how}; "

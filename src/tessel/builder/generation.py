@@ -8,7 +8,10 @@ the longest prefill gear does, since it needs the most room beside them. The pac
 the decode gear as each rank's program and the prefill gears beside it; the cache is
 declared, never stored. Data-parallel replicas each hold their rows of the cache: the gears
 are captured and planned for one replica's share of the batch, and every rank's programs made
-from that replica's (`lower/replicas.py`).
+from that replica's (`lower/replicas.py`). Pipeline stages each hold their layers' weights and
+cache: the gear that places the weights also divides the layers among the stages, the other
+gears are cut the same way, and every stage's ranks end a call with the logits
+(`lower/stages.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from tessel.builder.fit import Fitted, Level, fit
 from tessel.builder.packing import input_spec, pack
+from tessel.builder.stages import build_gear_stages, stage_planner
 from tessel.capture import CapturedModel
 from tessel.capture.generation import BATCH_INPUTS, GEAR_INPUTS, CapturedGears, capture_gears
 from tessel.config.cluster import ClusterConfig
@@ -39,7 +43,7 @@ from tessel.lower.program import RankProgram, groups_in
 from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest
 from tessel.package.manifest import Gears, TensorSpec
-from tessel.plan import PlanError
+from tessel.plan import Plan, PlanError
 from tessel.plan.errors import LeastMemory
 from tessel.plan.planner import least_memory_plan
 from tessel.progress import phase
@@ -72,14 +76,7 @@ def build_generation(
         )
     check_model_settings(model)
     dims = parallel_dims(cluster, policy)
-    if dims.size("pp") > 1:
-        raise ConfigError(
-            policy.source,
-            f"graph_parallel_option.{POLICY_KEYS['pp']}",
-            f"is {dims.size('pp')}: generation packages are built over tensor parallelism and "
-            "data-parallel replicas so far (pipeline stages of the gears are not built yet)",
-        )
-    dp = dims.size("dp")
+    dp, pp = dims.size("dp"), dims.size("pp")
     if generation.max_batch_size % dp:
         raise ConfigError(
             "Generation",
@@ -98,25 +95,44 @@ def build_generation(
     options = dict(time_limit=time_limit, reuse_layers=reuse_layers, timings=timings)
     # every gear holds the weights and the cache beside its own activations: the longest
     # prompt's, at the least, bound what the weights may take
-    tp = cluster.world_size // dp
     reserve = 0
     for captured in gears.prefill.values():
-        peak, weights = least_memory_plan(captured, tp)
+        peak, weights = least_memory_plan(captured, dims.size("tp"))
         reserve = max(reserve, peak - weights)
     longest = max(gears.prefill)
     ep = gears.decode.program
     whole = sum(
         t.numel() * t.element_size() for t in {id(t): t for t in ep.state_dict.values()}.values()
     )
-    decode_first = whole + reserve <= min(d.memory_bytes for d in cluster.devices)
+    decode_first = whole / pp + reserve <= min(d.memory_bytes for d in cluster.devices)
+
+    def fit_gear(
+        captured: CapturedModel, placed: ParallelOption, level: Level, leader: Fitted | None
+    ) -> Fitted:
+        """`captured` fitted with `placed`'s placements; with stages, its layers divided among
+        them as the `leader` gear's are (the gear that placed the weights), or by the planner
+        where it leads."""
+        if pp == 1:
+            return fit(captured, cluster, placed, dims, [level], **options)
+
+        def cut(plan: Plan, programs: list[RankProgram]) -> tuple:
+            return build_gear_stages(captured, plan, programs, cluster, dims, BATCH_INPUTS)
+
+        stages = (
+            stage_planner(captured, cluster, dims, policy.source)
+            if leader is None
+            else lambda plan: leader.plan.stages
+        )
+        return fit(captured, cluster, placed, dims, [level], stages=stages, cut=cut, **options)
+
     prefill: dict[int, Fitted] = {}
     if decode_first:  # memory does not bind: the gear that runs most places the weights
         try:
             level = Level(reserve=reserve + _replicas_bytes(gears.decode, dp))
-            decode = fit(gears.decode, cluster, policy, dims, [level], **options)
+            decode = fit_gear(gears.decode, policy, level, None)
             given = _placed_as(decode, policy)
             for n, captured in gears.prefill.items():
-                prefill[n] = fit(captured, cluster, given, dims, [_kept(captured, dp)], **options)
+                prefill[n] = fit_gear(captured, given, _kept(captured, dp), decode)
         except PlanError as exc:
             log.info("the decode gear's placements leave a prefill gear no room (%s)", exc)
             decode_first = False
@@ -124,25 +140,35 @@ def build_generation(
         # memory binds: the longest prompt's gear places the weights and the cache, so the
         # gear that needs the most room fits, and the others follow it
         try:
-            first = fit(
-                gears.prefill[longest], cluster, policy, dims, [_kept(gears.prefill[longest], dp)],
-                **options,
-            )  # fmt: skip
+            first = fit_gear(
+                gears.prefill[longest], policy, _kept(gears.prefill[longest], dp), None
+            )
         except PlanError as exc:
             raise PlanError(f"{exc}{_what_would_fit(share, exc.least, dp)}", exc.least) from None
         given = _placed_as(first, policy)
-        decode = fit(gears.decode, cluster, given, dims, [_kept(gears.decode, dp)], **options)
+        decode = fit_gear(gears.decode, given, _kept(gears.decode, dp), first)
         prefill = {
-            n: first
-            if n == longest
-            else fit(captured, cluster, given, dims, [_kept(captured, dp)], **options)
+            n: first if n == longest else fit_gear(captured, given, _kept(captured, dp), first)
             for n, captured in gears.prefill.items()
         }
     t = time.perf_counter()
     with phase("packing"):
-        manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version, dp)
+        manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version, dp, pp)
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
+
+
+def _same_weights_as_decode(fitted: Fitted, decode: list, length: int) -> None:
+    """Every stage program of a prefill gear takes the weights and cache its rank holds for
+    the decode gear, in the same order: a rank loads one set for all its gears."""
+    for rank, (sp, held) in enumerate(zip(fitted.cut[0], decode, strict=True)):
+        if sp.weights != held.weights:
+            extra = sorted(set(sp.weights) ^ set(held.weights)) or ["(their order)"]
+            raise PlanError(
+                f"the gear of {length} tokens and the decode gear differ on rank {rank} in the "
+                f"weights its pipeline stage reads ({', '.join(extra[:4])}); generation over "
+                "pipeline stages needs every gear to read the same weights on each stage"
+            )
 
 
 def _replicas_bytes(captured: CapturedModel, dp: int) -> int:
@@ -209,17 +235,22 @@ def _pack(
     cluster: ClusterConfig,
     soc_version: str,
     dp: int,
+    pp: int,
 ) -> tuple[Manifest, dict]:
     """The decode gear packed as the model, its prefill gears' programs added beside it; with
-    `dp` replicas, every rank's programs made from one replica's (`replica_programs`)."""
+    `dp` replicas, every rank's programs made from one replica's (`replica_programs`); with
+    `pp` stages, the stage programs the fit cut (`build_gear_stages`)."""
     written = frozenset(gears.cache_names)
     rows = gears.generation.max_batch_size
 
     def every_rank(fitted: Fitted) -> list[RankProgram]:
+        if pp > 1:
+            return [sp.program for sp in fitted.cut[0]]
         if dp == 1:
             return fitted.programs
         return replica_programs(fitted.programs, dp, rows, len(GEAR_INPUTS), BATCH_INPUTS)
 
+    staged = decode.cut[0] if pp > 1 else None
     manifest, members = pack(
         gears.decode,
         decode.plan,
@@ -228,11 +259,15 @@ def _pack(
         soc_version,
         True,
         dp=dp,
+        staged=staged,
+        pp=pp,
         written=written,
     )
     submodels = list(manifest.submodels)
     for length, fitted in prefill.items():
         seen: dict[bytes, str] = {}
+        if staged is not None:
+            _same_weights_as_decode(fitted, staged, length)
         for rank, rp in enumerate(every_rank(fitted)):
             data = json.dumps(rp.program).encode()
             if data not in seen:

@@ -93,6 +93,7 @@ def pack(
     }
     for rank, device in enumerate(cluster.devices):
         mesh_rank = rank % tp if graph_parallel else 0
+        replica_rank = rank % (dp * tp)  # its place on its stage's `dp x tp` mesh
         if staged is not None:
             rp, takes = staged[rank].program, set(staged[rank].weights)
             where = f"stage_{staged[rank].stage}_" if pp > 1 else ""
@@ -151,7 +152,9 @@ def pack(
                 tied=ties,
                 comm_groups=tuple(map(tuple, groups_in(rp.program))) if graph_parallel else (),
                 state={
-                    fqn: rank_box(global_shape[fqn], [*over_dp, *placements[fqn]], mesh_shape, rank)
+                    fqn: rank_box(
+                        global_shape[fqn], [*over_dp, *placements[fqn]], mesh_shape, replica_rank
+                    )
                     for fqn in order
                     if fqn in written
                 },

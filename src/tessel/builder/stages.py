@@ -4,7 +4,7 @@ checked to fit its device."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tessel.capture import CapturedModel
@@ -12,6 +12,7 @@ from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, ParallelDims
 from tessel.lower.outputs import program_bytes
+from tessel.lower.replicas import replica_programs
 from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.lower.training_stages import training_stage_programs
@@ -75,6 +76,43 @@ def build_stages(
         len(captured.example_inputs),
         split,
     )
+    _measure(staged, cluster, dims, assignment)
+    return staged, assignment
+
+
+def build_gear_stages(
+    captured: CapturedModel,
+    plan: Plan,
+    programs: list[RankProgram],
+    cluster: ClusterConfig,
+    dims: ParallelDims,
+    batch_inputs: Sequence[int],
+) -> tuple[list[StagedProgram], StageAssignment]:
+    """Every rank's program of a generation gear on the `pp x dp x tp` mesh, in rank order,
+    and the layers per stage: one replica's lowered `programs` cut by `plan`'s stages, each
+    stage holding its layers' cache and every rank ending with the logits (`lower.stages`),
+    then copied to every replica, which reads its rows of the inputs at `batch_inputs`
+    (`lower.replicas`)."""
+    assignment = _stages_of(plan)
+    weights = weight_inputs(captured, plan)
+    pp, dp, tp = dims.size("pp"), dims.size("dp"), dims.size("tp")
+    rows = captured.example_inputs[0].shape[0]
+    one = stage_programs(
+        programs,
+        [fqn for _, fqn in weights],
+        assignment.weight_stage,
+        len(captured.example_inputs),
+        Split(pp, 1, tp, 1, rows),
+        gear=True,
+    )
+    staged = one
+    if dp > 1:
+        made = replica_programs(
+            [sp.program for sp in one], dp, rows, len(captured.example_inputs), batch_inputs, tp
+        )
+        staged = [
+            replace(one[(r // (dp * tp)) * tp + r % tp], program=rp) for r, rp in enumerate(made)
+        ]
     _measure(staged, cluster, dims, assignment)
     return staged, assignment
 

@@ -7,11 +7,16 @@ rows of them, and the last-token logits it ends with (whole on every rank of the
 gathered over the replicas, one `all_gather_into_tensor` over the ranks `(d', t)`: every rank
 ends a call with every row's logits, so every rank chooses the same tokens with no word from
 the session, at any number of replicas.
+
+With pipeline stages, one replica's programs are its `pp x tp` stage programs (rank
+`s * tp + t`, each ending with the logits, `lower/stages.py`); rank `(s, d, t)` is then
+`(s * dp + d) * tp + t`, the mesh axes outermost first, and the logits are gathered over the
+ranks `(s, d', t)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tessel._torch import C10D_FUNCTIONAL
@@ -30,28 +35,49 @@ def replica_programs(
     rows: int,
     user_inputs: int,
     batch_inputs: Sequence[int],
+    tp: int | None = None,
 ) -> list[RankProgram]:
-    """Every rank's program, in rank order, from the `tp` programs of one replica lowered for
-    `rows` rows: the model's last `user_inputs` inputs, of which those at `batch_inputs` have
-    the batch first, and the last output the logits `[rows, vocab]`."""
-    tp = len(programs)
+    """Every rank's program, in rank order, from the programs of one replica lowered for
+    `rows` rows (`tp` of them a stage, all of them where `tp` is None): the model's last
+    `user_inputs` inputs, of which those at `batch_inputs` have the batch first, and the last
+    output the logits `[rows, vocab]`."""
+    per_stage = tp or len(programs)
+
+    def rank(s: int, d: int, t: int) -> int:
+        return (s * replicas + d) * per_stage + t
+
+    def in_replica(d: int) -> Callable[[int], int]:
+        """Replica `d`'s rank for a rank of one replica's programs."""
+        return lambda r: rank(r // per_stage, d, r % per_stage)
+
     return [
-        _replica(rp, d, t, replicas, tp, rows, user_inputs, batch_inputs)
+        _replica(
+            programs[s * per_stage + t],
+            d,
+            rows,
+            user_inputs,
+            batch_inputs,
+            in_replica(d),
+            [rank(s, r, t) for r in range(replicas)],
+        )
+        for s in range(len(programs) // per_stage)
         for d in range(replicas)
-        for t, rp in enumerate(programs)
+        for t in range(per_stage)
     ]
 
 
 def _replica(
     rp: RankProgram,
     d: int,
-    t: int,
-    replicas: int,
-    tp: int,
     rows: int,
     user_inputs: int,
     batch_inputs: Sequence[int],
+    moved_to: Callable[[int], int],
+    over_replicas: list[int],
 ) -> RankProgram:
+    """Replica `d`'s copy of `rp` (one replica's rank): collectives over the ranks `moved_to`
+    gives, its rows of the batched inputs read, the logits gathered over `over_replicas`."""
+    replicas = len(over_replicas)
     program = ProgramNodes.read(rp.program)
     shapes = dict(rp.shapes)
     inputs = program.inputs
@@ -70,7 +96,7 @@ def _replica(
         shapes[whole] = ([rows * replicas, *shape[1:]], dtype)
         head.append(replace(n, name=whole))
         reads.append(call(n.name, _SLICE, [ref(whole), 0, d * rows, (d + 1) * rows]))
-    moved = [n.renamed(n.name, {}, lambda r: d * tp + r) for n in program.nodes if n.op != INPUT]
+    moved = [n.renamed(n.name, {}, moved_to) for n in program.nodes if n.op != INPUT]
     args = program.output.args
     if not isinstance(args, list) or not args or "$node" not in args[-1]:
         raise ProgramError("a gear's program must return the logits last")
@@ -79,7 +105,7 @@ def _replica(
     sent, buf, whole = f"{logits}__rows", f"{logits}__replicas_buf", f"{logits}__replicas"
     shapes[sent] = (shape, dtype)
     shapes[buf] = shapes[whole] = ([shape[0] * replicas, *shape[1:]], dtype)
-    group = {"$group": [r * tp + t for r in range(replicas)]}
+    group = {"$group": over_replicas}
     tail = [
         contiguous_copy(sent, logits),
         call(buf, _ALL_GATHER, [ref(sent), replicas, group]),

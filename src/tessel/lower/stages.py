@@ -15,7 +15,11 @@ from those `tp` programs here, so the runtime needs nothing new:
 - the outputs, whole on the first rank of the stage computing them (`tessel.lower.outputs`),
   travel from it to the first stage's first rank, are put back together in micro-batch order
   and, with replicas, gathered from each replica's first rank into one buffer on rank 0, so
-  rank 0 returns the whole batch.
+  rank 0 returns the whole batch;
+- a generation gear (`gear=True`) ends otherwise: the cache it writes in place stays on the
+  stage that holds it, and its logits, whole on every rank of the last stage, are broadcast
+  from each to the ranks of the other stages at its tensor-parallel place, so every rank ends
+  the call with them and chooses the same token.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 """
@@ -74,15 +78,20 @@ def stage_programs(
     weight_stage: dict[str, int],
     user_inputs: int,
     split: Split,
+    gear: bool = False,
 ) -> list[StagedProgram]:
     """Every rank's program, in rank order, from the `tp` programs of one stage-replica.
 
     `weights` names the programs' weight inputs in order; `weight_stage` gives each the first
-    stage that holds it (a weight also read on a later stage is held there too).
+    stage that holds it (a weight also read on a later stage is held there too). With `gear`,
+    the programs are a generation gear's, of one replica and one micro-batch: their state stays
+    where it is written and every rank returns the logits (see the module docstring).
     """
+    if gear and split.dp * split.micro_batches > 1:
+        raise StageError("a generation gear is cut for one replica and one micro-batch")
     out: list[StagedProgram | None] = [None] * (split.pp * split.dp * split.tp)
     for t, rp in enumerate(programs):
-        cut = _Cut(rp, weights, weight_stage, user_inputs, split)
+        cut = _Cut(rp, weights, weight_stage, user_inputs, split, gear)
         for s in range(split.pp):
             for d in range(split.dp):
                 out[split.rank(s, d, t)] = cut.program(s, d, t)
@@ -188,6 +197,9 @@ class StageCut:
         reads = {a for n in (*body, last) for a in n.reads}
         constants = [c for c in self.constants if c.name in reads]
         program = self.nodes.program([*weights, *self.user_nodes, *constants, *body, last])
+        if "state" in program:  # the state this stage holds
+            held = {w.name for w in weights}
+            program["state"] = [n for n in program["state"] if n in held]
         used = {c.name for c in constants}
         rp = replace(
             self.rp,
@@ -208,8 +220,10 @@ class _Cut(StageCut):
         weight_stage: dict[str, int],
         user_inputs: int,
         split: Split,
+        gear: bool = False,
     ) -> None:
         super().__init__(rp, weights, user_inputs, split)
+        self.gear = gear
         self.target = {n.name: n.target for n in self.calls}
         self.stage = self._assign(weight_stage)
 
@@ -290,8 +304,37 @@ class _Cut(StageCut):
                 for target in sends.get(n.name, ()):
                     body.append(transfers.send(new, split.rank(target, d, t), waits))
             body += waits
-        returned = self._outputs(s, d, t, shapes, transfers, body)
+        if self.gear:
+            returned = self._logits_everywhere(s, t, shapes, body)
+        else:
+            returned = self._outputs(s, d, t, shapes, transfers, body)
         return self.staged(s, weights, body, returned, shapes, transfers.sent)
+
+    def _logits_everywhere(self, s: int, t: int, shapes: dict, body: list[Node]) -> list:
+        """Append to `body` the broadcast of a gear's logits (its last output) from the stage
+        computing them to this rank, over the ranks at tensor-parallel place `t` of every stage;
+        returns them, this rank's only output. The gear's other outputs are its writes into
+        the state, in place on the stages holding it."""
+        args = self.output.args
+        if not isinstance(args, list) or not args or "$node" not in args[-1]:
+            raise StageError("a gear's program must return the logits last")
+        logits = args[-1]["$node"]
+        source = self.stage[logits]
+        group = {"$group": [self.split.rank(r, 0, t) for r in range(self.split.pp)]}
+        shape, dtype = shapes[logits]
+        out = f"{logits}__stages"
+        shapes[f"{out}_buf"] = shapes[f"{out}_sent"] = shapes[out] = (shape, dtype)
+        if s == source:
+            sent = f"{logits}__mb0"
+            if self.target.get(logits) != _WAIT:  # a collective sends a contiguous tensor
+                body.append(contiguous_copy(f"{out}_buf", sent))
+                sent = f"{out}_buf"
+        else:
+            sent = f"{out}_buf"
+            body.append(zeros(sent, shape, dtype))
+        body.append(call(f"{out}_sent", _BROADCAST, [ref(sent), source, group]))
+        body.append(call(out, _WAIT, [ref(f"{out}_sent")]))
+        return [ref(out)]
 
     def _outputs(
         self, s: int, d: int, t: int, shapes: dict, transfers: _Transfers, body: list[Node]

@@ -180,13 +180,21 @@ def assign_stages(
         fqn: int(t.numel() * t.element_size() * placements_share.get(fqn, 1.0))
         for fqn, t in weights.items()
     }
-    # a weight outside the layers goes with its first reader: before the layers or after them
+    # a weight outside the layers goes with its first reader: its layer where that reader is
+    # in one (a generation step's cache of keys and values, read and written by its layer's
+    # attention), else before the layers or after them
     for fqn in weights:
         if fqn in weight_layer:
             continue
         node = weight_nodes.get(fqn)
-        readers = [order[u] for u in node.users if u in order] if node is not None else []
-        weight_layer[fqn] = "before" if not readers or min(readers) < first_layer else "after"
+        users = node.users if node is not None else {}
+        readers = sorted((u for u in users if u in order), key=order.__getitem__)
+        held_by = layer_of(readers[0]) if readers else None
+        if held_by is not None and held_by[0] == family and held_by[1] in by_index:
+            weight_layer[fqn] = held_by[1]
+        else:
+            first = order[readers[0]] if readers else -1
+            weight_layer[fqn] = "before" if first < first_layer else "after"
 
     outside = [n for n in nodes if n not in in_layer]
     before = seconds([n for n in outside if order[n] < first_layer])
