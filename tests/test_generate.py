@@ -30,7 +30,10 @@ from tessel.report import state_bytes
 # divide); 1, 2 and 4 devices in the sampling test's packages. Falcon, Phi-3, Mixtral and
 # DeepSeek-V3 passed this test too (2 devices, and 4 tight for DeepSeek-V3) but are left out:
 # their builds cost one to four minutes each on CI's two cores
-RUNS = [(f, 3, "tight") for f in ("gpt2", "llama", "mistral", "gemma2", "gpt_neox", "opt", "bloom")]
+RUNS = [
+    (f, 3, "tight")
+    for f in ("gpt2", "llama", "mistral", "gemma2", "gpt_neox", "opt", "bloom", "mamba")
+]
 GENERATION = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,))
 NEW = 16  # the 8-token gear leaves the 24 slots room for 17
 

@@ -17,6 +17,11 @@ LOG_LEVELS = {
     "null": None,
 }
 
+# loggers whose records below an error are about tessel's choices: torch's internals, and
+# transformers' note that a model's kernel falls back to its PyTorch code (the code tessel
+# captures, whatever kernels are installed)
+QUIET_LOGGERS = ("torch", "transformers.integrations.hub_kernels")
+
 
 def log_level(value: str, source: str = "--log") -> int | None:
     """The logging level `value` names (None: no logging); a `ConfigError` for other words."""
@@ -31,11 +36,12 @@ def keep_torch_quiet(level: int | None) -> None:
     torch warns about its internals (gloo's missing all-to-all, sequential gathers over mesh
     axes) from every process that meets them; they are about tessel's choices, not the user's
     model, and tessel reports what matters in its own words. At `debug` they show as torch
-    writes them.
+    writes them. The same for the other `QUIET_LOGGERS`.
     """
     if level is not None and level <= logging.DEBUG:
         return
-    logging.getLogger("torch").setLevel(logging.ERROR)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     for package in ("torch", "tessel"):
         warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
     # torch's own pytree deprecation, raised where a copy of an exported program reaches
@@ -47,11 +53,11 @@ def keep_torch_quiet(level: int | None) -> None:
 def torch_kept_quiet() -> Iterator[None]:
     """`keep_torch_quiet` at tessel's own level for the length of a block (a build from
     Python), then the process's settings as they were."""
-    torch_log = logging.getLogger("torch")
-    saved = torch_log.level
+    saved = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
     with warnings.catch_warnings():
         keep_torch_quiet(logging.getLogger("tessel").getEffectiveLevel())
         try:
             yield
         finally:
-            torch_log.setLevel(saved)
+            for name, level in saved.items():
+                logging.getLogger(name).setLevel(level)

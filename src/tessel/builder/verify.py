@@ -127,7 +127,7 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
         g = torch.Generator().manual_seed(0)
         rows = min(2, gears.max_batch_size)
         prompt = torch.randint(0, gears.vocab_size, (rows, gears.prefill_lengths[0]), generator=g)
-    buffers = [torch.zeros(s.shape, dtype=torch_dtype(s.dtype)) for s in gears.state]
+    buffers = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype)) for s in gears.state}
     eager = GenerationStep(model, buffers).eval()
     built = InProcessModel(package)
     seen: dict[str, list[torch.Tensor]] = {"eager": [], "built": []}

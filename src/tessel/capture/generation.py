@@ -10,10 +10,14 @@ hidden between calls:
 - `attention_mask [B, L]`: which of the cache's `L` slots hold a row's tokens.
 
 It returns the logits of the call's last token `[B, vocab]`. The cache is a buffer per layer's
-keys and values, `[B, kv heads, L, head dim]`, written with `index_copy_` at `cache_position`;
-the model builds its own masks (causal, sliding window, ALiBi) from the padding mask and the
-slots, as it does for `transformers`' static cache. Prefill gears (one per prompt length) and
-the decode gear (T = 1) share the buffers by name.
+keys and values, `[B, kv heads, L, head dim]` (`cache_0`, `cache_1`, ...), written with
+`index_copy_` at `cache_position`; the model builds its own masks (causal, sliding window,
+ALiBi) from the padding mask and the slots, as it does for `transformers`' static cache. A
+recurrent model (Mamba) keeps per layer a convolution state `[B, channels, kernel]` and a
+recurrent state `[B, channels, state size]` instead (`conv_state_0`, `recurrent_state_0`, ...),
+each overwritten whole by every call: a prefill gear starts them from its prompt, the decode
+gear carries them on; such a model reads the padding mask of the call's own tokens. Prefill
+gears (one per prompt length) and the decode gear (T = 1) share the buffers by name.
 """
 
 from __future__ import annotations
@@ -25,8 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
+from tessel._torch import OpOverload
 from tessel.capture.export import CapturedModel, capture
 from tessel.capture.training import mark_state
 from tessel.config.errors import ConfigError
@@ -69,19 +81,48 @@ class _SlotLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
+class _RecurrentLayer(LinearAttentionLayer):
+    """One recurrent layer's convolution and recurrent states, given: a call of more than one
+    token (a prefill gear) starts them from its own tokens, a one-token call carries them on."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, carried: bool) -> None:
+        super().__init__()
+        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.conv_kernel_size[0] = conv.shape[-1]
+        self.has_previous_state[0] = carried
+        self.dtype, self.device = conv.dtype, conv.device
+
+
+KV, CONV, RECURRENT = "cache_", "conv_state_", "recurrent_state_"
+
+
 class SlotCache(Cache):
-    """`transformers`' cache interface over given buffers, written at `slots` (no counters)."""
+    """`transformers`' cache interface over given buffers, by name (see the module docstring),
+    written at `slots` (no counters)."""
 
-    def __init__(self, buffers: list[torch.Tensor], slots: torch.Tensor) -> None:
+    def __init__(self, buffers: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
         self.slots = slots
-        pairs = zip(buffers[0::2], buffers[1::2])
-        super().__init__(layers=[_SlotLayer(self, k, v) for k, v in pairs])
+        values = list(buffers.values())
+        if all(name.startswith(KV) for name in buffers):
+            pairs = zip(values[0::2], values[1::2])
+            super().__init__(layers=[_SlotLayer(self, k, v) for k, v in pairs])
+            return
+        carried = slots.shape[0] == 1
+        pairs = zip(values[0::2], values[1::2])
+        super().__init__(layers=[_RecurrentLayer(c, r, carried) for c, r in pairs])
 
 
-def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> list[torch.Tensor]:
-    """Every layer's key and value buffers for `batch` rows of `length` tokens, zero, on the
-    meta device: their head counts and head sizes are what the model writes into a cache on a
-    one-token call. A model whose cache is not keys and values per layer is refused."""
+def is_recurrent(cache_names: list[str]) -> bool:
+    """Whether a step's cache is recurrent states (read with the mask of the call's tokens)."""
+    return any(name.startswith(CONV) for name in cache_names)
+
+
+def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, torch.Tensor]:
+    """Every layer's buffers by name (see the module docstring) for `batch` rows of `length`
+    tokens, zero, on the meta device: their shapes are what the model writes into a cache on
+    a one-token call. A model whose cache is neither keys and values per layer nor recurrent
+    states per layer is refused, naming the layer."""
     name = type(model).__name__
     try:
         params = inspect.signature(model.forward).parameters
@@ -120,28 +161,59 @@ def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> list[torch.
             None,
             f"{name} returns no logits: generation takes a causal LM (its *ForCausalLM class)",
         )
-    buffers = []
+    buffers: dict[str, torch.Tensor] = {}
+    kinds = set()
     for i, layer in enumerate(cache.layers):
+        if _recurrent_states(layer):
+            kinds.add("recurrent")
+            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+            buffers[f"{CONV}{i}"] = torch.zeros(
+                (batch, *conv.shape[1:]), dtype=conv.dtype, device="meta"
+            )
+            buffers[f"{RECURRENT}{i}"] = torch.zeros(
+                (batch, *recurrent.shape[1:]), dtype=recurrent.dtype, device="meta"
+            )
+            continue
         if not isinstance(layer, DynamicLayer) or getattr(layer, "keys", None) is None:
             raise ConfigError(
                 "model",
                 None,
                 f"{name}'s layer {i} keeps a {type(layer).__name__} cache; tessel captures "
-                "caches of keys and values per layer",
+                "caches of keys and values per layer, or of one convolution and one recurrent "
+                "state per layer (Mamba)",
             )
+        kinds.add("keys and values")
         for t in (layer.keys, layer.values):
             shape = (batch, t.shape[1], length, *t.shape[3:])
-            buffers.append(torch.zeros(shape, dtype=t.dtype, device="meta"))
+            buffers[f"{KV}{len(buffers)}"] = torch.zeros(shape, dtype=t.dtype, device="meta")
     if not buffers:
         raise ConfigError("model", None, f"{name} wrote no keys or values into a cache")
+    if len(kinds) > 1:
+        raise ConfigError(
+            "model",
+            None,
+            f"{name} keeps keys and values in some layers and recurrent states in others; "
+            "generation over such a hybrid cache is not built yet",
+        )
     return buffers
 
 
-class GenerationStep(torch.nn.Module):
-    """One gear's call of a causal LM over the cache buffers `cache_0`, `cache_1`, ...
-    (keys and values of each layer in turn). See the module docstring for its inputs."""
+def _recurrent_states(layer: CacheLayerMixin) -> bool:
+    """Whether `layer` holds one convolution and one recurrent state and nothing else."""
+    return (
+        isinstance(layer, LinearAttentionLayer)
+        and not isinstance(layer, LinearAttentionAndFullAttentionLayer)
+        and layer.number_of_states == 1
+        and layer.conv_states.get(0) is not None
+        and layer.recurrent_states.get(0) is not None
+    )
 
-    def __init__(self, model: torch.nn.Module, buffers: list[torch.Tensor]) -> None:
+
+class GenerationStep(torch.nn.Module):
+    """One gear's call of a causal LM over its cache buffers, by name (`cache_shapes`). See the
+    module docstring for its inputs."""
+
+    def __init__(self, model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.model = model
         params = inspect.signature(model.forward).parameters
@@ -149,8 +221,9 @@ class GenerationStep(torch.nn.Module):
         # the head over the last token alone, as transformers' generate asks: a prompt's
         # other tokens need no logits, and the head is the widest matmul of the model
         self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self.cache_names = [f"cache_{i}" for i in range(len(buffers))]
-        for name, buffer in zip(self.cache_names, buffers):
+        self.cache_names = list(buffers)
+        self.recurrent = is_recurrent(self.cache_names)
+        for name, buffer in buffers.items():
             self.register_buffer(name, buffer, persistent=False)
 
     def forward(
@@ -160,8 +233,10 @@ class GenerationStep(torch.nn.Module):
         cache_position: torch.Tensor,
         attention_mask: torch.Tensor,
     ) -> torch.Tensor:
-        cache = SlotCache([getattr(self, n) for n in self.cache_names], cache_position)
+        cache = SlotCache({n: getattr(self, n) for n in self.cache_names}, cache_position)
         positions = {"position_ids": position_ids} if self.takes_positions else {}
+        if self.recurrent:  # the padding of this call's own tokens
+            attention_mask = attention_mask.index_select(1, cache_position)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -257,9 +332,10 @@ def _step(model: torch.nn.Module, generation: Generation) -> GenerationStep:
     model = model.eval()
     b, n = generation.max_batch_size, generation.max_seq_len
     device = next(model.parameters()).device
-    buffers = [
-        torch.zeros(t.shape, dtype=t.dtype, device=device) for t in cache_shapes(model, b, n)
-    ]
+    buffers = {
+        name: torch.zeros(t.shape, dtype=t.dtype, device=device)
+        for name, t in cache_shapes(model, b, n).items()
+    }
     return GenerationStep(model, buffers).eval()
 
 
@@ -322,36 +398,84 @@ _INDEX_PUT = torch.ops.aten.index_put.default
 
 
 def _writes_in_place(captured: CapturedModel, model: torch.nn.Module) -> CapturedModel:
-    """The gear's cache writes made in place: each buffer's new value, which export returns as
-    a functional `index_put` of the buffer, becomes `index_put_` on the buffer itself, and the
-    graph's output marks which state each written buffer is (`mark_state`), so the plan
-    places it like the buffer and the program writes into the buffer a worker holds."""
+    """The gear's cache writes made in place, and the graph's output marking which state each
+    written buffer is (`mark_state`), so the plan places it like the buffer and the program
+    writes into the buffer a worker holds:
+
+    - keys and values: each buffer's new value, which export returns as a functional
+      `index_put` of the buffer, becomes `index_put_` on the buffer itself (one write a step at
+      the call's slots, never a copy of the cache);
+    - a recurrent state, overwritten whole by every call: its new value is copied into the
+      buffer (`copy_`) after every other node, when nothing reads the old one any more."""
     ep = captured.program
     graph = ep.graph_module.graph
     signature = ep.graph_signature
     placeholder = {s.target: s.arg.name for s in signature.input_specs if s.kind.name == "BUFFER"}
+    nodes = {n.name: n for n in graph.nodes}
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     values = list(output.args[0])
     names = []
-    for spec, value in zip(signature.output_specs, values):
+    for i, (spec, value) in enumerate(zip(signature.output_specs, values)):
         if spec.kind.name != "BUFFER_MUTATION":
             break
-        buffer = value.args[0] if isinstance(value, torch.fx.Node) and value.args else None
-        if (
-            value.target is not _INDEX_PUT
-            or not isinstance(buffer, torch.fx.Node)
-            or buffer.name != placeholder.get(spec.target)
-            or len(buffer.users) != 1
-        ):
-            raise ConfigError(
-                "model",
-                None,
-                f"{type(model).__name__} writes its cache buffer {spec.target} other than by "
-                "one indexed write a step (found "
-                f"{getattr(value, 'target', value)}); tessel writes caches in place that way",
-            )
-        value.target = torch.ops.aten.index_put_.default
+        buffer = nodes.get(placeholder.get(spec.target, ""))
+        if spec.target.startswith(KV) or buffer is None:
+            _keys_written_at_slots(value, buffer, spec.target, model)
+        else:
+            values[i] = _overwritten(graph, output, value, buffer, spec.target, model)
+            spec.arg.name = values[i].name
         names.append(spec.target)
+    output.args = (tuple(values), *output.args[1:])
     mark_state(graph, tuple(names))
     ep.graph_module.recompile()
     return captured
+
+
+def _keys_written_at_slots(
+    value: Any, buffer: torch.fx.Node | None, name: str, model: torch.nn.Module
+) -> None:
+    """Make `value`, the functional write into `buffer`, the in-place write it stands for."""
+    if (
+        not isinstance(value, torch.fx.Node)
+        or value.target is not _INDEX_PUT
+        or buffer is None
+        or value.args[0] is not buffer
+        or len(buffer.users) != 1
+    ):
+        raise ConfigError(
+            "model",
+            None,
+            f"{type(model).__name__} writes its cache buffer {name} other than by one indexed "
+            f"write a step (found {getattr(value, 'target', value)}); tessel writes caches in "
+            "place that way",
+        )
+    value.target = torch.ops.aten.index_put_.default
+
+
+def _overwritten(
+    graph: torch.fx.Graph,
+    output: torch.fx.Node,
+    value: Any,
+    buffer: torch.fx.Node,
+    name: str,
+    model: torch.nn.Module,
+) -> torch.fx.Node:
+    """The node copying `value` into `buffer`, last before the output."""
+    source = value
+    while isinstance(source, torch.fx.Node) and source is not buffer:
+        target = source.target
+        if not (isinstance(target, OpOverload) and target.is_view):
+            break
+        source = source.args[0]
+    if not isinstance(value, torch.fx.Node) or source is buffer:
+        raise ConfigError(
+            "model",
+            None,
+            f"{type(model).__name__} writes its state {name} as a view of itself (found "
+            f"{getattr(value, 'target', value)}); tessel overwrites a recurrent state with a "
+            "new value",
+        )
+    with graph.inserting_before(output):
+        written = graph.call_function(torch.ops.aten.copy_.default, (buffer, value))
+    written.meta = dict(value.meta)
+    return written

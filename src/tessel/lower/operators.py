@@ -286,10 +286,11 @@ _ATEN = {
     "_scaled_dot_product_flash_attention_for_cpu_backward.default",
 }
 
-# in-place operators DTensor's dispatch applies to the temporaries it makes (the mask of a
-# vocabulary-sharded embedding lookup); a program may never apply them to one of its inputs,
-# nor to a view of one (`tessel.lower.program.check`)
-IN_PLACE = frozenset({"aten.index_put_.default", "aten.masked_fill_.Scalar"})
+# in-place operators: DTensor's dispatch applies them to the temporaries it makes (the mask of
+# a vocabulary-sharded embedding lookup), and a generation step writes its state with them (a
+# cache at its slots, a recurrent state whole); a program may never apply them to one of its
+# other inputs, nor to a view of one (`tessel.lower.program.check`)
+IN_PLACE = frozenset({"aten.index_put_.default", "aten.masked_fill_.Scalar", "aten.copy_.default"})
 
 ALLOWED: frozenset[str] = (
     frozenset(
