@@ -626,6 +626,10 @@ def test_pipeline_stages_generate_transformers_tokens(
     assert all(rank.weight_bytes < whole for rank in manifest.plan.ranks)
     assert manifest.plan.verify.max_relative_diff is not None  # checked in process at build
     assert "every rank of its layer's pipeline stage" in str(built)  # how the cache is held
+    stages = manifest.plan.stages
+    assert [st.ranks for st in stages] == [
+        tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(pp)
+    ]
     path = tessel.save(built, tmp_path / family)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)

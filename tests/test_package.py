@@ -206,7 +206,7 @@ def _set_float(literal: Any) -> Callable[[dict], None]:
     "edit, words",
     [
         (_call("builtins.eval.default", ["1"]), "'builtins.eval.default', which is not on"),
-        (_copy_into_weight, "'aten.copy_.default', which is not on tessel's list"),
+        (_copy_into_weight, "copy_.default writes into its argument 'self', which is the prog"),
         (_call("aten.bernoulli.p", ["$w", 0.5]), "'aten.bernoulli.p', which is not on"),
         (_call("aten.add.out", ["$w", "$w"]), "'aten.add.out', which is not on"),
         (_call("aten.neg.default", ["$w"], {"x=__import__('os')": 1}), "no keyword argument"),

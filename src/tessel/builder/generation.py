@@ -25,7 +25,7 @@ import torch
 
 from tessel.builder.fit import Fitted, Level, fit
 from tessel.builder.packing import input_spec, pack
-from tessel.builder.stages import build_gear_stages, stage_planner
+from tessel.builder.stages import build_gear_stages, stage_lines, stage_planner
 from tessel.capture import CapturedModel
 from tessel.capture.generation import BATCH_INPUTS, GEAR_INPUTS, CapturedGears, capture_gears
 from tessel.config.cluster import ClusterConfig
@@ -316,9 +316,17 @@ def _pack(
             zip(gears.decode.input_names, gears.decode.example_inputs, strict=True)
         )
     )
+    plan = manifest.plan
+    if staged is not None:  # each stage's layers and ranks, as the decode gear divides them
+        plan = replace(plan, stages=stage_lines(decode.plan.stages, staged), micro_batches=1)
     return (
         replace(
-            manifest, submodels=tuple(submodels), generation=spec, outputs=outputs, inputs=inputs
+            manifest,
+            submodels=tuple(submodels),
+            generation=spec,
+            outputs=outputs,
+            inputs=inputs,
+            plan=plan,
         ),
         members,
     )
