@@ -583,29 +583,35 @@ def _llama(layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
-# (model, devices, policy): an odd count of stages over an uneven cut of the layers, stages of
-# tensor-parallel ranks over tied embeddings, and stages of data-parallel replicas
+# (model, devices, memory, policy): an odd count of stages over an uneven cut of the layers,
+# stages of tensor-parallel ranks (over tied embeddings; on devices that hold 1.15/4 of the
+# weights), and stages of data-parallel replicas
 STAGED = [
-    ("llama4", 3, dict(pipe_stage_num=3)),
-    ("gpt2", 4, dict(pipe_stage_num=2, tensor_parallel_size=2)),
-    ("gemma2", 4, dict(pipe_stage_num=2, data_parallel_size=2)),
+    ("llama4", 3, "default", dict(pipe_stage_num=3)),
+    ("gpt2", 4, "default", dict(pipe_stage_num=2, tensor_parallel_size=2)),
+    ("llama4", 4, "tight", dict(pipe_stage_num=2, tensor_parallel_size=2)),
+    ("gemma2", 4, "default", dict(pipe_stage_num=2, data_parallel_size=2)),
 ]
 
 
 @pytest.mark.parametrize(
-    "family,devices,policy",
+    "family,devices,memory,policy",
     STAGED,
-    ids=[f"{f}-{d}dev-pp{p['pipe_stage_num']}" for f, d, p in STAGED],
+    ids=[f"{f}-{d}dev-{m}-pp{p['pipe_stage_num']}" for f, d, m, p in STAGED],
 )
 def test_pipeline_stages_generate_transformers_tokens(
-    family: str, devices: int, policy: dict, sessions, tmp_path
+    family: str, devices: int, memory: str, policy: dict, sessions, tmp_path
 ) -> None:
     """Each stage holds its own layers' weights and cache, no rank the whole model; every rank
     ends each call with the logits, and the tokens are transformers' own."""
     make = (lambda: _llama(4)) if family == "llama4" else (lambda: FAMILIES[family].make().model)
     model = make()
+    cluster: object = devices
+    if memory == "tight":
+        gear = capture_gear(model, GENERATION, GENERATION.prefill_lengths[-1])
+        cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
     built = tessel.build(
-        model, cluster=devices, policy=ParallelOption(**policy), generation=GENERATION
+        model, cluster=cluster, policy=ParallelOption(**policy), generation=GENERATION
     )
     manifest = built.manifest
     pp = policy["pipe_stage_num"]
