@@ -651,3 +651,25 @@ def test_pipeline_stages_generate_transformers_tokens(
     finally:
         session.remove_graph(0)
     assert torch.equal(got, want)
+
+
+def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> None:
+    """Four stages of a 4-layer Llama on devices holding 1.15/4 of its weights: the first
+    stage holds the embedding beside its layer, and no plan fits it whatever memory the
+    pipeline is planned with. The refusal names that stage, its layers and its device's own
+    bytes, not the planner's multiplied figure."""
+    model = _llama(4)
+    gear = capture_gear(model, GENERATION, GENERATION.prefill_lengths[-1])
+    data = tight_cluster(gear, 4)
+    with pytest.raises(PlanError) as err:
+        tessel.build(
+            model,
+            cluster=cluster_from_dict(data, "tight.json"),
+            policy=ParallelOption(pipe_stage_num=4),
+            generation=GENERATION,
+        )
+    message = str(err.value)
+    device = int(re.search(r"DDR:(\d+)B", data["item_def"][0]["memory"]).group(1))
+    said = re.search(r"more than the device's ([\d.]+) KiB", message)
+    assert message.startswith("pipeline stage 0 (layers 0-0) on rank 0 holds"), message
+    assert said and float(said.group(1)) * 1024 == pytest.approx(device, rel=1e-3), message

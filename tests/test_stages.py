@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tessel.config.parallel_option import parallel_option_from_dict
 from tessel.demo import tight_cluster
 from tessel.package.format import BuiltPackage
 from tessel.package.manifest import Mesh
-from tessel.plan import has_rule
+from tessel.plan import PlanError, has_rule
 from tessel.plan.stages import _cut
 from tessel.report import format_plan, inspect_json
 from tessel.runtime.inprocess import run_in_process
@@ -119,6 +120,24 @@ def test_more_stages_than_layers_is_refused():
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="pipe_stage_num: is 3, more than the model's 2 layers"):
         tessel.build(small_llama(layers=2), (token_ids(batch=3),), cluster=3, policy=policy(3))
+
+
+def test_devices_too_small_for_the_stages_are_named_with_their_own_memory():
+    """A pipeline is planned whole on one stage's devices with pp times their memory; a
+    refusal still speaks of the devices as they are: about 1/pp of the least plan per device
+    against each device's own bytes, never the multiplied figure."""
+    torch.manual_seed(0)
+    model, ids = small_llama(layers=4), token_ids(batch=2)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    small = weights // 4  # half of what each of 2 stages holds
+    with pytest.raises(PlanError) as err:
+        tessel.build(model, (ids,), cluster=cluster(2, f"[DDR:{small}B]"), policy=policy(2))
+    message = str(err.value)
+    assert message.startswith("the model does not fit 2 pipeline stages"), message
+    has = re.search(r"the smallest device in cluster\.json has ([\d.]+) KiB", message)
+    assert has and float(has.group(1)) * 1024 == pytest.approx(small, rel=1e-3), message
+    about = re.search(r"about ([\d.]+) KiB per device for each of 2 stages", message)
+    assert about and weights / 2 <= float(about.group(1)) * 1024 < weights, message
 
 
 def test_micro_batches_must_divide_the_batch():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessel.builder.lowering import plan_and_lower
@@ -34,6 +34,7 @@ from tessel.lower.trace import RankProgram
 from tessel.plan import Plan, PlanError
 from tessel.plan.stages import StageAssignment, StageMemoryError
 from tessel.progress import phase
+from tessel.units import human_bytes, two_sizes
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ def _fit_level(
     plan_cluster = first_devices(cluster, dims.size("tp")) if dp * pp > 1 else cluster
     reserve = level.reserve
     scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
+    overflowed: StageMemoryError | None = None  # the stage overflow at the most memory tried
     while True:
         try:
             plan, programs = plan_and_lower(
@@ -155,12 +157,36 @@ def _fit_level(
                 continue
             if scale - no_plan < 0.02:
                 raise
-            overflows = scale
+            overflows, overflowed = scale, overflowed or exc
             scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
             log.info("a stage overflows its devices: planning with %.2fx their memory", scale)
-        except PlanError:
-            if overflows is None or overflows - scale < 0.02:
+        except PlanError as exc:
+            if overflows is None and pp > 1 and type(exc) is PlanError and exc.least:
+                raise _over_stages(exc, pp, plan_cluster) from None
+            if overflows is None:
                 raise
+            if overflows - scale < 0.02:
+                # planned with less memory no plan fits, with more a stage overflows: the
+                # overflow is what the devices lack
+                raise overflowed from None
             no_plan, scale = scale, (scale + overflows) / 2
         finally:
             first, lowered = None, None  # a second try plans anew
+
+
+def _over_stages(exc: PlanError, pp: int, cluster: ClusterConfig) -> PlanError:
+    """`exc`, raised for the whole model planned on one stage's devices with `pp` times their
+    memory, said for the devices themselves: about 1/pp of its least plan per device."""
+    least = exc.least
+    assert least is not None
+    per_stage = -(-least.peak_bytes // pp)
+    device = min(d.memory_bytes for d in cluster.devices)
+    needs, has = two_sizes(per_stage, device)
+    return PlanError(
+        f"the model does not fit {pp} pipeline stages: a plan of the whole model needs at "
+        f"least {human_bytes(least.peak_bytes)} per device at its peak "
+        f"({human_bytes(least.weight_bytes)} of weights), about {needs} per device for each "
+        f"of {pp} stages, but the smallest device in {cluster.source} has {has}; use more "
+        f"stages or more tensor parallelism, or devices of at least about {needs}",
+        replace(least, device_bytes=device),
+    )

@@ -240,7 +240,8 @@ def _weights_fit(
         f"the model does not fit: its weights alone, each cut as finely as a mesh of "
         f"{list(mesh_shape)} devices allows, hold {human_bytes(floor) if reserve else needs} "
         f"per device{kept}, but the smallest device in {cluster.source} has {has}; the devices "
-        f"need more than {needs}, or the mesh more devices"
+        f"need more than {needs}, or the mesh more devices",
+        LeastMemory(floor + reserve, floor, 0, device_bytes),
     )
 
 
