@@ -113,7 +113,10 @@ def build_gear_stages(
         staged = [
             replace(one[(r // (dp * tp)) * tp + r % tp], program=rp) for r, rp in enumerate(made)
         ]
-    _measure(staged, cluster, dims, assignment)
+    # a gear runs the whole batch at once: no micro-batches to spread it
+    _measure(
+        staged, cluster, dims, assignment, "more stages, more tensor parallelism or a smaller cache"
+    )
     return staged, assignment
 
 
@@ -169,9 +172,10 @@ def _measure(
     cluster: ClusterConfig,
     dims: ParallelDims,
     assignment: StageAssignment | None,
+    remedies: str = "more stages, more micro-batches or more tensor parallelism",
 ) -> None:
     """Record each rank's weight and peak bytes in its program; raise `StageMemoryError`
-    where a peak is more than the rank's device holds."""
+    where a peak is more than the rank's device holds, advising `remedies`."""
     measured: dict[tuple, tuple[int, int]] = {}
     for rank, sp in enumerate(staged):
         # replicas after the first run the same program over other ranks
@@ -188,8 +192,7 @@ def _measure(
                 where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
             holds, has = two_sizes(peak, cluster.devices[rank].memory_bytes)
             raise StageMemoryError(
-                f"{where} holds {holds} at its peak, more than the device's {has}; use more "
-                "stages, more micro-batches or more tensor parallelism",
+                f"{where} holds {holds} at its peak, more than the device's {has}; use {remedies}",
                 peak,
                 cluster.devices[rank].memory_bytes,
             )
