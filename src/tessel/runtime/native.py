@@ -17,7 +17,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -65,22 +64,15 @@ def build(name: str, *, against_torch: bool, log: logging.Logger) -> Path:
         log.warning(
             "tessel: %s does not match the digest kept beside it; building it again", target
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{name}-", suffix=".so")
-    os.close(fd)
-    try:
+    with replace_atomically(target, suffix=".so") as partial:
         subprocess.run(
-            [*compiler, *flags, str(source), *links, "-o", partial],
+            [*compiler, *flags, str(source), *links, "-o", str(partial)],
             check=True,
             capture_output=True,
             timeout=300,
         )
         with replace_atomically(digest) as tmp:
-            tmp.write_text(_sha256(Path(partial)))
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+            tmp.write_text(_sha256(partial))
     return target
 
 
