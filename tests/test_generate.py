@@ -488,6 +488,9 @@ def test_what_would_fit_scales_the_cache_by_rows_and_slots_and_activations_by_ro
     assert said.endswith("max_batch_size=1 or max_seq_len=400 would fit"), said
     assert "Even one row" in _what_would_fit(g, LeastMemory(540, 500, 400, 200))
     assert _what_would_fit(g, LeastMemory(540, 500, 0, 300)) == ""  # no cache: not the cause
+    # recurrent states (Mamba) do not grow with the cache's length: only fewer rows would fit
+    recurrent = _what_would_fit(g, LeastMemory(540, 500, 400, 300), by_slots=False)
+    assert recurrent.endswith("max_batch_size=1 would fit"), recurrent
 
 
 def _qwen2() -> torch.nn.Module:

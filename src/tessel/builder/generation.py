@@ -27,7 +27,13 @@ from tessel.builder.fit import Fitted, Level, fit
 from tessel.builder.packing import input_spec, pack
 from tessel.builder.stages import build_gear_stages, stage_lines, stage_planner
 from tessel.capture import CapturedModel
-from tessel.capture.generation import BATCH_INPUTS, GEAR_INPUTS, CapturedGears, capture_gears
+from tessel.capture.generation import (
+    BATCH_INPUTS,
+    GEAR_INPUTS,
+    CapturedGears,
+    capture_gears,
+    is_recurrent,
+)
 from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
@@ -144,7 +150,8 @@ def build_generation(
                 gears.prefill[longest], policy, _kept(gears.prefill[longest], dp), None
             )
         except PlanError as exc:
-            raise PlanError(f"{exc}{_what_would_fit(share, exc.least, dp)}", exc.least) from None
+            fits = _what_would_fit(share, exc.least, dp, not is_recurrent(gears.cache_names))
+            raise PlanError(f"{exc}{fits}", exc.least) from None
         given = _placed_as(first, policy)
         decode = fit_gear(gears.decode, given, _kept(gears.decode, dp), first)
         prefill = {
@@ -188,11 +195,14 @@ def _kept(captured: CapturedModel, dp: int) -> Level:
     return Level(reserve=_replicas_bytes(captured, dp))
 
 
-def _what_would_fit(g: Generation, least: LeastMemory | None, replicas: int = 1) -> str:
+def _what_would_fit(
+    g: Generation, least: LeastMemory | None, replicas: int = 1, by_slots: bool = True
+) -> str:
     """The largest batch at this cache length, and the longest cache at this batch, that the
     least plan of the longest prefill gear puts within the devices: its cache grows with rows
-    x slots, its activations with rows, its weights not at all. `g` is one replica's share of
-    the batch; each of the `replicas` holds as many rows."""
+    x slots (with rows alone where not `by_slots`: recurrent states), its activations with
+    rows, its weights not at all. `g` is one replica's share of the batch; each of the
+    `replicas` holds as many rows."""
     if least is None or not least.state_bytes:
         return ""
     room = least.device_bytes
@@ -208,11 +218,16 @@ def _what_would_fit(g: Generation, least: LeastMemory | None, replicas: int = 1)
     rows = int(g.max_batch_size * (room - weights) // (cache + activations))
     fits = [f"max_batch_size={rows * replicas}"]
     slots = int(g.max_seq_len * (room - weights - activations) // cache)
-    if slots > max(g.prefill_lengths):
+    if by_slots and slots > max(g.prefill_lengths):
         fits.append(f"max_seq_len={slots}")
+    holds = (
+        f"{g.max_batch_size} rows x {g.max_seq_len} tokens"
+        if by_slots
+        else f"the states of {g.max_batch_size} rows"
+    )
     return (
-        f". Its cache ({human_bytes(cache)} per device) holds {g.max_batch_size} rows x "
-        f"{g.max_seq_len} tokens; {' or '.join(fits)} would fit"
+        f". Its cache ({human_bytes(cache)} per device) holds {holds}; "
+        f"{' or '.join(fits)} would fit"
     )
 
 
