@@ -431,6 +431,9 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
             model, cluster=3, policy=ParallelOption(pipe_stage_num=3), generation=GENERATION
         )
     assert err.value.key.endswith("pipe_stage_num")
+    with pytest.raises(ConfigError, match="an encoder-decoder: its prefill gears") as err:
+        tessel.build(_t5(), cluster=1, generation=Generation(1, 16, (1, 8)))
+    assert err.value.key == "prefill_lengths"
     with pytest.raises(ConfigError, match="cannot share evenly") as err:
         tessel.build(
             model, cluster=2, policy=ParallelOption(data_parallel_size=2),
@@ -677,3 +680,57 @@ def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> No
     assert message.startswith("pipeline stage 0 (layers 0-0) on rank 0 holds"), message
     assert "micro-batches" not in message  # a gear runs its whole batch at once
     assert said and float(said.group(1)) * 1024 == pytest.approx(device, rel=1e-3), message
+
+
+def _t5() -> torch.nn.Module:
+    """A small T5 whose greedy tokens vary (a random T5 at its initial scale repeats one token):
+    its weights scaled up."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=256, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_an_encoder_decoder_generates_transformers_tokens(devices: int, sessions, tmp_path):
+    """T5: the prompt encoded once by a prefill gear, which writes every decoder layer's
+    cross-attention cache; then one decoder token a step. On 3 devices that forbid replicated
+    weights, the tokens (the decoder's start token first) are transformers' own, for prompts of
+    different lengths in one batch and through either prefill gear."""
+    model = _t5()
+    generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(4, 8))
+    cluster: object = devices
+    if devices > 1:
+        gear = capture_gear(model, generation, 8)
+        cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
+    built = tessel.build(model, cluster=cluster, generation=generation)
+    gears = built.manifest.generation
+    assert gears.decoder_start_token_id == 0
+    assert {s.name for s in gears.state} >= {"cross_0", "encoder_mask", "decoder_start"}
+    if devices > 1:
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
+    path = tessel.save(built, tmp_path / "t5")
+    session = sessions.setdefault(devices, tessel.Session())
+    session.load_graph(0, {}, path)
+    kinds = set()
+    try:
+        for length in (8, 3):
+            ids = torch.randint(2, 256, (2, length), generator=torch.Generator().manual_seed(3))
+            mask = torch.ones_like(ids)
+            mask[1, : length // 3 + 1] = 0
+            want = _t5().generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+            got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+            assert torch.equal(got, want), length
+            kinds |= {len(set(row)) for row in want.tolist()}
+    finally:
+        session.remove_graph(0)
+    assert max(kinds) > 3  # tokens that vary: the comparison can tell a wrong cache

@@ -473,7 +473,6 @@ def test_generation_sorts_its_gears_and_takes_one_length() -> None:
     "family, why",
     [
         ("jamba", "keeps keys and values in some layers and recurrent states in others"),
-        ("t5", "is an encoder-decoder"),
         ("bert", "returns no logits"),
     ],
 )

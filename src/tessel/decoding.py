@@ -312,6 +312,10 @@ def decode(
     finished = torch.zeros(rows, dtype=torch.bool)
     seen = input_ids.long()  # every row's prompt as given and its tokens so far
     padding = (mask == 0).sum(dim=1)
+    start = getattr(gears, "decoder_start_token_id", None)
+    if start is not None:  # an encoder-decoder: the decoder's own tokens, from its start token
+        seen = torch.full((rows, 1), start, dtype=torch.long)
+        padding = torch.zeros_like(padding)
     logits = run(gear, (ids, positions, torch.arange(gear), valid))
     last = positions[:, -1]
     for step in range(max_new_tokens):

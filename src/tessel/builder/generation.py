@@ -81,6 +81,21 @@ def build_generation(
             "build()", "model", f"generation captures an nn.Module, found {type(model).__name__}"
         )
     check_model_settings(model)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        if 1 in generation.prefill_lengths:
+            raise ConfigError(
+                "Generation",
+                "prefill_lengths",
+                f"holds 1 for {type(model).__name__}, an encoder-decoder: its prefill gears "
+                "encode a prompt of at least 2 tokens (a 1-token prompt is padded into one)",
+            )
+        start = getattr(model.config, "decoder_start_token_id", None)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ConfigError(
+                "model.config",
+                "decoder_start_token_id",
+                f"must be a token id for an encoder-decoder's generation, found {start!r}",
+            )
     dims = parallel_dims(cluster, policy)
     dp, pp = dims.size("dp"), dims.size("pp")
     if generation.max_batch_size % dp:
@@ -163,6 +178,13 @@ def build_generation(
         manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version, dp, pp)
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
+
+
+def _decoder_start(model: torch.nn.Module, gears: CapturedGears) -> int | None:
+    """An encoder-decoder's decoder start token (None for a decoder-only model)."""
+    if not gears.step.encoder_decoder:
+        return None
+    return int(model.config.decoder_start_token_id)
 
 
 def _same_weights_as_decode(fitted: Fitted, decode: list, length: int) -> None:
@@ -322,8 +344,9 @@ def _pack(
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < vocab else None,
         eos_token_id=tuple(dict.fromkeys(stops)),
         defaults=model_settings(settings, vocab),
+        decoder_start_token_id=_decoder_start(model, gears),
     )
-    outputs = manifest.outputs[len(written) :] if manifest.outputs else manifest.outputs
+    outputs = manifest.outputs[-1:]  # a gear's outputs: the state it writes, then the logits
     # the whole batch's inputs: a replica reads its rows of the batched ones
     inputs = tuple(
         input_spec(name, x, dp if i in BATCH_INPUTS else 1)

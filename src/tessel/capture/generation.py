@@ -18,13 +18,21 @@ recurrent state `[B, channels, state size]` instead (`conv_state_0`, `recurrent_
 each overwritten whole by every call: a prefill gear starts them from its prompt, the decode
 gear carries them on; such a model reads the padding mask of the call's own tokens. Prefill
 gears (one per prompt length) and the decode gear (T = 1) share the buffers by name.
+
+An encoder-decoder (T5) takes the same inputs. A prefill gear's tokens are the encoder's
+prompt: the encoder runs once, its keys and values for cross-attention are written per decoder
+layer into `cross_0`, `cross_1`, ... at the prompt's slots, and the decoder's start token runs at
+the prompt's last slot. The gear keeps the prompt's padding mask (`encoder_mask`) and that slot
+(`decoder_start`) as state: the decode gear reads cross-attention through the one and lets the
+decoder attend from the other on, so the decoder's tokens sit in the slots the loop gives them.
+The decoder's keys and values are `cache_0`, `cache_1`, ... as above.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +42,7 @@ from transformers.cache_utils import (
     CacheLayerMixin,
     DynamicCache,
     DynamicLayer,
+    EncoderDecoderCache,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
@@ -94,7 +103,8 @@ class _RecurrentLayer(LinearAttentionLayer):
         self.dtype, self.device = conv.dtype, conv.device
 
 
-KV, CONV, RECURRENT = "cache_", "conv_state_", "recurrent_state_"
+KV, CONV, RECURRENT, CROSS = "cache_", "conv_state_", "recurrent_state_", "cross_"
+ENCODER_MASK, DECODER_START = "encoder_mask", "decoder_start"
 
 
 class SlotCache(Cache):
@@ -104,13 +114,21 @@ class SlotCache(Cache):
     def __init__(self, buffers: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
         self.slots = slots
         values = list(buffers.values())
-        if all(name.startswith(KV) for name in buffers):
-            pairs = zip(values[0::2], values[1::2])
+        pairs = zip(values[0::2], values[1::2])
+        if not is_recurrent(list(buffers)):
             super().__init__(layers=[_SlotLayer(self, k, v) for k, v in pairs])
             return
         carried = slots.shape[0] == 1
-        pairs = zip(values[0::2], values[1::2])
         super().__init__(layers=[_RecurrentLayer(c, r, carried) for c, r in pairs])
+
+
+class _SlotPair(EncoderDecoderCache):
+    """A decoder's cache and its cross-attention's, the latter already `written` (a decode
+    gear) or written by this call (a prefill gear): no counters read from the buffers."""
+
+    def __init__(self, decoder: SlotCache, cross: SlotCache, written: bool) -> None:
+        self.self_attention_cache, self.cross_attention_cache = decoder, cross
+        self.is_updated = dict.fromkeys(range(len(cross.layers)), written)
 
 
 def is_recurrent(cache_names: list[str]) -> bool:
@@ -136,18 +154,24 @@ def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, t
             f"{name} is not a transformers causal LM taking {', '.join(_CALL)}"
             f" (it lacks {', '.join(missing) or 'a config'}); generation captures such a model",
         )
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ConfigError(
-            "model",
-            None,
-            f"{name} is an encoder-decoder; generation is built for decoder-only models",
-        )
-    cache = DynamicCache(config=model.config)
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    cache: Cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     one = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    call: dict[str, Any] = {}
+    if encoder_decoder:
+        if "decoder_input_ids" not in params or "encoder_outputs" not in params:
+            raise ConfigError(
+                "model",
+                None,
+                f"{name} is an encoder-decoder without decoder_input_ids and encoder_outputs; "
+                "generation captures a transformers *ForConditionalGeneration model",
+            )
+        cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))
+        call["decoder_input_ids"] = one
     try:
         with torch.no_grad():
-            out = model(input_ids=one, cache=cache, use_cache=True)
+            out = model(input_ids=one, cache=cache, use_cache=True, **call)
     except Exception as exc:  # noqa: BLE001 - the model's own failure, named in one line
         raise ConfigError(
             "model",
@@ -161,6 +185,8 @@ def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, t
             None,
             f"{name} returns no logits: generation takes a causal LM (its *ForCausalLM class)",
         )
+    if isinstance(cache, EncoderDecoderCache):
+        return _encoder_decoder_buffers(cache, name, batch, length)
     buffers: dict[str, torch.Tensor] = {}
     kinds = set()
     for i, layer in enumerate(cache.layers):
@@ -198,6 +224,29 @@ def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, t
     return buffers
 
 
+def _encoder_decoder_buffers(
+    cache: EncoderDecoderCache, name: str, batch: int, length: int
+) -> dict[str, torch.Tensor]:
+    """An encoder-decoder's buffers (see the module docstring), shaped as its one-token call
+    wrote its decoder's keys and values and its cross-attention's."""
+    buffers: dict[str, torch.Tensor] = {}
+    for prefix, layers in ((KV, cache.self_attention_cache), (CROSS, cache.cross_attention_cache)):
+        for i, layer in enumerate(layers.layers):
+            if not isinstance(layer, DynamicLayer) or getattr(layer, "keys", None) is None:
+                raise ConfigError(
+                    "model",
+                    None,
+                    f"{name}'s decoder layer {i} keeps a {type(layer).__name__} cache; tessel "
+                    "captures keys and values per layer",
+                )
+            for k, t in enumerate((layer.keys, layer.values)):
+                shape = (batch, t.shape[1], length, *t.shape[3:])
+                buffers[f"{prefix}{2 * i + k}"] = torch.zeros(shape, dtype=t.dtype, device="meta")
+    buffers[ENCODER_MASK] = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    buffers[DECODER_START] = torch.zeros(1, dtype=torch.long, device="meta")
+    return buffers
+
+
 def _recurrent_states(layer: CacheLayerMixin) -> bool:
     """Whether `layer` holds one convolution and one recurrent state and nothing else."""
     return (
@@ -223,6 +272,7 @@ class GenerationStep(torch.nn.Module):
         self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.cache_names = list(buffers)
         self.recurrent = is_recurrent(self.cache_names)
+        self.encoder_decoder = ENCODER_MASK in buffers
         for name, buffer in buffers.items():
             self.register_buffer(name, buffer, persistent=False)
 
@@ -233,6 +283,8 @@ class GenerationStep(torch.nn.Module):
         cache_position: torch.Tensor,
         attention_mask: torch.Tensor,
     ) -> torch.Tensor:
+        if self.encoder_decoder:
+            return self._encoder_decoder(input_ids, cache_position, attention_mask)
         cache = SlotCache({n: getattr(self, n) for n in self.cache_names}, cache_position)
         positions = {"position_ids": position_ids} if self.takes_positions else {}
         if self.recurrent:  # the padding of this call's own tokens
@@ -244,6 +296,45 @@ class GenerationStep(torch.nn.Module):
             use_cache=True,
             **positions,
             **self.last_logits,
+        )
+        return out.logits[:, -1]
+
+    def _encoder_decoder(
+        self, input_ids: torch.Tensor, slots: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """An encoder-decoder's call (see the module docstring): a prompt of more than one
+        token is encoded and the decoder's start token run; one token is decoded."""
+        rows, length = input_ids.shape
+        decoder = {n: getattr(self, n) for n in self.cache_names if n.startswith(KV)}
+        cross = {n: getattr(self, n) for n in self.cache_names if n.startswith(CROSS)}
+        every_slot = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        config = self.model.config
+        if length > 1:  # a prompt: encoded once, its cross-attention written at its slots
+            encoded = self.model.get_encoder()(
+                input_ids=input_ids, attention_mask=attention_mask.index_select(1, slots)
+            )
+            start = slots[-1:]
+            ids = torch.full_like(input_ids[:, :1], config.decoder_start_token_id)
+            cache = _SlotPair(SlotCache(decoder, start), SlotCache(cross, slots), written=False)
+            encoder_mask = attention_mask
+            decoder_mask = attention_mask * (every_slot == start)
+            self.encoder_mask.copy_(attention_mask)
+            self.decoder_start.copy_(start)
+            hidden = encoded[0]
+        else:  # a new token: the decoder alone, from its start on, over the prompt's cache
+            ids = input_ids
+            cache = _SlotPair(SlotCache(decoder, slots), SlotCache(cross, slots), written=True)
+            encoder_mask = self.encoder_mask
+            decoder_mask = attention_mask * (every_slot >= self.decoder_start)
+            # cross-attention reads the cache: the encoder's output only gives rows and dtype
+            hidden = torch.zeros(1, 1, 1, dtype=self.model.dtype).expand(rows, 1, 1)
+        out = self.model(
+            encoder_outputs=(hidden,),
+            attention_mask=encoder_mask,
+            decoder_input_ids=ids,
+            decoder_attention_mask=decoder_mask,
+            cache=cache,
+            use_cache=True,
         )
         return out.logits[:, -1]
 
@@ -362,7 +453,7 @@ def _gear(
                 f"while the gear of {length} token(s) is traced over tessel's cache "
                 f"({type(exc).__name__}: {first})",
             ) from exc
-    captured = _writes_in_place(captured, model)
+    captured = _writes_in_place(captured, model, step.cache_names)
     for name in step.cache_names:  # the capture ran the model on its example inputs
         getattr(step, name).zero_()
     return captured
@@ -397,14 +488,16 @@ def _entered_modules(step: GenerationStep) -> Iterator[list[str]]:
 _INDEX_PUT = torch.ops.aten.index_put.default
 
 
-def _writes_in_place(captured: CapturedModel, model: torch.nn.Module) -> CapturedModel:
+def _writes_in_place(
+    captured: CapturedModel, model: torch.nn.Module, state: Sequence[str]
+) -> CapturedModel:
     """The gear's cache writes made in place, and the graph's output marking which state each
     written buffer is (`mark_state`), so the plan places it like the buffer and the program
     writes into the buffer a worker holds:
 
-    - keys and values: each buffer's new value, which export returns as a functional
-      `index_put` of the buffer, becomes `index_put_` on the buffer itself (one write a step at
-      the call's slots, never a copy of the cache);
+    - keys and values (a decoder's, a cross-attention's): each buffer's new value, which
+      export returns as a functional `index_put` of the buffer, becomes `index_put_` on the
+      buffer itself (one write a step at the call's slots, never a copy of the cache);
     - a recurrent state, overwritten whole by every call: its new value is copied into the
       buffer (`copy_`) after every other node, when nothing reads the old one any more."""
     ep = captured.program
@@ -419,14 +512,16 @@ def _writes_in_place(captured: CapturedModel, model: torch.nn.Module) -> Capture
         if spec.kind.name != "BUFFER_MUTATION":
             break
         buffer = nodes.get(placeholder.get(spec.target, ""))
-        if spec.target.startswith(KV) or buffer is None:
+        if spec.target.startswith((KV, CROSS)) or buffer is None:
             _keys_written_at_slots(value, buffer, spec.target, model)
         else:
             values[i] = _overwritten(graph, output, value, buffer, spec.target, model)
             spec.arg.name = values[i].name
         names.append(spec.target)
     output.args = (tuple(values), *output.args[1:])
-    mark_state(graph, tuple(names))
+    buffers = [s.target for s in signature.input_specs if s.kind.name == "BUFFER"]
+    read = tuple(n for n in buffers if n in state and n not in names)
+    mark_state(graph, tuple(names), read)
     ep.graph_module.recompile()
     return captured
 

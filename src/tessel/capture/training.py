@@ -21,6 +21,7 @@ from tessel.config.errors import ConfigError
 
 GRADIENTS_META = "tessel_gradients"
 STATE_META = "tessel_state"
+READ_STATE_META = "tessel_read_state"
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,20 @@ def state_outputs(graph: fx.Graph) -> tuple[str, ...]:
     return ()
 
 
-def mark_state(graph: fx.Graph, names: tuple[str, ...]) -> None:
+def read_state(graph: fx.Graph) -> tuple[str, ...]:
+    """The state a generation graph reads and another gear writes (an encoder-decoder's
+    cross-attention cache, read by its decode gear): placed as state, never written here."""
+    for n in reversed(graph.nodes):
+        if n.op == "output":
+            return n.meta.get(READ_STATE_META, ())
+    return ()
+
+
+def mark_state(graph: fx.Graph, names: tuple[str, ...], read: tuple[str, ...] = ()) -> None:
+    """Mark output `i` as the write into state `names[i]`, and `read` as state only read."""
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     out.meta[STATE_META] = names
+    out.meta[READ_STATE_META] = read
 
 
 def placed_like(graph: fx.Graph, param_targets: dict[str, str]) -> dict[int, fx.Node]:

@@ -349,6 +349,9 @@ class Gears:
     # the model's own decoding settings (its generation_config, `MODEL_SETTINGS`), which
     # `generate` applies where a call does not set them, as `transformers` does
     defaults: Mapping[str, Setting] = field(default_factory=dict)
+    # an encoder-decoder's: the token its decoder starts from, which `generate` returns first
+    # (the prompt went to the encoder); None for a decoder-only model
+    decoder_start_token_id: int | None = None
 
     def pad_for(self, eos_token_id: tuple[int, ...]) -> int:
         """The id finished rows are padded with: the model's, or where it sets none the first
@@ -377,6 +380,9 @@ class Gears:
             eos_token_id=_token_ids(f.get("eos_token_id", optional=True), vocab),
             defaults=f.get("defaults", optional=True).optional(lambda d: _model_settings(d, vocab))
             or {},
+            decoder_start_token_id=f.get("decoder_start_token_id", optional=True).optional(
+                lambda p: p.int(low=0, high=vocab - 1)
+            ),
         )
 
     def to_json(self) -> dict:
@@ -389,6 +395,11 @@ class Gears:
             **({"pad_token_id": self.pad_token_id} if self.pad_token_id is not None else {}),
             **({"eos_token_id": list(self.eos_token_id)} if self.eos_token_id else {}),
             **({"defaults": dict(self.defaults)} if self.defaults else {}),
+            **(
+                {"decoder_start_token_id": self.decoder_start_token_id}
+                if self.decoder_start_token_id is not None
+                else {}
+            ),
         }
 
 

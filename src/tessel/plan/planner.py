@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tessel._torch import detached_mesh, tree_leaves
 from tessel.capture import CapturedModel
 from tessel.capture.layers import layer_of
-from tessel.capture.training import placed_like, state_outputs
+from tessel.capture.training import placed_like, read_state, state_outputs
 from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
@@ -269,8 +269,9 @@ def _candidates(
     ep = captured.program
     graph = ep.graph_module.graph
     param_targets = _weight_targets(ep)
-    # the planner places the weights and the state the graph writes (a generation step's cache)
-    written = set(state_outputs(graph))
+    # the planner places the weights and the state (a generation step's cache), written here
+    # or only read: every gear places a gear's state alike
+    written = set(state_outputs(graph)) | set(read_state(graph))
     params = {
         s.arg.name
         for s in ep.graph_signature.input_specs

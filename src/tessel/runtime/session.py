@@ -498,7 +498,8 @@ class Session:
         stream: bool = False,
         **unknown: Any,
     ) -> Any:
-        """Generate from a generation package: token ids `[rows, prompt + new tokens]`, as
+        """Generate from a generation package: token ids `[rows, prompt + new tokens]` (an
+        encoder-decoder's `[rows, 1 + new tokens]`, its decoder's start token first), as
         `transformers`' `generate` returns them (rows finished at `eos_token_id`, one id or
         any of several, padded with `pad_token_id`; the pad where the model sets none is the
         first eos token, as in `transformers`). With `stream`, an iterator of each step's new
@@ -594,6 +595,8 @@ class Session:
             graph.stream = _TokenStream(workers)
             return graph.stream
         new = torch.tensor(_wait_result(workers, 0), dtype=prompt.dtype)
+        if gears.decoder_start_token_id is not None:  # an encoder-decoder: the decoder's tokens
+            prompt = torch.full_like(prompt[:, :1], gears.decoder_start_token_id)
         return torch.cat([prompt, new.reshape(len(prompt), -1)], dim=1)
 
     def save_checkpoint(self, graph_id: int, path: str | Path) -> Path:
