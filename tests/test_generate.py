@@ -434,6 +434,11 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
     with pytest.raises(ConfigError, match="an encoder-decoder: its prefill gears") as err:
         tessel.build(_t5(), cluster=1, generation=Generation(1, 16, (1, 8)))
     assert err.value.key == "prefill_lengths"
+    with pytest.raises(ConfigError, match="pipeline stages of an encoder-decoder") as err:
+        tessel.build(
+            _t5(), cluster=2, policy=ParallelOption(pipe_stage_num=2), generation=GENERATION
+        )
+    assert err.value.key.endswith("pipe_stage_num")
     with pytest.raises(ConfigError, match="cannot share evenly") as err:
         tessel.build(
             model, cluster=2, policy=ParallelOption(data_parallel_size=2),
@@ -699,23 +704,27 @@ def _t5() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("devices", [1, 3])
-def test_an_encoder_decoder_generates_transformers_tokens(devices: int, sessions, tmp_path):
+@pytest.mark.parametrize("devices,replicas", [(1, 1), (3, 1), (2, 2)])
+def test_an_encoder_decoder_generates_transformers_tokens(
+    devices: int, replicas: int, sessions, tmp_path
+):
     """T5: the prompt encoded once by a prefill gear, which writes every decoder layer's
-    cross-attention cache; then one decoder token a step. On 3 devices that forbid replicated
-    weights, the tokens (the decoder's start token first) are transformers' own, for prompts of
-    different lengths in one batch and through either prefill gear."""
+    cross-attention cache; then one decoder token a step. On 1 device, on 3 devices that forbid
+    replicated weights and on 2 data-parallel replicas (a row each), the tokens (the decoder's
+    start token first) are transformers' own, for prompts of different lengths in one batch and
+    through either prefill gear."""
     model = _t5()
     generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(4, 8))
     cluster: object = devices
-    if devices > 1:
+    if devices > 1 and replicas == 1:
         gear = capture_gear(model, generation, 8)
         cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
-    built = tessel.build(model, cluster=cluster, generation=generation)
+    policy = ParallelOption(data_parallel_size=replicas) if replicas > 1 else None
+    built = tessel.build(model, cluster=cluster, policy=policy, generation=generation)
     gears = built.manifest.generation
     assert gears.decoder_start_token_id == 0
     assert {s.name for s in gears.state} >= {"cross_0", "encoder_mask", "decoder_start"}
-    if devices > 1:
+    if devices > 1 and replicas == 1:
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
     path = tessel.save(built, tmp_path / "t5")

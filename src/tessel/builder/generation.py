@@ -98,6 +98,15 @@ def build_generation(
             )
     dims = parallel_dims(cluster, policy)
     dp, pp = dims.size("dp"), dims.size("pp")
+    if pp > 1 and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ConfigError(
+            policy.source,
+            f"graph_parallel_option.{POLICY_KEYS['pp']}",
+            f"is {pp}: pipeline stages of an encoder-decoder's gears are not built yet (its "
+            "prefill and decode gears read different weights: the decode gear reads the "
+            "cross-attention cache where the prefill gear computes it); use tensor or data "
+            "parallelism",
+        )
     if generation.max_batch_size % dp:
         raise ConfigError(
             "Generation",

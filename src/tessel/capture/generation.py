@@ -243,7 +243,8 @@ def _encoder_decoder_buffers(
                 shape = (batch, t.shape[1], length, *t.shape[3:])
                 buffers[f"{prefix}{2 * i + k}"] = torch.zeros(shape, dtype=t.dtype, device="meta")
     buffers[ENCODER_MASK] = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    buffers[DECODER_START] = torch.zeros(1, dtype=torch.long, device="meta")
+    # per row, as all state is (data-parallel replicas each hold their rows)
+    buffers[DECODER_START] = torch.zeros(batch, dtype=torch.long, device="meta")
     return buffers
 
 
@@ -319,13 +320,13 @@ class GenerationStep(torch.nn.Module):
             encoder_mask = attention_mask
             decoder_mask = attention_mask * (every_slot == start)
             self.encoder_mask.copy_(attention_mask)
-            self.decoder_start.copy_(start)
+            self.decoder_start.copy_(start.expand(rows))
             hidden = encoded[0]
         else:  # a new token: the decoder alone, from its start on, over the prompt's cache
             ids = input_ids
             cache = _SlotPair(SlotCache(decoder, slots), SlotCache(cross, slots), written=True)
             encoder_mask = self.encoder_mask
-            decoder_mask = attention_mask * (every_slot >= self.decoder_start)
+            decoder_mask = attention_mask * (every_slot >= self.decoder_start[:, None])
             # cross-attention reads the cache: the encoder's output only gives rows and dtype
             hidden = torch.zeros(1, 1, 1, dtype=self.model.dtype).expand(rows, 1, 1)
         out = self.model(

@@ -260,8 +260,11 @@ def generate_command(args: argparse.Namespace) -> int:
             print(tokenizer.decode(new[row], skip_special_tokens=True))
         else:
             print(" ".join(map(str, new[row].tolist())))
-    if args.output:
-        _write_tensors(args.output, {"sequences": torch.cat([ids, new], dim=1)})
+    if args.output:  # as generate returns them: an encoder-decoder's from its start token
+        gears = Package.open(args.model).manifest.generation
+        start = gears.decoder_start_token_id if gears is not None else None
+        head = ids if start is None else torch.full_like(ids[:, :1], start)
+        _write_tensors(args.output, {"sequences": torch.cat([head, new], dim=1)})
         print(f"wrote {args.output}")
     return 0
 
