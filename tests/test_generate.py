@@ -740,6 +740,14 @@ def test_an_encoder_decoder_generates_transformers_tokens(
             got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
             assert torch.equal(got, want), length
             kinds |= {len(set(row)) for row in want.tolist()}
+        # a repetition penalty counts the decoder's tokens, not the encoder's prompt
+        want = _t5().generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, repetition_penalty=1.5
+        )
+        got = session.generate(
+            0, ids, attention_mask=mask, max_new_tokens=NEW, repetition_penalty=1.5
+        )
+        assert torch.equal(got, want)
     finally:
         session.remove_graph(0)
     assert max(kinds) > 3  # tokens that vary: the comparison can tell a wrong cache
