@@ -162,8 +162,8 @@ def build(
     `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` does; by
     default the step computes in the dtype of the model's parameters (fp32 or bf16).
 
-    With `generation` (a `tessel.Generation`), `model` is a `transformers` causal LM and the
-    package holds its gears: a prefill program per prompt length and a decode program, over a
+    With `generation` (a `tessel.Generation`), `model` is a `transformers` causal LM (or an
+    encoder-decoder such as T5) and the package holds its gears: a prefill program per prompt length and a decode program, over a
     KV cache each device holds and writes in place, for `Session.generate`. `example_inputs`
     (token ids) are then optional: the prompt the built gears are checked on.
     """
