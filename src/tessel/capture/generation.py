@@ -21,8 +21,8 @@ gears (one per prompt length) and the decode gear (T = 1) share the buffers by n
 
 An encoder-decoder (T5) takes the same inputs. A prefill gear's tokens are the encoder's
 prompt: the encoder runs once, its keys and values for cross-attention are written per decoder
-layer into `cross_0`, `cross_1`, ... at the prompt's slots, and the decoder's start token runs at
-the prompt's last slot. The gear keeps the prompt's padding mask (`encoder_mask`) and that slot
+layer into `cross_0`, `cross_1`, ... (slots for the longest prompt) at the prompt's slots, and
+the decoder's start token runs at the prompt's last slot. The gear keeps the prompt's padding mask (`encoder_mask`) and that slot
 (`decoder_start`) as state: the decode gear reads cross-attention through the one and lets the
 decoder attend from the other on, so the decoder's tokens sit in the slots the loop gives them.
 The decoder's keys and values are `cache_0`, `cache_1`, ... as above.
@@ -136,11 +136,14 @@ def is_recurrent(cache_names: list[str]) -> bool:
     return any(name.startswith(CONV) for name in cache_names)
 
 
-def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, torch.Tensor]:
+def cache_shapes(
+    model: torch.nn.Module, batch: int, length: int, prompt: int | None = None
+) -> dict[str, torch.Tensor]:
     """Every layer's buffers by name (see the module docstring) for `batch` rows of `length`
-    tokens, zero, on the meta device: their shapes are what the model writes into a cache on
-    a one-token call. A model whose cache is neither keys and values per layer nor recurrent
-    states per layer is refused, naming the layer."""
+    tokens (an encoder-decoder's cross-attention: of the longest `prompt`), zero, on the meta
+    device: their shapes are what the model writes into a cache on a one-token call. A model
+    whose cache is neither keys and values per layer nor recurrent states per layer is
+    refused, naming the layer."""
     name = type(model).__name__
     try:
         params = inspect.signature(model.forward).parameters
@@ -186,7 +189,7 @@ def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, t
             f"{name} returns no logits: generation takes a causal LM (its *ForCausalLM class)",
         )
     if isinstance(cache, EncoderDecoderCache):
-        return _encoder_decoder_buffers(cache, name, batch, length)
+        return _encoder_decoder_buffers(cache, name, batch, length, prompt or length)
     buffers: dict[str, torch.Tensor] = {}
     kinds = set()
     for i, layer in enumerate(cache.layers):
@@ -225,12 +228,17 @@ def cache_shapes(model: torch.nn.Module, batch: int, length: int) -> dict[str, t
 
 
 def _encoder_decoder_buffers(
-    cache: EncoderDecoderCache, name: str, batch: int, length: int
+    cache: EncoderDecoderCache, name: str, batch: int, length: int, prompt: int
 ) -> dict[str, torch.Tensor]:
     """An encoder-decoder's buffers (see the module docstring), shaped as its one-token call
-    wrote its decoder's keys and values and its cross-attention's."""
+    wrote its decoder's keys and values (`length` slots) and its cross-attention's (`prompt`
+    slots: a prompt is written from slot 0, and no prompt is longer than the longest gear)."""
     buffers: dict[str, torch.Tensor] = {}
-    for prefix, layers in ((KV, cache.self_attention_cache), (CROSS, cache.cross_attention_cache)):
+    caches = (
+        (KV, cache.self_attention_cache, length),
+        (CROSS, cache.cross_attention_cache, prompt),
+    )
+    for prefix, layers, slots in caches:
         for i, layer in enumerate(layers.layers):
             if not isinstance(layer, DynamicLayer) or getattr(layer, "keys", None) is None:
                 raise ConfigError(
@@ -240,9 +248,9 @@ def _encoder_decoder_buffers(
                     "captures keys and values per layer",
                 )
             for k, t in enumerate((layer.keys, layer.values)):
-                shape = (batch, t.shape[1], length, *t.shape[3:])
+                shape = (batch, t.shape[1], slots, *t.shape[3:])
                 buffers[f"{prefix}{2 * i + k}"] = torch.zeros(shape, dtype=t.dtype, device="meta")
-    buffers[ENCODER_MASK] = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    buffers[ENCODER_MASK] = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
     # per row, as all state is (data-parallel replicas each hold their rows)
     buffers[DECODER_START] = torch.zeros(batch, dtype=torch.long, device="meta")
     return buffers
@@ -310,6 +318,7 @@ class GenerationStep(torch.nn.Module):
         cross = {n: getattr(self, n) for n in self.cache_names if n.startswith(CROSS)}
         every_slot = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         config = self.model.config
+        prompt_slots = self.encoder_mask.shape[1]  # a prompt is written from slot 0
         if length > 1:  # a prompt: encoded once, its cross-attention written at its slots
             encoded = self.model.get_encoder()(
                 input_ids=input_ids, attention_mask=attention_mask.index_select(1, slots)
@@ -317,9 +326,9 @@ class GenerationStep(torch.nn.Module):
             start = slots[-1:]
             ids = torch.full_like(input_ids[:, :1], config.decoder_start_token_id)
             cache = _SlotPair(SlotCache(decoder, start), SlotCache(cross, slots), written=False)
-            encoder_mask = attention_mask
+            encoder_mask = attention_mask[:, :prompt_slots]
             decoder_mask = attention_mask * (every_slot == start)
-            self.encoder_mask.copy_(attention_mask)
+            self.encoder_mask.copy_(encoder_mask)
             self.decoder_start.copy_(start.expand(rows))
             hidden = encoded[0]
         else:  # a new token: the decoder alone, from its start on, over the prompt's cache
@@ -426,7 +435,7 @@ def _step(model: torch.nn.Module, generation: Generation) -> GenerationStep:
     device = next(model.parameters()).device
     buffers = {
         name: torch.zeros(t.shape, dtype=t.dtype, device=device)
-        for name, t in cache_shapes(model, b, n).items()
+        for name, t in cache_shapes(model, b, n, max(generation.prefill_lengths)).items()
     }
     return GenerationStep(model, buffers).eval()
 
