@@ -22,9 +22,10 @@ gears (one per prompt length) and the decode gear (T = 1) share the buffers by n
 An encoder-decoder (T5) takes the same inputs. A prefill gear's tokens are the encoder's
 prompt: the encoder runs once, its keys and values for cross-attention are written per decoder
 layer into `cross_0`, `cross_1`, ... (slots for the longest prompt) at the prompt's slots, and
-the decoder's start token runs at the prompt's last slot. The gear keeps the prompt's padding mask (`encoder_mask`) and that slot
-(`decoder_start`) as state: the decode gear reads cross-attention through the one and lets the
-decoder attend from the other on, so the decoder's tokens sit in the slots the loop gives them.
+the decoder's start token runs at the prompt's last slot. The gear keeps the prompt's padding
+mask (`encoder_mask`) and that slot (`decoder_start`) as state: the decode gear reads
+cross-attention through the one and lets the decoder attend from the other on, so the decoder's
+tokens sit in the slots the loop gives them.
 The decoder's keys and values are `cache_0`, `cache_1`, ... as above.
 """
 
