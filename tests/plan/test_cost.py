@@ -250,11 +250,15 @@ def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_sessi
 
     quiet = make_plan(captured, with_soc(op_overhead=0.0), ParallelOption())
     dispatched = make_plan(captured, with_soc(op_overhead=1e-3), ParallelOption())
-    ops = sum(c.kind in ("op", "fallback", "factory") for c in quiet.choices.values())
-    assert ops > 20
-    # each operator once per device, however small its shard, at its share of the host's cores
+    planned = [n for n, c in quiet.choices.items() if c.kind in ("op", "fallback", "factory")]
+    views = sum(cost.is_view(str(n.target)) for n in planned)
+    ops = len(planned) - views
+    assert ops > 20 and views > 10
+    # each operator once per device, however small its shard, at its share of the host's
+    # cores; a view for a share of that, as it runs no kernel
     extra = dispatched.estimated_time - quiet.estimated_time
-    assert extra == pytest.approx(ops * device_rates(with_soc(op_overhead=1e-3))[2])
+    per_op = device_rates(with_soc(op_overhead=1e-3))[2]
+    assert extra == pytest.approx((ops + cost.VIEW_DISPATCH * views) * per_op)
     assert dispatched.choice == quiet.choice
     # a run: the session's own cost, then rank 0 broadcasts its word and the input to rank 1
     none = with_soc(run_overhead=0.0)
@@ -286,3 +290,27 @@ def test_cpu_devices_run_at_their_share_of_the_cores_and_slower_where_they_outnu
     # a GPU's devices do not share a host's cores
     gpu = replace(cluster, soc=replace(soc, device_type="cuda"))
     assert device_rates(gpu) == (soc.peak_flops, soc.memory_bandwidth, soc.op_overhead)
+
+
+@pytest.mark.parametrize("rows", [4, 4096])
+def test_a_view_moves_no_bytes_and_costs_a_share_of_a_dispatch(rows):
+    # a view returns its input's storage: whatever the tensor's size, it costs its dispatch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tessel.plan.candidates import node_seconds
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(0)[:, 1:] * 2).view(-1)
+
+    graph = make_fx(f)(torch.randn(rows, 64)).graph
+    calls = {str(n.target): n for n in graph.nodes if n.op == "call_function"}
+    assert [cost.is_view(name) for name in calls] == [True, True, False, True]
+    assert not cost.is_view("aten.copy_.default")  # writes through the storage it returns
+    seconds = {name: node_seconds(n, 1e9, 1e9, 1e-6) for name, n in calls.items()}
+    assert (
+        seconds["aten.unsqueeze.default"]
+        == seconds["aten.view.default"]
+        == pytest.approx(cost.VIEW_DISPATCH * 1e-6)
+    )
+    # the multiply reads and writes every element, at 1 GB/s, and is dispatched whole
+    assert seconds["aten.mul.Tensor"] == pytest.approx(2 * 4 * (rows - 1) * 64 / 1e9 + 1e-6)

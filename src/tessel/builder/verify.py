@@ -22,8 +22,7 @@ from tessel.decoding import decode
 from tessel.dtypes import torch_dtype
 from tessel.errors import TesselError
 from tessel.package.plan_report import Verified
-from tessel.plan import cost
-from tessel.plan.candidates import node_flops
+from tessel.plan.candidates import node_seconds
 from tessel.runtime.inprocess import InProcessModel, run_in_process
 
 # largest difference allowed, relative to the largest magnitude of the eager output (at least 1)
@@ -45,16 +44,11 @@ FORWARDS_PER_CHECK = 3
 
 def forward_seconds(captured: CapturedModel, soc: SocProfile) -> float:
     """The cost model's time for one forward pass of the whole model on one device of `soc`."""
-    total = 0.0
-    for n in captured.program.graph.nodes:
-        if n.op != "call_function":
-            continue
-        moved = cost.nbytes(n.meta.get("val")) + sum(
-            cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
-        )
-        total += cost.compute_time(node_flops(n), moved, soc.peak_flops, soc.memory_bandwidth)
-        total += soc.op_overhead  # dispatching the operator, whatever its size
-    return total
+    return sum(
+        node_seconds(n, soc.peak_flops, soc.memory_bandwidth, soc.op_overhead)
+        for n in captured.program.graph.nodes
+        if n.op == "call_function"
+    )
 
 
 def worth_checking(captured: CapturedModel, build_seconds: float) -> str | None:

@@ -43,7 +43,8 @@ SOCS: dict[str, SocProfile] = {
         # host keep `bench_estimate` within its band at widths 64 and 256). A lowered
         # program spends about 5 us of host time per operator beside its arithmetic
         # (1-device programs of the differential zoo: 4.2-6.2 us per call), which at the
-        # zoo's sizes is most of a run; a run_graph of one operator takes about 1 ms (the
+        # zoo's sizes is most of a run; a view takes 0.4 of that (`cost.VIEW_DISPATCH`) and
+        # an item of a tuple nothing; a run_graph of one operator takes about 1 ms (the
         # session's pipe to rank 0 and back). A collective between processes that were
         # computing costs about 0.5 ms a step at 2 processes (a gloo all_gather between
         # operators, against 0.15 ms for back-to-back collectives of idle processes): 400 us

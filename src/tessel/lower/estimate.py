@@ -4,7 +4,7 @@ The planner prices the captured graph under a plan; the lowering may run it diff
 collectives are DTensor's, a gather of the outputs to rank 0 is added, layouts are copied).
 Pricing each rank's program as written, call by call, with the planner's own formulas, gives
 the figure to hold a plan to once it is lowered: compute by the roofline at the device's share
-of its host, one dispatch per operator, and each collective on the slowest link its group
+of its host, one dispatch per operator (less for a view), and each collective on the slowest link its group
 crosses.
 """
 
@@ -33,13 +33,14 @@ def program_seconds(rp: RankProgram, rank: int, cluster: ClusterConfig) -> float
         if target.startswith(C10D_FUNCTIONAL + "."):
             seconds += _collective_seconds(target.split(".")[1], node, reads, rank, cluster)
             continue
-        if node["name"] not in shapes:
-            seconds += overhead  # no tensor made (a getitem of a tuple, a scalar)
+        dispatch = cost.dispatch_time(target, overhead)
+        if node["name"] not in shapes or cost.is_view(target):
+            seconds += dispatch  # no tensor made (an item of a tuple, a scalar), or a view
             continue
         out_shape, dtype = shapes[node["name"]]
         moved = tensor_bytes(out_shape, dtype) + sum(tensor_bytes(s, d) for s, d in reads)
         f = cost.shape_flops(target, tuple(out_shape), [tuple(s) for s, _ in reads])
-        seconds += cost.compute_time(f, moved, peak, bandwidth) + overhead
+        seconds += cost.compute_time(f, moved, peak, bandwidth) + dispatch
     return seconds
 
 

@@ -286,3 +286,16 @@ def _replicated(n: fx.Node, mesh: DeviceMesh, kind: str, reason: str) -> NodeCho
 def node_flops(n: fx.Node) -> float:
     ins = [a.meta.get("val") for a in tensor_args(n)]
     return cost.flops(str(n.target), n.meta.get("val"), ins)
+
+
+def node_seconds(n: fx.Node, peak: float, bandwidth: float, overhead: float = 0.0) -> float:
+    """One device's time for all of `n`: the roofline of its arithmetic and the bytes it reads
+    and writes (none for a view), and its dispatch (`overhead` for an operator)."""
+    name = str(n.target)
+    dispatch = cost.dispatch_time(name, overhead)
+    if cost.is_view(name):
+        return dispatch
+    moved = cost.nbytes(n.meta.get("val")) + sum(
+        cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
+    )
+    return cost.compute_time(node_flops(n), moved, peak, bandwidth) + dispatch

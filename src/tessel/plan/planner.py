@@ -555,6 +555,11 @@ def _problem(
         c = choices[v]
         if c.kind == "param":
             continue
+        name = str(v.target)
+        dispatch = cost.dispatch_time(name, overhead)
+        if cost.is_view(name):  # no work to share
+            linear[v] = np.full(len(c.strategies), count * dispatch)
+            continue
         val = v.meta.get("val")
         f = node_flops(v)
         moved = cost.nbytes(val) + sum(cost.nbytes(a.meta.get("val")) for a in c.args)
@@ -564,7 +569,7 @@ def _problem(
                 count
                 * (
                     cost.compute_time(f, moved, peak, bandwidth) * _work_share(s, mesh_shape)
-                    + overhead
+                    + dispatch
                 )
                 for s in c.strategies
             ]

@@ -22,7 +22,7 @@ from tessel.capture.layers import layer_of
 from tessel.config.cluster import ClusterConfig
 from tessel.errors import TesselError
 from tessel.plan import cost
-from tessel.plan.candidates import node_flops
+from tessel.plan.candidates import node_seconds
 from tessel.plan.errors import PlanError
 from tessel.sharding.placements import local_shard_shape
 from tessel.units import two_sizes
@@ -162,13 +162,7 @@ def assign_stages(
     first_layer = min(order[n] for n in in_layer)
 
     def seconds(ns: list[fx.Node]) -> float:
-        total = 0.0
-        for n in ns:
-            moved = cost.nbytes(n.meta.get("val")) + sum(
-                cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
-            )
-            total += cost.compute_time(node_flops(n), moved, soc.peak_flops, soc.memory_bandwidth)
-        return total
+        return sum(node_seconds(n, soc.peak_flops, soc.memory_bandwidth) for n in ns)
 
     prefix = family.removesuffix(".*")
     weight_layer: dict[str, int | str] = {}
