@@ -190,15 +190,16 @@ def test_auto_weighs_the_shapes_the_nodes_allow_and_takes_the_fastest():
     assert [c.shape for c in choices] == shapes
     assert choices[0].dim_names == ("dp", "tp_node", "tp")
     timed = [c for c in choices if c.estimated_time_s is not None]
-    assert [c.shape for c in timed] == shapes[:3]
+    assert [c.shape for c in timed] == shapes[:2]
     # stages are weighed only where nothing without them fits
     assert all("without pipeline stages fits" in c.set_aside for c in choices[3:])
     # replicas move only their outputs between the nodes: the rows of the replicas on the
     # other node (tensor parallelism over both nodes moves its collectives, where it has any)
     logits = 4 * 16 * 256 * 4
     assert choices[1].internode_bytes == logits / 2  # dp 2: one replica of 2 rows away
-    # dp 4's fastest plan, with its gather, is slower than dp 2's: not weighed further
+    # no plan of dp 4, with its gather, can beat dp 2's: not even captured
     assert choices[2].set_aside.startswith("slower than dp 2 x tp 2")
+    assert choices[2].least_time_s >= choices[1].estimated_time_s
     _keeps_the_slow_link_quiet(choices)
     (chosen,) = [c for c in choices if c.chosen]
     # the manifest's mesh leaves out a data-parallel axis of one replica
@@ -234,29 +235,49 @@ def test_auto_on_two_tight_nodes_fits_where_a_replica_fits_and_equals_eager():
 def test_a_shape_that_cannot_beat_one_weighed_is_set_aside_as_slower_and_the_choice_stands(
     monkeypatch,
 ):
-    """A shape whose fastest plan (memory aside) is no faster than the shape it must beat is
-    not searched further; weighing every shape in full chooses the same, and times each shape
-    set aside at least as slow as its bound said."""
+    """A shape whose least time (every operator at its least share, before it is captured) or
+    whose fastest plan (memory aside) is no faster than the shape it must beat is not searched
+    further; weighing every shape in full chooses the same, and times each shape set aside at
+    least as slow as its bound said. Every shape's bound is below its estimate."""
     from tessel.builder import mesh_choice as mc
 
     torch.manual_seed(0)
     model, ids = small_llama(), token_ids(4)
+    captures, bounds = [], {}
+    capture, least = mc.capture, mc._least_seconds
+
+    def counted(*args, **kwargs):
+        captures.append(args[1])
+        return capture(*args, **kwargs)
+
+    def recorded(whole, shape, cluster):
+        bounds[shape.entry.text] = least(whole, shape, cluster)
+        return bounds[shape.entry.text]
+
+    monkeypatch.setattr(mc, "capture", counted)
+    monkeypatch.setattr(mc, "_least_seconds", recorded)
 
     def choose():
+        captures.clear()
         return mc.choose_mesh(
             model, (ids,), {}, two_nodes(2), policy(), reuse_layers=True, time_limit=60
         )
 
     bounded = choose()
+    bounded_captures = len(captures)
     monkeypatch.setattr(mc, "_rival", lambda *args: None)
     full = choose()
     assert bounded.dims == full.dims
+    assert bounded_captures < len(captures)  # a shape set aside by its bound is not captured
     slower = [e.set_aside.startswith("slower than") for e in bounded.weighed if e.set_aside]
     assert any(slower)
     for b, f in zip(bounded.weighed, full.weighed):
+        if f.estimated_time_s is not None and b.text in bounds:
+            assert bounds[b.text] <= f.estimated_time_s
         if b.set_aside and b.set_aside.startswith("slower than"):
             rival = next(e for e in bounded.weighed if e.text in b.set_aside)
-            assert rival.estimated_time_s <= b.estimated_time_s <= f.estimated_time_s
+            least_or_fastest = b.least_time_s or b.estimated_time_s
+            assert rival.estimated_time_s <= least_or_fastest <= f.estimated_time_s
             assert not f.chosen
         else:
             assert (b.estimated_time_s, b.set_aside) == (f.estimated_time_s, f.set_aside)

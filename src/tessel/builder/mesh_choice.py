@@ -10,7 +10,10 @@ replicas, on the link that axis crosses. The memory check that sets a shape asid
 the build makes, and the plan weighed is the plan the build lowers (`MeshChoice.plan`). A
 shape whose fastest plan, memory aside, is no faster than a shape already weighed that it
 must beat (below) is set aside as slower, without the search for a plan that fits its memory:
-whether it fits cannot change the choice.
+whether it fits cannot change the choice. Shapes without stages are weighed in the order of a
+bound no plan of theirs beats (each operator at its least share of the work, from the capture
+of the whole batch), and one whose bound is no faster than the shape it must beat is set aside
+before it is captured.
 
 The fastest shape that fits is chosen, with one exception: the slow link between nodes. Where
 it moves more bytes between nodes than the fastest shape that keeps tensor parallelism inside
@@ -49,7 +52,7 @@ from tessel.lower.program import RankProgram
 from tessel.lower.trace import LoweringError
 from tessel.package.plan_report import ShapeWeighed
 from tessel.plan import PlanError, PlanOutOfTime, PlanSlower, cost, has_rule, make_plan
-from tessel.plan.planner import Plan
+from tessel.plan.planner import Plan, least_seconds
 from tessel.plan.traffic import sent_bytes
 from tessel.progress import phase
 
@@ -77,6 +80,26 @@ class Weighed(NamedTuple):
     captured: CapturedModel
     micro_batches: int
     plan: Plan
+
+
+class _Shape(NamedTuple):
+    """A shape to weigh: its line in the report, its mesh, one replica's devices, its
+    micro-batches, and the inputs of one micro-batch of one replica."""
+
+    entry: ShapeWeighed
+    dims: ParallelDims
+    devices: ClusterConfig
+    micro: int
+    inputs: tuple[tuple, dict]
+
+
+def _least_seconds(whole: CapturedModel, shape: _Shape, cluster: ClusterConfig) -> float:
+    """What no plan of `shape` (without stages) beats, from the capture of the whole batch:
+    its replica's share of the work at its least (`least_seconds`) and the gather of the
+    replicas' outputs (each at least its share of the whole batch's)."""
+    dp = shape.dims.size("dp")
+    gather = _gather_seconds(output_bytes(whole) / dp, shape.dims, cluster)
+    return least_seconds(whole, shape.devices, 1 / dp) + gather
 
 
 def wants_choice(cluster: ClusterConfig, policy: ParallelOption, model: Any) -> bool:
@@ -113,25 +136,19 @@ def choose_mesh(
         for dp in range(1, world // pp + 1)
         if (world // pp) % dp == 0
     ]
+    todo: list[_Shape] = []
     for pp, dp, tp in shapes:
         devices = first_devices(cluster, tp)
         outer = [("pp", pp), ("dp", dp)] if pp > 1 else [("dp", dp)]
         axes = [*outer, *((a.name, a.size) for a in tensor_axes(devices))]
         entry = ShapeWeighed(tuple(size for _, size in axes), tuple(name for name, _ in axes))
         weighed.append(entry)
-        if pp > 1 and fitting:
-            # (1, pp * dp, tp) does the same work without the stages' fill and drain
-            entry.set_aside = (
-                "not weighed: a shape without pipeline stages fits, and stages only add the "
-                "time micro-batches wait to fill and drain them"
-            )
-            continue
         sized = replace(policy, tensor_parallel_size=tp, data_parallel_size=dp, pipe_stage_num=pp)
         micro = default_micro_batches(pp, rows // dp) if pp > 1 and rows % dp == 0 else 1
         try:
             dims = parallel_dims(cluster, sized)
             parts = dp * micro
-            a, k = (
+            inputs = (
                 replica_batch(args, kwargs, dp, policy.source, micro)
                 if parts > 1
                 else (args, kwargs)
@@ -139,10 +156,46 @@ def choose_mesh(
         except ConfigError as exc:
             entry.set_aside = exc.detail
             continue
+        todo.append(_Shape(entry, dims, devices, micro, inputs))
+
+    def captured_for(shape: _Shape) -> CapturedModel:
+        parts = shape.dims.size("dp") * shape.micro
         if parts not in captures:  # shapes that split the batch alike share one capture
+            a, k = shape.inputs
             captures[parts] = capture(model, a, k, keep=has_rule, reuse_layers=reuse_layers)
-        captured = captures[parts]
+        return captures[parts]
+
+    # shapes without stages, the likeliest first: a shape no plan of which could beat the one
+    # it must beat is set aside before it is captured
+    flat = [t for t in todo if t.dims.size("pp") == 1]
+    bounds = {}
+    one_replica = next((t for t in flat if t.dims.size("dp") == 1), None)
+    if len(flat) > 1 and one_replica is not None:
+        whole = captured_for(one_replica)
+        bounds = {id(t): _least_seconds(whole, t, cluster) for t in flat}
+        flat.sort(key=lambda t: bounds[id(t)])
+    for shape in flat + [t for t in todo if t.dims.size("pp") > 1]:
+        entry, dims, devices, micro = shape.entry, shape.dims, shape.devices, shape.micro
+        pp = dims.size("pp")
+        if pp > 1 and fitting:
+            # (1, pp * dp, tp) does the same work without the stages' fill and drain
+            entry.set_aside = (
+                "not weighed: a shape without pipeline stages fits, and stages only add the "
+                "time micro-batches wait to fill and drain them"
+            )
+            continue
         rival = None if pp > 1 else _rival(fitting, dims, cluster)
+        least = bounds.get(id(shape))
+        if rival is not None and least is not None and least >= rival.entry.estimated_time_s:
+            entry.least_time_s = least
+            entry.set_aside = (
+                f"slower than {rival.entry.text} ({1e3 * rival.entry.estimated_time_s:.3f} ms) "
+                f"whether it fits or not: no plan of it takes less than {1e3 * least:.3f} ms "
+                f"per run (every operator at its least share of the work, gathering the "
+                f"replicas' outputs, no other communication)"
+            )
+            continue
+        captured = captured_for(shape)
         gather = gather_seconds(captured, dims, cluster, micro)
         try:
             # the build's own first plan for this shape: its memory, its reserve
@@ -151,7 +204,7 @@ def choose_mesh(
                 more_memory(devices, pp) if pp > 1 else devices,
                 policy,
                 time_limit,
-                reserve=gathered_bytes(captured, dp, micro),
+                reserve=gathered_bytes(captured, dims.size("dp"), micro),
                 slower_than=None if rival is None else rival.entry.estimated_time_s - gather,
             )
             seconds = plan.estimated_time
@@ -365,10 +418,13 @@ def gather_seconds(
 ) -> float:
     """The time rank 0 takes to receive every other replica's outputs (captured for one
     micro-batch of one replica) over the dp axis's link, one replica after another."""
+    return _gather_seconds(output_bytes(captured) * micro_batches, dims, cluster)
+
+
+def _gather_seconds(replica_bytes: float, dims: ParallelDims, cluster: ClusterConfig) -> float:
     dp = dims.size("dp")
     if dp == 1:
         return 0.0
-    replica_bytes = output_bytes(captured) * micro_batches
     link = cost.Links(dims.axis("dp").bandwidth, cluster.soc.link_latency)
     return (dp - 1) * (replica_bytes / link.bandwidth + link.latency)
 

@@ -154,6 +154,7 @@ class ShapeWeighed:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     estimated_time_s: float | None = None
+    least_time_s: float | None = None  # a time none of its plans beats, where set aside by it
     lowered_time_s: float | None = None  # priced from its programs, where they were lowered
     internode_bytes: float | None = None
     micro_batches: int | None = None  # with pipeline stages
@@ -179,6 +180,7 @@ class ShapeWeighed:
             shape=shape,
             dim_names=names,
             estimated_time_s=_opt(f, "estimated_time_s", Field.number),
+            least_time_s=_opt(f, "least_time_s", Field.number),
             lowered_time_s=_opt(f, "lowered_time_s", Field.number),
             internode_bytes=_opt(f, "internode_bytes", Field.number),
             micro_batches=_opt(f, "micro_batches", lambda m: m.int(low=1)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import time
 from collections import defaultdict
@@ -24,7 +25,13 @@ from tessel.config.cluster import ClusterConfig
 from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import cost, dp, ilp
-from tessel.plan.candidates import NodeChoices, enumerate_candidates, node_flops
+from tessel.plan.candidates import (
+    DROPPED,
+    NodeChoices,
+    enumerate_candidates,
+    node_flops,
+    node_seconds,
+)
 from tessel.plan.errors import LeastMemory, PlanError, PlanOutOfTime, PlanSlower
 from tessel.plan.ilp import MIP_GAP, least_memory, least_memory_search
 from tessel.plan.layers import template_map
@@ -496,6 +503,23 @@ def device_rates(cluster: ClusterConfig) -> tuple[float, float, float]:
             share /= soc.shared_core_slowdown
         peak, bandwidth, overhead = peak * share, bandwidth * share, overhead / share
     return peak, bandwidth, overhead
+
+
+def least_seconds(captured: CapturedModel, cluster: ClusterConfig, rows: float = 1.0) -> float:
+    """A time no plan for `cluster` beats, memory aside, of the model `captured` run on `rows`
+    of the example's rows (a data-parallel replica's share): every operator planned at the
+    least share of its work a device can do (its arithmetic and bytes over all the devices)
+    and dispatched on each, and no resharding. An operator's work grows no faster than its
+    rows, so a replica does at least `rows` of the example's."""
+    peak, bandwidth, overhead = device_rates(cluster)
+    devices = cluster.world_size
+    seconds = 0.0
+    for n in captured.program.graph.nodes:
+        if n.op != "call_function" or n.target in DROPPED or n.target is operator.getitem:
+            continue  # what the planner does not price
+        whole = node_seconds(n, peak, bandwidth)
+        seconds += whole * rows / devices + cost.dispatch_time(str(n.target), overhead)
+    return seconds
 
 
 def run_seconds(captured: CapturedModel, cluster: ClusterConfig) -> float:
