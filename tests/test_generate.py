@@ -92,10 +92,8 @@ def _generate_both_ways(family, built, path, session, *, stream=False):
     """transformers' tokens (a fresh copy of the model: the build leaves it as it was) and the
     session's for the family's prompts; with `stream`, the session's streamed steps too."""
     ids, mask = _prompts(family)
-    want = FAMILIES[family].make().model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-        cache_implementation="static", pad_token_id=built.manifest.generation.pad_token_id,
-    )  # fmt: skip
+    pad = built.manifest.generation.pad_token_id
+    want = _transformers_tokens(FAMILIES[family].make().model, ids, mask, pad)
     session.load_graph(0, {}, path)
     try:
         got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
@@ -107,6 +105,23 @@ def _generate_both_ways(family, built, path, session, *, stream=False):
     finally:
         session.remove_graph(0)
     return want, got, streamed
+
+
+def _transformers_tokens(model, ids, mask, pad_token_id: int) -> torch.Tensor:
+    """transformers' greedy tokens over its static cache, as tessel's are compared with."""
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+        cache_implementation="static", pad_token_id=pad_token_id,
+    )  # fmt: skip
+
+
+def _session_tokens(session, path, ids, mask) -> torch.Tensor:
+    """The session's greedy tokens from the package at `path`, loaded for this call alone."""
+    session.load_graph(0, {}, path)
+    try:
+        return session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+    finally:
+        session.remove_graph(0)
 
 
 @pytest.mark.parametrize("rows", [2, 1])
@@ -534,21 +549,9 @@ def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    want = _qwen2().generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=NEW,
-        do_sample=False,
-        cache_implementation="static",
-        pad_token_id=built.manifest.generation.pad_token_id,
-    )
+    want = _transformers_tokens(_qwen2(), ids, mask, built.manifest.generation.pad_token_id)
     session = sessions.setdefault(devices, tessel.Session())
-    session.load_graph(0, {}, path)
-    try:
-        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
-    finally:
-        session.remove_graph(0)
-    assert torch.equal(got, want)
+    assert torch.equal(_session_tokens(session, path, ids, mask), want)
 
 
 def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> None:
@@ -579,19 +582,10 @@ def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> N
 
 def _llama(layers: int) -> torch.nn.Module:
     """The suite's Llama with `layers` layers: more than pipeline stages, cut unevenly."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.differential.zoo import DECODER, lm
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).eval()
+    sizes = {**DECODER, "num_hidden_layers": layers}
+    return lm("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **sizes)().model
 
 
 # (model, devices, memory, policy): an odd count of stages over an uneven cut of the layers,
@@ -651,17 +645,9 @@ def test_pipeline_stages_generate_transformers_tokens(
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    want = make().generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-        cache_implementation="static", pad_token_id=manifest.generation.pad_token_id,
-    )  # fmt: skip
+    want = _transformers_tokens(make(), ids, mask, manifest.generation.pad_token_id)
     session = sessions.setdefault(devices, tessel.Session())
-    session.load_graph(0, {}, path)
-    try:
-        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
-    finally:
-        session.remove_graph(0)
-    assert torch.equal(got, want)
+    assert torch.equal(_session_tokens(session, path, ids, mask), want)
 
 
 def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> None:

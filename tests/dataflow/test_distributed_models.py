@@ -10,16 +10,23 @@ from tests.dataflow.conftest import _Affine, affine_reference, write_json
 
 import tessel
 import tessel.dataflow as df
+from tessel.capture import capture
+from tessel.config import cluster_from_dict
 from tessel.dataflow.errors import RULE_CAN_RUN, RULE_ONE_SESSION
+from tessel.demo import tight_cluster
 from tessel.package import Package
+from tessel.plan import has_rule
 
 
 @pytest.fixture(scope="module")
 def llama_tp2(tmp_path_factory):
-    """A 1-layer Llama (the demo's width: the planner splits it) partitioned over 2 CPU devices."""
+    """A 1-layer Llama partitioned over 2 CPU devices too small for its whole weights."""
     model = small_llama(layers=1, hidden=256, heads=8, kv_heads=8, vocab=8192)
     path = tmp_path_factory.mktemp("models") / "llama_tp2"
-    built = tessel.build(model, (token_ids(1, 8, 8192),), cluster=2, verify=False)
+    ids = token_ids(1, 8, 8192)
+    tight = tight_cluster(capture(model, (ids,), keep=has_rule), 2)
+    cluster = cluster_from_dict(tight, "tight.json")
+    built = tessel.build(model, (ids,), cluster=cluster, verify=False)
     return model, tessel.save(built, path)
 
 

@@ -74,7 +74,9 @@ def _seeded(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Modul
     return make
 
 
-def _lm(config_cls: str, model_cls: str, **config: object) -> Callable[[], torch.nn.Module]:
+def lm(config_cls: str, model_cls: str, **config: object) -> Callable[[], torch.nn.Module]:
+    """A maker of `transformers`' `model_cls` with this config, seeded, returning its logits."""
+
     def build() -> torch.nn.Module:
         import transformers
 
@@ -84,7 +86,7 @@ def _lm(config_cls: str, model_cls: str, **config: object) -> Callable[[], torch
     return _seeded(build)
 
 
-_DECODER = dict(
+DECODER = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
     intermediate_size=2 * HIDDEN,
@@ -158,7 +160,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "gpt2",
             "learned positions, tied embeddings, Conv1D",
-            _lm(
+            lm(
                 "GPT2Config",
                 "GPT2LMHeadModel",
                 vocab_size=VOCAB,
@@ -174,38 +176,38 @@ FAMILIES: dict[str, Family] = {
         Family(
             "llama",
             "GQA, RoPE, RMSNorm, SwiGLU",
-            _lm("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **_DECODER),
+            lm("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **DECODER),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "mistral",
             "sliding-window attention, GQA",
-            _lm(
+            lm(
                 "MistralConfig",
                 "MistralForCausalLM",
                 num_key_value_heads=2,
                 sliding_window=8,
-                **_DECODER,
+                **DECODER,
             ),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "gemma2",
             "logit soft-capping, alternating sliding window, tied embeddings",
-            _lm(
+            lm(
                 "Gemma2Config",
                 "Gemma2ForCausalLM",
                 num_key_value_heads=2,
                 head_dim=HIDDEN // HEADS,
                 sliding_window=8,
-                **_DECODER,
+                **DECODER,
             ),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "falcon",
             "parallel attention, multi-query",
-            _lm(
+            lm(
                 "FalconConfig",
                 "FalconForCausalLM",
                 vocab_size=VOCAB,
@@ -218,19 +220,19 @@ FAMILIES: dict[str, Family] = {
         Family(
             "gpt_neox",
             "parallel attention, partial rotary",
-            _lm("GPTNeoXConfig", "GPTNeoXForCausalLM", **_DECODER),
+            lm("GPTNeoXConfig", "GPTNeoXForCausalLM", **DECODER),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "phi3",
             "fused qkv and gate-up projections",
-            _lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **_DECODER),
+            lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **DECODER),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "opt",
             "learned positions with offset, tied embeddings",
-            _lm(
+            lm(
                 "OPTConfig",
                 "OPTForCausalLM",
                 vocab_size=VOCAB,
@@ -246,26 +248,26 @@ FAMILIES: dict[str, Family] = {
         Family(
             "bloom",
             "ALiBi, tied embeddings",
-            _lm("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2),
+            lm("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "mixtral",
             "mixture of experts, top-2 routing",
-            _lm(
+            lm(
                 "MixtralConfig",
                 "MixtralForCausalLM",
                 num_key_value_heads=2,
                 num_local_experts=4,
                 num_experts_per_tok=2,
-                **_DECODER,
+                **DECODER,
             ),
             lambda b, seed=0: (_ids(b, seed),),
         ),
         Family(
             "deepseek_v3",
             "multi-head latent attention, routed and shared experts",
-            _lm(
+            lm(
                 "DeepseekV3Config",
                 "DeepseekV3ForCausalLM",
                 num_key_value_heads=HEADS,
@@ -280,7 +282,7 @@ FAMILIES: dict[str, Family] = {
                 qk_rope_head_dim=8,
                 qk_nope_head_dim=8,
                 v_head_dim=HIDDEN // HEADS,
-                **_DECODER,
+                **DECODER,
             ),
             lambda b, seed=0: (_ids(b, seed),),
         ),
@@ -301,7 +303,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "xglm",
             "sinusoidal positions (a detached table), scaled embeddings, tied embeddings",
-            _lm(
+            lm(
                 "XGLMConfig",
                 "XGLMForCausalLM",
                 vocab_size=VOCAB,
