@@ -283,6 +283,34 @@ def test_a_shape_that_cannot_beat_one_weighed_is_set_aside_as_slower_and_the_cho
             assert (b.estimated_time_s, b.set_aside) == (f.estimated_time_s, f.set_aside)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "mamba"])
+def test_no_plan_of_a_shape_beats_its_least_time(family, monkeypatch):
+    """The bound that sets a shape aside before its capture is below the planner's estimate
+    of every shape it bounds, for dense, expert and recurrent models."""
+    from tests.differential.zoo import FAMILIES
+
+    from tessel.builder import mesh_choice as mc
+
+    zoo = FAMILIES[family]
+    model, inputs = zoo.make(), zoo.inputs(4)
+    bounds = {}
+    least = mc._least_seconds
+
+    def recorded(whole, shape, cluster):
+        bounds[shape.entry.text] = least(whole, shape, cluster)
+        return bounds[shape.entry.text]
+
+    monkeypatch.setattr(mc, "_least_seconds", recorded)
+    monkeypatch.setattr(mc, "_rival", lambda *args: None)  # every shape weighed in full
+    choice = mc.choose_mesh(
+        model, inputs, {}, two_nodes(2), policy(), reuse_layers=True, time_limit=60
+    )
+    timed = [e for e in choice.weighed if e.estimated_time_s is not None]
+    assert len(timed) == 3 and all(e.text in bounds for e in timed)
+    for e in timed:
+        assert 0 < bounds[e.text] <= e.estimated_time_s, e.text
+
+
 def test_a_faster_shape_over_the_slow_link_must_be_ten_percent_faster():
     from tessel.builder.mesh_choice import Weighed, _prefer_quiet_links
 

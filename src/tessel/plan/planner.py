@@ -510,13 +510,16 @@ def least_seconds(captured: CapturedModel, cluster: ClusterConfig, rows: float =
     of the example's rows (a data-parallel replica's share): every operator planned at the
     least share of its work a device can do (its arithmetic and bytes over all the devices)
     and dispatched on each, and no resharding. An operator's work grows no faster than its
-    rows, so a replica does at least `rows` of the example's."""
+    rows, so a replica does at least `rows` of the example's. Views are left out: a capture on
+    fewer rows may have fewer of them (a squeeze of a batch of one)."""
     peak, bandwidth, overhead = device_rates(cluster)
     devices = cluster.world_size
     seconds = 0.0
     for n in captured.program.graph.nodes:
         if n.op != "call_function" or n.target in DROPPED or n.target is operator.getitem:
             continue  # what the planner does not price
+        if cost.is_view(str(n.target)):
+            continue
         whole = node_seconds(n, peak, bandwidth)
         seconds += whole * rows / devices + cost.dispatch_time(str(n.target), overhead)
     return seconds
