@@ -84,13 +84,15 @@ class Weighed(NamedTuple):
 
 class _Shape(NamedTuple):
     """A shape to weigh: its line in the report, its mesh, one replica's devices, its
-    micro-batches, and the inputs of one micro-batch of one replica."""
+    micro-batches, the inputs of one micro-batch of one replica, and the time no plan of it
+    beats, where known (`_least_seconds`)."""
 
     entry: ShapeWeighed
     dims: ParallelDims
     devices: ClusterConfig
     micro: int
     inputs: tuple[tuple, dict]
+    least: float | None = None
 
 
 def _least_seconds(whole: CapturedModel, shape: _Shape, cluster: ClusterConfig) -> float:
@@ -168,12 +170,11 @@ def choose_mesh(
     # shapes without stages, the likeliest first: a shape no plan of which could beat the one
     # it must beat is set aside before it is captured
     flat = [t for t in todo if t.dims.size("pp") == 1]
-    bounds = {}
     one_replica = next((t for t in flat if t.dims.size("dp") == 1), None)
     if len(flat) > 1 and one_replica is not None:
         whole = captured_for(one_replica)
-        bounds = {id(t): _least_seconds(whole, t, cluster) for t in flat}
-        flat.sort(key=lambda t: bounds[id(t)])
+        bounded = (t._replace(least=_least_seconds(whole, t, cluster)) for t in flat)
+        flat = sorted(bounded, key=lambda t: t.least)
     for shape in flat + [t for t in todo if t.dims.size("pp") > 1]:
         entry, dims, devices, micro = shape.entry, shape.dims, shape.devices, shape.micro
         pp = dims.size("pp")
@@ -185,7 +186,7 @@ def choose_mesh(
             )
             continue
         rival = None if pp > 1 else _rival(fitting, dims, cluster)
-        least = bounds.get(id(shape))
+        least = shape.least
         if rival is not None and least is not None and least >= rival.entry.estimated_time_s:
             entry.least_time_s = least
             entry.set_aside = (

@@ -4,8 +4,8 @@ The planner prices the captured graph under a plan; the lowering may run it diff
 collectives are DTensor's, a gather of the outputs to rank 0 is added, layouts are copied).
 Pricing each rank's program as written, call by call, with the planner's own formulas, gives
 the figure to hold a plan to once it is lowered: compute by the roofline at the device's share
-of its host, one dispatch per operator (less for a view), and each collective on the slowest link its group
-crosses.
+of its host, one dispatch per operator (less for a view), and each collective on the slowest
+link its group crosses.
 """
 
 from __future__ import annotations

@@ -518,10 +518,8 @@ def least_seconds(captured: CapturedModel, cluster: ClusterConfig, rows: float =
     for n in captured.program.graph.nodes:
         if n.op != "call_function" or n.target in DROPPED or n.target is operator.getitem:
             continue  # what the planner does not price
-        if cost.is_view(str(n.target)):
-            continue
-        whole = node_seconds(n, peak, bandwidth)
-        seconds += whole * rows / devices + cost.dispatch_time(str(n.target), overhead)
+        if not cost.is_view(str(n.target)):
+            seconds += node_seconds(n, peak, bandwidth) * rows / devices + overhead
     return seconds
 
 
