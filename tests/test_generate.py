@@ -449,9 +449,11 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
     with pytest.raises(ConfigError, match="an encoder-decoder: its prefill gears") as err:
         tessel.build(_t5(), cluster=1, generation=Generation(1, 16, (1, 8)))
     assert err.value.key == "prefill_lengths"
-    with pytest.raises(ConfigError, match="pipeline stages of an encoder-decoder") as err:
+    # an encoder-decoder's stages cut the chain of its encoder's layers, then its decoder's
+    layers = r"more than the model's 4 layers \(model.encoder.block.\*, model.decoder.block.\*\)"
+    with pytest.raises(ConfigError, match=layers) as err:
         tessel.build(
-            _t5(), cluster=2, policy=ParallelOption(pipe_stage_num=2), generation=GENERATION
+            _t5(), cluster=5, policy=ParallelOption(pipe_stage_num=5), generation=GENERATION
         )
     assert err.value.key.endswith("pipe_stage_num")
     with pytest.raises(ConfigError, match="cannot share evenly") as err:
@@ -690,22 +692,56 @@ def _t5() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("devices,replicas", [(1, 1), (3, 1), (2, 2)])
+def test_a_stage_cut_reading_state_off_its_stage_is_refused(monkeypatch) -> None:
+    """Each stage's ranks hold their own state, and every gear reads it there: a cut that would
+    read a layer's cache on a stage other than the one holding it is refused, not built with
+    a copy that no gear keeps up to date."""
+    from tessel.builder import stages as built_stages
+    from tessel.lower.stages import StageError
+
+    planned = built_stages.plan_stages
+
+    def cache_moved(*args, **kwargs):
+        assignment = planned(*args, **kwargs)
+        assert assignment.weight_stage["cache_2"] == 1  # the second decoder layer's keys
+        assignment.weight_stage["cache_2"] = 0
+        return assignment
+
+    monkeypatch.setattr(built_stages, "plan_stages", cache_moved)
+    with pytest.raises(StageError, match="reads the state cache_2, which stage 0 holds"):
+        tessel.build(
+            _t5(),
+            cluster=2,
+            policy=ParallelOption(pipe_stage_num=2),
+            generation=Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,)),
+        )
+
+
+@pytest.mark.parametrize(
+    "devices,replicas,stages,memory",
+    [(1, 1, 1, None), (3, 1, 1, 1.15), (2, 2, 1, None), (3, 1, 3, None), (4, 1, 2, 1.6)],
+)
 def test_an_encoder_decoder_generates_transformers_tokens(
-    devices: int, replicas: int, sessions, tmp_path
+    devices: int, replicas: int, stages: int, memory: float | None, sessions, tmp_path
 ):
     """T5: the prompt encoded once by a prefill gear, which writes every decoder layer's
     cross-attention cache; then one decoder token a step. On 1 device, on 3 devices that forbid
-    replicated weights and on 2 data-parallel replicas (a row each), the tokens (the decoder's
-    start token first) are transformers' own, for prompts of different lengths in one batch and
-    through either prefill gear."""
+    replicated weights, on 2 data-parallel replicas (a row each), on 3 pipeline stages (the
+    encoder's 2 layers and the decoder's 2, an uneven cut) and on 2 stages of 2 tensor-parallel
+    devices each holding less than half of the weights, the tokens (the decoder's start token
+    first) are transformers' own, for prompts of different lengths in one batch and through
+    either prefill gear."""
     model = _t5()
     generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(4, 8))
     cluster: object = devices
-    if devices > 1 and replicas == 1:
+    if memory is not None:  # devices holding `memory` / N of the weights and the activations
         gear = capture_gear(model, generation, 8)
-        cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
-    policy = ParallelOption(data_parallel_size=replicas) if replicas > 1 else None
+        cluster = cluster_from_dict(tight_cluster(gear, devices, memory), "tight.json")
+    policy = None
+    if replicas > 1:
+        policy = ParallelOption(data_parallel_size=replicas)
+    elif stages > 1:
+        policy = ParallelOption(pipe_stage_num=stages)
     built = tessel.build(model, cluster=cluster, policy=policy, generation=generation)
     gears = built.manifest.generation
     assert gears.decoder_start_token_id == 0
@@ -713,9 +749,13 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     assert {"cross_0", "encoder_mask", "decoder_start"} <= set(shapes)
     # the decoder's cache holds every slot; cross-attention only the longest prompt's
     assert shapes["cache_0"][2] == 24 and shapes["cross_0"][2] == shapes["encoder_mask"][1] == 8
-    if devices > 1 and replicas == 1:
+    if memory is not None or stages > 1:
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
+    if stages > 1:  # the encoder's layers run on the stages before the decoder's
+        cut = [line.layers for line in built.manifest.plan.stages]
+        assert len(cut) == stages and "encoder" in cut[0] and "decoder" in cut[-1], cut
+        assert "decoder" not in cut[0] and "encoder" not in cut[-1], cut
     path = tessel.save(built, tmp_path / "t5")
     session = sessions.setdefault(devices, tessel.Session())
     session.load_graph(0, {}, path)

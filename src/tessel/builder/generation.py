@@ -11,7 +11,8 @@ are captured and planned for one replica's share of the batch, and every rank's 
 from that replica's (`lower/replicas.py`). Pipeline stages each hold their layers' weights and
 cache: the gear that places the weights also divides the layers among the stages, the other
 gears are cut the same way, and every stage's ranks end a call with the logits
-(`lower/stages.py`).
+(`lower/stages.py`). That gear must read every weight it divides: an encoder-decoder's decode
+gear never reads the encoder, so its longest prefill gear leads there.
 """
 
 from __future__ import annotations
@@ -98,15 +99,6 @@ def build_generation(
             )
     dims = parallel_dims(cluster, policy)
     dp, pp = dims.size("dp"), dims.size("pp")
-    if pp > 1 and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise ConfigError(
-            policy.source,
-            f"graph_parallel_option.{POLICY_KEYS['pp']}",
-            f"is {pp}: pipeline stages of an encoder-decoder's gears are not built yet (its "
-            "prefill and decode gears read different weights: the decode gear reads the "
-            "cross-attention cache where the prefill gear computes it); use tensor or data "
-            "parallelism",
-        )
     if generation.max_batch_size % dp:
         raise ConfigError(
             "Generation",
@@ -135,6 +127,12 @@ def build_generation(
         t.numel() * t.element_size() for t in {id(t): t for t in ep.state_dict.values()}.values()
     )
     decode_first = whole / pp + reserve <= min(d.memory_bytes for d in cluster.devices)
+    # the gear that cuts the stages sees every weight it places: an encoder-decoder's decode
+    # gear never reads the encoder, so its longest prefill gear cuts them (encoder layers
+    # first, then decoder layers), and the decode gear follows
+    decode_first = decode_first and (
+        pp == 1 or _weights_read(gears.decode) >= _weights_read(gears.prefill[longest])
+    )
 
     def fit_gear(
         captured: CapturedModel, placed: ParallelOption, level: Level, leader: Fitted | None
@@ -207,6 +205,17 @@ def _same_weights_as_decode(fitted: Fitted, decode: list, length: int) -> None:
                 f"weights its pipeline stage reads ({', '.join(extra[:4])}); generation over "
                 "pipeline stages needs every gear to read the same weights on each stage"
             )
+
+
+def _weights_read(captured: CapturedModel) -> set[str]:
+    """The weights, buffers and state a gear's program reads or writes."""
+    ep = captured.program
+    used = {n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder" and n.users}
+    return {
+        s.target
+        for s in ep.graph_signature.input_specs
+        if s.kind.name != "USER_INPUT" and s.arg.name in used and s.target is not None
+    }
 
 
 def _replicas_bytes(captured: CapturedModel, dp: int) -> int:

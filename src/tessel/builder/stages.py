@@ -188,8 +188,8 @@ def _measure(
         if peak > cluster.devices[rank].memory_bytes:
             where = f"rank {rank}"
             if assignment is not None:
-                layers = assignment.layers[sp.stage]
-                where = f"pipeline stage {sp.stage} (layers {layers[0]}-{layers[-1]}) on {where}"
+                layers = assignment.span(sp.stage, stacks=False)
+                where = f"pipeline stage {sp.stage} (layers {layers}) on {where}"
             holds, has = two_sizes(peak, cluster.devices[rank].memory_bytes)
             raise StageMemoryError(
                 f"{where} holds {holds} at its peak, more than the device's {has}; use {remedies}",

@@ -19,7 +19,10 @@ from those `tp` programs here, so the runtime needs nothing new:
 - a generation gear (`gear=True`) ends otherwise: the cache it writes in place stays on the
   stage that holds it, and its logits, whole on every rank of the last stage, are broadcast
   from each to the ranks of the other stages at its tensor-parallel place, so every rank ends
-  the call with them and chooses the same token.
+  the call with them and chooses the same token. A gear's stage takes every weight the stage
+  holds, read or not (a rank loads one set for all its gears), and a node that reads a piece
+  of state runs on the stage holding it, or the cut is refused: another stage's ranks hold no
+  copy of it that the gears keep up to date.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 """
@@ -225,7 +228,22 @@ class _Cut(StageCut):
         super().__init__(rp, weights, user_inputs, split)
         self.gear = gear
         self.target = {n.name: n.target for n in self.calls}
+        self.weight_stage = {n: weight_stage[fqn] for n, fqn in self.fqn.items()}
+        self.state = set(rp.program.get("state", ()))
         self.stage = self._assign(weight_stage)
+        if gear:
+            self._state_stays()
+
+    def _state_stays(self) -> None:
+        """Every node that reads or writes a piece of state runs on the stage holding it: each
+        stage's ranks hold their own state, which a node on another stage would not see."""
+        for n in self.calls:
+            for a in n.reads:
+                if a in self.state and self.stage[n.name] != self.weight_stage[a]:
+                    raise StageError(
+                        f"{n.name} on stage {self.stage[n.name]} reads the state "
+                        f"{self.fqn[a]}, which stage {self.weight_stage[a]} holds"
+                    )
 
     def _assign(self, weight_stage: dict[str, int]) -> dict[str, int]:
         """Each call node's stage: a node that reads a weight, or a value made from weights
@@ -269,7 +287,13 @@ class _Cut(StageCut):
         shapes = dict(self.rp.shapes)
         mine = [n for n in self.calls if self.stage[n.name] == s]
         reads = {a for n in mine for a in n.reads}
-        weights = [n for n in self.weight_nodes if n.name in reads]
+        # a gear's stage takes every weight its stage holds, read or not: a rank loads one set
+        # for all its gears, and another gear may read what this one does not
+        weights = [
+            n
+            for n in self.weight_nodes
+            if n.name in reads or (self.gear and self.weight_stage[n.name] == s)
+        ]
         received = sorted(
             {a for a in reads if a in self.stage and self.stage[a] < s},
             key=lambda a: (self.stage[a], self.order[a]),

@@ -1,14 +1,17 @@
 """Assign consecutive layers to pipeline stages, balanced by estimated time under memory.
 
-The model's longest stack of indexed layers (`model.layers.0`, `model.layers.1`, ...) is cut
-into `pp` runs of consecutive layers. What comes before the stack (embeddings) joins the first
-stage and what comes after (final norm, head) the last. A dynamic programme over the layer chain
-and the stage boundaries (the inter-operator pass of Alpa, on a chain) picks the cut whose
-slowest stage is fastest, among the cuts where every stage's weights fit its devices.
+The model's stacks of indexed layers (`model.layers.0`, `model.layers.1`, ...; an encoder's and
+then a decoder's) make one chain of layers in the order the program runs them, cut into `pp`
+runs of consecutive layers. What comes before the first layer (embeddings) joins the first
+stage, what comes between layers the next layer's stage, and what comes after the last (final
+norm, head) the last stage. A dynamic programme over the chain and the stage boundaries (the
+inter-operator pass of Alpa, on a chain) picks the cut whose slowest stage is fastest, among the
+cuts where every stage's weights fit its devices.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from tessel.units import two_sizes
 if TYPE_CHECKING:
     from tessel.plan.planner import Plan
 
-_LAYER = re.compile(r"^(.*)\.(\d+)\.")
+_INDEX = re.compile(r"\.(\d+)\.")
 
 
 class StageAssignError(TesselError, ValueError):
@@ -52,11 +55,10 @@ class StageMemoryError(PlanError):
 
 @dataclass
 class StageAssignment:
-    """Per stage, its layer indices (of `family`), estimated seconds and weight bytes per device;
-    and each weight's stage."""
+    """Per stage, its layers (`(stack, index)`: `("model.layers.*", 3)`), estimated seconds and
+    weight bytes per device; and each weight's stage."""
 
-    family: str
-    layers: list[list[int]]
+    layers: list[list[tuple[str, int]]]
     seconds: list[float]
     weight_bytes: list[int]
     weight_stage: dict[str, int]
@@ -75,11 +77,29 @@ class StageAssignment:
         if total > 0:
             self.seconds = [s * whole / total for s in self.seconds]
 
+    def span(self, stage: int, stacks: bool = True) -> str:
+        """Stage `stage`'s layers as ranges, each of one stack: "model.layers.0-3", or with
+        several stacks "model.encoder.block.0-5, model.decoder.block.0"; without `stacks`, the
+        indices alone ("0-3") where the model has one stack."""
+        runs: list[list[tuple[str, int]]] = []
+        for layer in self.layers[stage]:
+            if runs and runs[-1][-1][0] == layer[0]:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        one = len({stack for layers in self.layers for stack, _ in layers}) == 1
+        return ", ".join(
+            f"{run[0][1]}-{run[-1][1]}"
+            if one and not stacks
+            else f"{run[0][0].removesuffix('.*')}.{run[0][1]}-{run[-1][1]}"
+            for run in runs
+        )
+
     def to_json(self) -> list[dict]:
         return [
             {
                 "stage": s,
-                "layers": f"{self.family.removesuffix('.*')}.{ls[0]}-{ls[-1]}",
+                "layers": self.span(s),
                 "estimated_time_s": self.seconds[s],
                 "weight_bytes": self.weight_bytes[s],
             }
@@ -139,62 +159,79 @@ def assign_stages(
     one device may hold.
     """
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-    layer_nodes: dict[str, dict[int, list[fx.Node]]] = {}
+    order = {n: i for i, n in enumerate(nodes)}
+    by_layer: dict[tuple[str, int], list[fx.Node]] = {}
     for n in nodes:
         key = layer_of(n)
         if key is not None:
-            layer_nodes.setdefault(key[0], {}).setdefault(key[1], []).append(n)
-    if not layer_nodes:
+            by_layer.setdefault(key, []).append(n)
+    if not by_layer:
         raise StageAssignError(
             f"is {pp}, but the model has no stack of indexed layers "
             "(such as model.layers.0, model.layers.1, ...) to cut into stages"
         )
-    family, by_index = max(layer_nodes.items(), key=lambda kv: len(kv[1]))
-    indices = sorted(by_index)
-    if pp > len(indices):
+    # every stack's layers, in the order the program reaches them
+    chain = sorted(by_layer, key=lambda key: order[by_layer[key][0]])
+    if pp > len(chain):
+        stacks = ", ".join(dict.fromkeys(stack for stack, _ in chain))
         raise StageAssignError(
-            f"is {pp}, more than the model's {len(indices)} layers "
-            f"({family}); use at most {len(indices)} stages"
+            f"is {pp}, more than the model's {len(chain)} layers ({stacks}); use at most "
+            f"{len(chain)} stages"
         )
     soc = cluster.soc
-    in_layer = {n for ns in by_index.values() for n in ns}
-    order = {n: i for i, n in enumerate(nodes)}
-    first_layer = min(order[n] for n in in_layer)
+    in_layer = {n for ns in by_layer.values() for n in ns}
+    starts = [order[by_layer[key][0]] for key in chain]  # rising
+    position = {key: i for i, key in enumerate(chain)}
 
     def seconds(ns: list[fx.Node]) -> float:
         return sum(node_seconds(n, soc.peak_flops, soc.memory_bandwidth) for n in ns)
 
-    prefix = family.removesuffix(".*")
-    weight_layer: dict[str, int | str] = {}
+    def following(at: int) -> int | str:
+        """Where a weight first read at node order `at`, outside every layer, is held: before
+        the chain, with the next layer after it, or after the chain."""
+        if at < starts[0]:
+            return "before"
+        later = bisect.bisect_right(starts, at)
+        return later if later < len(chain) else "after"
+
+    weight_layer: dict[str, int | str] = {}  # a weight's place in the chain
     for fqn in weights:
-        m = _LAYER.match(fqn)
-        if m and m.group(1) == prefix and int(m.group(2)) in by_index:
-            weight_layer[fqn] = int(m.group(2))
+        for m in _INDEX.finditer(fqn):  # model.decoder.block.1.layer.0.k: decoder.block's 1
+            key = (fqn[: m.start()] + ".*", int(m.group(1)))
+            if key in position:
+                weight_layer[fqn] = position[key]
+                break
     held = {
         fqn: int(t.numel() * t.element_size() * placements_share.get(fqn, 1.0))
         for fqn, t in weights.items()
     }
     # a weight outside the layers goes with its first reader: its layer where that reader is
     # in one (a generation step's cache of keys and values, read and written by its layer's
-    # attention), else before the layers or after them
+    # attention), else the next layer after it; a state that no node reads, only fills in
+    # place for a later call (the prompt's mask), and a weight this program does not read,
+    # are held by the first stage, where a call's inputs arrive
     for fqn in weights:
         if fqn in weight_layer:
             continue
         node = weight_nodes.get(fqn)
         users = node.users if node is not None else {}
-        readers = sorted((u for u in users if u in order), key=order.__getitem__)
-        held_by = layer_of(readers[0]) if readers else None
-        if held_by is not None and held_by[0] == family and held_by[1] in by_index:
-            weight_layer[fqn] = held_by[1]
+        readers = sorted(
+            (u for u in users if u in order and not _fills(u, node)), key=order.__getitem__
+        )
+        if not readers:
+            weight_layer[fqn] = "before"
+            continue
+        held_by = layer_of(readers[0])
+        if held_by is not None and held_by in position:
+            weight_layer[fqn] = position[held_by]
         else:
-            first = order[readers[0]] if readers else -1
-            weight_layer[fqn] = "before" if first < first_layer else "after"
+            weight_layer[fqn] = following(order[readers[0]])
 
     outside = [n for n in nodes if n not in in_layer]
-    before = seconds([n for n in outside if order[n] < first_layer])
-    after = seconds([n for n in outside if order[n] > first_layer])
-    layer_s = [seconds(by_index[i]) for i in indices]
-    layer_b = [sum(b for f, b in held.items() if weight_layer[f] == i) for i in indices]
+    before = seconds([n for n in outside if order[n] < starts[0]])
+    after = seconds([n for n in outside if order[n] > starts[0]])
+    layer_s = [seconds(by_layer[key]) for key in chain]
+    layer_b = [sum(b for f, b in held.items() if weight_layer[f] == i) for i in range(len(chain))]
     before_b = sum(b for f, b in held.items() if weight_layer[f] == "before")
     after_b = sum(b for f, b in held.items() if weight_layer[f] == "after")
 
@@ -208,20 +245,26 @@ def assign_stages(
             "or more tensor parallelism",
             needed=need,
         )
-    stages = [[indices[i] for i in range(a, b)] for a, b in cuts]
-    stage_of_layer = {i: s for s, ls in enumerate(stages) for i in ls}
+    stage_of = {i: s for s, (a, b) in enumerate(cuts) for i in range(a, b)}
     weight_stage = {
-        fqn: stage_of_layer[where] if isinstance(where, int) else 0 if where == "before" else pp - 1
+        fqn: stage_of[where] if isinstance(where, int) else 0 if where == "before" else pp - 1
         for fqn, where in weight_layer.items()
     }
-    secs = [sum(layer_s[i] for i in range(a, b)) for a, b in cuts]
-    byts = [sum(layer_b[i] for i in range(a, b)) for a, b in cuts]
+    secs = [sum(layer_s[a:b]) for a, b in cuts]
+    byts = [sum(layer_b[a:b]) for a, b in cuts]
     secs[0] += before
     byts[0] += before_b
     secs[-1] += after
     byts[-1] += after_b
-    boundary = [cost.nbytes(by_index[ls[-1]][-1].meta.get("val")) for ls in stages[:-1]] + [0]
-    return StageAssignment(family, stages, secs, byts, weight_stage, boundary)
+    boundary = [cost.nbytes(by_layer[chain[b - 1]][-1].meta.get("val")) for _, b in cuts[:-1]]
+    layers = [chain[a:b] for a, b in cuts]
+    return StageAssignment(layers, secs, byts, weight_stage, [*boundary, 0])
+
+
+def _fills(node: fx.Node, state: fx.Node | None) -> bool:
+    """Whether `node` only writes into `state` in place (a copy into it), reading nothing of
+    it."""
+    return node.target is torch.ops.aten.copy_.default and bool(node.args) and node.args[0] is state
 
 
 def _cut(
