@@ -116,6 +116,28 @@ def test_stages_show_in_inspect():
     assert "stage 1: lm.model.layers.2-3 on ranks 2, 3" in text
 
 
+def test_an_encoder_decoder_is_cut_along_its_encoder_then_its_decoder():
+    """T5's stages cut one chain: the encoder's 2 layers, then the decoder's 2, so 3 stages
+    take an encoder layer, the other beside a decoder layer, and the last decoder layer; the
+    built package equals eager (the build's check) and runs so."""
+    from tests.differential.zoo import FAMILIES
+
+    t5 = FAMILIES["t5"]
+    model, inputs = t5.make(), t5.inputs(4)
+    built = tessel.build(model, inputs, cluster=3, policy=policy(3))
+    stages = built.manifest.plan.stages
+    assert [line.layers for line in stages] == [
+        "model.encoder.block.0-0",
+        "model.encoder.block.1-1, model.decoder.block.0-0",
+        "model.decoder.block.1-1",
+    ]
+    assert built.manifest.plan.verify.max_relative_diff <= 1e-4
+    others = t5.inputs(4, seed=3)
+    (out,) = run_in_process(BuiltPackage(built.manifest, built.members), list(others))
+    with torch.no_grad():
+        assert (out - model(*others)).abs().max().item() <= 1e-4
+
+
 def test_more_stages_than_layers_is_refused():
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="pipe_stage_num: is 3, more than the model's 2 layers"):
