@@ -24,7 +24,7 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.demo import tight_cluster
 from tessel.package import Package
 from tessel.plan import PlanError
-from tessel.report import state_bytes
+from tessel.report import inspect_json, state_bytes
 
 # the families on 3 devices whose memory forbids replicated weights (shards that do not
 # divide); 1, 2 and 4 devices in the sampling test's packages. Falcon, Phi-3, Mixtral and
@@ -609,8 +609,9 @@ STAGED = [
 def test_pipeline_stages_generate_transformers_tokens(
     family: str, devices: int, memory: str, policy: dict, sessions, tmp_path
 ) -> None:
-    """Each stage holds its own layers' weights and cache, no rank the whole model; every rank
-    ends each call with the logits, and the tokens are transformers' own."""
+    """Each stage holds its own layers' weights and cache, no rank the whole model; only the
+    last stage's ranks end a call with the logits (the token chosen there is what crosses the
+    stages, not a vocabulary's row of logits), and the tokens are transformers' own."""
     make = (lambda: _llama(4)) if family == "llama4" else (lambda: FAMILIES[family].make().model)
     model = make()
     cluster: object = devices
@@ -643,6 +644,14 @@ def test_pipeline_stages_generate_transformers_tokens(
     assert [st.ranks for st in stages] == [
         tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(pp)
     ]
+    for sub in manifest.submodels:
+        returned = json.loads(built.members[sub.program])["nodes"][-1]["args"]
+        assert bool(returned) == (sub.rank >= (pp - 1) * per_stage), sub.rank
+    rows = GENERATION.max_batch_size // manifest.mesh.size("dp")
+    logits = rows * manifest.generation.vocab_size * 2  # at 2 bytes an element, the least
+    ranks = inspect_json(manifest)["ranks"]
+    sent = [c["bytes"] for r in ranks for c in r["collectives"] if c["axis"] == "pp"]
+    assert sent and max(sent) < logits, (max(sent), logits)  # between stages
     path = tessel.save(built, tmp_path / family)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)

@@ -290,14 +290,17 @@ def decode(
     sampling: Sampling = Sampling(),
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
+    share: Callable[[torch.Tensor | None, int], torch.Tensor] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Generate: yields each step's new tokens `[rows]` (rows that finished at
     `eos_token_id`, one id or any of several, give `pad_token_id`), until `max_new_tokens`
     or every row has finished.
 
     `run(length, (input_ids, position_ids, cache_position, attention_mask))` calls the gear of
-    `length` tokens on the cache's `max_batch_size` rows and returns the last token's logits;
-    rows past the request's are padding that attends to nothing.
+    `length` tokens on the cache's `max_batch_size` rows and returns the last token's logits
+    (None where this caller holds none); rows past the request's are padding that attends to
+    nothing. `share(token, rows)`, where given, returns the token the caller holding the
+    logits chose (`token` there, None elsewhere), so every caller feeds the same one.
     """
     mask, gear = check_request(gears, input_ids, attention_mask, max_new_tokens)
     stops = torch.tensor(stop_tokens(eos_token_id, gears.vocab_size), dtype=torch.long)
@@ -319,8 +322,14 @@ def decode(
     logits = run(gear, (ids, positions, torch.arange(gear), valid))
     last = positions[:, -1]
     for step in range(max_new_tokens):
-        scores = processed(logits[:rows], seen, padding, step, sampling, stops)
-        token = choose(scores, sampling, generator)
+        token = None
+        if logits is not None:
+            scores = processed(logits[:rows], seen, padding, step, sampling, stops)
+            token = choose(scores, sampling, generator)
+        if share is not None:
+            token = share(token, rows)
+        if token is None:
+            raise ValueError("decode: run returned no logits and no share was given")
         if len(stops):
             token = token.masked_fill(finished, pad_token_id)
             finished |= torch.isin(token, stops)

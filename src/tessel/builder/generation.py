@@ -10,8 +10,8 @@ declared, never stored. Data-parallel replicas each hold their rows of the cache
 are captured and planned for one replica's share of the batch, and every rank's programs made
 from that replica's (`lower/replicas.py`). Pipeline stages each hold their layers' weights and
 cache: the gear that places the weights also divides the layers among the stages, the other
-gears are cut the same way, and every stage's ranks end a call with the logits
-(`lower/stages.py`). That gear must read every weight it divides: an encoder-decoder's decode
+gears are cut the same way, and the last stage's ranks end a call with the logits
+(`lower/stages.py`), from which its first rank chooses the token every rank feeds next. That gear must read every weight it divides: an encoder-decoder's decode
 gear never reads the encoder, so its longest prefill gear leads there.
 """
 

@@ -124,6 +124,7 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
     buffers = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype)) for s in gears.state}
     eager = GenerationStep(model, buffers).eval()
     built = InProcessModel(package)
+    logits_rank = package.manifest.mesh.logits_rank
     seen: dict[str, list[torch.Tensor]] = {"eager": [], "built": []}
 
     def eager_run(length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -132,7 +133,7 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
         return seen["eager"][-1]
 
     def built_run(length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        seen["built"].append(built.run(list(inputs), length)[-1])
+        seen["built"].append(built.run(list(inputs), length, logits_rank)[-1])
         return seen["built"][-1]
 
     steps = 4

@@ -9,9 +9,9 @@ ends a call with every row's logits, so every rank chooses the same tokens with 
 the session, at any number of replicas.
 
 With pipeline stages, one replica's programs are its `pp x tp` stage programs (rank
-`s * tp + t`, each ending with the logits, `lower/stages.py`); rank `(s, d, t)` is then
-`(s * dp + d) * tp + t`, the mesh axes outermost first, and the logits are gathered over the
-ranks `(s, d', t)`.
+`s * tp + t`, those of the last stage ending with the logits, `lower/stages.py`); rank
+`(s, d, t)` is then `(s * dp + d) * tp + t`, the mesh axes outermost first, and the last
+stage's logits are gathered over the ranks `(pp - 1, d', t)`.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def replica_programs(
             batch_inputs,
             in_replica(d),
             [rank(s, r, t) for r in range(replicas)],
+            tp is not None,
         )
         for s in range(len(programs) // per_stage)
         for d in range(replicas)
@@ -74,6 +75,7 @@ def _replica(
     batch_inputs: Sequence[int],
     moved_to: Callable[[int], int],
     over_replicas: list[int],
+    pipelined: bool,
 ) -> RankProgram:
     """Replica `d`'s copy of `rp` (one replica's rank): collectives over the ranks `moved_to`
     gives, its rows of the batched inputs read, the logits gathered over `over_replicas`."""
@@ -98,6 +100,9 @@ def _replica(
         reads.append(call(n.name, _SLICE, [ref(whole), 0, d * rows, (d + 1) * rows]))
     moved = [n.renamed(n.name, {}, moved_to) for n in program.nodes if n.op != INPUT]
     args = program.output.args
+    if args == [] and pipelined:  # a stage before the last: it returns no logits to gather
+        nodes = [*head, *reads, *moved, output([])]
+        return measured(replace(rp, program=program.program(nodes), shapes=shapes), weights)
     if not isinstance(args, list) or not args or "$node" not in args[-1]:
         raise ProgramError("a gear's program must return the logits last")
     logits = args[-1]["$node"]

@@ -17,9 +17,9 @@ from those `tp` programs here, so the runtime needs nothing new:
   and, with replicas, gathered from each replica's first rank into one buffer on rank 0, so
   rank 0 returns the whole batch;
 - a generation gear (`gear=True`) ends otherwise: the cache it writes in place stays on the
-  stage that holds it, and its logits, whole on every rank of the last stage, are broadcast
-  from each to the ranks of the other stages at its tensor-parallel place, so every rank ends
-  the call with them and chooses the same token. A gear's stage takes every weight the stage
+  stage that holds it, and its logits, whole on every rank of the last stage, are returned
+  there alone (the runtime chooses the token on that stage's first rank and broadcasts it to
+  every rank: a token, not a row of the vocabulary, crosses the stages). A gear's stage takes every weight the stage
   holds, read or not (a rank loads one set for all its gears), and a node that reads a piece
   of state runs on the stage holding it, or the cut is refused: another stage's ranks hold no
   copy of it that the gears keep up to date.
@@ -329,36 +329,23 @@ class _Cut(StageCut):
                     body.append(transfers.send(new, split.rank(target, d, t), waits))
             body += waits
         if self.gear:
-            returned = self._logits_everywhere(s, t, shapes, body)
+            returned = self._logits_where_made(s)
         else:
             returned = self._outputs(s, d, t, shapes, transfers, body)
         return self.staged(s, weights, body, returned, shapes, transfers.sent)
 
-    def _logits_everywhere(self, s: int, t: int, shapes: dict, body: list[Node]) -> list:
-        """Append to `body` the broadcast of a gear's logits (its last output) from the stage
-        computing them to this rank, over the ranks at tensor-parallel place `t` of every stage;
-        returns them, this rank's only output. The gear's other outputs are its writes into
-        the state, in place on the stages holding it."""
+    def _logits_where_made(self, s: int) -> list:
+        """What stage `s`'s ranks return from a gear: the logits (its last output) on the stage
+        computing them, nothing on the others. The gear's other outputs are its writes into the
+        state, in place on the stages holding it; the runtime chooses the token on the first
+        rank of the logits' stage and broadcasts the token, not the logits."""
         args = self.output.args
         if not isinstance(args, list) or not args or "$node" not in args[-1]:
             raise StageError("a gear's program must return the logits last")
         logits = args[-1]["$node"]
-        source = self.stage[logits]
-        group = {"$group": [self.split.rank(r, 0, t) for r in range(self.split.pp)]}
-        shape, dtype = shapes[logits]
-        out = f"{logits}__stages"
-        shapes[f"{out}_buf"] = shapes[f"{out}_sent"] = shapes[out] = (shape, dtype)
-        if s == source:
-            sent = f"{logits}__mb0"
-            if self.target.get(logits) != _WAIT:  # a collective sends a contiguous tensor
-                body.append(contiguous_copy(f"{out}_buf", sent))
-                sent = f"{out}_buf"
-        else:
-            sent = f"{out}_buf"
-            body.append(zeros(sent, shape, dtype))
-        body.append(call(f"{out}_sent", _BROADCAST, [ref(sent), source, group]))
-        body.append(call(out, _WAIT, [ref(f"{out}_sent")]))
-        return [ref(out)]
+        if self.stage[logits] != self.split.pp - 1:
+            raise StageError("a gear's logits must be made on its last stage")
+        return [ref(f"{logits}__mb0")] if s == self.split.pp - 1 else []
 
     def _outputs(
         self, s: int, d: int, t: int, shapes: dict, transfers: _Transfers, body: list[Node]

@@ -228,6 +228,13 @@ class Mesh:
         """The ranks of one replica of one stage: the axes other than `pp` and `dp`."""
         return math.prod(s for s, n in zip(self.shape, self.dim_names) if n not in ("pp", "dp"))
 
+    @property
+    def logits_rank(self) -> int:
+        """The first rank of the last pipeline stage (rank 0 without stages): a generation
+        gear's logits are there, and its token is chosen there."""
+        world = math.prod(self.shape)
+        return world - world // self.size("pp")
+
 
 # the mesh's sizes as packages of earlier tessels repeated them in `training`
 _MESH_SIZES: dict[str, Callable[[Mesh], int]] = {

@@ -1,9 +1,11 @@
 """Generation on a worker: the package's gears over the cache this rank holds, run in a loop.
 
-Every rank runs the same loop (`tessel.decoding.decode`) on the same request: each gear's
-program ends with the logits whole on every rank, so every rank chooses the same token and
-feeds it to the next step with no word from the session between tokens. Rank 0 hands the
-tokens to the session: each step's as it is made where the request streams, all at the end.
+Every rank runs the same loop (`tessel.decoding.decode`) on the same request, with no word from
+the session between tokens. Without pipeline stages each gear's program ends with the logits
+whole on every rank, so every rank chooses the same token. With stages only the last stage's
+ranks hold the logits: its first rank chooses the token and broadcasts it, a token per row,
+to every rank. Rank 0 hands the tokens to the session: each step's as it is made where the
+request streams, all at the end.
 """
 
 from __future__ import annotations
@@ -28,12 +30,24 @@ class LoadedGears:
     shapes: Gears
     programs: dict[int, fx.GraphModule]
     weights: list[torch.Tensor]
+    logits_rank: int = 0  # the rank that chooses the tokens where not every rank can
 
-    def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The last token's logits of the gear of `length` tokens on `inputs`."""
+    def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """The last token's logits of the gear of `length` tokens on `inputs` (None on a
+        pipeline stage before the last, which returns none)."""
         device = self.weights[0].device if self.weights else torch.device("cpu")
         outputs = self.programs[length](*self.weights, *(x.to(device) for x in inputs))
-        return outputs[-1].cpu()
+        return outputs[-1].cpu() if outputs else None
+
+    def share(self, token: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """The token `logits_rank` chose, `[rows]`, on every rank (`token` there, None or
+        the same elsewhere)."""
+        device = self.weights[0].device if self.weights else torch.device("cpu")
+        if dist.get_rank() != self.logits_rank or token is None:
+            token = torch.empty(rows, dtype=torch.int64)
+        sent = token.to(device, torch.int64).contiguous()  # a collective's tensor, on its device
+        dist.broadcast(sent, src=self.logits_rank)
+        return sent.cpu()
 
 
 def generate_on_rank(
@@ -56,6 +70,7 @@ def generate_on_rank(
         dist.broadcast(ids, src=0)
         dist.broadcast(mask, src=0)
     tokens = []
+    pipelined = gears.logits_rank != 0  # the tokens are chosen on one rank and shared
     steps = decode(
         gears.run,
         gears.shapes,
@@ -65,6 +80,7 @@ def generate_on_rank(
         Sampling(**request["sampling"]),
         request["eos_token_id"],
         int(request["pad_token_id"]),
+        gears.share if distributed and pipelined else None,
     )
     # tokens travel as lists of ints: a tensor sent down a pipe would be moved into shared
     # memory (torch's reduction), a segment and a descriptor per token

@@ -183,8 +183,10 @@ class InProcessModel:
         for rank in range(1 if self.single else manifest.world_size):
             self.ranks.append(load_programs(package, rank, cpu, {} if self.single else name_of))
 
-    def run(self, inputs: list[torch.Tensor], gear: int | None = None) -> list[torch.Tensor]:
-        """Rank 0's outputs of the program (or the gear of `gear` tokens) on `inputs`."""
+    def run(
+        self, inputs: list[torch.Tensor], gear: int | None = None, rank: int = 0
+    ) -> list[torch.Tensor]:
+        """`rank`'s outputs of the program (or the gear of `gear` tokens) on `inputs`."""
         if self.single:
             programs, weights = self.ranks[0]
             with torch.no_grad():
@@ -220,4 +222,4 @@ class InProcessModel:
             rank = min(errors, key=lambda r: isinstance(errors[r], InProcessError))
             exc = errors[rank]
             raise InProcessError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
-        return list(results[0])
+        return list(results[rank])

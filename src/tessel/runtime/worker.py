@@ -186,7 +186,12 @@ def _load(
                 step.load_state_dict(tensors)
     loaded_gears = None
     if gears is not None:  # by prompt length, the decode gear at 1
-        loaded_gears = LoadedGears(gears, {n: p for n, p in programs.items() if n}, weights)
+        loaded_gears = LoadedGears(
+            gears,
+            {n: p for n, p in programs.items() if n},
+            weights,
+            package.manifest.mesh.logits_rank,
+        )
     _release_memory(device)  # what decoding the program left behind, before the first run
     return _Loaded(program, weights, package.manifest.inputs, step, strategy, loaded_gears)
 
