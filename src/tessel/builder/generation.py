@@ -11,7 +11,8 @@ are captured and planned for one replica's share of the batch, and every rank's 
 from that replica's (`lower/replicas.py`). Pipeline stages each hold their layers' weights and
 cache: the gear that places the weights also divides the layers among the stages, the other
 gears are cut the same way, and the last stage's ranks end a call with the logits
-(`lower/stages.py`), from which its first rank chooses the token every rank feeds next. That gear must read every weight it divides: an encoder-decoder's decode
+(`lower/stages.py`), from which its first rank chooses the token every rank feeds next. The
+gear that divides the layers must read every weight it divides: an encoder-decoder's decode
 gear never reads the encoder, so its longest prefill gear leads there.
 """
 

@@ -19,10 +19,10 @@ from those `tp` programs here, so the runtime needs nothing new:
 - a generation gear (`gear=True`) ends otherwise: the cache it writes in place stays on the
   stage that holds it, and its logits, whole on every rank of the last stage, are returned
   there alone (the runtime chooses the token on that stage's first rank and broadcasts it to
-  every rank: a token, not a row of the vocabulary, crosses the stages). A gear's stage takes every weight the stage
-  holds, read or not (a rank loads one set for all its gears), and a node that reads a piece
-  of state runs on the stage holding it, or the cut is refused: another stage's ranks hold no
-  copy of it that the gears keep up to date.
+  every rank: a token, not a row of the vocabulary, crosses the stages). A gear's stage takes
+  every weight the stage holds, read or not (a rank loads one set for all its gears), and a
+  node that reads a piece of state runs on the stage holding it, or the cut is refused:
+  another stage's ranks hold no copy of it that the gears keep up to date.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`: the mesh axes outermost first.
 """

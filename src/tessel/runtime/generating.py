@@ -32,20 +32,22 @@ class LoadedGears:
     weights: list[torch.Tensor]
     logits_rank: int = 0  # the rank that chooses the tokens where not every rank can
 
+    @property
+    def device(self) -> torch.device:
+        return self.weights[0].device if self.weights else torch.device("cpu")
+
     def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """The last token's logits of the gear of `length` tokens on `inputs` (None on a
         pipeline stage before the last, which returns none)."""
-        device = self.weights[0].device if self.weights else torch.device("cpu")
-        outputs = self.programs[length](*self.weights, *(x.to(device) for x in inputs))
+        outputs = self.programs[length](*self.weights, *(x.to(self.device) for x in inputs))
         return outputs[-1].cpu() if outputs else None
 
     def share(self, token: torch.Tensor | None, rows: int) -> torch.Tensor:
-        """The token `logits_rank` chose, `[rows]`, on every rank (`token` there, None or
-        the same elsewhere)."""
-        device = self.weights[0].device if self.weights else torch.device("cpu")
-        if dist.get_rank() != self.logits_rank or token is None:
+        """The token `logits_rank` chose, `[rows]`, on every rank (`token` is this rank's own
+        choice where it holds logits, else None)."""
+        if token is None:
             token = torch.empty(rows, dtype=torch.int64)
-        sent = token.to(device, torch.int64).contiguous()  # a collective's tensor, on its device
+        sent = token.to(self.device, torch.int64).contiguous()  # a collective's, on its device
         dist.broadcast(sent, src=self.logits_rank)
         return sent.cpu()
 
@@ -70,7 +72,6 @@ def generate_on_rank(
         dist.broadcast(ids, src=0)
         dist.broadcast(mask, src=0)
     tokens = []
-    pipelined = gears.logits_rank != 0  # the tokens are chosen on one rank and shared
     steps = decode(
         gears.run,
         gears.shapes,
@@ -80,7 +81,7 @@ def generate_on_rank(
         Sampling(**request["sampling"]),
         request["eos_token_id"],
         int(request["pad_token_id"]),
-        gears.share if distributed and pipelined else None,
+        gears.share if gears.logits_rank else None,  # stages: chosen on one rank, shared
     )
     # tokens travel as lists of ints: a tensor sent down a pipe would be moved into shared
     # memory (torch's reduction), a segment and a descriptor per token
