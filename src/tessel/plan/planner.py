@@ -585,15 +585,18 @@ def _problem(
         if cost.is_view(name):  # no work to share
             linear[v] = np.full(len(c.strategies), count * dispatch)
             continue
-        val = v.meta.get("val")
         f = node_flops(v)
-        moved = cost.nbytes(val) + sum(cost.nbytes(a.meta.get("val")) for a in c.args)
         # every device dispatches the node whatever its share of the work
         linear[v] = np.array(
             [
                 count
                 * (
-                    cost.compute_time(f, moved, peak, bandwidth) * _work_share(s, mesh_shape)
+                    cost.compute_time(
+                        f * _work_share(s, mesh_shape),
+                        _local_bytes(v, c.args, s, mesh_shape),
+                        peak,
+                        bandwidth,
+                    )
                     + dispatch
                 )
                 for s in c.strategies
@@ -708,6 +711,28 @@ def _work_share(s: NodeStrategy, mesh_shape: tuple[int, ...]) -> float:
     inputs = [(_placements(x), _shape(x)) for x in s.inputs if x is not None]
     out = _placements(s.output)
     return cost.work_share(inputs, None if out is None else (out, _shape(s.output)), mesh_shape)
+
+
+def _local_bytes(
+    n: fx.Node, args: list[fx.Node], s: NodeStrategy, mesh_shape: tuple[int, ...]
+) -> float:
+    """The bytes the busiest device reads and writes running `n` as `s` places it: each
+    operand's and output's local part (a replicated weight is read whole on every device, so
+    splitting the rows of a matmul does not split the reading of its weight)."""
+    outputs = n.meta.get("val")
+    specs = s.output if isinstance(s.output, tuple) else (s.output,)
+    if not isinstance(outputs, (tuple, list)):
+        outputs = (outputs,)
+    moved = sum(
+        cost.nbytes(val) * cost.largest_share(_placements(spec), mesh_shape, _shape(spec))
+        for val, spec in zip(outputs, specs, strict=False)
+    )
+    moved += sum(cost.nbytes(val) for val in outputs[len(specs) :])
+    inputs = s.inputs if len(s.inputs) == len(args) else (None,) * len(args)
+    for a, spec in zip(args, inputs, strict=True):
+        share = cost.largest_share(_placements(spec), mesh_shape, _shape(spec))
+        moved += cost.nbytes(a.meta.get("val")) * share
+    return moved
 
 
 def _shape(spec) -> tuple[int, ...] | None:
