@@ -314,3 +314,31 @@ def test_a_view_moves_no_bytes_and_costs_a_share_of_a_dispatch(rows):
     )
     # the multiply reads and writes every element, at 1 GB/s, and is dispatched whole
     assert seconds["aten.mul.Tensor"] == pytest.approx(2 * 4 * (rows - 1) * 64 / 1e9 + 1e-6)
+
+
+def test_a_replicated_weight_is_read_whole_however_the_rows_are_split(monkeypatch):
+    # a decode step's matmul: 4 rows through a 64 MiB weight on 4 devices. Splitting the rows
+    # leaves each device reading the whole weight, so the plan splits the weight instead
+    from tessel.capture import capture
+    from tessel.config.parallel_option import ParallelOption
+    from tessel.plan import has_rule, make_plan
+    from tessel.plan.planner import device_rates
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    captured = capture(
+        torch.nn.Linear(4096, 4096, bias=False), (torch.randn(4, 4096),), keep=has_rule
+    )
+    cluster = local_cluster(4)
+    plan = make_plan(captured, cluster, ParallelOption())
+    (matmul,) = [n for n, c in plan.choices.items() if c.kind == "op" and "mm" in str(n.target)]
+    rows, weight = plan.strategy(matmul).inputs  # the weight, transposed
+    assert isinstance(weight.placements[0], Shard) and isinstance(rows.placements[0], Replicate)
+    rows_split = [
+        k
+        for k, s in enumerate(plan.choices[matmul].strategies)
+        if s.inputs[0].placements == (Shard(0),) and s.inputs[1].placements == (Replicate(),)
+    ]
+    assert len(rows_split) == 1
+    bandwidth = device_rates(cluster)[1]
+    for k in rows_split:
+        assert plan.problem.linear[matmul][k] >= 4096 * 4096 * 4 / bandwidth
