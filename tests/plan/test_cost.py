@@ -27,6 +27,38 @@ def test_ring_all_reduce_sends_twice_n_minus_one_over_n():
     assert cost.all_reduce_time(MB4, 4, SLOW) == pytest.approx(6 * 1e-3 + 1.5 * 4e-2)
 
 
+def test_an_all_reduce_in_one_pass_meets_as_often_as_an_all_gather():
+    # CPU workers of one machine reduce where they meet: the steps of one all-gather, the
+    # ring's volume
+    one_pass = cost.Links(bandwidth=1e9, latency=1e-5, one_pass=True)
+    assert cost.all_reduce_time(MB4, 4, one_pass) == pytest.approx(3 * 1e-5 + 1.5 * 4e-3)
+    assert cost.all_reduce_time(4, 4, one_pass) == pytest.approx(
+        cost.all_gather_time(4, 4, one_pass), rel=1e-3
+    )
+    assert cost.all_reduce_time(MB4, 1, one_pass) == 0.0
+
+
+def test_cpu_workers_sum_a_row_wise_matmul_rather_than_hold_its_weight_whole(monkeypatch):
+    # one token through an MLP on 2 CPU devices: summing the row-wise matmul's partial
+    # results meets once, as gathering its input for a replicated weight does, and reads half
+    # of the weight
+    from tessel.capture import capture
+    from tessel.config.parallel_option import ParallelOption
+    from tessel.plan import has_rule, make_plan
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(1024, 2048, bias=False),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 1024, bias=False),
+    )
+    captured = capture(mlp, (torch.randn(1, 1024),), keep=has_rule)
+    plan = make_plan(captured, local_cluster(2), ParallelOption())
+    placements = plan.param_placements()
+    assert placements["0.weight"] == (Shard(0),), placements
+    assert placements["2.weight"] == (Shard(1),), placements
+
+
 def test_ring_all_gather_and_reduce_scatter_send_n_minus_one_over_n():
     assert cost.all_gather_time(MB4, 4, LINKS) == pytest.approx(3 * 1e-5 + 0.75 * 4e-3)
     assert cost.all_gather_time(MB4, 8, LINKS) == pytest.approx(7 * 1e-5 + 0.875 * 4e-3)

@@ -48,8 +48,9 @@ SOCS: dict[str, SocProfile] = {
         # session's pipe to rank 0 and back). A collective between processes that were
         # computing costs about 0.5 ms a step at 2 processes (a gloo all_gather between
         # operators, against 0.15 ms for back-to-back collectives of idle processes): 400 us
-        # weighs the two as programs mix them. 3 and 4 processes on the 2 cores run their
-        # operators 1.25-1.4x slower than their 2/3 and 1/2 share of the cores.
+        # weighs the two as programs mix them; a program's all-reduce pays it once, as its
+        # workers meet in shared memory (`cost.Links.one_pass`). 3 and 4 processes on the 2
+        # cores run their operators 1.25-1.4x slower than their 2/3 and 1/2 share of the cores.
         SocProfile("cpu", "cpu", "gloo", 50e9, 20e9, 16 * GiB, 1e9, 1e9, 400e-6, 5e-6, 1e-3, 1.35),
         SocProfile("A100", "cuda", "nccl", 19.5e12, 2.0e12, 80 * GiB, 300e9, 25e9, 8e-6),
         SocProfile("H100", "cuda", "nccl", 67e12, 3.35e12, 80 * GiB, 450e9, 50e9, 6e-6),

@@ -27,10 +27,15 @@ _VIEWS_BY_RESULT = {"aten._unsafe_view.default"}
 
 @dataclass(frozen=True)
 class Links:
-    """Bandwidth (bytes/s) and latency (s) of the links a mesh dimension's collectives cross."""
+    """Bandwidth (bytes/s) and latency (s) of the links a mesh dimension's collectives cross.
+
+    With `one_pass`, an all-reduce meets its group once, as an all-gather does: CPU workers of
+    one machine each write their part where all can read it and reduce every part
+    (`runtime/shared_memory.py`), where a ring reduce-scatters and then all-gathers."""
 
     bandwidth: float
     latency: float
+    one_pass: bool = False
 
     @classmethod
     def of(cls, cluster: ClusterConfig, ranks: list[int] | None = None) -> Links:
@@ -39,10 +44,12 @@ class Links:
 
 
 def all_reduce_time(nbytes: float, n: int, links: Links) -> float:
-    """Ring all-reduce: each rank sends and receives 2(n-1)/n of the buffer."""
+    """Ring all-reduce: each rank sends and receives 2(n-1)/n of the buffer, in twice an
+    all-gather's steps (once on `one_pass` links)."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) * links.latency + 2 * (n - 1) / n * nbytes / links.bandwidth
+    steps = (1 if links.one_pass else 2) * (n - 1)
+    return steps * links.latency + 2 * (n - 1) / n * nbytes / links.bandwidth
 
 
 def all_gather_time(nbytes: float, n: int, links: Links) -> float:
