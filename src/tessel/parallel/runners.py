@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,22 @@ from tessel.parallel.planned import PlannedNetwork, broadcast_bytes, planned_pac
 from tessel.parallel.stage_cuts import balanced_stage_config, micro_batches_for
 from tessel.runtime.exchange import DEFAULT_FUSION, all_reduce_in_buckets
 from tessel.sharding.placements import placement_str
+
+# gloo's worker thread drops a collective's tensors where the caller has let go of them first,
+# and dropping a Python tensor takes the GIL: a script that ends within the interpreter's
+# switch interval of its last collective aborts ("terminate called without an active
+# exception") when that thread takes the GIL of a finalizing interpreter. Holding the last
+# collectives' handles here leaves their tensors to the main thread, which drops them with
+# this module's globals at exit.
+_HELD: deque[dist.Work] = deque(maxlen=4)
+
+
+def _all_gather(parts: list[torch.Tensor], x: torch.Tensor) -> None:
+    """`dist.all_gather(parts, x)`, its handle held (`_HELD`)."""
+    work = dist.all_gather(parts, x, async_op=True)
+    assert work is not None
+    work.wait()
+    _HELD.append(work)
 
 
 @dataclass(frozen=True)
@@ -151,7 +168,7 @@ class Batch:
             if all(c == 1 for c in counts):
                 return x
         parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous())
+        _all_gather(parts, x.contiguous())
         return _assemble(parts, counts)
 
 
@@ -236,7 +253,7 @@ def _rows_of_ranks(tensors: list[torch.Tensor], mesh: Any) -> list[DTensor]:
         )
     counts = torch.tensor([x.shape[0] for x in tensors], device=tensors[0].device)
     seen = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_gather(seen, counts)
+    _all_gather(seen, counts)
     placed = []
     for i, x in enumerate(tensors):
         held = [int(c[i]) for c in seen]
