@@ -87,7 +87,10 @@ def test_a_collective_over_one_device_is_free(collective, n):
 def test_links_of_a_cluster_take_its_bandwidth_and_its_soc_s_latency():
     cluster = local_cluster(2, "cpu")
     links = cost.Links.of(cluster)
-    assert links == cost.Links(cluster.bandwidth([0, 1]), cluster.soc.link_latency)
+    assert links == cost.Links(cluster.bandwidth([0, 1]), cluster.soc.link_latency, True)
+    # a GPU's collectives run as rings
+    gpu = local_cluster(2, "H100")
+    assert not cost.Links.of(gpu).one_pass
     assert cost.Links.of(cluster, [0]).bandwidth == cluster.bandwidth([0])
 
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from tessel.config.cluster import ClusterConfig
+from tessel.config.soc import SocProfile
 from tessel.sharding.placements import unnested
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm"}
@@ -39,8 +40,15 @@ class Links:
 
     @classmethod
     def of(cls, cluster: ClusterConfig, ranks: list[int] | None = None) -> Links:
+        """The links a program's collectives over `ranks` (None: every rank) cross."""
         ranks = ranks if ranks is not None else list(range(cluster.world_size))
-        return cls(cluster.bandwidth(ranks), cluster.soc.link_latency)
+        return cls.in_program(cluster.soc, cluster.bandwidth(ranks))
+
+    @classmethod
+    def in_program(cls, soc: SocProfile, bandwidth: float) -> Links:
+        """Links of `bandwidth` as a program's collectives use them: a CPU worker's program
+        meets its group in shared memory, in one pass."""
+        return cls(bandwidth, soc.link_latency, one_pass=soc.device_type == "cpu")
 
 
 def all_reduce_time(nbytes: float, n: int, links: Links) -> float:

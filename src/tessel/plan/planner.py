@@ -562,8 +562,7 @@ def _problem(
     soc = cluster.soc
     peak, bandwidth, overhead = device_rates(cluster)
     mesh_shape = tuple(mesh.shape)
-    # a program's collectives among CPU workers meet in shared memory
-    links = [cost.Links(a.bandwidth, soc.link_latency, soc.device_type == "cpu") for a in axes]
+    links = [cost.Links.in_program(soc, a.bandwidth) for a in axes]
     sizes: dict[fx.Node, int] = {}
     linear: dict[fx.Node, np.ndarray] = {}
     for n, c in choices.items():
