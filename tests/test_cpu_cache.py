@@ -1,6 +1,6 @@
-"""The CPU workers' block cache: freed blocks serve the next request of their size, what it
-holds never passes its high-water mark of blocks in use, and without a compiler workers run
-without it and say so."""
+"""The CPU workers' block cache: freed memory serves the next requests it holds, whatever their
+sizes, what it holds never passes its high-water mark of memory in use, and without a compiler
+workers run without it and say so."""
 
 from __future__ import annotations
 
@@ -20,47 +20,66 @@ needs_cache = pytest.mark.skipif(
     cpu_cache.library() is None, reason="the block cache cannot be built here (no C++ compiler)"
 )
 
-# Three rounds of large tensors in one process with the cache installed: the same sizes twice,
-# then one larger than any kept block. Each round reports its values and the cache's counts.
-_ROUNDS = """
+# Rounds of large tensors (fp32, sizes in elements) in one process with the cache installed,
+# each freed in turn before the next; each round reports its values and the cache's counts.
+_MIB = 2**18  # fp32 elements in 1 MiB
+_SIZES = (
+    [6 * _MIB // 4],
+    [_MIB // 4, _MIB // 2, 3 * _MIB // 4],
+    [6 * _MIB // 4],
+    [3 * _MIB // 8],
+    [2 * _MIB],
+)
+_ROUNDS = f"""
 import json, torch
 from tessel.runtime import cpu_cache
 cpu_cache.install(cpu_cache.library())
 report = []
-for sizes in ([65536, 131072, 196608], [65536, 131072, 196608], [262144]):
+for sizes in {_SIZES}:
     before = cpu_cache.counts()
     made = [torch.full((n,), float(i + 1)) for i, n in enumerate(sizes)]
     sums = [t.sum().item() for t in made]
     during = cpu_cache.counts()
-    while made:  # freed first to last: the first is the oldest kept
+    while made:  # freed first to last
         made.pop(0)
-    report.append({"sums": sums, "before": before, "during": during, "after": cpu_cache.counts()})
+    report.append({{"sums": sums, "before": before, "during": during, "after": cpu_cache.counts()}})
 print(json.dumps(report))
 """
 
 
 @needs_cache
-def test_kept_blocks_serve_their_size_and_the_total_stays_within_the_peak_in_use():
+def test_kept_memory_serves_requests_of_other_sizes_and_never_passes_the_peak_in_use():
     done = subprocess.run(
         [sys.executable, "-c", _ROUNDS], env=subprocess_env(), capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    first, again, larger = json.loads(done.stdout)
-    for r, sizes in zip((first, again, larger), ([65536, 131072, 196608],) * 2 + ([262144],)):
+    rounds = json.loads(done.stdout)
+    for r, sizes in zip(rounds, _SIZES):
         assert r["sums"] == [float((i + 1) * n) for i, n in enumerate(sizes)]
+    whole, pieces, again, smaller, larger = rounds
     delta = lambda r, key: r["during"][f"cpu_cache_{key}"] - r["before"][f"cpu_cache_{key}"]
-    # the first round maps fresh blocks, the second gets every one of them back
-    assert (delta(first, "misses"), delta(first, "hits")) == (3, 0)
-    assert (delta(again, "misses"), delta(again, "hits")) == (0, 3)
-    # 1.5 MiB were in use at once; a 1 MiB block then fits only once all three kept ones, the
-    # oldest first, are dropped (with the first two dropped, 768 KiB + 1 MiB would pass 1.5 MiB)
-    peak = 4 * (65536 + 131072 + 196608)
-    assert again["after"]["cpu_cache_bound_bytes"] == peak
-    assert delta(larger, "misses") == 1 and delta(larger, "dropped") == 3
-    for r in (first, again, larger):
-        for counts in (r["during"], r["after"]):
-            held = counts["cpu_cache_used_bytes"] + counts["cpu_cache_kept_bytes"]
-            assert held <= counts["cpu_cache_bound_bytes"] == peak
+    counts = lambda r: (delta(r, "misses"), delta(r, "hits"), delta(r, "dropped"))
+    mib = 2**20
+    # 1.5 MiB mapped fresh, kept when freed; three blocks of 0.25, 0.5 and 0.75 MiB are cut
+    # from it, and freed, join again: 1.5 MiB are served whole once more
+    assert counts(whole) == (1, 0, 0)
+    assert counts(pieces) == (0, 3, 0)
+    assert counts(again) == (0, 1, 0)
+    # 0.375 MiB take the front of the kept range, which keeps the rest
+    assert counts(smaller) == (0, 1, 0)
+    assert smaller["during"]["cpu_cache_used_bytes"] == 3 * mib // 8
+    assert smaller["during"]["cpu_cache_kept_bytes"] == 3 * mib // 2 - 3 * mib // 8
+    # 2 MiB fit in no kept range: the kept memory goes back before they are mapped, and the
+    # peak in use rises to them
+    assert counts(larger) == (1, 0, 1)
+    for r in rounds:
+        for key in ("during", "after"):
+            c = r[key]
+            peak = 2 * mib if r is larger else 3 * mib // 2
+            assert (
+                c["cpu_cache_used_bytes"] + c["cpu_cache_kept_bytes"] <= c["cpu_cache_bound_bytes"]
+            )
+            assert c["cpu_cache_bound_bytes"] == peak
 
 
 @needs_cache

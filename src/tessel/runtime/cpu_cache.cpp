@@ -1,11 +1,16 @@
-// A CPU allocator for tessel's worker processes: large blocks are kept when freed and handed
-// out again for a request of the same size, but the blocks held (in use and kept) never add up
-// to more than the most that was ever in use at once, so a worker holds what its program holds.
+// A CPU allocator for tessel's worker processes: freed large blocks are kept and handed out
+// again, but the memory held (in use and kept) never adds up to more than the most that was
+// ever in use at once, so a worker holds what its program holds.
 //
 // A training or inference step asks for the same sizes in the same order every time, so after
-// the first step nearly every large request is served from a kept block instead of fresh pages
-// the kernel must fault in and zero. Where a fresh block would push the total over that bound,
-// the blocks kept longest are returned to the system first.
+// the first step its large requests are served from kept memory instead of fresh pages the
+// kernel must fault in and zero. A step frees its blocks in another order of sizes than it
+// asks for them, so the memory is kept as ranges of addresses, not as blocks of one size: a
+// request takes the front of the smallest kept range that holds it, the rest stays kept, and a
+// freed block joins the kept ranges beside it. (Kept by size alone, a quarter of a Llama
+// prefill's requests were mapped afresh every step.) Where a fresh block would push the total
+// over that bound, the ranges kept longest are returned to the system first, as much of them
+// as makes room.
 //
 // Small blocks (below kLarge) go to the allocator that was installed before, as do all blocks
 // when this library is not loaded. Built by tessel/runtime/cpu_cache.py against torch's c10.
@@ -16,11 +21,13 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
-#include <list>
+#include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
-#include <vector>
+#include <utility>
 
 namespace {
 
@@ -31,56 +38,70 @@ class BlockCache {
  public:
   void* take(size_t size) {
     std::lock_guard<std::mutex> hold(mutex_);
-    auto found = kept_.find(size);
-    if (found != kept_.end() && !found->second.empty()) {
-      auto entry = found->second.back();
-      found->second.pop_back();
-      void* block = entry->second;
-      age_.erase(entry);
-      kept_bytes_ -= size;
-      used_bytes_ += size;
+    auto smallest = by_size_.lower_bound({size, nullptr});
+    if (smallest != by_size_.end()) {
+      auto [held, start] = *smallest;
+      uint64_t stamp = kept_[start].stamp;
+      unkeep(start);
+      if (held > size) {  // the rest stays kept, as old as the range was
+        keep(start + size, held - size, stamp);
+      }
       ++hits_;
-      return block;
+      return hand_out(start, size);
     }
     while (kept_bytes_ > 0 && used_bytes_ + kept_bytes_ + size > bound_) {
-      drop_oldest();
+      drop_oldest(used_bytes_ + kept_bytes_ + size - bound_);
     }
     void* block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (block == MAP_FAILED && !age_.empty()) {  // short of memory: return what is kept, retry
-      while (!age_.empty()) {
+    if (block == MAP_FAILED && !kept_.empty()) {  // short of memory: return what is kept, retry
+      while (!kept_.empty()) {
         drop_oldest();
       }
       block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     }
     TORCH_CHECK_WITH(OutOfMemoryError, block != MAP_FAILED, "tessel's CPU block cache: could not map ",
                      size, " bytes (", used_bytes_, " in use)");
-    size_of_[block] = size;
-    used_bytes_ += size;
-    bound_ = std::max(bound_, used_bytes_);
     ++misses_;
-    return block;
+    char* start = static_cast<char*>(block);
+    hand_out(start, size);
+    bound_ = std::max(bound_, used_bytes_);
+    return start;
   }
 
-  // Keeps `block` for the next request of its size; false if the cache did not map it.
+  // Keeps `block` with the kept ranges beside it; false if the cache did not hand it out.
   bool give(void* block) {
     std::lock_guard<std::mutex> hold(mutex_);
-    auto found = size_of_.find(block);
-    if (found == size_of_.end()) {
+    auto found = in_use_.find(block);
+    if (found == in_use_.end()) {
       return false;
     }
+    char* start = static_cast<char*>(block);
     size_t size = found->second;
+    in_use_.erase(found);
     used_bytes_ -= size;
-    kept_bytes_ += size;
-    age_.emplace_back(size, block);
-    kept_[size].push_back(std::prev(age_.end()));
+    auto after = kept_.find(start + size);
+    if (after != kept_.end()) {
+      size += after->second.size;
+      unkeep(after->first);
+    }
+    auto before = kept_.lower_bound(start);
+    if (before != kept_.begin()) {
+      --before;
+      if (before->first + before->second.size == start) {
+        start = before->first;
+        size += before->second.size;
+        unkeep(start);
+      }
+    }
+    keep(start, size, ++clock_);
     return true;
   }
 
-  // Returns every kept block, and bounds what is held by what is in use now: a model unloaded,
+  // Returns every kept range, and bounds what is held by what is in use now: a model unloaded,
   // the next one's peak is its own.
   void release() {
     std::lock_guard<std::mutex> hold(mutex_);
-    while (!age_.empty()) {
+    while (!kept_.empty()) {
       drop_oldest();
     }
     bound_ = used_bytes_;
@@ -97,28 +118,52 @@ class BlockCache {
   }
 
  private:
-  using Age = std::list<std::pair<size_t, void*>>;
+  struct Range {
+    size_t size;
+    uint64_t stamp;  // when it was last freed: the oldest ranges are returned first
+  };
 
-  void drop_oldest() {
-    auto [size, block] = age_.front();
-    auto& same = kept_[size];
-    for (auto it = same.begin(); it != same.end(); ++it) {
-      if ((*it)->second == block) {
-        same.erase(it);
-        break;
-      }
+  char* hand_out(char* start, size_t size) {
+    in_use_[start] = size;
+    used_bytes_ += size;
+    return start;
+  }
+
+  void keep(char* start, size_t size, uint64_t stamp) {
+    kept_[start] = {size, stamp};
+    by_size_.insert({size, start});
+    by_age_.insert({stamp, start});
+    kept_bytes_ += size;
+  }
+
+  void unkeep(char* start) {
+    auto found = kept_.find(start);
+    by_size_.erase({found->second.size, start});
+    by_age_.erase({found->second.stamp, start});
+    kept_bytes_ -= found->second.size;
+    kept_.erase(found);
+  }
+
+  // Returns the kept range freed longest ago to the system, or only its last `most` bytes.
+  void drop_oldest(size_t most = SIZE_MAX) {
+    char* start = by_age_.begin()->second;
+    Range range = kept_[start];
+    unkeep(start);
+    size_t gone = std::min(most, range.size);
+    // a range may span blocks mapped apart: munmap takes any run of pages
+    munmap(start + range.size - gone, gone);
+    if (gone < range.size) {
+      keep(start, range.size - gone, range.stamp);
     }
-    age_.pop_front();
-    size_of_.erase(block);
-    munmap(block, size);
-    kept_bytes_ -= size;
     ++dropped_;
   }
 
   std::mutex mutex_;
-  Age age_;                                                // kept blocks, oldest first
-  std::unordered_map<size_t, std::vector<Age::iterator>> kept_;  // kept blocks by size
-  std::unordered_map<void*, size_t> size_of_;              // every block mapped, by address
+  std::map<char*, Range> kept_;                   // kept ranges by address
+  std::set<std::pair<size_t, char*>> by_size_;    // the same, by size
+  std::set<std::pair<uint64_t, char*>> by_age_;   // the same, by when they were freed
+  std::unordered_map<void*, size_t> in_use_;      // blocks handed out, by address
+  uint64_t clock_ = 0;
   size_t used_bytes_ = 0, kept_bytes_ = 0, bound_ = 0;
   size_t hits_ = 0, misses_ = 0, dropped_ = 0;
 };

@@ -1,10 +1,11 @@
-"""The CPU workers' block cache (`cpu_cache.cpp`): a torch CPU allocator that reuses large
-freed blocks by size, never holding more than its high-water mark of blocks in use.
+"""The CPU workers' block cache (`cpu_cache.cpp`): a torch CPU allocator that reuses the memory
+of large freed blocks, never holding more than its high-water mark of memory in use.
 
 A worker that returns every large block when it is freed holds exactly what its program does,
 but faults in and zeroes fresh pages for every activation of every step; glibc's own policy
 reuses them but fragments its heap, holding up to twice as much. The cache gets both: a step
-asks for the same sizes every time, so its blocks come back, and its bound keeps the total at
+asks for the same sizes every time, so its memory comes back (kept as ranges of addresses that
+a request of any size is cut from and a freed block joins), and its bound keeps the total at
 the program's own peak.
 
 torch exposes no CPU allocator hook to Python, so the cache is a small C++ library against
