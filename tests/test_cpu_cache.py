@@ -82,6 +82,38 @@ def test_kept_memory_serves_requests_of_other_sizes_and_never_passes_the_peak_in
             assert c["cpu_cache_bound_bytes"] == peak
 
 
+# Two 1 MiB blocks freed with a block in use between them: 1.5 MiB, which neither holds, come
+# from their pages, moved together.
+_JOIN = """
+import json, torch
+from tessel.runtime import cpu_cache
+cpu_cache.install(cpu_cache.library())
+mib = 2**18
+a, between, b = (torch.full((n,), 1.0) for n in (mib, mib // 4, mib))
+del a, b
+before = cpu_cache.counts()
+joined = torch.full((3 * mib // 2,), 2.0)
+print(json.dumps({"sum": joined.sum().item(), "before": before, "during": cpu_cache.counts()}))
+"""
+
+
+@needs_cache
+def test_a_request_no_kept_range_holds_is_made_of_the_pages_of_several():
+    done = subprocess.run(
+        [sys.executable, "-c", _JOIN], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["sum"] == 2.0 * (3 * 2**18 // 2)
+    before, during = report["before"], report["during"]
+    delta = {k.removeprefix("cpu_cache_"): during[k] - before[k] for k in during}
+    assert (delta["joins"], delta["misses"], delta["dropped"]) == (1, 0, 0), delta
+    mib = 2**20
+    assert during["cpu_cache_bound_bytes"] == 2 * mib + mib // 4  # what the first three held
+    assert during["cpu_cache_used_bytes"] == 3 * mib // 2 + mib // 4
+    assert during["cpu_cache_kept_bytes"] == mib // 2
+
+
 @needs_cache
 def test_a_corrupt_cached_library_is_built_again_before_anything_maps_it(tmp_path):
     """In fresh processes (one that has mapped a library keeps it mapped)."""

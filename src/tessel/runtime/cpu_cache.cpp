@@ -7,10 +7,11 @@
 // kernel must fault in and zero. A step frees its blocks in another order of sizes than it
 // asks for them, so the memory is kept as ranges of addresses, not as blocks of one size: a
 // request takes the front of the smallest kept range that holds it, the rest stays kept, and a
-// freed block joins the kept ranges beside it. (Kept by size alone, a quarter of a Llama
-// prefill's requests were mapped afresh every step.) Where a fresh block would push the total
-// over that bound, the ranges kept longest are returned to the system first, as much of them
-// as makes room.
+// freed block joins the kept ranges beside it. A request no kept range holds, where enough is
+// kept in pieces, gets a new block that the pieces' pages are moved into (mremap moves page
+// tables, not bytes). (Kept by size alone, a quarter of a Llama prefill's requests were mapped
+// afresh every step.) Where a fresh block would push the total over that bound, the ranges kept
+// longest are returned to the system first, as much of them as makes room.
 //
 // Small blocks (below kLarge) go to the allocator that was installed before, as do all blocks
 // when this library is not loaded. Built by tessel/runtime/cpu_cache.py against torch's c10.
@@ -48,6 +49,12 @@ class BlockCache {
       }
       ++hits_;
       return hand_out(start, size);
+    }
+    if (kept_bytes_ >= size) {  // enough kept, in pieces: moved together, a page map each
+      void* block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (block != MAP_FAILED) {
+        return joined(static_cast<char*>(block), size);
+      }
     }
     while (kept_bytes_ > 0 && used_bytes_ + kept_bytes_ + size > bound_) {
       drop_oldest(used_bytes_ + kept_bytes_ + size - bound_);
@@ -115,6 +122,7 @@ class BlockCache {
     out[3] = hits_;
     out[4] = misses_;
     out[5] = dropped_;
+    out[6] = joins_;
   }
 
  private:
@@ -122,6 +130,35 @@ class BlockCache {
     size_t size;
     uint64_t stamp;  // when it was last freed: the oldest ranges are returned first
   };
+
+  // The new block `start` (mapped, none of its pages touched) filled with kept pages, the
+  // largest ranges first: mremap moves a range's pages to the block's addresses without
+  // copying or faulting them. A range mremap cannot move (one that spans blocks the kernel
+  // mapped apart) ends the filling, and the rest of the block is fresh pages.
+  char* joined(char* start, size_t size) {
+    size_t filled = 0;
+    while (filled < size) {
+      auto [held, from] = *by_size_.rbegin();
+      size_t part = std::min(held, size - filled);
+      char* tail = from + held - part;
+      if (mremap(tail, part, part, MREMAP_MAYMOVE | MREMAP_FIXED, start + filled) == MAP_FAILED) {
+        break;
+      }
+      uint64_t stamp = kept_[from].stamp;
+      unkeep(from);
+      if (part < held) {
+        keep(from, held - part, stamp);
+      }
+      filled += part;
+    }
+    while (kept_bytes_ > 0 && used_bytes_ + kept_bytes_ + size > bound_) {
+      drop_oldest(used_bytes_ + kept_bytes_ + size - bound_);
+    }
+    ++(filled == size ? joins_ : misses_);
+    hand_out(start, size);
+    bound_ = std::max(bound_, used_bytes_);
+    return start;
+  }
 
   char* hand_out(char* start, size_t size) {
     in_use_[start] = size;
@@ -165,7 +202,7 @@ class BlockCache {
   std::unordered_map<void*, size_t> in_use_;      // blocks handed out, by address
   uint64_t clock_ = 0;
   size_t used_bytes_ = 0, kept_bytes_ = 0, bound_ = 0;
-  size_t hits_ = 0, misses_ = 0, dropped_ = 0;
+  size_t hits_ = 0, misses_ = 0, dropped_ = 0, joins_ = 0;
 };
 
 BlockCache& cache() {
@@ -224,5 +261,6 @@ extern "C" void tessel_install_cpu_cache() {
 // Returns every kept block to the system (a model was unloaded).
 extern "C" void tessel_release_cpu_cache() { cache().release(); }
 
-// Bytes in use, bytes kept, the bound, then counts of hits, fresh blocks and dropped blocks.
+// Bytes in use, bytes kept, the bound, then counts of hits, fresh blocks, dropped ranges and
+// blocks joined from kept ranges.
 extern "C" void tessel_cpu_cache_stats(size_t* out) { cache().stats(out); }

@@ -23,7 +23,7 @@ from tessel.runtime import native
 
 log = logging.getLogger(__name__)
 
-STATS = ("used_bytes", "kept_bytes", "bound_bytes", "hits", "misses", "dropped")
+STATS = ("used_bytes", "kept_bytes", "bound_bytes", "hits", "misses", "dropped", "joins")
 
 
 @functools.cache
@@ -60,8 +60,9 @@ def release() -> None:
 
 def counts() -> dict[str, int]:
     """The installed cache's counts in this process, as `cpu_cache_<name>`: bytes in use, kept,
-    and the bound, and how many requests kept blocks served (hits), fresh blocks served
-    (misses), and blocks dropped to keep the bound. Empty where no cache is installed."""
+    and the bound, and how many requests a kept range served (hits), fresh blocks served
+    (misses), kept ranges (or parts) were dropped to keep the bound, and requests were served
+    by joining the pages of several kept ranges (joins). Empty where no cache is installed."""
     if _installed is None:
         return {}
     out = (ctypes.c_size_t * len(STATS))()
