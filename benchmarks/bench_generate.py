@@ -17,7 +17,9 @@ workers, at least one each (`Session.load_graph`; `worker_main` sets it), so N x
     transformers' static-cache greedy loop by hand (the prompt, then one token per step; every
     rank takes the same argmax of the whole logits). Its plan needs N to divide the heads and
     KV heads: at other counts it is skipped, and the tables say so.
-Figures, each the median of `--repeat` runs after one warm-up (torch TP: its slowest rank's):
+tessel and transformers run in turn, a run of each per round (`side_by_side`), so a slow spell
+of the machine falls on both; torch TP runs on its own before them. Figures, each the median of
+`--repeat` runs (rounds) after one warm-up (torch TP: its slowest rank's):
   1. decode tokens/s: new tokens after the first x rows / the time from the first token to the
      last; tessel/peer, higher is better. Targets: >= 1.0x transformers, >= 0.9x torch TP;
   2. time to first token (the prompt's prefill and its token, from the call): peer/tessel,
@@ -168,22 +170,42 @@ def new_tokens(runs: list[Stamps]) -> torch.Tensor:
     return torch.stack(runs[-1].tokens, dim=1)
 
 
-def transformers_generate(model, s: Setting, batch: int, threads: int, repeat: int) -> dict:
+def transformers_call(model, s: Setting, batch: int, threads: int) -> Callable[[Stamps], None]:
+    """One `generate` of transformers on `threads` threads, its steps handed to `stamps`."""
     ids = prompts(s, batch)
 
     def call(stamps: Stamps) -> None:
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            cache_implementation="static",
-            max_new_tokens=s.new_tokens,
-            streamer=stamps,
-        )
+        with num_threads(threads), torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                cache_implementation="static",
+                max_new_tokens=s.new_tokens,
+                streamer=stamps,
+            )
 
-    with num_threads(threads), torch.no_grad():
-        runs = timed(call, repeat)
-    out = summary(s, batch, [r.ttft for r in runs], [r.decode for r in runs])
+    return call
+
+
+def side_by_side(calls: dict[str, Callable[[Stamps], None]], repeat: int) -> dict[str, list]:
+    """One warm-up of each call, then `repeat` rounds running each once in turn: a slow spell
+    of the machine (its load comes and goes for seconds at a time) falls on every peer alike
+    rather than on whichever happened to run then."""
+    for call in calls.values():
+        call(Stamps())
+    runs: dict[str, list[Stamps]] = {name: [] for name in calls}
+    for _ in range(repeat):
+        for name, call in calls.items():
+            stamps = Stamps()
+            call(stamps)
+            runs[name].append(stamps)
+    return runs
+
+
+def result(s: Setting, rows: int, runs: list[Stamps]) -> dict:
+    """The runs' summary and the last run's tokens."""
+    out = summary(s, rows, [r.ttft for r in runs], [r.decode for r in runs])
     return {**out, "tokens": new_tokens(runs)}
 
 
@@ -264,9 +286,12 @@ def torch_tp(world: int, threads: int, s: Setting, batch: int, repeat: int) -> d
     return result
 
 
-def tessel_generate(model, world: int, threads: int, s: Setting, batch: int, repeat: int) -> dict:
-    """Build the package, then time `Session.generate` streaming; with the figures `tessel
-    inspect --json` gives of each rank's weights and cache."""
+def tessel_and_transformers(
+    model, world: int, threads: int, s: Setting, batch: int, repeat: int
+) -> tuple[dict, dict]:
+    """Build the package, then time `Session.generate` streaming and transformers' `generate`
+    on all of its workers' threads, in turn (`side_by_side`); tessel's figures come with those
+    `tessel inspect --json` gives of each rank's weights and cache."""
     import tessel
     from tessel.report import inspect_json
 
@@ -291,16 +316,16 @@ def tessel_generate(model, world: int, threads: int, s: Setting, batch: int, rep
                     for step in steps:
                         stamps.put(step)
 
-                runs = timed(call, repeat)
+                hf = transformers_call(model, s, batch, world * threads)
+                runs = side_by_side({"tessel": call, "transformers": hf}, repeat)
         finally:
             tessel.finalize()
-    out = summary(s, batch, [r.ttft for r in runs], [r.decode for r in runs])
-    return {
-        **out,
-        "tokens": new_tokens(runs),
+    ours = {
+        **result(s, batch, runs["tessel"]),
         "weight_bytes": [r["weight_bytes"] for r in report["ranks"]],
         "cache_bytes": report["generation"]["state_bytes_per_rank"],
     }
+    return ours, result(s, batch, runs["transformers"])
 
 
 def bandwidth(threads: int, repeat: int) -> float:
@@ -366,7 +391,6 @@ def main() -> None:
     model = llama(s)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"Llama: {weights / MIB:.1f} MiB of weights; {cores} cores", flush=True)
-    peers: dict[tuple[int, int], dict] = {}
     bandwidths: dict[int, float] = {}
     rows = []
     for world in args.devices:
@@ -376,13 +400,10 @@ def main() -> None:
             bandwidths[total] = bandwidth(total, args.repeat)
             print(f"bandwidth, {total} threads: {bandwidths[total] / 1e9:.1f} GB/s", flush=True)
         for batch in args.batches:
-            if (total, batch) not in peers:
-                peers[total, batch] = transformers_generate(model, s, batch, total, args.repeat)
-                show(f"transformers, {total} threads, batch {batch}", peers[total, batch])
-            hf = peers[total, batch]
-            tp = torch_tp(world, threads, s, batch, args.repeat) if tp_divides(world) else None
-            ours = tessel_generate(model, world, threads, s, batch, args.repeat)
             label = f"x{world}, batch {batch}"
+            tp = torch_tp(world, threads, s, batch, args.repeat) if tp_divides(world) else None
+            ours, hf = tessel_and_transformers(model, world, threads, s, batch, args.repeat)
+            show(f"transformers, {total} threads, batch {batch}", hf)
             ours["same_tokens"] = same_tokens(f"tessel {label}", ours["tokens"], hf["tokens"])
             if tp is not None:
                 tp["same_tokens"] = same_tokens(f"torch TP {label}", tp["tokens"], hf["tokens"])
