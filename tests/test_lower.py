@@ -165,34 +165,6 @@ def test_a_masked_partial_value_is_reduced_once_for_all_its_consumers():
     assert torch.equal(first.to_local(), second.to_local())
 
 
-def test_a_value_is_moved_once_for_the_ops_of_a_layer_that_take_it_alike():
-    """DTensor moves a value for each op that reads it: an embedding's output sharded on the
-    hidden dim, read whole by a layer's norm and its residual add, was gathered three times in
-    every decode step. The ops of one layer share the move; another layer, or an op that writes
-    into its input, moves it again."""
-    from tessel.lower.trace import _lookup, _Values
-
-    graph = torch.fx.Graph()
-    value = graph.placeholder("x")
-    norm, add = (graph.call_function(torch.ops.aten.mul.Tensor, ()) for _ in range(2))
-    later = graph.call_function(torch.ops.aten.mul.Tensor, ())
-    written = graph.call_function(torch.ops.aten.add_.Tensor, ())
-    value.meta["val"] = torch.empty(2, 8)
-    whole = SimpleNamespace(placements=[Replicate()])
-    with fake_world(0, (2,)) as mesh:
-        sharded = DTensor.from_local(torch.randn(2, 4), mesh, [Shard(1)], run_check=False)
-        env = _Values({}, None, {norm: (0, 0), add: (0, 0), later: (0, 1), written: (0, 0)})
-        env[value] = sharded
-        moved = {}
-        for reader in (norm, add, later, written):
-            env.reading = reader
-            (moved[reader],) = _lookup((value,), env, [whole], mesh)
-    assert all(m.placements == (Replicate(),) and m.shape == (2, 8) for m in moved.values())
-    assert moved[add] is moved[norm]
-    assert moved[later] is not moved[norm]
-    assert moved[written] is not moved[norm]
-
-
 def test_a_shard_moved_across_uneven_shards_is_dense_and_counted_so():
     """Tokens 16 over 3 devices (6, 6, 4) moved to shards of the hidden dim: DTensor pads the
     token shards, gathers them and cuts the padding off with a view, which leaves gaps between

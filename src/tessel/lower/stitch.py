@@ -83,16 +83,6 @@ class Stitcher:
                         stitcher.skipped[n] = (run, k)
         return stitcher
 
-    def scopes(self) -> dict[fx.Node, tuple[int, int]]:
-        """Each node of a run of identical layers -> (its run, its layer in the run). The same
-        on every rank, whether its trace is stitched or not."""
-        return {
-            n: (r, k)
-            for r, run in enumerate(self.runs)
-            for k, layer in enumerate(run.layers)
-            for n in layer
-        }
-
     def start(self, env: dict, raw: dict[fx.Node, torch.Tensor]) -> None:
         """While the trace is live: the values being traced and each weight's traced input."""
         self.env = env

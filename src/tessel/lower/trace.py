@@ -113,27 +113,13 @@ class _Values(dict):
 
     A weight becomes a DTensor where it is first read, so a skipped layer's weights are never
     wrapped; a skipped layer's value is stood in for.
-
-    A value moved for one op is moved once for every op of the same layer that takes it so
-    (`moved`): DTensor moves it for each op that reads it, and each move would be a collective
-    of the program. Moves are not shared between layers, so a traced layer reads only its
-    inputs and its own moves (`tessel.lower.stitch` copies it), and every rank shares the same
-    moves, stitched or not.
     """
 
-    def __init__(
-        self,
-        lazy: dict[fx.Node, Callable[[], Any]],
-        stitcher: Stitcher | None,
-        scopes: dict[fx.Node, tuple[int, int]] | None = None,
-    ) -> None:
+    def __init__(self, lazy: dict[fx.Node, Callable[[], Any]], stitcher: Stitcher | None) -> None:
         super().__init__()
         self.lazy = lazy
         self.stitcher = stitcher
         self.reduced: dict[fx.Node, DTensor] = {}  # masked partial values, once reduced
-        self.scopes = scopes or {}  # node -> (run, layer) of runs of identical layers
-        self.moved: dict[tuple, DTensor] = {}  # (node, placements, layer) -> its moved value
-        self.reading: fx.Node | None = None  # the node whose inputs are being moved
 
     def __missing__(self, n: fx.Node) -> Any:
         if n in self.lazy:
@@ -150,8 +136,6 @@ def _trace(
 ) -> RankProgram:
     ep = captured.program
     graph = ep.graph_module.graph
-    # the layers moves are shared within: the stitcher's, traced whole or not
-    scopes = (stitcher or Stitcher.for_plan(graph, plan)).scopes()
     state = {**ep.state_dict, **ep.constants}
     weights = weight_inputs(captured, plan)
     constants = {
@@ -176,7 +160,6 @@ def _trace(
                     for n, t in raw.items()
                 },
                 stitcher,
-                scopes,
             )
             if stitcher is not None:
                 stitcher.start(env, raw)
@@ -322,7 +305,6 @@ def _whole(value: Any, mesh: DeviceMesh) -> Any:
 def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any:
     """Replace graph nodes by their values, redistributed to `targets` in order of appearance."""
     counter = iter(range(10**9))
-    moves = env.moved if isinstance(env, _Values) else {}
 
     def sub(a: Any) -> Any:
         if not isinstance(a, fx.Node):
@@ -332,11 +314,7 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
         if targets is None or j >= len(targets) or targets[j] is None:
             return value
         if isinstance(value, DTensor):
-            want = tuple(targets[j].placements)
-            key = _move_key(env, a, want)
-            if key is not None and key in moves:
-                return moves[key]
-            moved = _move(env, a, value, want)
+            moved = _move(env, a, value, tuple(targets[j].placements))
             # the shard itself, not `to_local`'s view of it: that view is traced into the
             # program (and dropped again) for every input
             local = remade = local_tensor(moved)
@@ -353,34 +331,10 @@ def _lookup(args: Any, env: dict, targets: list | None, mesh: DeviceMesh) -> Any
                     shape=moved.shape,
                     stride=moved.stride(),
                 )
-            if key is not None and moved is not value:
-                moves[key] = moved
             value = moved
         return value
 
     return tree_map(sub, args, is_leaf=lambda x: isinstance(x, fx.Node))
-
-
-def _move_key(env: dict, n: fx.Node, want: tuple) -> tuple | None:
-    """The key under which `n`'s value moved to `want` is shared by the ops of one layer (see
-    `_Values`), or None where it is not shared: outside a trace's values, for an op that
-    writes into an input, or for placements that are not hashable."""
-    if not isinstance(env, _Values) or env.reading is None or _writes_an_input(env.reading):
-        return None
-    reading = env.reading
-    key = (n, want, env.scopes.get(reading))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _writes_an_input(n: fx.Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
 
 
 def _move(env: dict, n: fx.Node, value: DTensor, want: tuple) -> DTensor:
@@ -462,8 +416,6 @@ def _run_node(n: fx.Node, env: dict, plan: Plan, mesh: DeviceMesh, checked: _Che
         return _replicated(n, env, mesh)  # the plan runs it on whole tensors
     strategy = plan.strategy(n)
     targets = list(strategy.inputs)
-    if isinstance(env, _Values):
-        env.reading = n
     try:
         args = _lookup(n.args, env, targets, mesh)
         kwargs = _lookup(n.kwargs, env, targets[_count_nodes(n.args) :], mesh)
