@@ -47,13 +47,18 @@ print(json.dumps(report))
 """
 
 
-@needs_cache
-def test_kept_memory_serves_requests_of_other_sizes_and_never_passes_the_peak_in_use():
+def _report(script: str) -> object:
+    """What `script`, run in a fresh process, prints as JSON."""
     done = subprocess.run(
-        [sys.executable, "-c", _ROUNDS], env=subprocess_env(), capture_output=True, text=True
+        [sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    rounds = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+@needs_cache
+def test_kept_memory_serves_requests_of_other_sizes_and_never_passes_the_peak_in_use():
+    rounds = _report(_ROUNDS)
     for r, sizes in zip(rounds, _SIZES):
         assert r["sums"] == [float((i + 1) * n) for i, n in enumerate(sizes)]
     whole, pieces, again, smaller, larger = rounds
@@ -99,11 +104,7 @@ print(json.dumps({"sum": joined.sum().item(), "before": before, "during": cpu_ca
 
 @needs_cache
 def test_a_request_no_kept_range_holds_is_made_of_the_pages_of_several():
-    done = subprocess.run(
-        [sys.executable, "-c", _JOIN], env=subprocess_env(), capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = _report(_JOIN)
     assert report["sum"] == 2.0 * (3 * 2**18 // 2)
     before, during = report["before"], report["during"]
     delta = {k.removeprefix("cpu_cache_"): during[k] - before[k] for k in during}

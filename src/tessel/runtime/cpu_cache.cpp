@@ -51,28 +51,22 @@ class BlockCache {
       return hand_out(start, size);
     }
     if (kept_bytes_ >= size) {  // enough kept, in pieces: moved together, a page map each
-      void* block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (block != MAP_FAILED) {
-        return joined(static_cast<char*>(block), size);
+      if (char* block = map(size)) {
+        return joined(block, size);
       }
     }
-    while (kept_bytes_ > 0 && used_bytes_ + kept_bytes_ + size > bound_) {
-      drop_oldest(used_bytes_ + kept_bytes_ + size - bound_);
-    }
-    void* block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (block == MAP_FAILED && !kept_.empty()) {  // short of memory: return what is kept, retry
+    make_room(size);
+    char* block = map(size);
+    if (block == nullptr && !kept_.empty()) {  // short of memory: return what is kept, retry
       while (!kept_.empty()) {
         drop_oldest();
       }
-      block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      block = map(size);
     }
-    TORCH_CHECK_WITH(OutOfMemoryError, block != MAP_FAILED, "tessel's CPU block cache: could not map ",
+    TORCH_CHECK_WITH(OutOfMemoryError, block != nullptr, "tessel's CPU block cache: could not map ",
                      size, " bytes (", used_bytes_, " in use)");
     ++misses_;
-    char* start = static_cast<char*>(block);
-    hand_out(start, size);
-    bound_ = std::max(bound_, used_bytes_);
-    return start;
+    return hand_out(block, size);
   }
 
   // Keeps `block` with the kept ranges beside it; false if the cache did not hand it out.
@@ -151,18 +145,28 @@ class BlockCache {
       }
       filled += part;
     }
+    make_room(size);  // for the pages not moved, which are fresh
+    ++(filled == size ? joins_ : misses_);
+    return hand_out(start, size);
+  }
+
+  static char* map(size_t size) {
+    void* block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return block == MAP_FAILED ? nullptr : static_cast<char*>(block);
+  }
+
+  // Returns the oldest kept memory until `size` more bytes stay within the bound.
+  void make_room(size_t size) {
     while (kept_bytes_ > 0 && used_bytes_ + kept_bytes_ + size > bound_) {
       drop_oldest(used_bytes_ + kept_bytes_ + size - bound_);
     }
-    ++(filled == size ? joins_ : misses_);
-    hand_out(start, size);
-    bound_ = std::max(bound_, used_bytes_);
-    return start;
   }
 
+  // Counts `start` in use (and the bound with it, for a block that adds to what is held).
   char* hand_out(char* start, size_t size) {
     in_use_[start] = size;
     used_bytes_ += size;
+    bound_ = std::max(bound_, used_bytes_);
     return start;
   }
 
