@@ -26,16 +26,22 @@ from tessel.package import Package
 from tessel.plan import PlanError
 from tessel.report import inspect_json, state_bytes
 
-# the families on 3 devices whose memory forbids replicated weights (shards that do not
-# divide); 1, 2 and 4 devices in the sampling test's packages. Falcon, Phi-3, Mixtral and
-# DeepSeek-V3 passed this test too (2 devices, and 4 tight for DeepSeek-V3) but are left out:
-# their builds cost one to four minutes each on CI's two cores
-RUNS = [
-    (f, 3, "tight")
-    for f in ("gpt2", "llama", "mistral", "gemma2", "gpt_neox", "opt", "bloom", "mamba")
-]
-GENERATION = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,))
-NEW = 16  # the 8-token gear leaves the 24 slots room for 17
+# Every decoder-only family on 3 devices whose memory forbids replicated weights (shards that
+# do not divide), and once more in a rotation of the other device counts and memories, so that
+# each of them is met by two families or more (by device count, so each Session's workers are
+# reused)
+DECODERS = (
+    "gpt2", "llama", "mistral", "gemma2", "falcon", "gpt_neox", "phi3", "opt", "bloom",
+    "mixtral", "deepseek_v3", "mamba",
+)  # fmt: skip
+ROTATION = ((1, "default"), (2, "tight"), (4, "default"), (2, "default"), (4, "tight"))
+RUNS = sorted(
+    [(f, 3, "tight") for f in DECODERS]
+    + [(f, *ROTATION[i % len(ROTATION)]) for i, f in enumerate(DECODERS)],
+    key=lambda run: run[1],
+)
+GENERATION = Generation(max_batch_size=2, max_seq_len=40, prefill_lengths=(8,))
+NEW = 32  # the 8-token gear leaves the 40 slots room for 33
 
 
 # the module's Sessions, one per device count, their workers checked gone when they close
@@ -130,7 +136,7 @@ def test_eager_attention_decodes_over_the_cache_as_it_is(rows, sessions, tmp_pat
     without repeating it into a copy, in the decode step and the prompt alike (one prompt's
     token-major queries copied instead), the planner counts what the programs hold, and the
     tokens are transformers'."""
-    generation = Generation(max_batch_size=rows, max_seq_len=24, prefill_lengths=(8,))
+    generation = Generation(max_batch_size=rows, max_seq_len=40, prefill_lengths=(8,))
     model, built = _build("gemma2", 1, "default", generation)
     predicted = built.manifest.plan.memory.rank_peak_bytes
     lowered = [rank.peak_bytes for rank in built.manifest.plan.ranks]
@@ -667,14 +673,15 @@ def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> No
     pipeline is planned with. The refusal names that stage, its layers and its device's own
     bytes, not the planner's multiplied figure."""
     model = _llama(4)
-    gear = capture_gear(model, GENERATION, GENERATION.prefill_lengths[-1])
+    generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,))
+    gear = capture_gear(model, generation, 8)
     data = tight_cluster(gear, 4)
     with pytest.raises(PlanError) as err:
         tessel.build(
             model,
             cluster=cluster_from_dict(data, "tight.json"),
             policy=ParallelOption(pipe_stage_num=4),
-            generation=GENERATION,
+            generation=generation,
         )
     message = str(err.value)
     device = int(re.search(r"DDR:(\d+)B", data["item_def"][0]["memory"]).group(1))
@@ -741,7 +748,7 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     first) are transformers' own, for prompts of different lengths in one batch and through
     either prefill gear."""
     model = _t5()
-    generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(4, 8))
+    generation = Generation(max_batch_size=2, max_seq_len=40, prefill_lengths=(4, 8))
     cluster: object = devices
     if memory is not None:  # devices holding `memory` / N of the weights and the activations
         gear = capture_gear(model, generation, 8)
@@ -757,7 +764,7 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     shapes = {s.name: s.shape for s in gears.state}
     assert {"cross_0", "encoder_mask", "decoder_start"} <= set(shapes)
     # the decoder's cache holds every slot; cross-attention only the longest prompt's
-    assert shapes["cache_0"][2] == 24 and shapes["cross_0"][2] == shapes["encoder_mask"][1] == 8
+    assert shapes["cache_0"][2] == 40 and shapes["cross_0"][2] == shapes["encoder_mask"][1] == 8
     if memory is not None or stages > 1:
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
