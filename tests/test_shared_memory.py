@@ -222,7 +222,7 @@ def test_every_collective_gives_what_torch_s_gives_on_every_rank(tmp_path):
             rank
         ]
         assert len(joined) == (2 if rank in _PAIR else 1)
-        waits = (0, 0.0) if rank == 1 else (shared_memory.SPINS, shared_memory.YIELD_S)
+        waits = (0 if rank == 1 else shared_memory.SPINS, shared_memory.YIELD_S)
         assert patience == {waits}
         # mapped, and the files already removed: nothing is left in /dev/shm after the load
         assert len(maps) == len(joined) and all(m.rstrip().endswith("(deleted)") for m in maps)

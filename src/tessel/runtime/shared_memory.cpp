@@ -9,7 +9,7 @@
 // acquire load of every round makes their data visible before it reads it. A waiter polls
 // `spins` times (its peers are usually a few microseconds away), then yields for `yield_s`
 // seconds, then sleeps on the futex of the rank it waits for, which that rank wakes when it
-// arrives; the caller gives no polls and no yields where the peer may be waiting for its core.
+// arrives; the caller gives no polls where the peer may be waiting for its core.
 
 #include <cerrno>
 #include <climits>
