@@ -145,17 +145,6 @@ class Stamps:
         return self.times[-1] - self.times[0]
 
 
-def timed(call: Callable[[Stamps], None], repeat: int) -> list[Stamps]:
-    """`repeat` runs of `call` after one warm-up."""
-    runs = []
-    for i in range(1 + repeat):
-        stamps = Stamps()
-        call(stamps)
-        if i:
-            runs.append(stamps)
-    return runs
-
-
 def summary(s: Setting, rows: int, ttft: list[float], decode: list[float]) -> dict:
     """Median TTFT and decode time, and decode tokens/s (the tokens after the first)."""
     decode_s = statistics.median(decode)
@@ -262,7 +251,7 @@ def _tp_rank(
             stamps.put(token)
 
     with torch.no_grad():
-        runs = timed(call, repeat)
+        runs = side_by_side({"torch TP": call}, repeat)["torch TP"]
     slowest = torch.tensor([[r.ttft, r.decode] for r in runs])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if rank == 0:

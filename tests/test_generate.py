@@ -136,7 +136,9 @@ def test_eager_attention_decodes_over_the_cache_as_it_is(rows, sessions, tmp_pat
     without repeating it into a copy, in the decode step and the prompt alike (one prompt's
     token-major queries copied instead), the planner counts what the programs hold, and the
     tokens are transformers'."""
-    generation = Generation(max_batch_size=rows, max_seq_len=40, prefill_lengths=(8,))
+    generation = Generation(
+        max_batch_size=rows, max_seq_len=GENERATION.max_seq_len, prefill_lengths=(8,)
+    )
     model, built = _build("gemma2", 1, "default", generation)
     predicted = built.manifest.plan.memory.rank_peak_bytes
     lowered = [rank.peak_bytes for rank in built.manifest.plan.ranks]
@@ -748,7 +750,9 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     first) are transformers' own, for prompts of different lengths in one batch and through
     either prefill gear."""
     model = _t5()
-    generation = Generation(max_batch_size=2, max_seq_len=40, prefill_lengths=(4, 8))
+    generation = Generation(
+        max_batch_size=2, max_seq_len=GENERATION.max_seq_len, prefill_lengths=(4, 8)
+    )
     cluster: object = devices
     if memory is not None:  # devices holding `memory` / N of the weights and the activations
         gear = capture_gear(model, generation, 8)
@@ -764,7 +768,10 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     shapes = {s.name: s.shape for s in gears.state}
     assert {"cross_0", "encoder_mask", "decoder_start"} <= set(shapes)
     # the decoder's cache holds every slot; cross-attention only the longest prompt's
-    assert shapes["cache_0"][2] == 40 and shapes["cross_0"][2] == shapes["encoder_mask"][1] == 8
+    assert (
+        shapes["cache_0"][2] == GENERATION.max_seq_len
+        and shapes["cross_0"][2] == shapes["encoder_mask"][1] == 8
+    )
     if memory is not None or stages > 1:
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
