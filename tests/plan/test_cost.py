@@ -377,3 +377,41 @@ def test_a_replicated_weight_is_read_whole_however_the_rows_are_split(monkeypatc
     bandwidth = device_rates(cluster)[1]
     for k in rows_split:
         assert plan.problem.linear[matmul][k] >= 4096 * 4096 * 4 / bandwidth
+
+
+def test_a_lookup_reads_its_rows_and_an_indexed_write_its_values_not_the_whole_tensor():
+    # an embedding of 3 tokens reads 3 rows of its table, and a KV cache's new slot is
+    # written in place without reading the cache: neither costs the big tensor's bytes
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tessel.plan.candidates import node_seconds
+
+    def f(table: torch.Tensor, ids: torch.Tensor, cache: torch.Tensor, new: torch.Tensor):
+        cache.index_put_((torch.tensor([5]),), new)
+        return torch.nn.functional.embedding(ids, table), cache.sum()
+
+    graph = make_fx(f)(
+        torch.randn(1000, 64), torch.tensor([1, 2, 3]), torch.zeros(64, 32), torch.ones(1, 32)
+    ).graph
+    calls = {str(n.target): n for n in graph.nodes if n.op == "call_function"}
+    seconds = {name: node_seconds(n, 1e30, 1.0, 0.0) for name, n in calls.items()}
+    # at 1 byte/s: the rows read and written, and the ids
+    assert seconds["aten.embedding.default"] == 2 * 3 * 64 * 4 + 3 * 8
+    # the values read and written, and the index
+    assert seconds["aten.index_put_.default"] == 2 * 32 * 4 + 8
+    # a reduction still reads all of what it reduces
+    assert seconds["aten.sum.default"] == 64 * 32 * 4 + 4
+
+
+def test_an_embedding_that_fits_is_replicated_rather_than_gathered_after_each_lookup():
+    # a decode step looks up one token: sharding the table saves no reading, only memory,
+    # and would gather the looked-up row over the devices every step
+    from tessel.capture import capture
+    from tessel.config.parallel_option import ParallelOption
+    from tessel.plan import has_rule, make_plan
+
+    captured = capture(torch.nn.Embedding(32000, 1024), (torch.tensor([[7]]),), keep=has_rule)
+    plan = make_plan(captured, local_cluster(2), ParallelOption())
+    (lookup,) = [n for n, c in plan.choices.items() if "embedding" in str(n.target)]
+    table = plan.strategy(lookup).inputs[0]
+    assert table.placements == (Replicate(),)

@@ -38,7 +38,9 @@ def program_seconds(rp: RankProgram, rank: int, cluster: ClusterConfig) -> float
             seconds += dispatch  # no tensor made (an item of a tuple, a scalar), or a view
             continue
         out_shape, dtype = shapes[node["name"]]
-        moved = tensor_bytes(out_shape, dtype) + sum(tensor_bytes(s, d) for s, d in reads)
+        moved = cost.moved_bytes(
+            target, tensor_bytes(out_shape, dtype), [tensor_bytes(s, d) for s, d in reads]
+        )
         f = cost.shape_flops(target, tuple(out_shape), [tuple(s) for s, _ in reads])
         seconds += cost.compute_time(f, moved, peak, bandwidth) + dispatch
     return seconds

@@ -295,7 +295,9 @@ def node_seconds(n: fx.Node, peak: float, bandwidth: float, overhead: float = 0.
     dispatch = cost.dispatch_time(name, overhead)
     if cost.is_view(name):
         return dispatch
-    moved = cost.nbytes(n.meta.get("val")) + sum(
-        cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes
+    moved = cost.moved_bytes(
+        name,
+        cost.nbytes(n.meta.get("val")),
+        [cost.nbytes(a.meta.get("val")) for a in n.all_input_nodes],
     )
     return cost.compute_time(node_flops(n), moved, peak, bandwidth) + dispatch

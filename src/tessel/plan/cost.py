@@ -24,6 +24,19 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 VIEW_DISPATCH = 0.4
 # views by result though not by schema: a matmul's output reshaped as it lies
 _VIEWS_BY_RESULT = {"aten._unsafe_view.default"}
+# lookups: read from their first input (a table) only the rows their indices pick, the output
+_LOOKUPS = {
+    "aten.embedding.default",
+    "aten.index_select.default",
+    "aten.index.Tensor",
+    "aten.gather.default",
+}
+# indexed writes in place: write into their first input only the values their last input holds
+_INDEXED_WRITES = {
+    "aten.index_put_.default",
+    "aten.scatter_.src",
+    "aten.scatter_add_.default",
+}
 
 
 @dataclass(frozen=True)
@@ -302,6 +315,18 @@ def dispatch_time(op_name: str, overhead: float) -> float:
     if "getitem" in op_name:
         return 0.0
     return VIEW_DISPATCH * overhead if is_view(op_name) else overhead
+
+
+def moved_bytes(op_name: str, out_bytes: float, in_bytes: list[float]) -> float:
+    """The bytes one run of `op_name` reads and writes, given its output's and its tensor
+    inputs' (in argument order): all of them, but a lookup (an embedding) reads only the rows it
+    outputs from its table, and an indexed write in place (a KV cache's new slots) touches only
+    the values it writes in its target."""
+    if op_name in _LOOKUPS and in_bytes:
+        return 2 * out_bytes + sum(in_bytes[1:])
+    if op_name in _INDEXED_WRITES and len(in_bytes) > 1:
+        return sum(in_bytes[1:]) + in_bytes[-1]
+    return out_bytes + sum(in_bytes)
 
 
 def compute_time(op_flops: float, moved_bytes: float, peak_flops: float, bandwidth: float) -> float:

@@ -723,16 +723,18 @@ def _local_bytes(
     specs = s.output if isinstance(s.output, tuple) else (s.output,)
     if not isinstance(outputs, (tuple, list)):
         outputs = (outputs,)
-    moved = sum(
+    written = sum(
         cost.nbytes(val) * cost.largest_share(_placements(spec), mesh_shape, _shape(spec))
         for val, spec in zip(outputs, specs, strict=False)
     )
-    moved += sum(cost.nbytes(val) for val in outputs[len(specs) :])
+    written += sum(cost.nbytes(val) for val in outputs[len(specs) :])
     inputs = s.inputs if len(s.inputs) == len(args) else (None,) * len(args)
-    for a, spec in zip(args, inputs, strict=True):
-        share = cost.largest_share(_placements(spec), mesh_shape, _shape(spec))
-        moved += cost.nbytes(a.meta.get("val")) * share
-    return moved
+    read = [
+        cost.nbytes(a.meta.get("val"))
+        * cost.largest_share(_placements(spec), mesh_shape, _shape(spec))
+        for a, spec in zip(args, inputs, strict=True)
+    ]
+    return cost.moved_bytes(str(n.target), written, read)
 
 
 def _shape(spec) -> tuple[int, ...] | None:
