@@ -30,10 +30,11 @@ of the machine falls on both; torch TP runs on its own before them. Figures, eac
      state_bytes_per_rank`, the largest rank) against 2 x layers x batch x KV heads x slots x
      head size x 4 bytes / N;
   4. the bytes a decode step reads on each rank (its weights and its cache: the rank's
-     `weight_bytes` in `inspect --json`, which counts its cache too) over the step's time,
-     summed over the ranks, as a fraction of this machine's memory bandwidth: the bytes one
-     process reads per second summing a 1 GiB fp32 tensor with all the workers' threads
-     (gpt-fast's measure; the embedding table counts whole).
+     `weight_bytes` in `inspect --json`, which counts its cache too, less its part of the
+     embedding table, of which a step reads one row per token) over the step's time, summed
+     over the ranks, as a fraction of this machine's memory bandwidth: the bytes one process
+     reads per second summing a 1 GiB fp32 tensor with all the workers' threads (gpt-fast's
+     measure).
 tessel's tokens must equal transformers' (checked on every setting); whether torch TP's do is
 shown in its line. Settings run one after another; packages are built before any timing.
 `--layers`, `--hidden` and `--vocab` change the model's sizes, for quick checks.
@@ -313,8 +314,18 @@ def tessel_and_transformers(
         **result(s, batch, runs["tessel"]),
         "weight_bytes": [r["weight_bytes"] for r in report["ranks"]],
         "cache_bytes": report["generation"]["state_bytes_per_rank"],
+        "table_bytes": table_bytes(s, world, report),
     }
     return ours, result(s, batch, runs["transformers"])
+
+
+def table_bytes(s: Setting, world: int, report: dict) -> int:
+    """The bytes of the embedding table each rank holds: whole where the plan replicates it,
+    else its largest shard."""
+    outside = report["layers"].get("(outside layers)", {})
+    placement = outside.get("model.model.embed_tokens.weight", ["R"])  # one device: whole
+    whole = s.vocab * s.hidden * 4
+    return whole if placement == ["R"] else -(-whole // world)
 
 
 def bandwidth(threads: int, repeat: int) -> float:
@@ -437,7 +448,8 @@ def main() -> None:
     for world, batch, _, _, _, ours, machine in rows:
         cache = max(ours["cache_bytes"])
         even = s.cache_bytes(batch) / world
-        read = ours["weight_bytes"]  # the rank's weights and cache
+        # the rank's weights and cache; of the embedding table, a row per token
+        read = [b - ours["table_bytes"] for b in ours["weight_bytes"]]
         rate = sum(read) * (s.new_tokens - 1) / ours["decode_s"]
         print(
             f"{world:>7} {batch:>5} {cache / MIB:>14.2f} {even / MIB:>11.2f} {cache / even:>5.2f} "
