@@ -718,7 +718,8 @@ def _local_bytes(
 ) -> float:
     """The bytes the busiest device reads and writes running `n` as `s` places it: each
     operand's and output's local part (a replicated weight is read whole on every device, so
-    splitting the rows of a matmul does not split the reading of its weight)."""
+    splitting the rows of a matmul does not split the reading of its weight), as
+    `cost.moved_bytes` counts them (a lookup reads only its rows of the table)."""
     outputs = n.meta.get("val")
     specs = s.output if isinstance(s.output, tuple) else (s.output,)
     if not isinstance(outputs, (tuple, list)):
