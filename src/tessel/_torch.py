@@ -92,7 +92,6 @@ __all__ = [
     "group_ranks",
     "merged_moves",
     "redistribute_steps",
-    "pipeline_runtime",
     "proxy_node",
     "redistribute",
     "sharding_propagator",
@@ -534,27 +533,3 @@ def is_fake(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
-
-
-def pipeline_runtime(
-    stages: list[Any], micro_batches: int, order: list[list[Any]], **options: Any
-) -> Any:
-    """torch's pipeline runtime over this rank's `stages` (`PipelineStage`s), running `order`:
-    each pipeline rank's actions (`tessel.schedules.Action`), in which it adds the sends and
-    receives between the stages. Its public schedules each fix their own order; this one runs
-    the order it is given (as a schedule read from a CSV file does)."""
-    from torch.distributed.pipelining.schedules import (
-        _Action,
-        _ComputationType,
-        _PipelineScheduleRuntime,
-    )
-
-    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
-    runtime = _PipelineScheduleRuntime(stages, micro_batches, **options)
-    runtime._prepare_schedule_with_comms(
-        {
-            rank: [_Action(a.stage, kinds[a.phase], a.micro_batch) for a in actions]
-            for rank, actions in enumerate(order)
-        }
-    )
-    return runtime

@@ -3,7 +3,7 @@ backward passes over the micro-batches.
 
 One schedule serves both ways tessel trains in stages. A training package's stage programs are
 laid out in this order when they are cut (`lower.training_stages`), and `tessel.parallel`'s
-`Pipeline` scripts run the same order on torch's pipeline runtime (`parallel.pipeline`). The
+`Pipeline` scripts run the same order on `runtime.pipeline_runner` (`parallel.pipeline`). The
 orders are torch's own (`Schedule1F1B`, `ScheduleGPipe`, `ScheduleInterleaved1F1B`,
 `ScheduleLoopedBFS`) without their idle slots, so a run lays its micro-batches out as torch's
 schedule of the same name would.

@@ -315,9 +315,8 @@ def _pipelines(rank: int, world: int, folder: str) -> dict:
         # the ranks of a replica pass its batch
         losses = _steps(net, batches, lambda batch: [batch.chunk(dp)[rank % dp]])
         sync_pipeline_shared_parameters(net)
-        # the passes torch's runtime ran on this rank (its sends and receives left out)
-        ran = pipelined.network.schedule.pipeline_order_with_comms[rank // dp]
-        out[f"schedule_{run}"] = [str(a) for a in ran if a.computation_type.value in "FB"]
+        # the passes the pipeline runner ran on this rank, in its last step
+        out[f"schedule_{run}"] = [str(a) for a in pipelined.network.runner.ran]
         state = pipelined.state_dict()
         tied = {
             k: state[k].clone() for k in ("transformer.wte.weight", "lm_head.weight") if k in state
@@ -1236,6 +1235,28 @@ def test_pipeline_ranks_must_match_the_stages_or_loop_over_them(one_rank):
         net.pipeline(stages=3, interleave=True)
     net.pipeline(stages=2, interleave=True)
     assert net.get_pipeline_stages() == 2 and net.network.pipeline_ranks == 2
+
+
+def test_stages_one_rank_holds_hand_over_in_memory_and_train_as_the_network(one_rank):
+    """Four stages looped on one pipeline rank, each handing the next its tensors in memory:
+    the loss and every gradient are the network's own, summed over the micro-batches; a call
+    of other shapes than the traced one is refused."""
+    model, batches = _gpt2()
+    alone, _ = _gpt2()
+    net = AutoParallel(Pipeline(model, 2, LOOPED), "semi_auto")
+    net.pipeline(stages=1, interleave=True)
+    batch = batches[0]
+    loss = net(input_ids=batch, labels=batch)
+    loss.backward()
+    assert [str(a) for a in net.network.runner.ran][:4] == ["0F0", "1F0", "2F0", "3F0"]
+    want = sum(alone(input_ids=x, labels=x).loss for x in batch.chunk(2))
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), abs=1e-5)
+    got = dict(model.named_parameters())
+    for name, p in alone.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ParallelError, match=r"traced for inputs of shapes \[\(8, 16\)"):
+        net(input_ids=batch[:4], labels=batch[:4])
 
 
 def test_pipeline_grad_reducer_scales_the_accumulated_gradients():

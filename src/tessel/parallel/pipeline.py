@@ -1,4 +1,4 @@
-"""`Pipeline`: a network cut into stages by `stage_config`, run on torch.distributed.pipelining.
+"""`Pipeline`: a network cut into stages by `stage_config`, run by tessel's pipeline runner.
 
 The ranks are (pipeline rank, data-parallel replica), pipeline rank outermost: rank = pp_rank *
 dp + replica. There are as many pipeline ranks as stages, or, interleaved, a divisor of the
@@ -8,10 +8,11 @@ torch's interleaved schedules run). On the first call the network is traced once
 rank keeps its stages' modules; every call then runs the batch through the stages as
 `micro_size` micro-batches in tessel's schedule order (`tessel.schedules`, the order a training
 package's stage programs follow too: 1F1B or GPipe; interleaved, 1F1B or looped breadth-first)
-on torch's pipeline runtime, which sends and receives between the stages. As MindSpore's
-does, the returned loss is the sum of the micro-batches' losses (the
-mean over the data-parallel replicas, each calling with its own batch); `loss.backward()` hands
-the stage's parameters the gradients the schedule computed. The stages hold the network's own
+on `runtime.pipeline_runner`, which sends and receives between the stages; each stage's passes
+run eagerly, autograd making the backward pass's gradients. As MindSpore's does, the returned
+loss is the sum of the micro-batches' losses (the mean over the data-parallel replicas, each
+calling with its own batch); `loss.backward()` hands the stage's parameters the gradients the
+schedule computed. The stages hold the network's own
 parameter objects; those of stages other ranks hold retire on this rank (`replaced`), and an
 optimizer made over the whole network before the first call drops them at its step. Each
 stage's replicas start from its first replica's weights. Parameters several stages hold (tied
@@ -31,12 +32,13 @@ from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from tessel._torch import pipeline_runtime, tree_flatten, tree_map
+from tessel._torch import tree_flatten, tree_map
 from tessel.parallel.errors import ParallelError
 from tessel.parallel.micro_batches import _count, _tensor_output
 from tessel.parallel.planned import loss_with_gradients
 from tessel.parallel.replaced import retire
 from tessel.runtime.exchange import DEFAULT_FUSION, InFlight, fusion_buckets
+from tessel.runtime.pipeline_runner import Boundary, PipelineRunner
 from tessel.schedules import pipeline_order
 
 
@@ -99,7 +101,7 @@ class Pipeline(torch.nn.Module):
         self.fusion: tuple[str, Any] = DEFAULT_FUSION
         self.parameter_index = {n: i for i, (n, _) in enumerate(network.named_parameters())}
         self.network = network
-        self._stages: list | None = None
+        self._stages: dict[int, torch.nn.Module] | None = None  # this rank's, by index
         self._bucketed: tuple[tuple[str, Any], list[list[int]]] | None = None
         self._flight: InFlight | None = None  # the step's replicas' all-reduce
         self._accumulated: list[int] = []  # passes of the step's backward per parameter
@@ -118,13 +120,19 @@ class Pipeline(torch.nn.Module):
         # the traced stages hold what the first call passed besides tensors (flags such as
         # use_cache=False) and take the tensors in order: later calls pass the same form
         form = (spec, [x for x in leaves if not isinstance(x, torch.Tensor)])
+        shapes = [tuple(x.shape) for x in tensors]
         if self._stages is None:
             self._build(args, kwargs, tensors[0].device)
-            self._form = form
+            self._form, self._shapes = form, shapes
         if form != self._form:
             raise ParallelError(
                 f"Pipeline: the stages were traced for a call of the form {self._form}; this "
                 f"call is {form}"
+            )
+        if shapes != self._shapes:  # the traced stages hold the first call's shapes
+            raise ParallelError(
+                f"Pipeline: the stages were traced for inputs of shapes {self._shapes}; this "
+                f"call passes {shapes}"
             )
         return self._step(tensors)
 
@@ -160,20 +168,24 @@ class Pipeline(torch.nn.Module):
             del network.forward
         _adjacent_only(pipe, self.stages)
         _contiguous_boundaries(pipe, self.stages)
-        group = self.mesh["pp"].get_group()
-        stages = [pipe.build_stage(i, device, group=group) for i in self.stage_indices]
-        options = dict(
-            loss_fn=lambda output, target: output.sum(),
-            scale_grads=False,  # the loss is the micro-batches' sum, as its gradients are
+        # the stage modules stay torch's (its tracer cuts the network); tessel's runner runs them
+        modules = [pipe.get_stage_module(i) for i in range(self.stages)]
+        self._reads = _reads(pipe, self.stages)
+        self.runner = PipelineRunner(
+            pipeline_order(self.scheduler, pp, self.stages, self.micro_size)[self.pp_rank],
+            self.stages,
+            self.micro_size,
+            [Boundary(_made(m)) for m in modules[:-1]],
+            lambda stage: stage % pp,
+            self.mesh["pp"].get_group(),
+            device,
         )
-        order = pipeline_order(self.scheduler, pp, self.stages, self.micro_size)
-        self.schedule = pipeline_runtime(stages, self.micro_size, order, **options)
         # this rank trains its stages' modules: the whole network is no longer held here
         del self.network
-        self.stage_modules = torch.nn.ModuleList([stage.submod for stage in stages])
+        self.stage_modules = torch.nn.ModuleList([modules[i] for i in self.stage_indices])
         self._keep_parameters(originals)
         self._same_on_replicas()
-        self._stages = stages
+        self._stages = dict(zip(self.stage_indices, self.stage_modules))
         self.shared = shared
         self.shared_shapes = _gather_shapes(self, self._named_parameters())
         sync_pipeline_shared_parameters(self)
@@ -221,8 +233,6 @@ class Pipeline(torch.nn.Module):
         pp, dp = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
         replicas = self.mesh["dp"].size()
         last = self.stages - 1 in self.stage_indices
-        losses: list[torch.Tensor] = []
-        target = torch.zeros(self.micro_size, device=self.mesh.device_type)
         named = {n: p for n, p in self._named_parameters().items() if p.requires_grad}
         unique = {id(p): n for n, p in named.items()}
         names = list(unique.values())
@@ -231,16 +241,14 @@ class Pipeline(torch.nn.Module):
         if replicas > 1:  # the replicas' sums start as the last micro-batch makes gradients
             flight = self._flight = InFlight(self._buckets(names, parameters), dp)
             self._accumulated = [0] * len(parameters)
+        micro_batches = [list(xs) for xs in zip(*(x.chunk(self.micro_size) for x in inputs))]
+        work = _EagerStages(self._stages, self._reads, self.stages - 1, micro_batches)
         try:
-            if 0 in self.stage_indices:
-                self.schedule.step(*inputs, target=target if last else None, losses=losses)
-            elif last:
-                self.schedule.step(target=target, losses=losses)
-            else:
-                self.schedule.step()
+            self.runner.step(work)
         finally:
             self._flight = None
-        loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=target.device)
+        device = inputs[0].device
+        loss = torch.stack(work.losses).sum() if last else torch.zeros((), device=device)
         loss = loss.to(torch.float32)
         # the last stage's loss on every stage, then the mean over the replicas
         dist.all_reduce(loss, group=pp)
@@ -395,6 +403,98 @@ def _adjacent_only(pipe: Any, stages: int) -> None:
             for c in later:
                 c.args = tuple(out if a is value else a for a in c.args)
     pipe.split_gm.recompile()
+
+
+def _made(module: fx.GraphModule) -> tuple[torch.Tensor, ...]:
+    """What a traced stage returns, as meta tensors of the shapes and dtypes it was traced at."""
+    output = next(n for n in module.graph.nodes if n.op == "output")
+    made = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    values = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in made]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise ParallelError(
+            "Pipeline: a stage hands the next one a value that is not a tensor; stages can "
+            "pass only tensors"
+        )
+    return tuple(torch.empty(v.shape, dtype=v.dtype, device="meta") for v in values)
+
+
+def _reads(pipe: Any, stages: int) -> dict[int, list[int]]:
+    """For each stage after the first, which of the previous stage's outputs each of its inputs
+    is, in the order it takes them."""
+    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    reads: dict[int, list[int]] = {}
+    for s in range(1, stages):
+        previous, positions = calls[s - 1], []
+        for a in calls[s].args:
+            if a is previous:
+                positions.append(0)
+            elif (
+                isinstance(a, fx.Node)
+                and a.op == "call_function"
+                and a.target is operator.getitem
+                and a.args[0] is previous
+            ):
+                positions.append(int(a.args[1]))
+            else:
+                raise ParallelError(
+                    f"Pipeline: stage {s} reads {a}, which stage {s - 1} does not hand it"
+                )
+        reads[s] = positions
+    return reads
+
+
+class _EagerStages:
+    """A `Pipeline`'s stages on this rank, run eagerly over one step's micro-batches: autograd
+    makes each backward pass's gradients, accumulating them in the parameters' `.grad`. The last
+    stage's output is the micro-batch's loss; `losses` collects them."""
+
+    def __init__(
+        self,
+        modules: dict[int, torch.nn.Module],
+        reads: dict[int, list[int]],
+        last: int,
+        micro_batches: list[list[torch.Tensor]],
+    ) -> None:
+        self.modules, self.reads, self.last = modules, reads, last
+        self.micro_batches = micro_batches
+        self.losses: list[torch.Tensor] = []
+        # (stage, micro-batch) -> the tensors the stage was handed, and what it made from them
+        self.held: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def forward(
+        self, stage: int, micro_batch: int, inputs: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if stage == 0:
+            handed, args = [], self.micro_batches[micro_batch]
+        else:
+            handed = [x.requires_grad_(x.dtype.is_floating_point) for x in inputs]
+            args = [handed[j] for j in self.reads[stage]]
+        out = self.modules[stage](*args)
+        made = list(out) if isinstance(out, (tuple, list)) else [out]
+        if stage == self.last:
+            loss = made[0].sum()
+            self.losses.append(loss.detach())
+            self.held[(stage, micro_batch)] = (handed, [loss])
+            return []
+        self.held[(stage, micro_batch)] = (handed, made)
+        return [m.detach() for m in made]
+
+    def backward(
+        self, stage: int, micro_batch: int, gradients: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        handed, made = self.held.pop((stage, micro_batch))
+        if stage == self.last:
+            made[0].backward()
+        else:
+            floating = [m for m in made if m.dtype.is_floating_point]
+            pairs = [(m, g) for m, g in zip(floating, gradients, strict=True) if m.requires_grad]
+            if pairs:
+                torch.autograd.backward([m for m, _ in pairs], [g for _, g in pairs])
+        return [
+            x.grad if x.grad is not None else torch.zeros_like(x)
+            for x in handed
+            if x.dtype.is_floating_point
+        ]
 
 
 def _contiguous_boundaries(pipe: Any, stages: int) -> None:
