@@ -222,7 +222,15 @@ def forget_process_groups() -> None:
         world.tags_to_pg,
         world.pg_coalesce_state,
     )
-    _FORGOTTEN.append((world.default_pg, [dict(t) for t in tables]))
+    # DTensor's caches may hold the only references to meshes (and through them groups) of a
+    # run the script ended: the child clears those caches to trace, and must not run their
+    # destructors, which close the parent's connections
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]
+    _FORGOTTEN.append((world.default_pg, [dict(t) for t in tables], meshes))
     c10d._update_default_pg(None)
     for table in tables:
         table.clear()

@@ -23,7 +23,7 @@ from tessel.parallel.nn import (
     Pipeline,
     PipelineGradReducer,
 )
-from tessel.parallel.runners import Batch
+from tessel.parallel.runners import Batch, PlannedRunner
 
 STEPS = 5
 LR = 1e-3
@@ -1084,6 +1084,22 @@ def test_a_planned_network_refuses_the_fusion_its_program_was_planned_without(on
     net(torch.ones(2, 4)).backward()
     with pytest.raises(ParallelError, match="comm_fusion: the first call has run the network"):
         net.comm_fusion({"openstate": False})
+
+
+@pytest.mark.timeout(120)  # the child, broken so, may hang rather than crash
+def test_planning_after_a_destroyed_group_forks_a_child_that_plans(tmp_path):
+    """A script that planned and ran a network on a group it then destroyed plans again on a
+    new one: the planning child must not free what DTensor's caches kept of the old run (its
+    threads are the parent's), which crashed it or hung it."""
+    for i, mode in enumerate(("recursive_programming",) * 2):
+        init = f"file://{tmp_path}/init{i}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        try:
+            net = AutoParallel(_SquaredLoss(), mode)
+            net(torch.ones(2, 4)).backward()
+        finally:
+            dist.destroy_process_group()
+    assert isinstance(net._runner, PlannedRunner)
 
 
 def test_comm_fusion_buckets_the_gradient_all_reduce(one_rank):
