@@ -78,6 +78,7 @@ class PipelineRunner:
         self.actions = list(actions)
         self.stages, self.micro_batches = stages, micro_batches
         self.boundaries = list(boundaries)
+        self.width = max((len(b.tensors) for b in self.boundaries), default=1)  # tags per pass
         self.holder, self.group, self.device = holder, group, device
         self.me = dist.get_rank(group)
         self.ran: list[Action] = []  # the passes the last step ran, in order
@@ -116,8 +117,7 @@ class PipelineRunner:
         return [boundary.tensors[i] for i in boundary.differentiable]
 
     def _tag(self, phase: str, sender: int, k: int, i: int) -> int:
-        width = max((len(b.tensors) for b in self.boundaries), default=1)
-        return ((k * self.stages + sender) * 2 + (phase == "B")) * width + i
+        return ((k * self.stages + sender) * 2 + (phase == "B")) * self.width + i
 
     def _send(
         self,
