@@ -12,7 +12,7 @@ from torch import fx, nn
 
 import tessel.capture.export as export_mod
 from tessel.capture import capture
-from tessel.capture.stamp import find_stacks
+from tessel.capture.stamp import find_stacks, why_not_a_stack
 from tessel.plan import has_rule
 
 FALLBACK = "tracing every layer"
@@ -71,6 +71,29 @@ class SideInputBlock(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) + self.side
+
+
+class Activation(nn.Module):
+    """A function as a module, which a layer holds outside its children."""
+
+    def __init__(self, slope: float = 0.1) -> None:
+        super().__init__()
+        self.slope = slope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.leaky_relu(x, self.slope)
+
+
+class FunctionHoldingBlock(Block):
+    """Holds its own `Activation` in a dict, not as a child: `transformers` with `kernels`
+    installed gives each attention layer its own wrapper of the rotary function so."""
+
+    def __init__(self, i: int, width: int = 8) -> None:
+        super().__init__(i, width)
+        self.funcs = {"act": Activation()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.funcs["act"](self.lin(x))
 
 
 class TypeTestingBlock(Block):
@@ -248,6 +271,8 @@ def test_stamped_capture_equals_tracing_every_layer(make, keep, stamp_spy, caplo
     model = make()
     inputs = lm_inputs()
     stacks = find_stacks(model)
+    prefix = "transformer.h" if "GPT2" in type(model).__name__ else "model.layers"
+    assert [s.path for s in stacks] == [prefix], why_not_a_stack(model.get_submodule(prefix))
     stamped = capture(model, inputs, keep=keep)
     # the stamped path was taken: layers 1..3 were exported as placeholders, then stamped out
     assert stamp_spy == [3]
@@ -274,7 +299,6 @@ def test_stamped_capture_equals_tracing_every_layer(make, keep, stamp_spy, caplo
         for n in stamped.program.graph.nodes
         for path, _cls in (n.meta.get("nn_module_stack") or {}).values()
     }
-    prefix = "transformer.h" if "GPT2" in type(model).__name__ else "model.layers"
     assert {f"{prefix}.{k}" for k in range(4)} <= paths
 
     with torch.no_grad():
@@ -296,7 +320,15 @@ def test_find_stacks_reports_a_transformer_layers_index():
 # --- small models: stamped where it may be ----------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [Net, SharedNet], ids=["blocks", "shared_linear"])
+def function_holding_net() -> Net:
+    return Net(FunctionHoldingBlock)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [Net, SharedNet, function_holding_net],
+    ids=["blocks", "shared_linear", "own_function_modules"],
+)
 def test_small_stack_is_stamped_and_equals_the_traced_graph(make, stamp_spy, caplog):
     caplog.set_level(logging.INFO, logger=EXPORT_LOG)
     model = make().eval()
@@ -406,6 +438,7 @@ def test_find_stacks_takes_an_index_counting_from_any_start():
 def test_find_stacks_needs_equal_plain_attributes():
     blocks = nn.ModuleList([Act("relu"), Act("relu"), Act("gelu"), Act("relu")])
     assert find_stacks(blocks) == []
+    assert "'relu', 'relu', 'gelu', 'relu'" in why_not_a_stack(blocks)
     assert len(find_stacks(nn.ModuleList([Act("relu") for _ in range(3)]))) == 1
 
 
@@ -414,6 +447,10 @@ def test_find_stacks_refuses_ints_that_do_not_count_up():
     for k, block in enumerate(model.blocks):
         block.layer_idx = 2 * k
     assert find_stacks(model) == []
+    assert "layer_idx differs between layers and does not count up: 0, 2, 4, 6" in why_not_a_stack(
+        model.blocks
+    )
+    assert why_not_a_stack(Net().blocks) is None
 
 
 def test_find_stacks_needs_three_layers():
@@ -425,8 +462,25 @@ def test_find_stacks_needs_equal_weight_shapes_and_no_hooks():
     model = Net()
     model.blocks[2].lin = nn.Linear(8, 8, bias=False)
     assert find_stacks(model) == []
+    assert why_not_a_stack(model.blocks) == (
+        "layer 2's weights differ in name, shape or dtype from layer 0's"
+    )
     model = Net()
     model.blocks[1].register_forward_hook(lambda *args: None)
+    assert find_stacks(model) == []
+    assert why_not_a_stack(model.blocks) == "layer 1 has hooks (_forward_hooks)"
+
+
+def test_find_stacks_needs_function_modules_held_outside_the_children_to_be_equal():
+    model = function_holding_net()
+    model.blocks[2].funcs["act"].slope = 0.2
+    assert find_stacks(model) == []
+    assert "funcs differs between layers" in why_not_a_stack(model.blocks)
+    model = function_holding_net()
+    model.blocks[1].funcs["act"].register_buffer("scale", torch.ones(1))
+    assert find_stacks(model) == []  # a tensor outside the layer's weights
+    model = function_holding_net()
+    model.blocks[3].funcs["act"].register_forward_hook(lambda *args: None)
     assert find_stacks(model) == []
 
 

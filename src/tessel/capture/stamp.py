@@ -101,25 +101,45 @@ def find_stacks(model: nn.Module) -> list[Stack]:
             continue
         if any(path.startswith(s.path + ".") for s in stacks):
             continue
-        index_attrs = _index_attributes(list(module))
-        if index_attrs is not None:
-            stacks.append(Stack(path, list(module), index_attrs))
+        try:
+            stacks.append(Stack(path, list(module), _index_attributes(list(module))))
+        except _NotAlike as exc:
+            log.debug("the layers of %s are traced one by one: %s", path, exc)
     return stacks
 
 
-def _index_attributes(layers: list[nn.Module]) -> list[tuple[nn.Module, str]] | None:
-    """Layer 0's attributes that hold the layer's index, if the layers are alike but for them."""
+def why_not_a_stack(layers: nn.ModuleList) -> str | None:
+    """Why `layers` are not the same program, in words; None where they are."""
+    try:
+        _index_attributes(list(layers))
+    except _NotAlike as exc:
+        return str(exc)
+    return None
+
+
+class _NotAlike(Exception):
+    """The layers of a list differ beyond their index: they are traced one by one."""
+
+
+def _index_attributes(layers: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Layer 0's attributes that hold the layer's index; `_NotAlike` unless the layers are
+    alike but for them."""
     trees = [list(layer.named_modules(remove_duplicate=False)) for layer in layers]
     first = trees[0]
-    if any([(p, type(m)) for p, m in t] != [(p, type(m)) for p, m in first] for t in trees):
-        return None
-    if any(_tensors(layer) != _tensors(layers[0]) for layer in layers):
-        return None
+    for k, tree in enumerate(trees):
+        if [(p, type(m)) for p, m in tree] != [(p, type(m)) for p, m in first]:
+            raise _NotAlike(f"layer {k}'s modules or their classes differ from layer 0's")
+        if _tensors(layers[k]) != _tensors(layers[0]):
+            raise _NotAlike(f"layer {k}'s weights differ in name, shape or dtype from layer 0's")
     found = []
-    for i, (_path, module) in enumerate(first):
-        attrs = [_plain_attributes(tree[i][1]) for tree in trees]
-        if attrs[0] is None or any(a is None or a.keys() != attrs[0].keys() for a in attrs):
-            return None
+    for i, (path, module) in enumerate(first):
+        attrs = [_plain_attributes(tree[i][1], _where(k, path)) for k, tree in enumerate(trees)]
+        for k, a in enumerate(attrs):
+            if a.keys() != attrs[0].keys():
+                raise _NotAlike(
+                    f"{_where(k, path)} has attributes {sorted(a.keys() ^ attrs[0].keys())} "
+                    f"that {_where(0, path)} lacks, or lacks those"
+                )
         for name, value in attrs[0].items():
             values = [a[name] for a in attrs]
             if all(_equal(value, v) for v in values):
@@ -127,8 +147,21 @@ def _index_attributes(layers: list[nn.Module]) -> list[tuple[nn.Module, str]] | 
             if all(type(v) is int and v - value == k for k, v in enumerate(values)):
                 found.append((module, name))
                 continue
-            return None
+            shown = ", ".join(_shown(v) for v in values)
+            raise _NotAlike(
+                f"{'.'.join(filter(None, (path, name)))} differs between layers and does not "
+                f"count up: {shown}"
+            )
     return found
+
+
+def _where(layer: int, path: str) -> str:
+    return f"layer {layer}'s {path}" if path else f"layer {layer}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{type(value).__name__}@{id(value):x}"
 
 
 def _tensors(layer: nn.Module) -> list:
@@ -137,15 +170,16 @@ def _tensors(layer: nn.Module) -> list:
     return params + buffers
 
 
-def _plain_attributes(module: nn.Module) -> dict | None:
-    """A module's own attributes, or None where a forward hook could make layers differ."""
+def _plain_attributes(module: nn.Module, where: str) -> dict:
+    """A module's own attributes; `_NotAlike` where a forward or backward hook could make
+    layers differ."""
     out = {}
     for name, value in vars(module).items():
         if name in ("_parameters", "_buffers", "_modules"):
             continue
         if "hook" in name:
             if (name.startswith("_forward") or name.startswith("_backward")) and value:
-                return None
+                raise _NotAlike(f"{where} has hooks ({name})")
             continue
         out[name] = value
     return out
@@ -164,7 +198,27 @@ def _equal(a: Any, b: Any) -> bool:
         return a == b and all(isinstance(x, (int, str)) for x in a)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, nn.Module):
+        return _equal_modules(a, b)
     return False
+
+
+def _equal_modules(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two modules a layer holds in a plain attribute, not as its child, compute the
+    same: no tensors, no hooks, and equal attributes throughout. (`transformers` with `kernels`
+    gives every attention layer its own wrapper of the rotary function so.)"""
+    trees = [list(m.named_modules(remove_duplicate=False)) for m in (a, b)]
+    if [(p, type(m)) for p, m in trees[0]] != [(p, type(m)) for p, m in trees[1]]:
+        return False
+    if any(True for m in (a, b) for _ in (*m.parameters(), *m.buffers())):
+        return False
+    try:
+        return all(
+            _equal(_plain_attributes(x, ""), _plain_attributes(y, ""))
+            for (_, x), (_, y) in zip(*trees)
+        )
+    except _NotAlike:  # a hook
+        return False
 
 
 def _guard_index(module: nn.Module, names: list[str], where: str) -> type:
