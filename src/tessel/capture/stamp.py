@@ -126,8 +126,9 @@ def _index_attributes(layers: list[nn.Module]) -> list[tuple[nn.Module, str]]:
     alike but for them."""
     trees = [list(layer.named_modules(remove_duplicate=False)) for layer in layers]
     first = trees[0]
+    shape = [(p, type(m)) for p, m in first]
     for k, tree in enumerate(trees):
-        if [(p, type(m)) for p, m in tree] != [(p, type(m)) for p, m in first]:
+        if [(p, type(m)) for p, m in tree] != shape:
             raise _NotAlike(f"layer {k}'s modules or their classes differ from layer 0's")
         if _tensors(layers[k]) != _tensors(layers[0]):
             raise _NotAlike(f"layer {k}'s weights differ in name, shape or dtype from layer 0's")
@@ -205,19 +206,13 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _equal_modules(a: nn.Module, b: nn.Module) -> bool:
     """Whether two modules a layer holds in a plain attribute, not as its child, compute the
-    same: no tensors, no hooks, and equal attributes throughout. (`transformers` with `kernels`
+    same: alike as two layers are, with no tensors and no index. (`transformers` with `kernels`
     gives every attention layer its own wrapper of the rotary function so.)"""
-    trees = [list(m.named_modules(remove_duplicate=False)) for m in (a, b)]
-    if [(p, type(m)) for p, m in trees[0]] != [(p, type(m)) for p, m in trees[1]]:
-        return False
     if any(True for m in (a, b) for _ in (*m.parameters(), *m.buffers())):
         return False
     try:
-        return all(
-            _equal(_plain_attributes(x, ""), _plain_attributes(y, ""))
-            for (_, x), (_, y) in zip(*trees)
-        )
-    except _NotAlike:  # a hook
+        return _index_attributes([a, b]) == []
+    except _NotAlike:
         return False
 
 
