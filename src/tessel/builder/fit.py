@@ -138,6 +138,8 @@ def _fit_level(
                 first=first,
                 lowered=lowered,
                 stages=stages,
+                # bisecting, a scale with no plan is only a bound: why is never said
+                explain=overflows is None,
             )
             if cut is None:
                 return Fitted(plan, programs, level)

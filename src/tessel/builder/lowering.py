@@ -35,6 +35,7 @@ def plan_and_lower(
     first: Plan | None = None,
     lowered: list[RankProgram] | None = None,
     stages: Callable[[Plan], StageAssignment] | None = None,
+    explain: bool = True,
 ) -> tuple[Plan, list[RankProgram]]:
     """Plan for `cluster`, then lower every rank exactly as planned.
 
@@ -49,6 +50,8 @@ def plan_and_lower(
     start (what the caller adds to the programs afterwards). `first` is a plan already made
     for this cluster, policy and reserve (the one `auto` weighed): it is lowered as it is, or,
     with `lowered`, its programs are those (the ones this function returned with it).
+    Without `explain`, a model that does not fit is refused without saying by how much
+    (`make_plan`'s), for a caller that tries other memory where none fits.
     """
     policy = policy or ParallelOption()
     timings = {} if timings is None else timings
@@ -71,9 +74,12 @@ def plan_and_lower(
                 with phase(
                     f"planning {len(captured.program.graph.nodes)} nodes on {world} devices"
                 ):
+                    # where no plan fits, a smaller reserve is tried: why none fits is only
+                    # said where none will be
                     plan = make_plan(
-                        captured, cluster, policy, time_limit, banned=banned, reserve=reserve
-                    )
+                        captured, cluster, policy, time_limit, banned=banned, reserve=reserve,
+                        explain=explain and reserve <= fits_below + 1,
+                    )  # fmt: skip
         except PlanError:
             if reserve <= fits_below + 1:
                 raise

@@ -120,6 +120,7 @@ def make_plan(
     banned: dict[str, set[str]] | None = None,
     reserve: int = 0,
     slower_than: float | None = None,
+    explain: bool = True,
 ) -> Plan:
     """Solve for the placement of every node on the mesh of the cluster's devices (one
     tensor-parallel group, meshed by `tensor_axes`: one axis, or nodes x devices).
@@ -127,7 +128,9 @@ def make_plan(
     `banned` drops strategies, per node name, that lowering cannot run (see `strategy_key`);
     `reserve` keeps that many bytes of each device free of what the memory model counts;
     `slower_than` (seconds per run) raises `PlanSlower` where the fastest plan, memory aside,
-    takes at least that long, before any search for a plan that fits.
+    takes at least that long, before any search for a plan that fits. Without `explain`, a
+    model that does not fit gets a short `PlanError`, not the search for the least memory a
+    plan needs that says by how much (for callers that only ask whether a plan fits).
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -195,6 +198,10 @@ def make_plan(
             "give build() a longer time_limit"
         ) from None
     except InfeasibleError:
+        if not explain:
+            raise PlanError(
+                f"no plan fits devices of {human_bytes(device_bytes - reserve)}"
+            ) from None
         problem.memory, problem.memory_budget = memory.footprint.rows, memory.budget()
         raise _does_not_fit(
             problem, memory.footprint, choices, cluster, device_bytes, time_limit, reserve, state
