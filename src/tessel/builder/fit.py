@@ -79,11 +79,14 @@ def fit(
     timings: dict[str, float],
     first: Plan | None = None,
     lowered: list[RankProgram] | None = None,
+    explain: bool = True,
 ) -> Fitted:
     """The first of `levels` whose plan fits `cluster` (planned on one replica's devices
     where `dims` has replicas or stages), each plan's layers divided among the stages by `stages`
     before it is lowered, and every rank's program cut from the lowered ones where `cut` is
-    given. `first` (and its `lowered` programs) is a plan already made for the first level."""
+    given. `first` (and its `lowered` programs) is a plan already made for the first level.
+    Without `explain`, where no level fits, the error does not say by how much (for a caller
+    that then tries another way)."""
     weighed: list[str] = []
     for i, level in enumerate(levels):
         if level.prepare is not None:
@@ -91,7 +94,7 @@ def fit(
         try:
             fitted = _fit_level(
                 captured, cluster, policy, dims, level, stages, cut, time_limit, reuse_layers,
-                timings, first, lowered,
+                timings, first, lowered, explain,
             )  # fmt: skip
         except PlanError as exc:
             if i == len(levels) - 1:
@@ -119,6 +122,7 @@ def _fit_level(
     timings: dict[str, float],
     first: Plan | None,
     lowered: list[RankProgram] | None,
+    explain: bool,
 ) -> Fitted:
     dp, pp = dims.size("dp"), dims.size("pp")
     plan_cluster = first_devices(cluster, dims.size("tp")) if dp * pp > 1 else cluster
@@ -139,7 +143,7 @@ def _fit_level(
                 lowered=lowered,
                 stages=stages,
                 # bisecting, a scale with no plan is only a bound: why is never said
-                explain=overflows is None,
+                explain=explain and overflows is None,
             )
             if cut is None:
                 return Fitted(plan, programs, level)

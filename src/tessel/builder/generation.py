@@ -136,13 +136,17 @@ def build_generation(
     )
 
     def fit_gear(
-        captured: CapturedModel, placed: ParallelOption, level: Level, leader: Fitted | None
+        captured: CapturedModel,
+        placed: ParallelOption,
+        level: Level,
+        leader: Fitted | None,
+        explain: bool = True,
     ) -> Fitted:
         """`captured` fitted with `placed`'s placements; with stages, its layers divided among
         them as the `leader` gear's are (the gear that placed the weights), or by the planner
-        where it leads."""
+        where it leads. Without `explain`, a gear that does not fit is not told by how much."""
         if pp == 1:
-            return fit(captured, cluster, placed, dims, [level], **options)
+            return fit(captured, cluster, placed, dims, [level], explain=explain, **options)
 
         def cut(plan: Plan, programs: list[RankProgram]) -> tuple:
             return build_gear_stages(captured, plan, programs, cluster, dims, BATCH_INPUTS)
@@ -152,16 +156,20 @@ def build_generation(
             if leader is None
             else lambda plan: leader.plan.stages
         )
-        return fit(captured, cluster, placed, dims, [level], stages=stages, cut=cut, **options)
+        return fit(
+            captured, cluster, placed, dims, [level], stages=stages, cut=cut, explain=explain,
+            **options,
+        )  # fmt: skip
 
     prefill: dict[int, Fitted] = {}
     if decode_first:  # memory does not bind: the gear that runs most places the weights
         try:
             level = Level(reserve=reserve + _replicas_bytes(gears.decode, dp))
-            decode = fit_gear(gears.decode, policy, level, None)
+            # where this fails the longest prompt's gear leads instead: why is not asked
+            decode = fit_gear(gears.decode, policy, level, None, explain=False)
             given = _placed_as(decode, policy)
             for n, captured in gears.prefill.items():
-                prefill[n] = fit_gear(captured, given, _kept(captured, dp), decode)
+                prefill[n] = fit_gear(captured, given, _kept(captured, dp), decode, explain=False)
         except PlanError as exc:
             log.info("the decode gear's placements leave a prefill gear no room (%s)", exc)
             decode_first = False
