@@ -386,3 +386,30 @@ def test_why_a_weight_is_replicated_is_the_planners_own_estimate():
     line = summary(plan, why, len(plan.param_targets))
     assert line is not None and line.startswith("tensor parallel over 2 devices: ")
     assert f"{len(why)} of {len(plan.param_targets)} weights replicated" in line
+
+
+def test_a_caller_that_only_asks_whether_a_plan_fits_is_not_told_by_how_much(monkeypatch):
+    """`explain=False` (the fitting loops' bisections, the decode gear tried first): a model
+    that does not fit is refused at once, without the least-memory searches that say by how
+    much; without it the same model gets the full refusal."""
+    from tessel.plan import planner
+
+    captured = capture(small_llama(layers=1), (token_ids(),), keep=has_rule)
+    need, _ = least_memory_plan(captured, 2, gap=0.0)
+    data = local_cluster_dict(2)
+    data["item_def"][0]["memory"] = f"[DDR:{need - 1}B]"  # one byte short: nothing fits
+    cluster = cluster_from_dict(data, "close.json")
+    real = planner.least_memory_search
+    searches = []
+
+    def counted(*args, **kwargs):
+        searches.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "least_memory_search", counted)
+    with pytest.raises(PlanError, match="no plan fits devices of") as asked:
+        make_plan(captured, cluster, ParallelOption(), explain=False)
+    assert asked.value.least is None and searches == []
+    with pytest.raises(PlanError, match="does not fit") as explained:
+        make_plan(captured, cluster, ParallelOption())
+    assert explained.value.least is not None and searches
