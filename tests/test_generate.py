@@ -23,7 +23,7 @@ from tessel.config.generation import Generation
 from tessel.config.parallel_option import ParallelOption
 from tessel.demo import tight_cluster
 from tessel.package import Package
-from tessel.plan import PlanError
+from tessel.plan import PlanError, has_rule
 from tessel.report import inspect_json, state_bytes
 
 # Every decoder-only family on 3 devices whose memory forbids replicated weights (shards that
@@ -61,7 +61,7 @@ def _build(
         setattr(model.generation_config, key, value)
     cluster: object = devices
     if memory == "tight":  # the longest prompt's activations beside 1.15/N of the weights
-        gear = capture_gear(model, generation, generation.prefill_lengths[-1])
+        gear = capture_gear(model, generation, generation.prefill_lengths[-1], keep=has_rule)
         cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
     return model, tessel.build(model, cluster=cluster, generation=generation)
 
@@ -493,7 +493,7 @@ def test_a_cache_that_does_not_fit_names_the_largest_that_would() -> None:
     length (and, where one fits, the longest cache at this batch), and it builds."""
     model = FAMILIES["llama"].make().model
     one_row = Generation(max_batch_size=1, max_seq_len=256, prefill_lengths=(8,))
-    gear = capture_gear(model, one_row, 8)
+    gear = capture_gear(model, one_row, 8, keep=has_rule)
     cluster = cluster_from_dict(tight_cluster(gear, 2), "tight.json")
     asked = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
     with pytest.raises(PlanError) as caught:
@@ -550,7 +550,7 @@ def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
     """Head counts no tensor-parallel size here divides (vLLM refuses both): on devices that
     forbid replicated weights, the tokens are transformers' own."""
     model = _qwen2()
-    gear = capture_gear(model, GENERATION, 8)
+    gear = capture_gear(model, GENERATION, 8, keep=has_rule)
     cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
     built = tessel.build(model, cluster=cluster, generation=GENERATION)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -624,7 +624,7 @@ def test_pipeline_stages_generate_transformers_tokens(
     model = make()
     cluster: object = devices
     if memory == "tight":
-        gear = capture_gear(model, GENERATION, GENERATION.prefill_lengths[-1])
+        gear = capture_gear(model, GENERATION, GENERATION.prefill_lengths[-1], keep=has_rule)
         cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
     built = tessel.build(
         model, cluster=cluster, policy=ParallelOption(**policy), generation=GENERATION
@@ -676,7 +676,7 @@ def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> No
     bytes, not the planner's multiplied figure."""
     model = _llama(4)
     generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,))
-    gear = capture_gear(model, generation, 8)
+    gear = capture_gear(model, generation, 8, keep=has_rule)
     data = tight_cluster(gear, 4)
     with pytest.raises(PlanError) as err:
         tessel.build(
@@ -755,7 +755,7 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     )
     cluster: object = devices
     if memory is not None:  # devices holding `memory` / N of the weights and the activations
-        gear = capture_gear(model, generation, 8)
+        gear = capture_gear(model, generation, 8, keep=has_rule)
         cluster = cluster_from_dict(tight_cluster(gear, devices, memory), "tight.json")
     policy = None
     if replicas > 1:

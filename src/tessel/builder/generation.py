@@ -51,7 +51,7 @@ from tessel.lower.program import RankProgram, groups_in
 from tessel.lower.replicas import replica_programs
 from tessel.package.format import Manifest
 from tessel.package.manifest import Gears, TensorSpec
-from tessel.plan import Plan, PlanError
+from tessel.plan import Plan, PlanError, has_rule
 from tessel.plan.errors import LeastMemory
 from tessel.plan.planner import least_memory_plan
 from tessel.progress import phase
@@ -113,7 +113,7 @@ def build_generation(
     # each replica holds its rows of the cache: the gears are captured at its share
     share = replace(generation, max_batch_size=generation.max_batch_size // dp)
     with phase("capturing the gears"):
-        gears = capture_gears(model, share, reuse_layers)
+        gears = capture_gears(model, share, reuse_layers, keep=has_rule)
     timings["capture"] = time.perf_counter() - t
     options = dict(time_limit=time_limit, reuse_layers=reuse_layers, timings=timings)
     # every gear holds the weights and the cache beside its own activations: the longest

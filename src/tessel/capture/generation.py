@@ -11,7 +11,7 @@ hidden between calls:
 
 It returns the logits of the call's last token `[B, vocab]`. The cache is a buffer per layer's
 keys and values, `[B, kv heads, L, head dim]` (`cache_0`, `cache_1`, ...), written with
-`index_copy_` at `cache_position`; the model builds its own masks (causal, sliding window,
+`index_put_` at `cache_position`; the model builds its own masks (causal, sliding window,
 ALiBi) from the padding mask and the slots, as it does for `transformers`' static cache. A
 recurrent model (Mamba) keeps per layer a convolution state `[B, channels, kernel]` and a
 recurrent state `[B, channels, state size]` instead (`conv_state_0`, `recurrent_state_0`, ...),
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,9 +76,11 @@ class _SlotLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # an indexed write, which export keeps as the one op tessel makes in place: no
+        # decomposition (a second trace of the model) is needed to reach it
         slots = self.cache.slots
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
+        self.keys[:, :, slots] = key_states
+        self.values[:, :, slots] = value_states
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -410,24 +412,32 @@ class CapturedGears:
 
 
 def capture_gears(
-    model: torch.nn.Module, generation: Generation, reuse_layers: bool = True
+    model: torch.nn.Module,
+    generation: Generation,
+    reuse_layers: bool = True,
+    keep: Callable[[Any], bool] | None = None,
 ) -> CapturedGears:
     """Capture `model` (a `transformers` causal LM) at every gear of `generation`, all over one
-    cache; `reuse_layers=False` traces every layer (see `capture`)."""
+    cache; `reuse_layers=False` traces every layer, and ops `keep` holds for stay whole (see
+    `capture`)."""
     step = _step(model, generation)
     prefill = {
-        t: _gear(step, model, generation, t, reuse_layers) for t in generation.prefill_lengths
+        t: _gear(step, model, generation, t, reuse_layers, keep) for t in generation.prefill_lengths
     }
-    decode = _gear(step, model, generation, 1, reuse_layers)
+    decode = _gear(step, model, generation, 1, reuse_layers, keep)
     return CapturedGears(step, prefill, decode, generation)
 
 
 def capture_gear(
-    model: torch.nn.Module, generation: Generation, length: int, reuse_layers: bool = True
+    model: torch.nn.Module,
+    generation: Generation,
+    length: int,
+    reuse_layers: bool = True,
+    keep: Callable[[Any], bool] | None = None,
 ) -> CapturedModel:
     """The one gear of `length` tokens (1: the decode gear) of `generation`, over a cache of
     its own: what a gear needs on its own, without capturing the others."""
-    return _gear(_step(model, generation), model, generation, length, reuse_layers)
+    return _gear(_step(model, generation), model, generation, length, reuse_layers, keep)
 
 
 def _step(model: torch.nn.Module, generation: Generation) -> GenerationStep:
@@ -447,11 +457,14 @@ def _gear(
     generation: Generation,
     length: int,
     reuse_layers: bool,
+    keep: Callable[[Any], bool] | None,
 ) -> CapturedModel:
     b, n = generation.max_batch_size, generation.max_seq_len
     with _entered_modules(step) as entered:
         try:
-            captured = capture(step, gear_inputs(b, length, n), reuse_layers=reuse_layers)
+            captured = capture(
+                step, gear_inputs(b, length, n), keep=keep, reuse_layers=reuse_layers
+            )
         except TesselError:
             raise
         except Exception as exc:  # noqa: BLE001 - the model's own code, named in one line
