@@ -14,7 +14,7 @@ import functools
 import importlib
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -541,3 +541,10 @@ def is_fake(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def fake_mode_of(values: Sequence[Any]) -> Any:
+    """The FakeTensorMode the fake tensors among `values` belong to (None if there are none)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(list(values))

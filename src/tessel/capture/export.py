@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 
 from tessel._torch import export_post_dispatch, tree_leaves
 from tessel.capture.custom_ops import custom_op_decompositions, refuse_random_numbers
+from tessel.capture.decompose import decompose_in_place
 from tessel.capture.grouped_queries import group_query_rows
 from tessel.capture.held import describe_outputs, output_names, without_cache
 from tessel.capture.portable import portable_attention, zero_fill_allocations
@@ -232,8 +233,9 @@ def _core_aten(ep: ExportedProgram, keep: Callable[[Any], bool] | None) -> Expor
     if any(
         n.op == "call_function" and n.target in table and n.all_input_nodes for n in ep.graph.nodes
     ):
-        ep.graph_module.recompile()
-        ep = ep.run_decompositions(table)  # a second trace of the model, only when needed
+        if not decompose_in_place(ep.graph_module, table):  # else a second trace of the model
+            ep.graph_module.recompile()
+            ep = ep.run_decompositions(table)
     portable_attention(ep.graph_module, recompile=False)
     zero_fill_allocations(ep.graph_module)
     ep.graph_module.recompile()
