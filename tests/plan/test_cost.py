@@ -87,7 +87,8 @@ def test_a_collective_over_one_device_is_free(collective, n):
 def test_links_of_a_cluster_take_its_bandwidth_and_its_soc_s_latency():
     cluster = local_cluster(2, "cpu")
     links = cost.Links.of(cluster)
-    assert links == cost.Links(cluster.bandwidth([0, 1]), cluster.soc.link_latency, True)
+    soc = cluster.soc
+    assert links == cost.Links(cluster.bandwidth([0, 1]), soc.link_latency, True, soc.op_overhead)
     # a GPU's collectives run as rings
     gpu = local_cluster(2, "H100")
     assert not cost.Links.of(gpu).one_pass
@@ -98,8 +99,8 @@ R, S0, S1, P, AVG = Replicate(), Shard(0), Shard(1), Partial(), Partial("avg")
 
 TRANSITIONS = [
     (R, R, None),
-    (R, S0, None),  # a local slice
-    (R, P, None),  # keep one copy, zero the others
+    (R, S0, "local"),  # each rank slices its own copy
+    (R, P, "local"),  # keep one copy, zero the others
     (S0, S0, None),
     (S0, R, "all_gather"),
     (S0, S1, "all_gather"),  # gathered whole, then sliced (DTensor on CPU meshes)
@@ -131,6 +132,10 @@ def test_redistribute_time_on_a_1d_mesh():
     assert t((P,), (R,), MB4, mesh, [LINKS]) == pytest.approx(6 * 1e-5 + 1.5 * 4e-3)
     assert t((P,), (S0,), MB4, mesh, [LINKS]) == pytest.approx(3 * 1e-5 + 0.75 * 4e-3)
     assert t((R,), (S1,), MB4, mesh, [LINKS]) == 0.0
+    # a local slice sends nothing and costs one operator each rank runs
+    sliced = cost.Links(bandwidth=1e9, latency=1e-5, local_op=2e-6)
+    assert t((R,), (S1,), MB4, mesh, [sliced]) == pytest.approx(2e-6)
+    assert t((R,), (S1,), MB4, (1,), [sliced]) == 0.0
     assert t((S0,), (S0,), MB4, mesh, [LINKS]) == 0.0
     # the links of the mesh dimension are the ones used
     assert t((S0,), (R,), MB4, mesh, [SLOW]) == pytest.approx(3 * 1e-3 + 0.75 * 4e-2)
@@ -266,8 +271,8 @@ def test_gathers_of_uneven_shards_move_padded_shards():
 
 
 def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_session():
-    # dispatching is the same for every strategy of a node: it moves the estimate by what the
-    # planned operators cost and leaves the plan as it was
+    # dispatching is the same for every strategy of a node: at one choice, it moves the
+    # estimate by what the planned operators cost, and by one operator per local slice
     from dataclasses import replace
 
     from tests.conftest import small_llama, token_ids
@@ -291,10 +296,13 @@ def test_each_device_pays_for_dispatching_every_operator_and_a_run_for_its_sessi
     assert ops > 20 and views > 10
     # each operator once per device, however small its shard, at its share of the host's
     # cores; a view for a share of that, as it runs no kernel
-    extra = dispatched.estimated_time - quiet.estimated_time
+    choice = dispatched.choice
+    extra = dispatched.problem.cost_of(choice) - quiet.problem.cost_of(choice)
     per_op = device_rates(with_soc(op_overhead=1e-3))[2]
-    assert extra == pytest.approx((ops + cost.VIEW_DISPATCH * views) * per_op)
-    assert dispatched.choice == quiet.choice
+    assert extra == pytest.approx(
+        (ops + cost.VIEW_DISPATCH * views + len(local_slices(dispatched))) * per_op
+    )
+    assert dispatched.estimated_time == pytest.approx(dispatched.problem.cost_of(choice))
     # a run: the session's own cost, then rank 0 broadcasts its word and the input to rank 1
     none = with_soc(run_overhead=0.0)
     assert run_seconds(captured, none) == pytest.approx(
@@ -415,3 +423,46 @@ def test_an_embedding_that_fits_is_replicated_rather_than_gathered_after_each_lo
     (lookup,) = [n for n, c in plan.choices.items() if "embedding" in str(n.target)]
     table = plan.strategy(lookup).inputs[0]
     assert table.placements == (Replicate(),)
+
+
+def local_slices(plan) -> list[tuple[str, str]]:
+    """The edges (producer, consumer) of `plan` where a replicated value is cut to a shard or
+    zeroed to a partial one by its consumer."""
+    from tessel.plan.planner import _placements
+
+    found = []
+    for node in plan.choices:
+        taken = plan.strategy(node).inputs
+        for j, arg in enumerate(node.args):
+            if not isinstance(arg, torch.fx.Node) or arg not in plan.choices or j >= len(taken):
+                continue
+            src, dst = plan.out_placements(arg), _placements(taken[j])
+            if src and dst and any(cost.transition(a, b) == "local" for a, b in zip(src, dst)):
+                found.append((arg.name, node.name))
+    return found
+
+
+def test_a_weight_stored_whole_and_sliced_every_run_costs_more_than_storing_its_shard():
+    # with memory to spare, the two would tie but for the slice each run makes: the operator
+    # that breaks the tie, so a plan never holds more than it needs for nothing
+    from tests.conftest import hf_llama
+
+    import tessel
+    from tessel.capture.generation import capture_gear
+    from tessel.config.parallel_option import ParallelOption
+    from tessel.plan import has_rule, make_plan
+
+    gen = tessel.Generation(max_batch_size=1, max_seq_len=32, prefill_lengths=(8,))
+    gear = capture_gear(hf_llama(2, 512, 8, 8, 1000).eval(), gen, 1, keep=has_rule)
+    gate = "model.model.layers.0.mlp.gate_proj.weight"  # the gear holds the model as `model`
+    cluster = local_cluster(4)
+
+    def placed(*placements: str):
+        return make_plan(gear, cluster, ParallelOption(fixed_placements=((gate, placements),)))
+
+    whole, shard = placed("R"), placed("S(0)")
+    assert local_slices(whole) and not local_slices(shard)
+    assert whole.estimated_time > shard.estimated_time
+    free = make_plan(gear, cluster, ParallelOption())
+    assert free.param_placements()[gate] == (Shard(0),)
+    assert not local_slices(free)

@@ -45,11 +45,14 @@ class Links:
 
     With `one_pass`, an all-reduce meets its group once, as an all-gather does: CPU workers of
     one machine each write their part where all can read it and reduce every part
-    (`runtime/shared_memory.py`), where a ring reduce-scatters and then all-gathers."""
+    (`runtime/shared_memory.py`), where a ring reduce-scatters and then all-gathers.
+    `local_op` is the time of a move that crosses no link: a replicated value cut to its shard
+    (or zeroed to a partial one) by an operator each rank runs on its own copy."""
 
     bandwidth: float
     latency: float
     one_pass: bool = False
+    local_op: float = 0.0
 
     @classmethod
     def of(cls, cluster: ClusterConfig, ranks: list[int] | None = None) -> Links:
@@ -58,10 +61,12 @@ class Links:
         return cls.in_program(cluster.soc, cluster.bandwidth(ranks))
 
     @classmethod
-    def in_program(cls, soc: SocProfile, bandwidth: float) -> Links:
+    def in_program(cls, soc: SocProfile, bandwidth: float, local_op: float | None = None) -> Links:
         """Links of `bandwidth` as a program's collectives use them: a CPU worker's program
-        meets its group in shared memory, in one pass."""
-        return cls(bandwidth, soc.link_latency, one_pass=soc.device_type == "cpu")
+        meets its group in shared memory, in one pass. A local move costs an operator's
+        dispatch (`local_op`, the SoC's own where not given)."""
+        local = soc.op_overhead if local_op is None else local_op
+        return cls(bandwidth, soc.link_latency, one_pass=soc.device_type == "cpu", local_op=local)
 
 
 def all_reduce_time(nbytes: float, n: int, links: Links) -> float:
@@ -93,7 +98,8 @@ def all_to_all_time(nbytes: float, n: int, links: Links) -> float:
 
 
 def transition(src: Placement, dst: Placement) -> str | None:
-    """The collective that moves one mesh dimension from `src` to `dst` (None: local or free)."""
+    """The collective that moves one mesh dimension from `src` to `dst`: "local" where each
+    rank cuts (or zero-fills) its own copy, None where nothing moves."""
     if src == dst:
         return None
     if isinstance(src, Partial):
@@ -106,10 +112,11 @@ def transition(src: Placement, dst: Placement) -> str | None:
         # to Replicate, to Partial through Replicate, or to another dimension: lowered programs
         # are traced on CPU meshes, where DTensor moves a shard by gathering it whole
         return "all_gather"
-    return None  # Replicate -> Shard / Partial is a local slice or zero-fill
+    return "local"  # Replicate -> Shard / Partial: a slice or zero-fill, an operator a run
 
 
 _TIME = {
+    "local": lambda nbytes, n, links: links.local_op if n > 1 else 0.0,
     "all_reduce": all_reduce_time,
     "all_gather": all_gather_time,
     "reduce_scatter": reduce_scatter_time,
@@ -185,6 +192,7 @@ def redistribute_bytes(
 
 
 _SENT = {
+    "local": lambda b, n: 0.0,
     "all_reduce": lambda b, n: 2 * (n - 1) / n * b,
     "all_gather": lambda b, n: (n - 1) / n * b,
     "reduce_scatter": lambda b, n: (n - 1) / n * b,

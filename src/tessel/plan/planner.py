@@ -569,7 +569,7 @@ def _problem(
     soc = cluster.soc
     peak, bandwidth, overhead = device_rates(cluster)
     mesh_shape = tuple(mesh.shape)
-    links = [cost.Links.in_program(soc, a.bandwidth) for a in axes]
+    links = [cost.Links.in_program(soc, a.bandwidth, overhead) for a in axes]
     sizes: dict[fx.Node, int] = {}
     linear: dict[fx.Node, np.ndarray] = {}
     for n, c in choices.items():
