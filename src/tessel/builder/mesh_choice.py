@@ -504,12 +504,16 @@ def choose_data_parallel(
     """The data-parallel size of the fastest `dp x tp` shape of a training step that fits, and
     what was weighed: each shape's replica program is planned on its share of the batch and
     timed with the all-reduce of its gradients over the replicas. `captures`, where given,
-    receives each weighed size's replica inputs and captured step, for the build to reuse."""
+    receives each weighed size's replica inputs and captured step, for the build to reuse.
+
+    The most replicas are weighed first: their programs, on the fewest devices each, are the
+    quickest to plan, and a size whose fastest plan cannot beat the best weighed before it is
+    set aside without being fitted to memory. Of two equally fast sizes, the smaller wins."""
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []
     best: tuple[float, int] | None = None
-    for dp in (d for d in range(1, world + 1) if world % d == 0):
+    for dp in (d for d in range(world, 0, -1) if world % d == 0):
         entry: dict[str, Any] = {"data_parallel": dp, "tensor_parallel": world // dp}
         weighed.append(entry)
         if rows % dp:
@@ -524,7 +528,24 @@ def choose_data_parallel(
         names = gradient_outputs(graph).names
         mark_gradients(graph, GradientOutputs(names, held_factor))
         try:
-            plan = make_plan(captured, devices, policy, time_limit)
+            # a size whose fastest plan, memory aside, is no faster than the best one weighed
+            # cannot win (memory and the gradients' exchange only add): it is not fitted
+            plan = make_plan(
+                captured,
+                devices,
+                policy,
+                time_limit,
+                slower_than=None if best is None else best[0],
+                explain=False,
+            )
+        except PlanSlower as exc:
+            assert best is not None  # (only a rival it cannot beat raises it)
+            entry["estimated_time_s"] = exc.seconds
+            entry["set_aside"] = (
+                f"slower than dp {best[1]} ({1e3 * best[0]:.3f} ms) whether it fits or not: "
+                f"its fastest plan, memory aside, takes {1e3 * exc.seconds:.3f} ms per run"
+            )
+            continue
         except PlanOutOfTime:
             entry["set_aside"] = "not planned within the time limit"
             continue
@@ -541,11 +562,12 @@ def choose_data_parallel(
             gradient_bytes = plan.memory["weight_bytes"] / held_factor
             seconds += cost.all_reduce_time(gradient_bytes, dp, link)
         entry["estimated_time_s"] = seconds
-        if best is None or seconds < best[0]:
+        if best is None or seconds <= best[0]:
             best = (seconds, dp)
     if best is None:
         reasons = "; ".join(f"dp {e['data_parallel']}: {e.get('set_aside')}" for e in weighed)
         raise PlanError(f"no data-parallel size fits the training step ({reasons})")
+    weighed.reverse()  # by data-parallel size, smallest first
     for entry in weighed:
         entry["chosen"] = entry["data_parallel"] == best[1]
     return best[1], weighed
