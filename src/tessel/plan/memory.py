@@ -202,7 +202,9 @@ class Steps:
         for n in reversed(nodes):
             end = max((last if u.op == "output" else position[u] for u in n.users), default=0)
             for u in n.users:
-                if u in views:
+                # a view aliases its first input alone: an op writing `n` into another tensor
+                # in place (the cache's index_put_) holds that tensor, not `n`
+                if u in views and u.args and u.args[0] is n:
                     end = max(end, lives[u])
             lives[n] = max(end, position[n])
         read_apart = _read_apart(nodes, position, weights)
