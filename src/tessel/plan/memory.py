@@ -202,9 +202,7 @@ class Steps:
         for n in reversed(nodes):
             end = max((last if u.op == "output" else position[u] for u in n.users), default=0)
             for u in n.users:
-                # a view aliases its first input alone: an op writing `n` into another tensor
-                # in place (the cache's index_put_) holds that tensor, not `n`
-                if u in views and u.args and u.args[0] is n:
+                if u in views:
                     end = max(end, lives[u])
             lives[n] = max(end, position[n])
         read_apart = _read_apart(nodes, position, weights)
