@@ -507,8 +507,9 @@ def choose_data_parallel(
     receives each weighed size's replica inputs and captured step, for the build to reuse.
 
     The most replicas are weighed first: their programs, on the fewest devices each, are the
-    quickest to plan, and a size whose fastest plan cannot beat the best weighed before it is
-    set aside without being fitted to memory. Of two equally fast sizes, the smaller wins."""
+    quickest to plan, and a size whose fastest plan, memory aside, is no faster than the best
+    weighed before it is set aside without being fitted to memory (so an exact tie there keeps
+    the larger size; of two fitted sizes equally fast, the smaller wins)."""
     world = cluster.world_size
     rows = batch_rows(args, kwargs)
     weighed: list[dict[str, Any]] = []

@@ -131,8 +131,9 @@ def _moves(
     mesh_shape: tuple[int, ...],
     shape: tuple[int, ...] | None,
 ) -> list[tuple[int, str, float]]:
-    """The collectives that move a tensor of `nbytes` (global, of `shape` where given) from
-    placements `src` to `dst`: (mesh dim, kind, the bytes of the tensor that collective moves).
+    """The moves that take a tensor of `nbytes` (global, of `shape` where given) from
+    placements `src` to `dst`, one per mesh dim that changes: (mesh dim, kind, the bytes of the
+    tensor it moves), the kind a collective or "local" (each rank cuts its own copy).
     A gather or reduce-scatter of a dim the devices split unevenly moves every shard padded to
     the largest (10 rows over 4 devices move as 12). An axis nested inside one that changes is
     gathered first (`unnested`)."""
@@ -169,7 +170,7 @@ def redistribute_time(
     shape: tuple[int, ...] | None = None,
 ) -> float:
     """Time to move a tensor of `nbytes` (global, of `shape` where given) from placements `src`
-    to `dst`, one collective per mesh dim that changes."""
+    to `dst`: a collective, or a local cut, per mesh dim that changes."""
     return sum(
         _TIME[kind](moved, mesh_shape[d], links[d])
         for d, kind, moved in _moves(src, dst, nbytes, mesh_shape, shape)
