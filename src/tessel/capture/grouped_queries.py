@@ -28,9 +28,10 @@ exact on the rank's local shapes; anything else (a mask that differs between hea
 between the repeat and the attention) is left as it is. A product whose rows of one group lie
 apart (one prompt's token-major queries) is given a copy of its rows at capture
 (`group_query_rows`): a prompt's queries are far fewer bytes than the cache's keys.
-The planner's memory model counts the repeat's copy as holding nothing (`repeat_left_unread`):
-where a plan leaves a rank's pattern inexact (more ranks than KV heads), the lowered program's
-measured peak is the one the build checks.
+The planner's memory model counts the repeat's copy (`repeat_left_unread`) for the plans that
+move a value between the unrepeated keys or values and the attention (`repeat_edges`): there
+the rank's program holds the pattern with a move inside it, and the copy stays. Elsewhere it
+holds nothing.
 """
 
 from __future__ import annotations
@@ -125,6 +126,26 @@ def repeat_left_unread(node: fx.Node) -> bool:
         return False
     readers = list(views[0].users)
     return bool(readers) and all(_reads_through_a_fold(r) for r in readers)
+
+
+def repeat_edges(clone: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """The (producer, consumer) edges a fold reads through, for a repeat's copy `clone` that
+    `repeat_left_unread` names: from the unsqueezed keys or values, through the expand, the
+    copy and its view, to each attention call or product reading it. On a rank the fold finds
+    the pattern only where the plan moves no value along any of them: a move (a gather, a
+    slice) stands between the nodes there, and the copy is made as traced."""
+    expand = clone.args[0]
+    assert isinstance(expand, fx.Node) and isinstance(expand.args[0], fx.Node)
+    (view,) = clone.users
+    edges = [(expand.args[0], expand), (expand, clone), (clone, view)]
+    for reader in view.users:
+        edges.append((view, reader))
+        node = reader
+        while node.target not in (_ATTENTION, _BMM):
+            (user,) = node.users  # `_reads_through_a_fold` found one user up to the product
+            edges.append((node, user))
+            node = user
+    return edges
 
 
 def _reads_through_a_fold(reader: fx.Node) -> bool:

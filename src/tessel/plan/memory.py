@@ -24,7 +24,7 @@ from torch import fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from tessel._torch import C10D_FUNCTIONAL, redistribute_steps, tree_leaves
-from tessel.capture.grouped_queries import repeat_left_unread
+from tessel.capture.grouped_queries import repeat_edges, repeat_left_unread
 from tessel.capture.training import gradient_outputs, state_outputs
 from tessel.plan.candidates import NodeChoices
 from tessel.plan.problem import MemoryRow, pairwise
@@ -42,7 +42,8 @@ _UNANNOTATED_VIEWS = {
 
 def is_view(node: fx.Node) -> bool:
     """Whether `node` returns (a view of) its first argument: no new storage. The copy of keys
-    and values that a one-token attention repeats is one: the lowering folds it away."""
+    and values that grouped-query attention repeats is counted as one: the lowering folds it
+    away wherever the plan moves nothing on its way (`_unfolded_repeats` counts the others)."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
@@ -191,6 +192,11 @@ class Steps:
     lives: dict[fx.Node, int]
     read_apart: dict[fx.Node, int]
     views: frozenset[fx.Node]
+    # the copies of repeated keys and values counted as views (`repeat_left_unread`); each
+    # one's step, and its expand's: a move into either leaves the copy made (`_unfolded_repeats`)
+    repeats: frozenset[fx.Node] = frozenset()
+    copied_at: dict[fx.Node, int] = field(default_factory=dict)
+    position: dict[fx.Node, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: fx.Graph, weights: frozenset[str]) -> Steps:
@@ -202,11 +208,16 @@ class Steps:
         for n in reversed(nodes):
             end = max((last if u.op == "output" else position[u] for u in n.users), default=0)
             for u in n.users:
-                if u in views:
+                # a view aliases its first input alone: an op writing `n` into another tensor
+                # in place (the cache's index_put_) holds that tensor, not `n`
+                if u in views and u.args and u.args[0] is n:
                     end = max(end, lives[u])
             lives[n] = max(end, position[n])
         read_apart = _read_apart(nodes, position, weights)
-        return cls(nodes, storages(graph, set(weights)), lives, read_apart, views)
+        repeats = frozenset(n for n in views if repeat_left_unread(n))
+        copied_at = {n: position[r] for r in repeats for n in (r, r.args[0])}
+        live = storages(graph, set(weights))
+        return cls(nodes, live, lives, read_apart, views, repeats, copied_at, position)
 
 
 @dataclass
@@ -412,6 +423,7 @@ def footprint(
     # a forward's outputs are gathered to rank 0; a training or generation step's are not
     forward = marks is None and not state_outputs(graph)
     buffers = _resharding_buffers(steps, choices, mesh_shape, like or {}, forward)
+    buffers += _unfolded_repeats(steps, choices, mesh_shape)
     by_start = sorted(buffers, key=lambda b: b.start)
     by_end = sorted(buffers, key=lambda b: b.end)
     now = _HeldNow(weights)
@@ -577,6 +589,8 @@ def _resharding_buffers(
             vc = c.owner or n
             edges = [(a, j, None) for j, a in enumerate(c.args)]
             end = lives[n] if n in steps.views else t
+            if n in steps.copied_at:  # moved into a repeat: the copy is made, and read last
+                end = steps.copied_at[n]
         for a, j, fixed_dst in edges:
             p, val = choices.get(a), a.meta.get("val")
             if p is None or p.kind in ("const", "drop") or not isinstance(val, torch.Tensor):
@@ -633,6 +647,45 @@ def _resharding_buffers(
             if np.any(peak - m[..., 1]):
                 out.append(_Buffer((vp, vc), peak - m[..., 1], t, t))
             out.append(_Buffer((vp, vc), m[..., 1], t, end))
+    return out
+
+
+def _unfolded_repeats(
+    steps: Steps, choices: dict[fx.Node, NodeChoices], mesh_shape: tuple[int, ...]
+) -> list[_Buffer]:
+    """The copies of repeated keys and values that a plan keeps (see `repeat_edges`).
+
+    `is_view` counts such a copy as holding nothing, as the lowering folds it away. Where the
+    plan moves the value on its way from the unrepeated keys or values to the attention, the
+    rank's program holds the copy: from where it is made to its last reader where the move
+    comes before it, to the move where the move comes after. It is counted, at its local size,
+    for each pair of strategies that moves the value on one of those edges: twice where a plan
+    moves it twice, which no cheapest plan does.
+    """
+    out: list[_Buffer] = []
+    for clone in steps.repeats:
+        born = steps.copied_at[clone]
+        for a, c in repeat_edges(clone):
+            p, q = choices.get(a), choices.get(c)
+            if p is None or q is None or p.kind in ("const", "drop") or a not in q.args:
+                continue
+            j = q.args.index(a)
+            vp, vc = p.owner or a, q.owner or c
+            src = [_placements(s.output_at(p.out_index)) for s in choices[vp].strategies]
+            dst = [_placements(s.inputs[j]) if j < len(s.inputs) else None for s in q.strategies]
+            if c in steps.copied_at:  # moved into the expand or the copy: the copy's shape
+                size = [
+                    local_bytes(c.meta["val"], _placements(q.out_spec(k)), mesh_shape)
+                    for k in range(len(dst))
+                ]
+                moved = [[size[k] * (s != d) for k, d in enumerate(dst)] for s in src]
+                dies = steps.lives[clone]
+            else:  # moved out of a view of the copy: its elements
+                size = [local_bytes(a.meta["val"], s, mesh_shape) for s in src]
+                moved = [[size[i] * (s != d) for d in dst] for i, s in enumerate(src)]
+                dies = steps.position[c]
+            if np.any(moved):
+                out.append(_Buffer((vp, vc), np.array(moved, dtype=float), born, dies))
     return out
 
 
