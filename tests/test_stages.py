@@ -21,7 +21,7 @@ from tessel.demo import tight_cluster
 from tessel.package.format import BuiltPackage
 from tessel.package.manifest import Mesh
 from tessel.plan import PlanError, has_rule
-from tessel.plan.stages import _cut
+from tessel.plan.stages import _cut, _least_heaviest
 from tessel.report import format_plan, inspect_json
 from tessel.runtime.inprocess import run_in_process
 
@@ -230,6 +230,24 @@ def test_the_stage_cut_is_the_best_contiguous_cut(layers, pp, limit):
         assert m <= limit
         worst = max(worst, t)
     assert worst == pytest.approx(best)
+
+
+@given(
+    held=st.lists(st.integers(0, 9), min_size=1, max_size=7),
+    pp=st.integers(1, 4),
+    before=st.integers(0, 5),
+    after=st.integers(0, 5),
+)
+@settings(derandomize=True, max_examples=100, deadline=None)
+def test_the_least_heaviest_stage_is_the_least_memory_any_cut_fits(held, pp, before, after):
+    """What a refused cut says a device lacks: the weights of the heaviest stage of the cut
+    that makes it least, the least device memory at which the cut is found."""
+    if pp > len(held):
+        return
+    seconds = [1.0] * len(held)
+    heaviest = _least_heaviest(held, pp, before, after)
+    assert _cut(seconds, held, pp, (0.0, before), (0.0, after), heaviest) is not None
+    assert _cut(seconds, held, pp, (0.0, before), (0.0, after), heaviest - 1) is None
 
 
 def test_a_pipeline_priced_before_lowering_pays_for_its_bubble():

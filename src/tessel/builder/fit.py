@@ -128,6 +128,7 @@ def _fit_level(
     plan_cluster = first_devices(cluster, dims.size("tp")) if dp * pp > 1 else cluster
     reserve = level.reserve
     scale, overflows, no_plan, tries = float(pp), None, 1.0, 0
+    device_bytes = min(d.memory_bytes for d in plan_cluster.devices)
     overflowed: StageMemoryError | None = None  # the stage overflow at the most memory tried
     while True:
         try:
@@ -164,8 +165,17 @@ def _fit_level(
             if scale - no_plan < 0.02:
                 raise
             overflows, overflowed = scale, overflowed or exc
-            scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
-            log.info("a stage overflows its devices: planning with %.2fx their memory", scale)
+            if exc.planned is None:
+                scale = max((scale + no_plan) / 2, min(scale * 0.9, scale * exc.limit / exc.needed))
+            else:
+                # the plan held `planned` of the memory it was given: its weights change only
+                # below that, where the stages' weights shrink about as the memory does
+                used = min(scale, exc.planned / device_bytes)
+                scale = max(no_plan + 0.02, min(scale * 0.9, used * exc.limit / exc.needed))
+            log.info(
+                "a stage needs %d bytes of its device's %d: planning with %.2fx their memory",
+                exc.needed, exc.limit, scale,
+            )  # fmt: skip
         except PlanError as exc:
             if overflows is None and pp > 1 and type(exc) is PlanError and exc.least:
                 raise _over_stages(exc, pp, plan_cluster) from None

@@ -46,11 +46,12 @@ class StageAssignError(TesselError, ValueError):
 
 
 class StageMemoryError(PlanError):
-    """A stage's program (or the best cut's weights) needs more than its device holds."""
+    """A stage's program (or the best cut's weights) needs more than its device holds;
+    `planned`, where known, is the peak per device of the plan whose stages overflow."""
 
-    def __init__(self, message: str, needed: int, limit: int) -> None:
+    def __init__(self, message: str, needed: int, limit: int, planned: int | None = None) -> None:
         super().__init__(message)
-        self.needed, self.limit = needed, limit
+        self.needed, self.limit, self.planned = needed, limit, planned
 
 
 @dataclass
@@ -137,7 +138,8 @@ def plan_stages(
         )
     except StageAssignError as exc:
         if exc.needed is not None:
-            raise StageMemoryError(str(exc), exc.needed, device_bytes) from None
+            planned = plan.memory.get("peak_bytes")
+            raise StageMemoryError(str(exc), exc.needed, device_bytes, planned) from None
         raise
     assignment.calibrate(plan.estimated_time)
     return assignment
@@ -237,12 +239,12 @@ def assign_stages(
 
     cuts = _cut(layer_s, layer_b, pp, (before, before_b), (after, after_b), device_bytes)
     if cuts is None:
-        need = int((sum(layer_b) + before_b + after_b) / pp)
+        need = _least_heaviest(layer_b, pp, before_b, after_b)
         has, needs = two_sizes(device_bytes, need)
         raise StageAssignError(
             f"is {pp}, but the model's layers cannot be cut into {pp} stages whose weights "
-            f"each fit one device's {has} (about {needs} per stage at best); use more stages "
-            "or more tensor parallelism",
+            f"each fit one device's {has} (the heaviest stage of the evenest cut holds "
+            f"{needs}); use more stages or more tensor parallelism",
             needed=need,
         )
     stage_of = {i: s for s, (a, b) in enumerate(cuts) for i in range(a, b)}
@@ -265,6 +267,29 @@ def _fills(node: fx.Node, state: fx.Node | None) -> bool:
     """Whether `node` only writes into `state` in place (a copy into it), reading nothing of
     it."""
     return node.target is torch.ops.aten.copy_.default and bool(node.args) and node.args[0] is state
+
+
+def _least_heaviest(held: list[int], pp: int, before: int, after: int) -> int:
+    """The bytes of the heaviest stage in the cut of the layers (`held` bytes each, `before`
+    on the first stage and `after` on the last) into `pp` contiguous runs that makes it least:
+    the weights one device must hold however the layers are cut."""
+    n = len(held)
+    pre = [0]
+    for b in held:
+        pre.append(pre[-1] + b)
+
+    def weight(a: int, b: int, k: int) -> int:
+        return pre[b] - pre[a] + (before if k == 0 else 0) + (after if k == pp - 1 else 0)
+
+    inf = float("inf")
+    # least[k][j]: the least heaviest stage placing layers [0, j) on stages 0..k
+    least = [[inf] * (n + 1) for _ in range(pp)]
+    for j in range(1, n + 1):
+        least[0][j] = weight(0, j, 0)
+    for k in range(1, pp):
+        for j in range(k + 1, n + 1):
+            least[k][j] = min(max(least[k - 1][i], weight(i, j, k)) for i in range(k, j))
+    return int(least[pp - 1][n])
 
 
 def _cut(
