@@ -117,12 +117,10 @@ def build_generation(
     timings["capture"] = time.perf_counter() - t
     options = dict(time_limit=time_limit, reuse_layers=reuse_layers, timings=timings)
     # every gear holds the weights and the cache beside its own activations: the longest
-    # prompt's, at the least, bound what the weights may take
-    reserve = 0
-    for captured in gears.prefill.values():
-        peak, weights = least_memory_plan(captured, dims.size("tp"))
-        reserve = max(reserve, peak - weights)
+    # prompt's (no shorter prompt's are more), at the least, bound what the weights may take
     longest = max(gears.prefill)
+    peak, weights = least_memory_plan(gears.prefill[longest], dims.size("tp"))
+    reserve = peak - weights
     ep = gears.decode.program
     whole = sum(
         t.numel() * t.element_size() for t in {id(t): t for t in ep.state_dict.values()}.values()
