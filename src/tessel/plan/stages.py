@@ -272,24 +272,15 @@ def _fills(node: fx.Node, state: fx.Node | None) -> bool:
 def _least_heaviest(held: list[int], pp: int, before: int, after: int) -> int:
     """The bytes of the heaviest stage in the cut of the layers (`held` bytes each, `before`
     on the first stage and `after` on the last) into `pp` contiguous runs that makes it least:
-    the weights one device must hold however the layers are cut."""
-    n = len(held)
-    pre = [0]
-    for b in held:
-        pre.append(pre[-1] + b)
-
-    def weight(a: int, b: int, k: int) -> int:
-        return pre[b] - pre[a] + (before if k == 0 else 0) + (after if k == pp - 1 else 0)
-
-    inf = float("inf")
-    # least[k][j]: the least heaviest stage placing layers [0, j) on stages 0..k
-    least = [[inf] * (n + 1) for _ in range(pp)]
-    for j in range(1, n + 1):
-        least[0][j] = weight(0, j, 0)
-    for k in range(1, pp):
-        for j in range(k + 1, n + 1):
-            least[k][j] = min(max(least[k - 1][i], weight(i, j, k)) for i in range(k, j))
-    return int(least[pp - 1][n])
+    the weights one device must hold however the layers are cut. It is `_cut`'s slowest stage
+    where each layer's seconds are its bytes and any memory fits."""
+    whole = sum(held) + before + after
+    cuts = _cut([float(b) for b in held], held, pp, (before, before), (after, after), whole)
+    assert cuts is not None  # pp <= len(held): every cut fits the whole
+    return max(
+        sum(held[a:b]) + (before if k == 0 else 0) + (after if k == pp - 1 else 0)
+        for k, (a, b) in enumerate(cuts)
+    )
 
 
 def _cut(
