@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import pty
 import select
@@ -10,11 +11,13 @@ import signal
 import struct
 import subprocess
 import termios
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+import torch.multiprocessing
 from hypothesis import settings
 
 from tessel.package.plan_report import PlanReport
@@ -116,6 +119,27 @@ def small_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 2
 def token_ids(batch: int = 2, seq: int = 16, vocab: int = 256, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+# what every rank a test starts needs, imported once by the fork server the ranks come from
+_RANK_PRELOAD = [
+    "torch",
+    "torch.distributed.pipelining",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "tessel.parallel",
+    "tessel.runtime.worker",
+]
+
+
+def start_ranks(fn: Callable[..., None], args: tuple, world: int) -> None:
+    """Run `fn(rank, *args)` in `world` new processes and wait for them all, as torchrun
+    starts ranks: each imports `fn`'s module afresh and shares nothing with this process.
+    They are forked from multiprocessing's fork server, which imported torch, transformers
+    and tessel once (and runs no torch operator), not each started as an interpreter that
+    imports them again (about 6 s of CPU a rank)."""
+    multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
+    torch.multiprocessing.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
 
 
 def is_multiprocessing_helper(p: psutil.Process) -> bool:

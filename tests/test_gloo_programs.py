@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.conftest import start_ranks
 from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
@@ -64,9 +65,7 @@ def _rank(rank: int, store: str, results: dict) -> None:
 
 def test_reduce_scatters_and_all_gathers_on_gloo_become_all_reduces_with_the_same_values(tmp_path):
     results = mp.Manager().dict()
-    mp.start_processes(
-        _rank, args=(os.fspath(tmp_path / "store"), results), nprocs=_WORLD, start_method="spawn"
-    )
+    start_ranks(_rank, (os.fspath(tmp_path / "store"), results), _WORLD)
     inputs = [_inputs(rank) for rank in range(_WORLD)]
     summed = sum(x for x, _ in inputs)
     for rank in range(_WORLD):

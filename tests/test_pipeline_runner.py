@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tests.conftest import start_ranks
 
 from tessel.runtime.pipeline_runner import Boundary, PipelineRunner
 from tessel.schedules import pipeline_order
@@ -106,7 +106,7 @@ def _run(rank: int, world: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("runner")
-    mp.start_processes(_run, args=(WORLD, str(folder)), nprocs=WORLD, start_method="spawn")
+    start_ranks(_run, (WORLD, str(folder)), WORLD)
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

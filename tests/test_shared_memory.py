@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.conftest import start_ranks
 from torch import fx
 
 from tessel._torch import C10D_FUNCTIONAL
@@ -206,12 +207,7 @@ def _plain(value: object) -> object:
 
 def _spawn(target, tmp_path, *extra) -> dict:
     results = mp.Manager().dict()
-    mp.start_processes(
-        target,
-        args=(os.fspath(tmp_path / "store"), results, *extra),
-        nprocs=_WORLD,
-        start_method="spawn",
-    )
+    start_ranks(target, (os.fspath(tmp_path / "store"), results, *extra), _WORLD)
     return dict(results)
 
 

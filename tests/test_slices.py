@@ -447,14 +447,13 @@ def test_a_model_parallelised_by_torch_exports_builds_and_runs_equal_to_eager(
 ):
     import socket
 
-    import torch.multiprocessing as mp
-    from tests.conftest import small_gpt2, small_llama, token_ids
+    from tests.conftest import small_gpt2, small_llama, start_ranks, token_ids
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     folder = tmp_path / "slices"
-    mp.spawn(_export_rank, args=(world, port, family, str(folder)), nprocs=world, join=True)
+    start_ranks(_export_rank, (world, port, family, str(folder)), world)
     relation = json.loads((folder / "model_relation_config.json").read_text())
     assert [d["deploy_device_id_list"] for d in relation["deploy_config"]] == [
         f"0:0:{r}" for r in range(world)

@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from tests.conftest import start_ranks
 
 from tessel.parallel import (
     AutoParallel,
@@ -323,7 +323,7 @@ def _ranks(rank: int, world: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory) -> tuple[Path, list[dict]]:
     folder = tmp_path_factory.mktemp("script_orders")
-    mp.start_processes(_ranks, args=(WORLD, str(folder)), nprocs=WORLD, start_method="spawn")
+    start_ranks(_ranks, (WORLD, str(folder)), WORLD)
     return folder, [json.loads((folder / f"results_{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from tests.conftest import start_ranks
 from tests.test_schedules import torch_order
 
 from tessel.cli import main
@@ -83,7 +84,7 @@ def _train_parallel(net, batches, rank: int, world: int) -> list[float]:
 
 
 def _spawn(fn, world: int, folder: Path) -> dict:
-    mp.start_processes(fn, args=(world, str(folder)), nprocs=world, start_method="spawn")
+    start_ranks(fn, (world, str(folder)), world)
     return json.loads((folder / "results.json").read_text())
 
 
