@@ -342,6 +342,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     if hasattr(signal, "SIGUSR1"):  # and on the session's word, where a rank that hangs waits
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     die_with_parent()
+    # what the worker starts with (torch and tessel, imported by the fork server or by the
+    # spawned interpreter) lives as long as it does: set apart from the garbage collector, every
+    # collection walks only what this worker made since. Otherwise the full collection after
+    # each load and unload walks every inherited object, writing to each one's header, so a
+    # forked worker also copies every page of them
+    gc.freeze()
     keep_torch_quiet(spec.log_level)
     if not spec.reuse_freed_memory:
         _fix_mmap_threshold()
