@@ -135,9 +135,10 @@ _RANK_PRELOAD = [
 def start_ranks(fn: Callable[..., None], args: tuple, world: int) -> None:
     """Run `fn(rank, *args)` in `world` new processes and wait for them all, as torchrun
     starts ranks: each imports `fn`'s module afresh and shares nothing with this process.
-    They are forked from multiprocessing's fork server, which imported torch, transformers
-    and tessel once (and runs no torch operator), not each started as an interpreter that
-    imports them again (about 6 s of CPU a rank)."""
+    They are forked from multiprocessing's fork server (which runs no torch operator), not
+    each started as an interpreter importing torch, transformers and tessel again (about 6 s
+    of CPU a rank). A server this call starts imports `_RANK_PRELOAD` once; one a Session
+    started earlier keeps its own preload (tessel's worker), and the ranks import the rest."""
     multiprocessing.set_forkserver_preload(_RANK_PRELOAD)
     torch.multiprocessing.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
 
