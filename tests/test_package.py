@@ -937,3 +937,108 @@ def test_any_edit_of_a_program_is_loaded_or_refused_as_a_program_error(built, da
         decode(program, {}, torch.device("cpu"), {})
     except ProgramError:
         pass
+
+
+@pytest.fixture(scope="module")
+def pipeline_package(tmp_path_factory):
+    """A training package on two pipeline stages: GPT-2, whose tied embedding the last stage
+    reads from the first."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    policy = folder / "policy.json"
+    option = {"auto": False, "pipeline_parallel_option": {"pipe_stage_num": 2}}
+    policy.write_text(json.dumps({"graph_parallel_option": option}))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    ids = token_ids()
+    built = tessel.build(
+        model,
+        {"input_ids": ids, "labels": ids},
+        cluster=2,
+        policy=policy,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    return tessel.save(built, folder / "step")
+
+
+@pytest.fixture(scope="module")
+def pipeline_manifest_json(pipeline_package):
+    return json.loads(zipfile.ZipFile(pipeline_package).read(MANIFEST))
+
+
+def test_a_pipeline_stage_is_a_forward_and_a_backward_pass_with_handoffs(pipeline_manifest_json):
+    first, last = (s["passes"] for s in pipeline_manifest_json["submodels"])
+    assert first["handoffs"] == last["handoffs"]  # one pipeline: both ranks list it alike
+    routes = [(tuple(h["sender"]), tuple(h["receiver"]), h["once"]) for h in first["handoffs"]]
+    assert (("F", 0), ("F", 1), False) in routes  # activations on
+    assert (("B", 1), ("B", 0), False) in routes  # gradients back
+    assert (("F", 0), ("F", 1), True) in routes  # the tied embedding, once per step
+    assert first["loss"] == last["loss"] == ["F", 1]
+    assert first["saved"] > 0 and last["saved"] > 0
+    programs = {s["program"] for s in pipeline_manifest_json["submodels"]}
+    backward = {s["passes"]["backward"] for s in pipeline_manifest_json["submodels"]}
+    assert len(programs | backward) == 4
+
+
+def test_each_stage_computes_its_own_layers_backward_pass(pipeline_package):
+    """Each stage's backward pass computes both products of every layer it holds (the input's
+    gradient and the weight's) itself: the first stage's is not left to the last stage, which
+    would need the first stage's weights for it. Only the tied embedding is handed over."""
+    products = {"aten.mm.default", "aten.addmm.default"}
+    with zipfile.ZipFile(pipeline_package) as z:
+        manifest = json.loads(z.read(MANIFEST))
+        for sub in manifest["submodels"]:
+            forward, backward = (
+                sum(n.get("target") in products for n in json.loads(z.read(member))["nodes"])
+                for member in (sub["program"], sub["passes"]["backward"])
+            )
+            assert backward >= 2 * forward - 1 > 0, (sub["rank"], forward, backward)
+    handoffs = manifest["submodels"][0]["passes"]["handoffs"]
+    assert [h["shape"] for h in handoffs if h["once"]] == [[256, 32]]
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_edit_of_a_pipeline_stages_passes_is_read_or_refused_as_a_package_error(
+    pipeline_manifest_json, data
+):
+    m = json.loads(json.dumps(pipeline_manifest_json))
+    m["submodels"][1]["passes"] = replaced(m["submodels"][1]["passes"], data)
+    try:
+        manifest = Manifest.from_json(m, "fuzz")
+    except PackageError:
+        return
+    passes = manifest.submodels[1].passes
+    assert all(h.sender[1] < 2 and h.receiver[1] < 2 for h in passes.handoffs)
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (
+            lambda m: m["submodels"][1].pop("passes"),
+            r"manifest submodels\[1\]: has no forward and backward passes for its pipeline stage: "
+            "the package was built by an earlier tessel",
+        ),
+        (
+            lambda m: m["submodels"][0]["passes"]["handoffs"][0].update(receiver=["F", 2]),
+            r"manifest submodels\[0\]\.passes\.handoffs\[0\]\.receiver: names stage 2; the mesh "
+            "has 2 pipeline stages",
+        ),
+        (
+            lambda m: m["submodels"][0]["passes"].update(loss=["X", 1]),
+            r"manifest submodels\[0\]\.passes\.loss\[0\]: .*'X'",
+        ),
+    ],
+    ids=["no_passes", "stage_past_the_mesh", "no_phase"],
+)
+def test_a_pipeline_stages_passes_are_checked(pipeline_manifest_json, edit, words):
+    m = json.loads(json.dumps(pipeline_manifest_json))
+    edit(m)
+    with pytest.raises(PackageError, match=words):
+        Manifest.from_json(m, "edited")

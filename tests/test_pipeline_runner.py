@@ -5,7 +5,9 @@ stage made (backward), across ranks and between stages one rank holds.
 The stages are a known chain: stage `s` maps `x` to `x * (s + 2) + k` for micro-batch `k`, and
 hands on `k` itself as an integer tensor, which gets no gradient back; the last stage's
 gradient is all ones. So what each pass receives is known in closed form, and a tensor that
-went to the wrong stage or micro-batch shows.
+went to the wrong stage or micro-batch shows. A second pipeline of three stages hands tensors
+past a neighbour and a weight once per step (`_SKIPS`), with its receives posted when read or
+all at the step's start.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 import torch.distributed as dist
 from tests.conftest import start_ranks
 
-from tessel.runtime.pipeline_runner import Boundary, PipelineRunner
-from tessel.schedules import pipeline_order
+from tessel.runtime.pipeline_runner import Boundary, PipelineRunner, handoffs_between
+from tessel.schedules import Handoff, pipeline_order
 
 SHAPE = (2, 3)
 WORLD = 3
@@ -49,6 +51,59 @@ class _Chain:
             assert len(gradients) == 1  # none for the integer tensor
         self.given[f"{stage}B{k}"] = g.flatten().tolist()
         return [] if stage == 0 else [g * (stage + 2)]
+
+
+# three stages whose passes hand tensors past a neighbour, back from a forward pass to a later
+# stage's backward pass, and a weight of stage 0 that stage 2 reads, handed over once per step
+_SKIPS = [
+    Handoff(("F", 0), ("F", 1), (1,), "float32"),  # a = k + 1
+    Handoff(("F", 0), ("F", 2), (1,), "float32"),  # s = 10 (k + 1)
+    Handoff(("F", 0), ("F", 2), (1,), "float32", once=True),  # w = 7 + k: sent for k = 0 alone
+    Handoff(("F", 1), ("F", 2), (1,), "float32"),  # b = 2 a
+    Handoff(("F", 2), ("B", 1), (1,), "float32"),  # g = b + s + w
+    Handoff(("B", 2), ("B", 0), (1,), "float32"),  # h = k + 100
+    Handoff(("B", 1), ("B", 0), (1,), "float32"),  # 3 g
+]
+
+
+class _Skips:
+    """The passes of `_SKIPS`; it records what every pass was given."""
+
+    def __init__(self) -> None:
+        self.given: dict[str, list[float]] = {}
+
+    def _made(self, name: str, k: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.given[name] = [float(x) for x in inputs]
+
+        def one(v: float) -> torch.Tensor:
+            return torch.tensor([float(v)])
+
+        if name.startswith("0F"):
+            return [one(k + 1), one(10 * (k + 1)), one(7 + k)]
+        if name.startswith("1F"):
+            return [2 * inputs[0]]
+        if name.startswith("2F"):
+            return [sum(inputs)]
+        if name.startswith("2B"):
+            return [one(k + 100)]
+        if name.startswith("1B"):
+            return [3 * inputs[0]]
+        return []
+
+    def forward(self, stage: int, k: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._made(f"{stage}F{k}", k, inputs)
+
+    def backward(self, stage: int, k: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._made(f"{stage}B{k}", k, inputs)
+
+
+def _expected_skips(micro_batches: int) -> dict[str, list[float]]:
+    want = {}
+    for k in range(micro_batches):
+        g = 12 * (k + 1) + 7  # the weight as the first micro-batch handed it: 7
+        want.update({f"0F{k}": [], f"1F{k}": [k + 1], f"2F{k}": [10 * (k + 1), 7, 2 * (k + 1)],
+                     f"2B{k}": [], f"1B{k}": [g], f"0B{k}": [k + 100, 3 * g]})  # fmt: skip
+    return want
 
 
 def _expected(stages: int, micro_batches: int) -> dict[str, list[float]]:
@@ -89,7 +144,7 @@ def _run(rank: int, world: int, folder: str) -> None:
         mine = 0 if ranks == 1 else rank
         actions = pipeline_order(schedule, ranks, stages, micro)[mine]
         runner = PipelineRunner(
-            actions, stages, micro, [boundary] * (stages - 1), lambda s, n=ranks: s % n,
+            actions, stages, micro, handoffs_between([boundary] * (stages - 1), stages), lambda s, n=ranks: s % n,
             group, torch.device("cpu"),
         )  # fmt: skip
         chain = _Chain(stages)
@@ -99,6 +154,16 @@ def _run(rank: int, world: int, folder: str) -> None:
             "order": [str(a) for a in actions],
             "given": chain.given,
         }
+    for ahead in (False, True):
+        actions = pipeline_order("1f1b", WORLD, WORLD, 3)[rank]
+        runner = PipelineRunner(
+            actions, WORLD, 3, _SKIPS, lambda s: s, None, torch.device("cpu"), receive_ahead=ahead
+        )
+        skips = _Skips()
+        for _ in range(2):  # a second step: messages of one step never meet the other's
+            runner.step(skips)
+        out[f"skips_ahead{ahead}"] = {"ran": [str(a) for a in runner.ran],
+                                      "order": [str(a) for a in actions], "given": skips.given}  # fmt: skip
     Path(folder, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -136,6 +201,16 @@ def test_each_pass_runs_in_order_on_what_its_micro_batch_made(runs, name, stages
     assert seen == want
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["received_when_read", "received_ahead"])
+def test_handoffs_skip_stages_and_a_weight_is_handed_over_once(runs, ahead):
+    seen: dict[str, list[float]] = {}
+    for rank in runs:
+        got = rank[f"skips_ahead{ahead}"]
+        assert got["ran"] == got["order"]
+        seen.update(got["given"])
+    assert seen == _expected_skips(3)
+
+
 def test_a_runner_refuses_boundaries_that_do_not_join_its_stages():
     with pytest.raises(ValueError, match="3 stages have 2 boundaries, found 1"):
-        PipelineRunner([], 3, 1, [Boundary(())], lambda s: 0, None, torch.device("cpu"))
+        handoffs_between([Boundary(())], 3)

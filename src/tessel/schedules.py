@@ -1,12 +1,16 @@
 """Pipeline schedules: the order in which each pipeline rank runs its stages' forward and
 backward passes over the micro-batches.
 
-One schedule serves both ways tessel trains in stages. A training package's stage programs are
-laid out in this order when they are cut (`lower.training_stages`), and `tessel.parallel`'s
-`Pipeline` scripts run the same order on `runtime.pipeline_runner` (`parallel.pipeline`). The
+One schedule serves both ways tessel trains in stages: a training package's stages (their passes
+cut by `lower.training_stages`) and `tessel.parallel`'s `Pipeline` scripts (`parallel.pipeline`)
+run in this order on the one runner, `runtime.pipeline_runner`. The
 orders are torch's own (`Schedule1F1B`, `ScheduleGPipe`, `ScheduleInterleaved1F1B`,
 `ScheduleLoopedBFS`) without their idle slots, so a run lays its micro-batches out as torch's
 schedule of the same name would.
+
+A pass hands later passes of the same micro-batch the tensors they read (`Handoff`): the next
+stage's activations and the previous stage's gradients, and, where a stage reads what another
+stage made or holds, that too.
 
 Stages are placed looped: with `ranks` pipeline ranks and `stages` stages, rank r holds
 stages r, r + ranks, r + 2 ranks, ... . With one stage per rank, "1f1b" runs a few forward
@@ -36,6 +40,28 @@ class Action:
 
     def __str__(self) -> str:  # torch's notation: 1F0 is stage 1's forward of micro-batch 0
         return f"{self.stage}{self.phase}{self.micro_batch}"
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A tensor that one pass hands a later pass of the same micro-batch, as its shape and
+    dtype name. `once`: the same tensor for every micro-batch (a weight another stage reads),
+    handed over by the first micro-batch's passes alone and kept by the receiver for the step."""
+
+    sender: tuple[Phase, int]  # (phase, stage)
+    receiver: tuple[Phase, int]
+    shape: tuple[int, ...]
+    dtype: str
+    once: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "sender": list(self.sender),
+            "receiver": list(self.receiver),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "once": self.once,
+        }
 
 
 def pipeline_order(

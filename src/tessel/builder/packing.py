@@ -23,7 +23,7 @@ from tessel.lower.program import collectives, groups_in
 from tessel.lower.stages import StagedProgram
 from tessel.lower.trace import RankProgram, weight_inputs
 from tessel.package.format import CONSTANT_PREFIX, FORMAT_VERSION, Member
-from tessel.package.manifest import Manifest, Mesh, Submodel, TensorSpec, Tie
+from tessel.package.manifest import Manifest, Mesh, Passes, Submodel, TensorSpec, Tie
 from tessel.package.plan_report import (
     CollectiveLine,
     Fallback,
@@ -103,11 +103,14 @@ def pack(
         mine = [(ph, fqn) for ph, fqn in weights if fqn in order]
         tied = _tied_weights(mine, state, whole, placements)
         replicated = sorted(set(order) & whole - tied.keys() - written)
+        passes = staged[rank].passes if staged is not None else None
+        programs_of_rank = [rp] if passes is None else [rp, passes.backward]
+        for each in programs_of_rank:
+            if id(each) not in program_member:
+                name = f"programs/program_{len(program_member)}.json"
+                members[name] = json.dumps(each.program).encode()
+                program_member[id(each)] = name
         key = id(rp)
-        if key not in program_member:
-            name = f"programs/program_{len(program_member)}.json"
-            members[name] = json.dumps(rp.program).encode()
-            program_member[key] = name
         weight_members = []
         if replicated:  # stored once per stage, shared by its ranks
             name = f"weights/{where}replicated.safetensors"
@@ -150,7 +153,11 @@ def pack(
                 weights=tuple(weight_members),
                 weight_order=tuple(order),
                 tied=ties,
-                comm_groups=tuple(map(tuple, groups_in(rp.program))) if graph_parallel else (),
+                comm_groups=tuple(
+                    dict.fromkeys(tuple(g) for p in programs_of_rank for g in groups_in(p.program))
+                )
+                if graph_parallel
+                else (),
                 state={
                     fqn: rank_box(
                         global_shape[fqn], [*over_dp, *placements[fqn]], mesh_shape, replica_rank
@@ -158,6 +165,14 @@ def pack(
                     for fqn in order
                     if fqn in written
                 },
+                passes=None
+                if passes is None
+                else Passes(
+                    program_member[id(passes.backward)],
+                    passes.handoffs,
+                    passes.saved,
+                    passes.loss,
+                ),
             )
         )
         ranks_report.append(
@@ -166,7 +181,9 @@ def pack(
                 logical_device=device.logical_id,
                 weight_bytes=rp.weight_bytes,
                 peak_bytes=rp.peak_bytes,
-                collectives=collective_lines(rp.program, rp.shapes),
+                collectives=tuple(
+                    line for p in programs_of_rank for line in collective_lines(p.program, p.shapes)
+                ),
             )
         )
     out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")

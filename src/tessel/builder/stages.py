@@ -12,6 +12,7 @@ from tessel.config.cluster import ClusterConfig
 from tessel.config.errors import ConfigError
 from tessel.config.mesh import POLICY_KEYS, ParallelDims
 from tessel.lower.outputs import program_bytes
+from tessel.lower.program import tensor_bytes
 from tessel.lower.replicas import replica_programs
 from tessel.lower.stages import Split, StagedProgram, StageError, stage_programs
 from tessel.lower.trace import RankProgram, weight_inputs
@@ -24,6 +25,7 @@ from tessel.plan.stages import (
     StageMemoryError,
     plan_stages,
 )
+from tessel.schedules import pipeline_order
 from tessel.units import two_sizes
 
 PP_KEY = f"graph_parallel_option.{POLICY_KEYS['pp']}"
@@ -157,7 +159,7 @@ def build_training_stages(
         )
     except StageError as exc:
         raise ConfigError(source, PP_KEY, f"the training step cannot be cut: {exc}") from None
-    _measure(staged, cluster, dims, assignment)
+    _measure(staged, cluster, dims, assignment, micro_batches=micro_batches)
     return staged, stage, assignment
 
 
@@ -173,15 +175,19 @@ def _measure(
     dims: ParallelDims,
     assignment: StageAssignment | None,
     remedies: str = "more stages, more micro-batches or more tensor parallelism",
+    micro_batches: int = 1,
 ) -> None:
-    """Record each rank's weight and peak bytes in its program; raise `StageMemoryError`
-    where a peak is more than the rank's device holds, advising `remedies`."""
+    """Record each rank's weight and peak bytes in its program (a training stage's over its
+    passes of one step, `micro_batches` of them each way); raise `StageMemoryError` where a
+    peak is more than the rank's device holds, advising `remedies`."""
     measured: dict[tuple, tuple[int, int]] = {}
     for rank, sp in enumerate(staged):
         # replicas after the first run the same program over other ranks
         coordinate = dims.coordinate(rank)
         key = (sp.stage, coordinate["tp"], coordinate["dp"] == 0)
-        if key not in measured:
+        if key not in measured and sp.passes is not None:
+            measured[key] = _passes_bytes(sp, dims.size("pp"), micro_batches)
+        elif key not in measured:
             measured[key] = program_bytes(sp.program, len(sp.weights))
         held, peak = measured[key]
         sp.program = replace(sp.program, weight_bytes=held, peak_bytes=peak)
@@ -196,6 +202,58 @@ def _measure(
                 peak,
                 cluster.devices[rank].memory_bytes,
             )
+
+
+def _passes_bytes(sp: StagedProgram, pp: int, micro_batches: int) -> tuple[int, int]:
+    """(weight bytes, peak bytes) of a training stage's rank over one step, its passes run in
+    1F1B order as the runtime runs them (`runtime.pipeline_runner` with receives posted ahead):
+    every receive of the step posted at its start and held until its pass, what a forward pass
+    saves held until its backward pass, each pass holding its inputs throughout, the gradients
+    summed over the micro-batches held for the step, and each pass's sends freed after it."""
+    passes = sp.passes
+    assert passes is not None
+    s = sp.stage
+    forward, backward = sp.program, passes.backward
+
+    def input_bytes(rp: RankProgram) -> list[int]:
+        names = [n["name"] for n in rp.program["nodes"] if n["op"] == "input"]
+        return [tensor_bytes(*rp.shapes[n]) for n in names]
+
+    f_in, b_in = input_bytes(forward), input_bytes(backward)
+    held_weights = sum(f_in[: len(sp.weights)])
+    taken = {
+        phase: [h for h in passes.handoffs if h.receiver == (phase, s)] for phase in ("F", "B")
+    }
+    once = {
+        p: sum(tensor_bytes(list(h.shape), h.dtype) for h in hs if h.once)
+        for p, hs in taken.items()
+    }
+    each = {
+        p: sum(tensor_bytes(list(h.shape), h.dtype) for h in hs if not h.once)
+        for p, hs in taken.items()
+    }
+    saved = sum(b_in[len(b_in) - passes.saved :]) if passes.saved else 0
+    returned = [a["$node"] for a in backward.program["nodes"][-1]["args"]]
+    sent_back = sum(1 for h in passes.handoffs if h.sender == ("B", s))
+    gradients = returned[sent_back : len(returned) - (passes.loss == ("B", s))]
+    summed = sum(tensor_bytes(*backward.shapes[g]) for g in gradients)
+    peak_of = {
+        "F": program_bytes(forward, len(f_in))[1],
+        "B": program_bytes(backward, len(b_in))[1],
+    }
+    actions = pipeline_order("1f1b", pp, pp, micro_batches)[s]
+    pending = sum(each[a.phase] for a in actions)  # receives posted, not yet taken
+    kept = once["F"] + once["B"]
+    outstanding = peak = 0  # micro-batches whose saved tensors are held
+    for a in actions:
+        pending -= each[a.phase]
+        if a.phase == "B":
+            outstanding -= 1
+        others = kept - once[a.phase] + summed + outstanding * saved + pending
+        peak = max(peak, peak_of[a.phase] + others)
+        if a.phase == "F":
+            outstanding += 1
+    return held_weights, peak
 
 
 def stage_planner(

@@ -37,6 +37,7 @@ from tessel._torch import C10D_FUNCTIONAL
 from tessel.errors import TesselError
 from tessel.lower.nodes import Node, ProgramNodes, call, contiguous_copy, output, ref, renamed
 from tessel.lower.program import RankProgram, tensor_bytes
+from tessel.schedules import Handoff, Phase
 
 _SLICE = "aten.slice.Tensor"
 _ZEROS = "aten.zeros.default"
@@ -73,6 +74,26 @@ class StagedProgram:
     weights: list[str]
     stage: int
     sent_bytes: int = 0  # activation bytes this rank sends to later stages per run
+    # a training stage's: `program` is its forward pass over one micro-batch
+    passes: StagePasses | None = None
+
+
+@dataclass(frozen=True)
+class StagePasses:
+    """A stage's backward pass beside its forward pass (`StagedProgram.program`), each run
+    over one micro-batch, and the handoffs of the whole pipeline (of this rank's replica and
+    tensor-parallel rank), in the order every pass takes and makes them.
+
+    Both passes take the stage's weights, then the micro-batch's rows of the model inputs, then
+    the handoffs they receive; the backward pass then what the forward pass `saved` for it.
+    The forward pass returns the handoffs it sends, then what it saves; the backward pass the
+    handoffs it sends, then the gradients of the trained weights of its stage, in the step's
+    order. The pipeline's pass `loss` returns the micro-batch's loss last."""
+
+    backward: RankProgram
+    handoffs: tuple[Handoff, ...]
+    saved: int
+    loss: tuple[Phase, int]
 
 
 def stage_programs(
@@ -432,21 +453,18 @@ class _Cut(StageCut):
 class _Transfers:
     """Point-to-point sends between this rank and another, as broadcasts over the pair."""
 
-    def __init__(self, me: int, shapes: dict, directed: bool = False) -> None:
+    def __init__(self, me: int, shapes: dict) -> None:
         self.me, self.shapes = me, shapes
-        # directed: a pair's group lists the sender first, so each direction has its own
-        self.directed = directed
         self.sent = 0  # bytes sent on to later stages per run
 
-    def _pair(self, peer: int, sender: int) -> tuple[dict, int, int]:
+    def _pair(self, peer: int) -> tuple[dict, int, int]:
         ranks = sorted({self.me, peer})
-        listed = [sender, self.me if sender == peer else peer] if self.directed else ranks
-        return {"$group": listed}, ranks.index(self.me), ranks.index(peer)
+        return {"$group": ranks}, ranks.index(self.me), ranks.index(peer)
 
     def recv(self, value: str, new: str, source: int) -> list[Node]:
         """Nodes receiving `value` (shaped as this rank's own) from `source` as `new`."""
         shape, dtype = self.shapes[value]
-        group, _, src = self._pair(source, source)
+        group, _, src = self._pair(source)
         self.shapes[f"{new}_buf"] = self.shapes[f"{new}_recv"] = self.shapes[new] = (shape, dtype)
         return [
             zeros(f"{new}_buf", shape, dtype),
@@ -456,7 +474,7 @@ class _Transfers:
 
     def send(self, value: str, target: int, waits: list[Node], forward: bool = True) -> Node:
         """The node sending `value` to `target`; its wait goes into `waits`."""
-        group, me, _ = self._pair(target, self.me)
+        group, me, _ = self._pair(target)
         name = f"{value}_to{target}"
         self.shapes[name] = self.shapes[value]
         if forward:

@@ -1,55 +1,54 @@
-"""Pipeline stages of a training step: each rank's program runs its stage's part of the forward
-and backward pass over the micro-batches in a 1F1B schedule, and returns its weights' gradients
-summed over them.
+"""Pipeline stages of a training step: each rank's stage as two programs over one micro-batch,
+its forward pass and its backward pass, which the runtime's pipeline runner runs over the
+micro-batches in 1F1B order (`runtime.pipeline_runner`, as `tessel.parallel`'s `Pipeline` runs
+its stages), summing the gradients of the stage's weights over them.
 
 The joint forward + backward program is planned and lowered once for the `tp` devices of one
 stage-replica, on one micro-batch (as `lower.stages` does for inference). Here every node is
 given a *position* in one micro-batch's journey through the pipeline, `F0 < F1 < ... < F(p-1)
-< B(p-1) < ... < B0`: stage `s` computes the nodes at `Fs` in its forward slot and those at
-`Bs` in its backward slot. A value may be read at its own position or any later one, so
-activations travel to later stages and gradients back to earlier ones:
+< B(p-1) < ... < B0`: stage `s`'s forward pass computes the nodes at `Fs` and its backward pass
+those at `Bs`. A value may be read at its own position or any later one, so activations travel
+to later stages and gradients back to earlier ones:
 
+- the forward pass is what the loss is computed from; every other node makes gradients and
+  runs in a backward pass, after every forward position;
 - a node that reads a weight (or a value made from weights alone) runs on the weight's stage:
   at `Fs` when its other inputs allow, at `Bs` when it reads a gradient made on that stage or
-  a later one; a node reading a later stage's activation runs there and the weight is sent;
+  a later one; a forward node reading a later stage's activation runs there and the weight is
+  sent (a tied embedding read by the last stage), and its backward nodes run there too;
+- a weight's gradient made from its stage's activations and a later stage's gradient runs
+  on the weight's stage, so the gradient comes back rather than the activation going on;
 - any other node runs as early as its inputs allow, or, not joining values, as late as its
   readers allow, so the few values a layer hands on cross between stages;
-- a weight's gradient is returned by its stage, summed over the micro-batches; the loss, the
-  mean over the micro-batches, is sent from its stage to the first one.
+- a weight's gradient is returned by its stage's backward pass; the loss by the pass making it.
 
-Stage `s` runs its slots in the 1F1B order of `tessel.schedules`, the order `tessel.parallel`'s
-`Pipeline` scripts run too: `min(p - 1 - s, m)` forward slots, then one forward and one backward
-slot in turn, then the remaining backward slots, so at most `p - s` micro-batches' activations
-are held.
+What a pass reads from another stage is a handoff (`tessel.schedules.Handoff`) from the pass
+making it: a weight from its stage's forward pass, once per step (a tied embedding read by the
+last stage); any other value per micro-batch, to the forward pass of a stage reading it there,
+or else to its backward pass. What a stage's backward pass reads of its own forward pass (and of
+what was handed to it) the forward pass returns as saved, and the runtime keeps until the
+micro-batch's backward pass.
 
-Values travel over a channel per ordered pair of ranks: a process group over the two ranks,
-listed sender first, so a pair has one group each way and the broadcasts on each group come
-in the same order on both ranks. A rank posts every receive when its program starts and waits
-on each where it is first read, so no send waits for a receiver that is busy sending.
-
-Rank `(s, d, t)` is `s * dp * tp + d * tp + t`, as for inference.
+Rank `(s, d, t)` is `s * dp * tp + d * tp + t`, as for inference; the handoffs of a replica and
+tensor-parallel rank travel between the ranks `(*, d, t)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
-from tessel.lower.nodes import Node, call, ref
-from tessel.lower.program import RankProgram
+from tessel.lower.nodes import INPUT, Node, output, ref
+from tessel.lower.program import RankProgram, tensor_bytes
 from tessel.lower.stages import (
     Split,
     StageCut,
     StagedProgram,
     StageError,
-    _Transfers,
+    StagePasses,
     latest_allowed,
-    zeros,
 )
-from tessel.schedules import pipeline_order
-
-_ADD = "aten.add.Tensor"
-_DIV = "aten.div.Tensor"
+from tessel.schedules import Handoff, Phase
 
 
 def training_stage_programs(
@@ -69,17 +68,8 @@ def training_stage_programs(
         cut = _TrainingCut(rp, weights, weight_stage, gradients, user_inputs, split)
         for s in range(split.pp):
             for d in range(split.dp):
-                out[split.rank(s, d, t)] = cut.program(s, d, t)
+                out[split.rank(s, d, t)] = cut.passes(s, d, t)
     return out  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class _Send:
-    """A value one stage sends another: for one micro-batch, or (-1) once for all of them."""
-
-    value: str  # the node or weight input sent
-    micro_batch: int
-    target: int  # the receiving stage
 
 
 class _TrainingCut(StageCut):
@@ -107,14 +97,10 @@ class _TrainingCut(StageCut):
         self.loss, *self.gradients = self.output.reads
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
         self.pos = self._assign()
-        # stage s runs on pipeline rank s: its slots, ("F" or "B", micro-batch), are that
-        # rank's actions in order
-        self.slots = [
-            [(a.phase, a.micro_batch) for a in actions]
-            for actions in pipeline_order("1f1b", split.pp, split.pp, split.micro_batches)
-        ]
-        # what each stage sends, in the order it sends it: the same for every replica and rank
-        self.sends = {s: self._sends(s) for s in range(split.pp)}
+        self._check_rows()
+        # every handoff of the pipeline: (value, sender, receiver), in the order the passes
+        # take them; the same for every replica and tensor-parallel rank
+        self.routes = self._routes()
 
     # -- positions ---------------------------------------------------------------------
 
@@ -135,18 +121,33 @@ class _TrainingCut(StageCut):
         earliest: dict[str, int] = {}
         made_of_weights: dict[str, int] = {}  # node -> the stage of the weights it is made of
         pinned: set[str] = set()
+        forward = self._forward_nodes()
+        feeds = self._gradient_stages()
+        sources: dict[str, frozenset[str]] = {}  # a node made of weights -> those weights
+        sent_to: dict[str, set[int]] = {}  # a weight -> the later stages its forward pass reads
         for n in self.calls:
             name, args = n.name, n.reads
+            read = frozenset(a for a in args if a in self.weight_stage).union(
+                *(sources[a] for a in args if a in sources)
+            )
             stages = [self.weight_stage[a] for a in args if a in self.weight_stage]
             stages += [made_of_weights[a] for a in args if a in made_of_weights]
             others = [earliest[a] for a in args if a in earliest and a not in made_of_weights]
             e = max(others, default=-1)
-            if not stages:
-                earliest[name] = max(e, 0)
-                continue
             made = all(
                 a in self.weight_stage or a in made_of_weights or a in constants for a in args
             )
+            if name not in forward and not made:  # the backward pass: after every forward one
+                e = max(e, p)
+            if not stages:
+                # a weight's gradient from its stage's activations (x^T dy) runs on that stage:
+                # the later stage's gradient comes back, not the activation on and the result
+                w = min(feeds.get(name, {-1}))
+                mine = any(earliest.get(a) == self._f(w) for a in args)
+                if name not in forward and feeds.get(name) == {w} and mine and e < self._b(w):
+                    e = self._b(w)
+                earliest[name] = max(e, 0)
+                continue
             if not made:  # a weight's value read with others: on the weight's stage
                 pinned.add(name)
             w = max(stages)
@@ -154,10 +155,15 @@ class _TrainingCut(StageCut):
                 earliest[name] = self._f(w)
             elif e < p:
                 earliest[name] = e  # a later stage's activation: the weight is sent there
-            else:
-                earliest[name] = self._b(w) if self.stage_of(e) >= w else e
+                for x in read:
+                    sent_to.setdefault(x, set()).add(self.stage_of(e))
+            else:  # on the weight's stage, unless a later stage holds it already (a tied one)
+                there = self.stage_of(e)
+                held = all(there in sent_to.get(x, ()) for x in read)
+                earliest[name] = self._b(w) if there >= w and not held else e
             if made:  # runs where it is read: the weight is sent there once, not this per batch
                 made_of_weights[name] = w
+                sources[name] = read
         fixed = pinned | {self.loss, *self.gradients}
         pos = latest_allowed(self.calls, self.nodes.readers, earliest, fixed)
         for n in self.calls:
@@ -166,11 +172,10 @@ class _TrainingCut(StageCut):
                 if a in pos or a in self.weight_stage:
                     if where > pos[n.name]:
                         raise StageError(f"{n.name} runs before {a}, which it reads")
-                    crosses = self.stage_of(where) != self.stage_of(pos[n.name])
-                    if crosses and a not in self.rp.shapes:
+                    if where != pos[n.name] and a not in self.rp.shapes:
                         raise StageError(
-                            f"{n.name} reads {a}, which is not a tensor, from another "
-                            "stage: pipeline stages can pass only tensors"
+                            f"{n.name} reads {a}, which is not a tensor, from another pass: "
+                            "pipeline passes can hand on only tensors"
                         )
         for value, stage in zip(self.gradients, self.gradient_stage):
             if value in pos and pos[value] > self._b(stage):
@@ -180,176 +185,178 @@ class _TrainingCut(StageCut):
                 )
         return pos
 
+    def _forward_nodes(self) -> set[str]:
+        """The calls the loss is computed from: the forward pass. The others make only the
+        gradients: the backward pass, which runs on a stage after every forward pass of its
+        micro-batch, so each stage's backward nodes run on it (a backward node reading a
+        weight runs in the weight's stage's backward pass), not on the last stage."""
+        made = {n.name: n for n in self.calls}
+        forward: set[str] = set()
+        stack = [self.loss] if self.loss in made else []
+        while stack:
+            name = stack.pop()
+            if name in forward:
+                continue
+            forward.add(name)
+            stack += [a for a in made[name].reads if a in made]
+        return forward
+
+    def _gradient_stages(self) -> dict[str, set[int]]:
+        """Each call -> the stages of the weights whose gradients it goes into."""
+        feeds: dict[str, set[int]] = {}
+        for g, stage in zip(self.gradients, self.gradient_stage):
+            feeds.setdefault(g, set()).add(stage)
+        readers = self.nodes.readers
+        for n in reversed(self.calls):
+            for r in readers[n.name]:
+                if r in feeds:
+                    feeds.setdefault(n.name, set()).update(feeds[r])
+        return feeds
+
     def _position(self, value: str) -> int:
         if value in self.pos:
             return self.pos[value]
         return self._f(self.weight_stage[value])  # a weight, held by its stage from the start
 
-    # -- what each stage sends ---------------------------------------------------------
+    def _phase(self, pos: int) -> Phase:
+        return "F" if pos < self.split.pp else "B"
 
-    def _reads(self, s: int) -> dict[str, int]:
-        """Values stage `s` reads from other stages -> the first position it reads them at
-        (gradients returned by `s` are read at its backward position)."""
-        first: dict[str, int] = {}
+    def _pass(self, pos: int) -> tuple[Phase, int]:
+        return self._phase(pos), self.stage_of(pos)
+
+    def _check_rows(self) -> None:
+        """Each micro-batch is its rows of every model input: the inputs have them first."""
+        split = self.split
+        if split.micro_batches * split.dp == 1:
+            return
+        for u in self.user_nodes:
+            shape, _ = self.rp.shapes[u.name]
+            if not shape or shape[0] != split.rows:
+                raise StageError(
+                    f"model input {u.name!r} of shape {shape} has no batch dimension of "
+                    f"{split.rows} rows first; micro-batches and replicas split every input "
+                    "along its first dimension"
+                )
+
+    def _elsewhere(self, value: str, s: int) -> bool:
+        """Whether `value` is a weight or a value that another stage than `s` holds or makes."""
+        held = value in self.pos or value in self.weight_stage
+        return held and self.stage_of(self._position(value)) != s
+
+    def _read_by(self, s: int, phase: Phase) -> list[str]:
+        """What stage `s`'s pass of `phase` reads that it does not make, in order of first
+        reading (the backward pass's returned gradients last)."""
+        here = self._f(s) if phase == "F" else self._b(s)
+        out: dict[str, None] = {}
         for n in self.calls:
-            where = self.pos[n.name]
-            if self.stage_of(where) != s:
-                continue
-            for a in n.reads:
-                if (a in self.pos or a in self.weight_stage) and self.stage_of(
-                    self._position(a)
-                ) != s:
-                    first[a] = min(first.get(a, where), where)
-        for value, stage in zip(self.gradients, self.gradient_stage):
-            if stage == s and self.stage_of(self._position(value)) != s:
-                first.setdefault(value, self._b(s))
-        return first
+            if self.pos[n.name] == here:
+                out.update((a, None) for a in n.reads if self.pos.get(a) != here)
+        if phase == "B":
+            for value, stage in zip(self.gradients, self.gradient_stage):
+                if stage == s and self.pos.get(value) != here:
+                    out.setdefault(value)
+        return list(out)
 
-    def _sends(self, s: int) -> list[_Send]:
-        """Everything stage `s` sends, in the order its program sends it."""
-        targets: dict[str, list[int]] = {}
-        for q in range(self.split.pp):
-            if q != s:
-                for value in self._reads(q):
-                    if self.stage_of(self._position(value)) == s:
-                        targets.setdefault(value, []).append(q)
-        sends: list[_Send] = []
-        for phase, k in self.slots[s]:
-            here = self._f(s) if phase == "F" else self._b(s)
-            if phase == "F" and k == 0:
-                sends += [
-                    _Send(w, -1, q)
-                    for w in self.weight_stage
-                    if self.weight_stage[w] == s
-                    for q in targets.get(w, ())
-                ]
-            for n in self.calls:
-                if self.pos[n.name] == here:
-                    sends += [_Send(n.name, k, q) for q in targets.get(n.name, ())]
-        loss_stage = self.stage_of(self._position(self.loss))
-        if s == loss_stage and s != 0:
-            sends.append(_Send(_LOSS, -1, 0))
-        return sends
+    def _routes(self) -> list[tuple[str, tuple[Phase, int], tuple[Phase, int]]]:
+        """Every handoff as (value, sending pass, receiving pass): what a pass reads from
+        another stage. A weight comes from its stage's forward pass, once per step, to each
+        pass reading it; any other value from the pass making it, to the forward pass of a stage
+        reading it there (its backward pass then reads what the forward pass saved) or else to
+        the backward pass."""
+        routes = []
+        phases: tuple[Phase, Phase] = ("F", "B")
+        for s in range(self.split.pp):
+            forward = [a for a in self._read_by(s, "F") if self._elsewhere(a, s)]
+            for phase in phases:
+                for a in self._read_by(s, phase):
+                    if not self._elsewhere(a, s):
+                        continue
+                    if phase == "B" and a in forward and a not in self.weight_stage:
+                        continue  # saved by the forward pass
+                    routes.append((a, self._pass(self._position(a)), (phase, s)))
+        return routes
 
-    # -- one rank's program ------------------------------------------------------------
+    def _saved(self, s: int) -> list[str]:
+        """What stage `s`'s forward pass keeps for its backward pass: values made there or
+        handed to it, read by the backward pass."""
+        f = self._f(s)
+        received = {a for a, _, to in self.routes if to == ("F", s)}
+        return [
+            a for a in self._read_by(s, "B")
+            if (self.pos.get(a) == f or a in received) and a not in self.weight_stage
+        ]  # fmt: skip
 
-    def program(self, s: int, d: int, t: int) -> StagedProgram:
-        split, p = self.split, self.split.pp
-        shapes = dict(self.rp.shapes)
-        me = split.rank(s, d, t)
+    def handoffs(self) -> tuple[Handoff, ...]:
+        """The routes as this tensor-parallel rank's handoffs: each with its local shape."""
+        out = []
+        for value, sender, receiver in self.routes:
+            shape, dtype = self.rp.shapes[value]
+            once = value in self.weight_stage
+            out.append(Handoff(sender, receiver, tuple(shape), dtype, once))
+        return tuple(out)
 
-        def rank_of(stage: int) -> int:
-            return split.rank(stage, d, t)
+    # -- one rank's passes -------------------------------------------------------------
+
+    def passes(self, s: int, d: int, t: int) -> StagedProgram:
+        """Rank `(s, d, t)`'s forward pass, with its backward pass and the handoffs beside."""
+        split = self.split
 
         def tp_rank(r: int) -> int:
             return split.rank(s, d, r)
 
-        loss_stage = self.stage_of(self._position(self.loss))
-        shapes[_LOSS] = self.rp.shapes[self.loss]
-        body: list[Node] = []
-        rows_of = self.rows(body, shapes, split.micro_batches, 0)
-
-        # every receive posted first, each channel's in its sender's order
-        transfers = _Transfers(me, shapes, directed=True)
-        received: dict[tuple[str, int], str] = {}  # (value, micro-batch or -1) -> node
-        waits: dict[str, Node] = {}  # received node -> its wait, placed where first read
-        for q in range(p):
-            for x in self.sends[q] if q != s else ():
-                if x.target != s:
-                    continue
-                tag = "w" if x.micro_batch < 0 else f"mb{x.micro_batch}"
-                new = f"{x.value}__{tag}_from{q}"
-                *post, waits[new] = transfers.recv(x.value, new, rank_of(q))
-                body += post
-                received[(x.value, x.micro_batch)] = new
-
-        targets: dict[tuple[str, int], list[int]] = {}
-        for x in self.sends[s]:
-            targets.setdefault((x.value, x.micro_batch), []).append(x.target)
-
-        def send(value: str, node: str, k: int, pending: list[Node]) -> None:
-            for q in targets.get((value, k), ()):
-                body.append(transfers.send(node, rank_of(q), pending))
-
-        def wait_for(node: str) -> str:
-            if node in waits:
-                body.append(waits.pop(node))
-            return node
-
         weights = [w for w in self.weight_nodes if self.weight_stage[w.name] == s]
-        accumulated: dict[int, str] = {}  # gradient output index -> its running sum's node
-        loss_sum = ""
-        for phase, k in self.slots[s]:
+        saved = self._saved(s)
+        loss_pass = self._pass(self._position(self.loss))
+        made: dict[str, RankProgram] = {}
+        for phase in ("F", "B"):
             here = self._f(s) if phase == "F" else self._b(s)
-            pending: list[Node] = []
-            if phase == "F" and k == 0:
-                for w in weights:
-                    send(w.name, w.name, -1, pending)
+            shapes = dict(self.rp.shapes)
+            names: dict[str, str] = {}
+            inputs = [*weights, *self.user_nodes]
+            taken = [(i, a) for i, (a, _, to) in enumerate(self.routes) if to == (phase, s)]
+            for new, a in [(f"{a}__handoff{i}", a) for i, a in taken] + [
+                (f"{a}__saved", a) for a in (saved if phase == "B" else ())
+            ]:
+                names[a] = new
+                shapes[new] = shapes[a]
+                inputs.append(Node(INPUT, new))
+            body = [
+                n.renamed(n.name, names, tp_rank) for n in self.calls if self.pos[n.name] == here
+            ]
+            returned = [names.get(a, a) for a, sender, _ in self.routes if sender == (phase, s)]
+            if phase == "F":
+                returned += [names.get(a, a) for a in saved]
+            else:
+                returned += [
+                    names.get(g, g)
+                    for g, stage in zip(self.gradients, self.gradient_stage)
+                    if stage == s
+                ]
+            if loss_pass == (phase, s):
+                returned.append(names.get(self.loss, self.loss))
+            made[phase] = self._program(inputs, body, [ref(a) for a in returned], shapes)
+        handoffs = self.handoffs()
+        m = split.micro_batches
+        sent = sum(
+            tensor_bytes(list(h.shape), h.dtype) * (1 if h.once else m)
+            for h in handoffs
+            if h.sender == ("F", s) and h.receiver[1] != s
+        )
+        forward = StagedProgram(made["F"], [self.fqn[w.name] for w in weights], s, sent)
+        forward.passes = StagePasses(made["B"], handoffs, len(saved), loss_pass)
+        return forward
 
-            def name_of(a: str, k: int = k) -> str:
-                if a in self.weight_stage:
-                    if self.weight_stage[a] == s:
-                        return a
-                    return wait_for(received[(a, -1)])
-                if a in rows_of:
-                    return rows_of[a][k]
-                if a in self.pos:
-                    if self.stage_of(self.pos[a]) == s:
-                        return f"{a}__mb{k}"
-                    return wait_for(received[(a, k)])
-                return a  # a constant
-
-            for n in self.calls:
-                if self.pos[n.name] != here:
-                    continue
-                names = {a: name_of(a) for a in n.reads}
-                new = f"{n.name}__mb{k}"
-                if n.name in shapes:
-                    shapes[new] = shapes[n.name]
-                body.append(n.renamed(new, names, tp_rank))
-                send(n.name, new, k, pending)
-            if s == loss_stage and self._position(self.loss) == here:
-                loss_sum = self._accumulate(body, shapes, loss_sum, name_of(self.loss), k)
-            if phase == "B":
-                for i, (value, stage) in enumerate(zip(self.gradients, self.gradient_stage)):
-                    if stage == s:
-                        accumulated[i] = self._accumulate(
-                            body, shapes, accumulated.get(i, ""), name_of(value), k
-                        )
-            body += pending
-
-        # the loss: the mean over the micro-batches, sent from its stage to the first
-        pending = []
-        if s == loss_stage:
-            loss = loss_sum
-            if split.micro_batches > 1:
-                loss = f"{_LOSS}__mean"
-                shapes[loss] = shapes[_LOSS]
-                body.append(call(loss, _DIV, [ref(loss_sum), split.micro_batches]))
-            send(_LOSS, loss, -1, pending)  # to the first stage, unless this is it
-        elif s == 0:
-            loss = wait_for(received[(_LOSS, -1)])
-        else:  # a middle stage returns no loss of its own
-            loss = f"{_LOSS}__none"
-            shapes[loss] = shapes[_LOSS]
-            body.append(zeros(loss, *shapes[_LOSS]))
-        body += pending
-        if waits:
-            raise StageError(f"rank {me} receives {sorted(waits)[0]} but never reads it")
-        outputs = [ref(loss)] + [
-            ref(accumulated[i]) for i, stage in enumerate(self.gradient_stage) if stage == s
-        ]
-        return self.staged(s, weights, body, outputs, shapes, transfers.sent)
-
-    @staticmethod
-    def _accumulate(body: list[Node], shapes: dict, total: str, value: str, k: int) -> str:
-        """The running sum over micro-batches `total` (empty before the first) plus `value`."""
-        if not total:
-            return value
-        new = f"{value}__sum{k}"
-        shapes[new] = shapes.get(value, shapes.get(total))
-        body.append(call(new, _ADD, [ref(total), ref(value)]))
-        return new
-
-
-_LOSS = "tessel_loss"  # the loss's mean over the micro-batches, as sent to the first stage
+    def _program(
+        self, inputs: list[Node], body: list[Node], returned: list, shapes: dict
+    ) -> RankProgram:
+        last = output(returned)
+        reads = {a for n in (*body, last) for a in n.reads}
+        constants = [c for c in self.constants if c.name in reads]
+        program = self.nodes.program([*inputs, *constants, *body, last])
+        used = {c.name for c in constants}
+        return replace(
+            self.rp,
+            program=program,
+            shapes=shapes,
+            constants={k: v for k, v in self.rp.constants.items() if k in used},
+        )

@@ -19,6 +19,7 @@ from tessel.config.optimizer import spec_from_json
 from tessel.config.sampling import MODEL_SETTINGS, Setting, check_settings_in_range
 from tessel.package.fields import Field, PackageError, valid_member_name
 from tessel.package.plan_report import PlanReport
+from tessel.schedules import Handoff, Phase
 from tessel.sharding.geometry import Box
 
 FORMAT = "tessel.offline_model"
@@ -111,6 +112,82 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class Passes:
+    """A training pipeline stage on one rank: its backward pass beside its forward pass
+    (`Submodel.program`), each over one micro-batch, and the handoffs of its replica's pipeline
+    in the order the passes take and make them. The forward pass returns the handoffs it sends,
+    then the `saved` tensors its backward pass takes after its handoffs; the pass `loss` of
+    the pipeline returns the micro-batch's loss last."""
+
+    backward: str
+    handoffs: tuple[Handoff, ...]
+    saved: int
+    loss: tuple[Phase, int]
+
+    @classmethod
+    def read(cls, f: Field, members: frozenset[str]) -> Passes:
+        f.only(("backward", "handoffs", "saved", "loss"))
+        handoffs = []
+        for h in f.get("handoffs").list():
+            h.only(("sender", "receiver", "shape", "dtype", "once"))
+            once = h.get("once").value
+            if not isinstance(once, bool):
+                raise h.get("once")._expect("true or false")
+            handoffs.append(
+                Handoff(
+                    _pass(h.get("sender")),
+                    _pass(h.get("receiver")),
+                    _shape(h.get("shape")),
+                    h.get("dtype").str(sorted(DTYPES)),
+                    once,
+                )
+            )
+        return cls(
+            f.get("backward").member(members),
+            tuple(handoffs),
+            f.get("saved").int(high=1 << 20),
+            _pass(f.get("loss")),
+        )
+
+    def taken(self, phase: Phase, stage: int) -> int:
+        """How many tensors stage `stage`'s pass of `phase` takes after the weights and the
+        model's inputs: the handoffs it receives (and, backward, what was saved for it)."""
+        received = sum(1 for h in self.handoffs if h.receiver == (phase, stage))
+        return received + (self.saved if phase == "B" else 0)
+
+    def to_json(self) -> dict:
+        return {
+            "backward": self.backward,
+            "handoffs": [h.to_json() for h in self.handoffs],
+            "saved": self.saved,
+            "loss": list(self.loss),
+        }
+
+
+def _check_stages(f: Field, passes: Passes, stages: int) -> None:
+    """Every pass `passes` names is one of the mesh's `stages` stages'."""
+    named = [("loss", passes.loss)] + [
+        (f"handoffs[{i}].{end}", getattr(h, end))
+        for i, h in enumerate(passes.handoffs)
+        for end in ("sender", "receiver")
+    ]
+    for key, (_, stage) in named:
+        if stage >= stages:
+            raise Field(None, f"{f.key}.{key}", f.source).fail(
+                f"names stage {stage}; the mesh has {stages} pipeline stages"
+            )
+
+
+def _pass(f: Field) -> tuple[Phase, int]:
+    """A pass as ["F" or "B", stage]."""
+    parts = f.list()
+    if len(parts) != 2:
+        raise f.fail(f"expected [phase, stage], found {f._found()}")
+    phase: Phase = "F" if parts[0].str(("F", "B")) == "F" else "B"
+    return phase, parts[1].int(high=1 << 20)
+
+
+@dataclass(frozen=True)
 class Submodel:
     """One rank: where it runs, its program and weight members, and the groups it talks in."""
 
@@ -123,13 +200,14 @@ class Submodel:
     weight_order: tuple[str, ...]
     tied: Mapping[str, Tie]
     # each a process group over its ranks; the same ranks in another order are another group
-    # (a training pipeline sends each way between two ranks over a group of its own)
     comm_groups: tuple[tuple[int, ...], ...]
     # a generation package's prefill programs by prompt length (`program` is its decode gear)
     gears: Mapping[int, str] = field(default_factory=dict)
     # the state this rank holds, zero at load and written by its programs: name -> its box,
     # a (start, stop) per dim of the whole tensor
     state: Mapping[str, Box] = field(default_factory=dict)
+    # a training pipeline stage's passes (`program` is its forward pass)
+    passes: Passes | None = None
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each state's local shape on this rank."""
@@ -179,6 +257,7 @@ class Submodel:
             comm_groups=tuple(groups),
             gears=gears,
             state=state,
+            passes=f.get("passes", optional=True).optional(lambda p: Passes.read(p, members)),
         )
 
     def to_json(self) -> dict:
@@ -198,6 +277,7 @@ class Submodel:
                 if self.state
                 else {}
             ),
+            **({"passes": self.passes.to_json()} if self.passes is not None else {}),
         }
 
 
@@ -222,6 +302,10 @@ class Mesh:
         """The size of the axis named `axis`; 1 where the mesh has none (one replica, one
         stage)."""
         return math.prod(s for s, n in zip(self.shape, self.dim_names) if n == axis)
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage of `rank` (its mesh axes outermost first: pp, dp, then tp)."""
+        return rank // (self.size("dp") * self.tensor_parallel)
 
     @property
     def tensor_parallel(self) -> int:
@@ -527,6 +611,19 @@ class Manifest:
             lambda o: tuple(TensorSpec.read(x, named=False) for x in o.list())
         )
         timings = {k: v.number() for k, v in top.get("timings").items()} if "timings" in obj else {}
+        submodels = tuple(Submodel.read(s, r, world, names) for r, s in enumerate(subs))
+        staged = mode == "training" and mesh.size("pp") > 1
+        for r, sub in enumerate(submodels):
+            if sub.passes is not None and staged:
+                _check_stages(subs[r].get("passes"), sub.passes, mesh.size("pp"))
+            if (sub.passes is not None) != staged:
+                raise subs[r].fail(
+                    "has no forward and backward passes for its pipeline stage: the package was "
+                    "built by an earlier tessel, which ran a stage as one program over every "
+                    "micro-batch; build it again"
+                    if staged
+                    else "has pipeline passes, but the model is no training pipeline"
+                )
         return cls(
             format_version=version,
             tessel_version=top.get("tessel_version").str(),
@@ -540,7 +637,7 @@ class Manifest:
             mesh=mesh,
             inputs=inputs,
             outputs=outputs,
-            submodels=tuple(Submodel.read(s, r, world, names) for r, s in enumerate(subs)),
+            submodels=submodels,
             layouts=top.get("layouts").member(names),
             strategy=top.get("strategy", optional=True).optional(lambda s: s.member(names)),
             plan=PlanReport.read(top.get("plan", optional=True)),

@@ -38,7 +38,7 @@ from tessel.parallel.micro_batches import _count, _tensor_output
 from tessel.parallel.planned import loss_with_gradients
 from tessel.parallel.replaced import retire
 from tessel.runtime.exchange import DEFAULT_FUSION, InFlight, fusion_buckets
-from tessel.runtime.pipeline_runner import Boundary, PipelineRunner
+from tessel.runtime.pipeline_runner import Boundary, PipelineRunner, handoffs_between
 from tessel.schedules import pipeline_order
 
 
@@ -175,7 +175,7 @@ class Pipeline(torch.nn.Module):
             pipeline_order(self.scheduler, pp, self.stages, self.micro_size)[self.pp_rank],
             self.stages,
             self.micro_size,
-            [Boundary(_made(m)) for m in modules[:-1]],
+            handoffs_between([Boundary(_made(m)) for m in modules[:-1]], self.stages),
             lambda stage: stage % pp,
             self.mesh["pp"].get_group(),
             device,

@@ -179,7 +179,7 @@ class InProcessModel:
         name_of = {g: f"in-process:{','.join(map(str, g))}" for g in groups}
         self.group_of = {name: g for g, name in name_of.items()}
         cpu = torch.device("cpu")
-        self.ranks: list[tuple[dict[int | None, fx.GraphModule], list[torch.Tensor]]] = []
+        self.ranks: list[tuple[dict[int | str | None, fx.GraphModule], list[torch.Tensor]]] = []
         for rank in range(1 if self.single else manifest.world_size):
             self.ranks.append(load_programs(package, rank, cpu, {} if self.single else name_of))
 

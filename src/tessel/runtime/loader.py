@@ -18,11 +18,15 @@ def load_rank(
     return programs[1 if package.manifest.generation is not None else None], weights
 
 
+BACKWARD = "backward"  # a training pipeline stage's backward pass, among a rank's programs
+
+
 def load_programs(
     package: Package, rank: int, device: torch.device, groups: dict[tuple[int, ...], str]
-) -> tuple[dict[int | None, fx.GraphModule], list[torch.Tensor]]:
+) -> tuple[dict[int | str | None, fx.GraphModule], list[torch.Tensor]]:
     """The rank's programs and its weight inputs in program order, its members read once: its
-    program under None, or a generation package's gears by prompt length (1: decode)."""
+    program under None (a training pipeline stage's backward pass beside it, under
+    `BACKWARD`), or a generation package's gears by prompt length (1: decode)."""
     sub = package.submodel(rank)
     tensors = package.weights(sub)
     constants = {
@@ -40,12 +44,22 @@ def load_programs(
         state[name] if name in state else tensors[name].to(device) for name in sub.weight_order
     ]
     main = 1 if package.manifest.generation is not None else None
-    members: dict[int | None, str] = {**sub.gears, main: sub.program}
+    members: dict[int | str | None, str] = {**sub.gears, main: sub.program}
+    if sub.passes is not None:
+        members[BACKWARD] = sub.passes.backward
     programs = {
-        key: _program(package, rank, member, constants, device, groups)
+        key: _program(package, rank, member, constants, device, groups, _taken(package, rank, key))
         for key, member in members.items()
     }
     return programs, weights
+
+
+def _taken(package: Package, rank: int, key: int | str | None) -> int:
+    """What the program `key` of `rank` takes beside its weights and the model's inputs."""
+    passes = package.submodel(rank).passes
+    if passes is None:
+        return 0
+    return passes.taken("B" if key == BACKWARD else "F", package.manifest.mesh.stage_of(rank))
 
 
 def _state(package: Package, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -68,17 +82,20 @@ def _program(
     constants: dict[str, torch.Tensor],
     device: torch.device,
     groups: dict[tuple[int, ...], str],
+    taken: int = 0,
 ) -> fx.GraphModule:
-    """One program member of `rank`, checked to take its weights and the model's inputs."""
+    """One program member of `rank`, checked to take its weights, the model's inputs and
+    `taken` more (a training pipeline stage's pass: what other passes hand it)."""
     sub = package.submodel(rank)
     program = package.json(member)
-    takes = len(sub.weight_order) + len(package.manifest.inputs)
+    takes = len(sub.weight_order) + len(package.manifest.inputs) + taken
     if isinstance(program, dict) and isinstance(program.get("nodes"), list):
         found = sum(isinstance(n, dict) and n.get("op") == "input" for n in program["nodes"])
         if found != takes:
             raise PackageError(
                 package.path,
                 f"the program {member} of rank {rank} takes {found} inputs; its weights and the "
-                f"model's inputs are {takes}",
+                f"model's inputs are {takes - taken}"
+                + (f", and its pipeline stage hands it {taken} more" if taken else ""),
             )
     return decode(program, constants, device, groups)

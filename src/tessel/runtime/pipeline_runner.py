@@ -1,15 +1,20 @@
 """The pipeline schedule runner: one rank's stages run their forward and backward passes over
-the micro-batches in the order `tessel.schedules` lays out, and what one stage hands the next
+the micro-batches in the order `tessel.schedules` lays out, and what one pass hands another
 travels between the ranks holding them.
 
 What a pass computes is the caller's (`StageWork`); the runner owns the order and the
-transfers. Stage `s` hands stage `s + 1` the same tensors for every micro-batch (its
-`Boundary`), and gets back a gradient for each floating one. Before a pass the runner receives
-what the pass reads, and after it sends what the pass made: receives are waited on at once,
+transfers. Every tensor a pass hands a later pass of the same micro-batch is a `Handoff`: a
+stage's activations to the next, the gradients of the floating ones back (`handoffs_between`
+makes those from each stage's `Boundary`), or any tensor one stage reads from another. A pass
+takes the handoffs it receives, in their order, and returns the ones it sends, in theirs.
+Messages are matched by a tag naming the handoff and the micro-batch, so the order in which two
+ranks post them does not matter. Stages held by the same rank hand their tensors over in memory.
+
+Receives are waited on where a pass reads them. By default a receive is posted then too and
 sends are left in flight until the step ends, so a rank never waits on a rank that is itself
-waiting to send. Messages are matched by a tag naming the stage, the micro-batch, the direction
-and the tensor, so the order in which two ranks post them does not matter. Stages held by the
-same rank hand their tensors over in memory.
+waiting to send. With `receive_ahead` every receive of the step is posted when it starts, so
+each pass's sends complete at once and are waited on after the pass, freeing what they sent:
+the order a training package's stage memory is counted in (`lower.training_stages`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from tessel.schedules import Action
+from tessel.dtypes import dtype_name, torch_dtype
+from tessel.schedules import Action, Handoff
 
 
 @dataclass(frozen=True)
@@ -37,71 +43,103 @@ class Boundary:
         return [i for i, t in enumerate(self.tensors) if t.dtype.is_floating_point]
 
 
+def handoffs_between(boundaries: Sequence[Boundary], stages: int) -> list[Handoff]:
+    """The handoffs of a chain of `stages` stages, `boundaries[s]` what stage `s` hands stage
+    `s + 1`: each tensor forward, and the gradient of each floating one back."""
+    if len(boundaries) != stages - 1:
+        raise ValueError(
+            f"PipelineRunner: {stages} stages have {stages - 1} boundaries, found {len(boundaries)}"
+        )
+    out = []
+    for s, boundary in enumerate(boundaries):
+        for t in boundary.tensors:
+            out.append(Handoff(("F", s), ("F", s + 1), tuple(t.shape), dtype_name(t.dtype)))
+        for i in boundary.differentiable:
+            t = boundary.tensors[i]
+            out.append(Handoff(("B", s + 1), ("B", s), tuple(t.shape), dtype_name(t.dtype)))
+    return out
+
+
 class StageWork(Protocol):
     """What this rank's stages compute in one step."""
 
     def forward(
         self, stage: int, micro_batch: int, inputs: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Run `stage`'s forward pass over `micro_batch`, given what the previous stage handed
-        it (nothing for the first stage); return what it hands the next (nothing for the last)."""
+        """Run `stage`'s forward pass over `micro_batch`, given the handoffs it receives;
+        return the handoffs it sends."""
         ...
 
     def backward(
         self, stage: int, micro_batch: int, gradients: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Run `stage`'s backward pass over `micro_batch`, given the gradients of the floating
-        tensors it handed on (nothing for the last stage); return the gradients of the floating
-        tensors it was handed (nothing for the first stage)."""
+        """Run `stage`'s backward pass over `micro_batch`, given the handoffs it receives (in a
+        chain: the gradients of the floating tensors it handed on, nothing for the last
+        stage); return the handoffs it sends (the gradients of the floating tensors it was
+        handed, nothing for the first stage)."""
         ...
 
 
 class PipelineRunner:
-    """Runs this rank's `actions` over `work`, stage `s` held by pipeline rank
-    `holder(s)` of `group`; `boundaries[s]` is what stage `s` hands stage `s + 1`."""
+    """Runs this rank's `actions` over `work`, stage `s` held by rank `holder(s)` of `group`
+    (None: the default group), handing `handoffs` between the passes."""
 
     def __init__(
         self,
         actions: Sequence[Action],
         stages: int,
         micro_batches: int,
-        boundaries: Sequence[Boundary],
+        handoffs: Sequence[Handoff],
         holder: Callable[[int], int],
         group: Any,
         device: torch.device,
+        receive_ahead: bool = False,
     ) -> None:
-        if len(boundaries) != stages - 1:
-            raise ValueError(
-                f"PipelineRunner: {stages} stages have {stages - 1} boundaries, found "
-                f"{len(boundaries)}"
-            )
         self.actions = list(actions)
         self.stages, self.micro_batches = stages, micro_batches
-        self.boundaries = list(boundaries)
-        self.width = max((len(b.tensors) for b in self.boundaries), default=1)  # tags per pass
+        self.handoffs = list(handoffs)
+        self.into: dict[tuple[str, int], list[int]] = {}  # a pass -> the handoffs it takes
+        self.out_of: dict[tuple[str, int], list[int]] = {}  # a pass -> the handoffs it makes
+        for i, h in enumerate(self.handoffs):
+            for stage in (h.sender[1], h.receiver[1]):
+                if not 0 <= stage < stages:
+                    raise ValueError(f"PipelineRunner: handoff {i} names stage {stage} of {stages}")
+            self.into.setdefault(h.receiver, []).append(i)
+            self.out_of.setdefault(h.sender, []).append(i)
         self.holder, self.group, self.device = holder, group, device
-        self.me = dist.get_rank(group)
+        self.receive_ahead = receive_ahead
+        self.me = dist.get_rank(group) if dist.is_initialized() else 0
         self.ran: list[Action] = []  # the passes the last step ran, in order
 
     def step(self, work: StageWork) -> None:
         """Run every action of this rank once; returns when its sends have been received."""
-        in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        in_memory: dict[tuple[int, int], torch.Tensor] = {}
+        kept: dict[int, torch.Tensor] = {}  # handoffs received once for the step
+        posted: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         sends: list[Any] = []
         self.ran = []
         try:
+            if self.receive_ahead:
+                for action in self.actions:
+                    for i in self.into.get((action.phase, action.stage), ()):
+                        if self._remote(i, action.micro_batch):
+                            posted[(i, action.micro_batch)] = self._post(i, action.micro_batch)
             for action in self.actions:
-                s, k = action.stage, action.micro_batch
+                k, here = action.micro_batch, (action.phase, action.stage)
+                inputs = [
+                    self._receive(i, k, in_memory, kept, posted) for i in self.into.get(here, ())
+                ]
                 if action.phase == "F":
-                    inputs = [] if s == 0 else self._receive("F", s - 1, k, in_memory)
-                    made = work.forward(s, k, inputs)
-                    if s < self.stages - 1:
-                        sends += self._send("F", s, k, made, in_memory)
+                    made = work.forward(action.stage, k, inputs)
                 else:
-                    last = s == self.stages - 1
-                    gradients = [] if last else self._receive("B", s + 1, k, in_memory)
-                    made = work.backward(s, k, gradients)
-                    if s > 0:
-                        sends += self._send("B", s, k, made, in_memory)
+                    made = work.backward(action.stage, k, inputs)
+                del inputs
+                sends += self._send(here, k, made, in_memory)
+                del made
+                if self.receive_ahead:
+                    for work_item in sends:
+                        work_item.wait()
+                    sends.clear()
                 self.ran.append(action)
         finally:
             for work_item in sends:
@@ -109,71 +147,71 @@ class PipelineRunner:
         if in_memory:
             raise RuntimeError(f"PipelineRunner: handed over but never read: {sorted(in_memory)}")
 
-    def _expected(self, phase: str, sender: int) -> list[torch.Tensor]:
-        """The meta tensors of what `sender`'s pass of `phase` hands on."""
-        if phase == "F":
-            return list(self.boundaries[sender].tensors)
-        boundary = self.boundaries[sender - 1]
-        return [boundary.tensors[i] for i in boundary.differentiable]
+    def _remote(self, i: int, k: int) -> bool:
+        """Whether handoff `i` of micro-batch `k` comes from another rank."""
+        h = self.handoffs[i]
+        return (k == 0 or not h.once) and self.holder(h.sender[1]) != self.me
 
-    def _tag(self, phase: str, sender: int, k: int, i: int) -> int:
-        return ((k * self.stages + sender) * 2 + (phase == "B")) * self.width + i
+    def _tag(self, i: int, k: int) -> int:
+        return k * len(self.handoffs) + i
 
     def _send(
         self,
-        phase: str,
-        sender: int,
+        here: tuple[str, int],
         k: int,
         made: list[torch.Tensor],
-        in_memory: dict[tuple[str, int, int], list[torch.Tensor]],
+        in_memory: dict[tuple[int, int], torch.Tensor],
     ) -> list[Any]:
-        expected = self._expected(phase, sender)
-        receiver = sender + 1 if phase == "F" else sender - 1
-        if len(made) != len(expected):
+        mine = self.out_of.get(here, [])
+        name = f"stage {here[1]}'s {'forward' if here[0] == 'F' else 'backward'} pass"
+        if len(made) != len(mine):
             raise RuntimeError(
-                f"PipelineRunner: stage {sender}'s {'forward' if phase == 'F' else 'backward'} "
-                f"pass made {len(made)} tensors for stage {receiver}, which takes {len(expected)}"
+                f"PipelineRunner: {name} made {len(made)} tensors to hand on, where "
+                f"{len(mine)} were traced"
             )
-        for got, want in zip(made, expected):
-            if got.shape != want.shape or got.dtype != want.dtype:
+        out = []
+        for i, got in zip(mine, made):
+            h = self.handoffs[i]
+            if got.shape != h.shape or dtype_name(got.dtype) != h.dtype:
                 raise RuntimeError(
-                    f"PipelineRunner: stage {sender} hands stage {receiver} a tensor of "
-                    f"{tuple(got.shape)} {got.dtype}, where it was traced as "
-                    f"{tuple(want.shape)} {want.dtype}"
+                    f"PipelineRunner: {name} hands stage {h.receiver[1]} a tensor of "
+                    f"{tuple(got.shape)} {got.dtype}, where it was traced as {h.shape} {h.dtype}"
                 )
-        if self.holder(receiver) == self.me:
-            in_memory[(phase, sender, k)] = list(made)
-            return []
-        to = self.holder(receiver)
-        return [
-            dist.isend(
-                t.contiguous(), group=self.group, group_dst=to, tag=self._tag(phase, sender, k, i)
-            )
-            for i, t in enumerate(made)
-        ]
+            if h.once and k > 0:
+                continue
+            to = self.holder(h.receiver[1])
+            if to == self.me:
+                in_memory[(i, k)] = got
+            else:
+                out.append(
+                    dist.isend(
+                        got.contiguous(), group=self.group, group_dst=to, tag=self._tag(i, k)
+                    )
+                )
+        return out
+
+    def _post(self, i: int, k: int) -> tuple[Any, torch.Tensor]:
+        h = self.handoffs[i]
+        buffer = torch.empty(h.shape, dtype=torch_dtype(h.dtype), device=self.device)
+        src = self.holder(h.sender[1])
+        return dist.irecv(buffer, group=self.group, group_src=src, tag=self._tag(i, k)), buffer
 
     def _receive(
         self,
-        phase: str,
-        sender: int,
+        i: int,
         k: int,
-        in_memory: dict[tuple[str, int, int], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        if self.holder(sender) == self.me:
-            return [t.detach() for t in in_memory.pop((phase, sender, k))]
-        buffers = [
-            torch.empty(t.shape, dtype=t.dtype, device=self.device)
-            for t in self._expected(phase, sender)
-        ]
-        works = [
-            dist.irecv(
-                b,
-                group=self.group,
-                group_src=self.holder(sender),
-                tag=self._tag(phase, sender, k, i),
-            )
-            for i, b in enumerate(buffers)
-        ]
-        for w in works:
-            w.wait()
-        return buffers
+        in_memory: dict[tuple[int, int], torch.Tensor],
+        kept: dict[int, torch.Tensor],
+        posted: dict[tuple[int, int], tuple[Any, torch.Tensor]],
+    ) -> torch.Tensor:
+        h = self.handoffs[i]
+        if h.once and k > 0:
+            return kept[i]
+        if not self._remote(i, k):
+            got = in_memory.pop((i, k)).detach()
+        else:
+            work_item, got = posted.pop((i, k)) if (i, k) in posted else self._post(i, k)
+            work_item.wait()
+        if h.once:
+            kept[i] = got
+        return got

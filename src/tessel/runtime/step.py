@@ -17,8 +17,9 @@ the pass goes on. ZeRO's stages over the `dp` replicas:
 The pieces a rank updates are views of the flat buffer (or of its segment), one per weight,
 so torch's optimizers see ordinary tensors in the package's parameter groups; with optimizer
 offload, host copies of them. With pipeline stages a rank trains its stage's weights: the
-program sums their gradients over the micro-batches, and the replicas of the stage exchange
-them as above.
+pipeline runner runs the stage's forward and backward passes over the micro-batches in 1F1B
+order with the other stages' ranks (`_Stage`), each backward pass's gradients are summed in
+place, and after the last micro-batch's the replicas of the stage exchange them as above.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from tessel.config.optimizer import (
     state_name,
 )
 from tessel.dtypes import dtype_name, torch_dtype
-from tessel.package.manifest import Manifest, Submodel
+from tessel.package.manifest import Manifest, Passes, Submodel
 from tessel.runtime.exchange import Exchange
 from tessel.runtime.flat import FlatLayout, Owned
+from tessel.runtime.pipeline_runner import PipelineRunner
 from tessel.runtime.step_program import gather_weights, hand_over_gradients
+from tessel.schedules import pipeline_order
 from tessel.sharding.geometry import piece
 
 # exchanges of units' gradients in flight at once: enough to overlap the backward pass, few
@@ -85,6 +88,7 @@ class TrainingStep:
         group: dist.ProcessGroup | None,
         program: fx.GraphModule,
         offload: torch.device | None = None,
+        backward: fx.GraphModule | None = None,
     ) -> None:
         t = manifest.training
         sub: Submodel = manifest.submodel(rank)
@@ -195,12 +199,21 @@ class TrainingStep:
             (layout.padded(u) * self.grad.element_size() for u in layout.units), default=0
         )
 
-        # the program, rewritten to hand over gradients and (sharded weights) gather units
+        # the programs, rewritten to hand over gradients and (sharded weights) gather units
         index = {n: i for i, n in enumerate(self.names)}
-        hand_over_gradients(
-            program, [[index[n] for n in u.names] for u in layout.units], self._take
-        )
-        self.gathers: list[int] = []
+        members = [[index[n] for n in u.names] for u in layout.units]
+        self.stage: _Stage | None = None
+        if sub.passes is None:
+            hand_over_gradients(program, members, self._take)
+        else:
+            if backward is None:
+                raise StepError(f"rank {rank} was given no backward pass for its stage")
+            self.stage = _Stage(manifest, rank, sub.passes, self, program, backward)
+            hand_over_gradients(
+                backward, members, self._take, self.stage.sent_back, len(self.names)
+            )
+        self.gathers: list[int] = []  # the running program's
+        self.gathers_of: dict[int, list[int]] = {}  # each program's, by its id
         self.prefetch_bytes = t.weight_prefetch_bytes
         self.prefetched: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         self.prefetch_peak = 0  # the most gathered bytes fetched ahead and not yet read
@@ -209,8 +222,17 @@ class TrainingStep:
                 position[n]: (layout.unit_of[self.ties[n].source if n in self.ties else n], n)
                 for n in (*self.names, *self.ties)
             }
-            self.gathers = gather_weights(program, inputs, self._gather, self._weight)
+            for gm in (program, backward) if backward is not None else (program,):
+                self.gathers_of[id(gm)] = gather_weights(gm, inputs, self._gather, self._weight)
+            self.gathers = self.gathers_of[id(program)]
         self.program = program
+        self.backward = backward
+        # a pipeline stage sums each micro-batch's gradients into `sums`: the gradient buffer,
+        # or (reduce-scattered) a whole one beside it
+        self.micro_batch = 0
+        self.sums = self.grad
+        if self.stage is not None and self.shard_gradients:
+            self.sums = torch.zeros(layout.total, dtype=dtype, device=device)
 
     # -- where things are --------------------------------------------------------------
 
@@ -241,7 +263,10 @@ class TrainingStep:
         """One step on the whole batch `inputs`; returns the loss averaged over the replicas."""
         mine = [x.chunk(self.dp)[self.replica] if self.dp > 1 else x for x in inputs]
         try:
-            (loss,) = self.program(*self.weights, *mine)
+            if self.stage is not None:
+                loss = self.stage.run(mine)
+            else:
+                (loss,) = self.program(*self.weights, *mine)
             loss = loss.detach().to(torch.float32, copy=True)
             if self.dp > 1:
                 dist.all_reduce(loss, group=self.group)
@@ -257,35 +282,50 @@ class TrainingStep:
 
     def _take(self, unit: int, *grads: torch.Tensor | None) -> None:
         """A unit's gradients, as the program makes them: into the gradient buffer, and the
-        exchange over the replicas started."""
+        exchange over the replicas started (a pipeline stage's: summed over its micro-batches,
+        the exchange started after the last)."""
         u = self.layout.units[unit]
         size = self.layout.padded(u)
+        summed = None
+        if self.stage is not None:  # the sum in `sums`: the gradient buffer, or a whole one
+            summed = self.sums[u.start : u.start + size]
+            self._fill(summed, u.names, grads, add=self.micro_batch > 0)
+            if self.micro_batch < self.stage.micro_batches - 1:
+                return
         # a unit's buffer is freed once it is exchanged
         self.exchange.settle(
             _IN_FLIGHT - 1, room=size * self.grad.element_size(), limit=self.largest
         )
         if not self.shard_gradients:
             target = self.grad[u.start : u.start + size]
-            self._fill(target, u.names, grads)
+            if summed is None:
+                self._fill(target, u.names, grads)
             if self.dp > 1:
                 self.exchange.all_reduce(target)
             return
         made = grads[0] if len(grads) == 1 else None
-        if made is not None and made.numel() == size and made.dtype == self.grad.dtype:
+        if summed is not None:
+            whole = summed
+        elif made is not None and made.numel() == size and made.dtype == self.grad.dtype:
             whole = made.reshape(-1)  # one weight, no padding: reduced where the program left it
         else:
             whole = torch.zeros(size, dtype=self.grad.dtype, device=self.device)
             self._fill(whole, u.names, grads)
         self.exchange.reduce_scatter(self.grad[u.segment_start : u.segment_start + u.chunk], whole)
 
-    def _fill(self, target: torch.Tensor, names: Sequence[str], grads) -> None:
+    def _fill(self, target: torch.Tensor, names: Sequence[str], grads, add: bool = False) -> None:
+        """`target` holds (or, `add`, adds) the unit's gradients `grads` laid out one after
+        another (None: zeros)."""
         offset = 0
         for n, g in zip(names, grads):
             size = self.layout.numel[n]
-            if g is None:
-                target[offset : offset + size].zero_()
-            else:
-                target[offset : offset + size].copy_(g.reshape(-1))
+            part = target[offset : offset + size]
+            if g is not None and add:
+                part.add_(g.reshape(-1))
+            elif g is not None:
+                part.copy_(g.reshape(-1))
+            elif not add:
+                part.zero_()
             offset += size
 
     def _gather(self, index: int) -> torch.Tensor:
@@ -458,3 +498,83 @@ class TrainingStep:
     def stats(self) -> dict[str, int]:
         """What a step measured: the most bytes of weights gathered ahead at once."""
         return {"prefetch_peak_bytes": self.prefetch_peak, "prefetch_bytes": self.prefetch_bytes}
+
+
+class _Stage:
+    """A pipeline stage's part of a step: its forward and backward passes over each
+    micro-batch, run by the pipeline runner in 1F1B order with the other stages' ranks."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        rank: int,
+        passes: Passes,
+        step: TrainingStep,
+        forward: fx.GraphModule,
+        backward: fx.GraphModule,
+    ) -> None:
+        mesh = manifest.mesh
+        pp, dp, tp = mesh.size("pp"), mesh.size("dp"), mesh.tensor_parallel
+        self.micro_batches = manifest.training.micro_batches
+        self.stage, d, t = rank // (dp * tp), rank // tp % dp, rank % tp
+        self.rank_of = [(s * dp + d) * tp + t for s in range(pp)]
+        self.passes, self.step = passes, step
+        self.forward_pass, self.backward_pass = forward, backward
+        here = {phase: (phase, self.stage) for phase in ("F", "B")}
+        self.sent = sum(1 for h in passes.handoffs if h.sender == here["F"])
+        self.sent_back = sum(1 for h in passes.handoffs if h.sender == here["B"])
+        actions = pipeline_order("1f1b", pp, pp, self.micro_batches)[self.stage]
+        self.runner = PipelineRunner(
+            actions,
+            pp,
+            self.micro_batches,
+            passes.handoffs,
+            self.rank_of.__getitem__,
+            None,
+            step.device,
+            receive_ahead=True,
+        )
+        self.rows: list[list[torch.Tensor]] = []
+        self.saved: dict[int, list[torch.Tensor]] = {}
+        self.loss: torch.Tensor | None = None
+
+    def run(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """One step over this replica's rows `inputs`; the loss, the mean over the
+        micro-batches, on the first stage and the stage making it (zero on the others)."""
+        m = self.micro_batches
+        self.rows = [list(parts) for parts in zip(*(x.chunk(m) for x in inputs))] or [[]] * m
+        self.loss, self.saved = None, {}
+        self.runner.step(self)
+        loss = torch.zeros((), dtype=torch.float32, device=self.step.device)
+        if self.loss is not None:
+            loss = self.loss / m
+        where = self.passes.loss[1]  # the stage returning the loss hands it to the first
+        if where != 0 and self.stage == where:
+            dist.send(loss, dst=self.rank_of[0])
+        elif where != 0 and self.stage == 0:
+            dist.recv(loss, src=self.rank_of[where])
+        self.rows, self.saved = [], {}
+        return loss
+
+    def forward(self, stage: int, micro_batch: int, inputs: list[torch.Tensor]) -> list:
+        step = self.step
+        step.gathers = step.gathers_of.get(id(self.forward_pass), [])
+        out = list(self.forward_pass(*step.weights, *self.rows[micro_batch], *inputs))
+        if self.passes.loss == ("F", stage):
+            self._add_loss(out.pop())
+        self.saved[micro_batch] = out[self.sent :]
+        return out[: self.sent]
+
+    def backward(self, stage: int, micro_batch: int, inputs: list[torch.Tensor]) -> list:
+        step = self.step
+        step.gathers = step.gathers_of.get(id(self.backward_pass), [])
+        step.micro_batch = micro_batch
+        saved = self.saved.pop(micro_batch)
+        out = list(self.backward_pass(*step.weights, *self.rows[micro_batch], *inputs, *saved))
+        if self.passes.loss == ("B", stage):
+            self._add_loss(out.pop())
+        return out
+
+    def _add_loss(self, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float32)
+        self.loss = value if self.loss is None else self.loss + value

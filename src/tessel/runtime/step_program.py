@@ -43,17 +43,23 @@ _WEIGHT_VIEWS = {
 
 
 def hand_over_gradients(
-    gm: fx.GraphModule, units: list[list[int]], take: Callable[..., None]
+    gm: fx.GraphModule,
+    units: list[list[int]],
+    take: Callable[..., None],
+    first: int = 1,
+    count: int | None = None,
 ) -> None:
     """Call `take(u, *gradients)` after the last gradient of unit `u` (`units[u]`: indices of
-    the program's outputs after the loss) is made, and return the loss alone."""
+    the `count` gradients, the program's outputs from `first` on, every one after it where not
+    given) is made, and return the other outputs alone (a step's program: the loss)."""
     graph = gm.graph
     out = graph.output_node()
     outputs = list(out.args[0])
+    count = len(outputs) - first if count is None else count
     order = {n: i for i, n in enumerate(graph.nodes)}
     first_call = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), out)
     for u, members in enumerate(units):
-        grads = [outputs[1 + i] for i in members]
+        grads = [outputs[first + i] for i in members]
         made = [g for g in grads if isinstance(g, fx.Node)]
         last = max(made, key=order.__getitem__, default=None)
         if last is None or last.op in ("placeholder", "get_attr"):
@@ -62,7 +68,7 @@ def hand_over_gradients(
             where = graph.inserting_after(last)
         with where:
             graph.call_function(take, (u, *grads))
-    out.args = ((outputs[0],),)
+    out.args = (tuple(outputs[:first] + outputs[first + count :]),)
     graph.lint()
     gm.recompile()
 

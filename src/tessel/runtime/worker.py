@@ -30,7 +30,7 @@ from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache, shared_memory
 from tessel.runtime.generating import LoadedGears, generate_on_rank
 from tessel.runtime.gloo import collectives_as_all_reduces
-from tessel.runtime.loader import load_programs
+from tessel.runtime.loader import BACKWARD, load_programs
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
 
@@ -177,6 +177,7 @@ def _load(
             replicas,
             program,
             offload=torch.device("cpu") if offload else None,
+            backward=programs.get(BACKWARD),
         )
         strategy = json.dumps(package.json(package.manifest.strategy)).encode()
         if resume:
@@ -188,7 +189,7 @@ def _load(
     if gears is not None:  # by prompt length, the decode gear at 1
         loaded_gears = LoadedGears(
             gears,
-            {n: p for n, p in programs.items() if n},
+            {n: p for n, p in programs.items() if isinstance(n, int)},
             weights,
             package.manifest.mesh.logits_rank,
         )
