@@ -167,7 +167,15 @@ ZERO2 = ("optimizer_state_sharding", "gradient_sharding")
 ZERO3 = ("model_weight_sharding", "model_weight_prefetch")
 
 
-def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...], buffer_mb: int = 0) -> str:
+def build(
+    tmp: str,
+    dp: int,
+    tp: int,
+    sharding: tuple[str, ...],
+    buffer_mb: int = 0,
+    pp: int = 1,
+    micro: int = 1,
+) -> str:
     import tessel
 
     g: dict = {
@@ -175,11 +183,13 @@ def build(tmp: str, dp: int, tp: int, sharding: tuple[str, ...], buffer_mb: int 
         "tensor_parallel_option": {"tensor_parallel_size": tp},
         "data_parallel_option": {"data_parallel_size": dp},
     }
+    if pp > 1:
+        g["pipeline_parallel_option"] = {"pipe_stage_num": pp, "micro_batch_num": micro}
     if sharding:
         g["tensor_sharding"] = {k: True for k in sharding}
     if buffer_mb:
         g["tensor_sharding"]["model_weight_prefetch_buffer_size"] = buffer_mb
-    name = f"{dp}x{tp}_{'_'.join(sharding)}_{buffer_mb}"
+    name = f"{pp}x{dp}x{tp}_{'_'.join(sharding)}_{buffer_mb}"
     policy = os.path.join(tmp, f"policy_{name}.json")
     with open(policy, "w") as f:
         json.dump({"graph_parallel_option": g}, f)

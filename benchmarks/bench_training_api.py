@@ -7,17 +7,19 @@ width 256, vocab 8192, seq 128, global batch 8, fp32, AdamW; gloo, one thread pe
     a pp 2 x dp 2 mesh (the stages cut as below, 1F1B over 2 micro-batches), against
     `AutoParallel(model, "recursive_programming")` (the planner's choice), against the same
     pp 2 x dp 2 composition made with tessel.parallel (`nn.Pipeline` with the same stages and
-    micro-batches, `pipeline(stages=2)`, data parallel over the rest), and against
+    micro-batches, `pipeline(stages=2)`, data parallel over the rest), against
     `AutoParallel(model, "recursive_programming")` with `pipeline(stages=2)` (the planner
-    cutting the stages), the median of 10 steps after 3 warm-up steps, and the planning time
-    of AutoParallel's first call;
+    cutting the stages), and against a training package of the same mesh (`tessel.build`
+    with `pipe_stage_num` 2, `micro_batch_num` 2 and `data_parallel_size` 2, the stages cut by
+    the stage planner, run by `Session.run_graph` on the same pipeline runner), the median of
+    10 steps after 3 warm-up steps, and the planning time of AutoParallel's first call;
   - the pipeline bubble: `nn.Pipeline` with 2 stages on 2 ranks and m micro-batches under
     1F1B, its step time T against C, one process running the same micro-batches through the
     whole model: the bubble is 1 - C / (p T), against the schedule's (p - 1) / (m + p - 1);
     and interleaved: 4 stages looped over the 2 ranks (v = 2 each) under interleaved 1F1B,
     against (p - 1) / (v m + p - 1).
 
-    python benchmarks/bench_training_api.py [--rounds 2]
+    python benchmarks/bench_training_api.py [--rounds 2] [--package-only]
 """
 
 from __future__ import annotations
@@ -34,7 +36,18 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_training import BATCH, LAYERS, WARMUP, _free_port, adamw, batch, fsdp2_tp, llama  # noqa: E402
+from bench_training import (  # noqa: E402
+    BATCH,
+    LAYERS,
+    WARMUP,
+    _free_port,
+    adamw,
+    batch,
+    build,
+    fsdp2_tp,
+    llama,
+    tessel_step_ms,
+)
 
 REPEAT = 10
 # the output layer (8192 x 256) costs about 2.6 decoder layers: the last layer and it make the
@@ -219,11 +232,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--package-only",
+        action="store_true",
+        help="only torch PP x FSDP2 against the training package on pp 2 x dp 2",
+    )
     args = parser.parse_args()
     rows = []
     for r in range(args.rounds):
-        torch_step = statistics.median(_run("torch", 4)["times"])
         torch_pp_step = statistics.median(_run("torch_pp", 4, 2)["times"])
+        with tempfile.TemporaryDirectory() as tmp:
+            package = build(tmp, 2, 1, (), pp=2, micro=2)
+            package_step = tessel_step_ms(package, 1, False)[0] / 1e3
+        rows.append(
+            f"round {r}: pp 2 x dp 2 on 4 ranks  torch PP x FSDP2 {torch_pp_step * 1e3:7.1f} ms  "
+            f"tessel training package {package_step * 1e3:7.1f} ms  ratio "
+            f"{package_step / torch_pp_step:.2f}"
+        )
+        print(rows[-1], flush=True)
+        if args.package_only:
+            continue
+        torch_step = statistics.median(_run("torch", 4)["times"])
         tessel = _run("tessel", 4)
         tessel_step = statistics.median(tessel["times"])
         tessel_pp_step = statistics.median(_run("tessel_pp", 4, 2)["times"])
