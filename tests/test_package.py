@@ -1000,6 +1000,33 @@ def test_each_stage_computes_its_own_layers_backward_pass(pipeline_package):
     assert [h["shape"] for h in handoffs if h["once"]] == [[256, 32]]
 
 
+def test_a_forward_pass_saves_no_view_for_its_backward_pass(pipeline_package):
+    """What the backward pass can compute again for free (a view of its stage's weights or of
+    what it holds) is not saved per micro-batch, where it would be counted once per micro-batch
+    held. A view of a weight handed over from another stage is saved (the backward pass is not
+    handed the weight)."""
+    from tessel.plan.cost import is_view
+
+    with zipfile.ZipFile(pipeline_package) as z:
+        manifest = json.loads(z.read(MANIFEST))
+        for rank, sub in enumerate(manifest["submodels"]):
+            passes = sub["passes"]
+            nodes = json.loads(z.read(sub["program"]))["nodes"]
+            inputs = [n["name"] for n in nodes if n["op"] == "input"]
+            handed = set(inputs[len(sub["weight_order"]) + len(manifest["inputs"]) :])
+            made = {n["name"]: n for n in nodes if n["op"] == "call"}
+            returned = [a["$node"] for a in nodes[-1]["args"]]
+            sent = sum(1 for h in passes["handoffs"] if h["sender"] == ["F", rank])
+            saved = returned[sent : sent + passes["saved"]]
+            assert saved, rank
+            views = [
+                a for a in saved
+                if a in made and made[a]["target"] != "getitem" and is_view(made[a]["target"])
+                and not handed & {x["$node"] for x in made[a]["args"] if isinstance(x, dict)}
+            ]  # fmt: skip
+            assert not views, (rank, views)
+
+
 @settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -27,7 +27,8 @@ making it: a weight from its stage's forward pass, once per step (a tied embeddi
 last stage); any other value per micro-batch, to the forward pass of a stage reading it there,
 or else to its backward pass. What a stage's backward pass reads of its own forward pass (and of
 what was handed to it) the forward pass returns as saved, and the runtime keeps until the
-micro-batch's backward pass.
+micro-batch's backward pass; views and values made of the stage's weights alone the backward
+pass computes again instead, as they cost it nothing held.
 
 Rank `(s, d, t)` is `s * dp * tp + d * tp + t`, as for inference; the handoffs of a replica and
 tensor-parallel rank travel between the ranks `(*, d, t)`.
@@ -48,6 +49,7 @@ from tessel.lower.stages import (
     StagePasses,
     latest_allowed,
 )
+from tessel.plan.cost import is_view
 from tessel.schedules import Handoff, Phase
 
 
@@ -96,6 +98,7 @@ class _TrainingCut(StageCut):
             )
         self.loss, *self.gradients = self.output.reads
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
+        self.of_weights: set[str] = set()  # calls made of weights (and constants) alone
         self.pos = self._assign()
         self._check_rows()
         # every handoff of the pipeline: (value, sender, receiver), in the order the passes
@@ -163,6 +166,7 @@ class _TrainingCut(StageCut):
                 earliest[name] = self._b(w) if there >= w and not held else e
             if made:  # runs where it is read: the weight is sent there once, not this per batch
                 made_of_weights[name] = w
+                self.of_weights.add(name)
                 sources[name] = read
         fixed = pinned | {self.loss, *self.gradients}
         pos = latest_allowed(self.calls, self.nodes.readers, earliest, fixed)
@@ -276,15 +280,38 @@ class _TrainingCut(StageCut):
                     routes.append((a, self._pass(self._position(a)), (phase, s)))
         return routes
 
-    def _saved(self, s: int) -> list[str]:
-        """What stage `s`'s forward pass keeps for its backward pass: values made there or
-        handed to it, read by the backward pass."""
+    def _kept(self, s: int) -> tuple[list[str], list[Node]]:
+        """What stage `s`'s backward pass reads of its forward pass: the values the forward
+        pass saves for it, and the calls it computes again instead (in program order): those
+        made of its stage's weights alone, and views of what it holds, which cost no memory
+        there but would be counted once per micro-batch held if saved."""
         f = self._f(s)
         received = {a for a, _, to in self.routes if to == ("F", s)}
-        return [
-            a for a in self._read_by(s, "B")
-            if (self.pos.get(a) == f or a in received) and a not in self.weight_stage
-        ]  # fmt: skip
+        made = {n.name: n for n in self.calls}
+        saved: dict[str, None] = {}
+        again: dict[str, Node] = {}
+
+        def keep(a: str) -> None:
+            if a in saved or a in again or a in self.weight_stage:
+                return
+            if self.pos.get(a) != f and a not in received:
+                return  # the backward pass's own, an input, or a constant
+            n = made.get(a)
+            free = (
+                n is not None
+                and a not in received
+                and (a in self.of_weights or (n.target != "getitem" and is_view(n.target)))
+            )
+            if n is not None and free and all(self.weight_stage.get(x, s) == s for x in n.reads):
+                for x in n.reads:
+                    keep(x)
+                again[a] = n
+            else:
+                saved[a] = None
+
+        for a in self._read_by(s, "B"):
+            keep(a)
+        return list(saved), sorted(again.values(), key=lambda n: self.order[n.name])
 
     def handoffs(self) -> tuple[Handoff, ...]:
         """The routes as this tensor-parallel rank's handoffs: each with its local shape."""
@@ -305,7 +332,7 @@ class _TrainingCut(StageCut):
             return split.rank(s, d, r)
 
         weights = [w for w in self.weight_nodes if self.weight_stage[w.name] == s]
-        saved = self._saved(s)
+        saved, again = self._kept(s)
         loss_pass = self._pass(self._position(self.loss))
         made: dict[str, RankProgram] = {}
         for phase in ("F", "B"):
@@ -320,9 +347,10 @@ class _TrainingCut(StageCut):
                 names[a] = new
                 shapes[new] = shapes[a]
                 inputs.append(Node(INPUT, new))
-            body = [
-                n.renamed(n.name, names, tp_rank) for n in self.calls if self.pos[n.name] == here
-            ]
+            mine = [n for n in self.calls if self.pos[n.name] == here]
+            if phase == "B":
+                mine = again + mine
+            body = [n.renamed(n.name, names, tp_rank) for n in mine]
             returned = [names.get(a, a) for a, sender, _ in self.routes if sender == (phase, s)]
             if phase == "F":
                 returned += [names.get(a, a) for a in saved]
