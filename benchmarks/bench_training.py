@@ -22,7 +22,9 @@ process does without a model (imports what a worker imports, joins a one-rank gl
 steps torch's AdamW over one weight), against ZeRO's formula for the level plus the plan's
 activations: none 16P, optimizer state sharding 8P + 8P/dp, + gradient sharding 4P + 12P/dp,
 + weight sharding 16P/dp plus the largest gathered layer and the prefetch buffer (fp32 AdamW,
-P the parameters a rank holds: all of them over tp). Workers run with tessel's default.
+P the parameters a rank holds: all of them over tp). Workers run with tessel's default. With
+pipeline stages (pp 2 x dp 2, pp 4), each rank's peak against 16P for the weights its stage
+trains plus the activations its plan counts for the stage's passes held in 1F1B order.
 
 Weight prefetch: ZeRO-3 step time without prefetch, with the default buffer (the largest
 layer) and with a buffer of three layers, and the most prefetched bytes a rank held at once
@@ -312,6 +314,35 @@ def zero_formula(params: int, dp: int, level: str, path: str) -> int:
     return 16 * params // dp + largest_layer_bytes(path) + prefetch
 
 
+def pipeline_memory(tmp: str, threads: int, base: int) -> None:
+    """Each rank of a training package in pipeline stages (pp 2 x dp 2, 2 micro-batches; pp 4,
+    4 micro-batches): its measured peak against 16P for its weights plus the activations
+    its plan counts for its stage (the rank's planned peak less its weights)."""
+    from tessel.package.format import Package
+
+    print()
+    print("pipeline stages: peak anonymous memory per rank against 16P + the stage's planned "
+          "activations")  # fmt: skip
+    print(
+        f"{'mesh':12} {'rank':>4} {'P/rank':>9} {'16P MiB':>8} {'+ act.':>7} {'measured':>9}  ratio"
+    )
+    for pp, dp, micro in ((2, 2, 2), (4, 1, 4)):
+        path = build(tmp, dp, 1, (), pp=pp, micro=micro)
+        package = Package.open(path)
+        manifest = package.manifest
+        peaks = measured_peaks(path, threads)
+        for rank, sub in enumerate(manifest.submodels):
+            held = package.weights(sub)
+            params = sum(held[n].numel() for n in manifest.training.gradients if n in held)
+            line = manifest.plan.ranks[rank]
+            act = line.peak_bytes - line.weight_bytes
+            got = peaks[rank] - base
+            print(
+                f"{f'pp {pp} x dp {dp}':12} {rank:4d} {params:9d} {16 * params / 2**20:8.1f} "
+                f"{act / 2**20:7.1f} {got / 2**20:9.1f}  {got / (16 * params + act):.2f}"
+            )
+
+
 def _describe(setting: tuple) -> str:
     dp, tp, sharding = setting
     level = {(): "", ZERO2: " zero2", ZERO3: " zero3"}[sharding]
@@ -434,6 +465,7 @@ def main() -> None:
                 f"{name:36} {params:9d} {formula / 2**20:9.1f} {act / 2**20:7.1f} "
                 f"{worst / 2**20:9.1f}  {worst / (formula + act):.2f}"
             )
+        pipeline_memory(tmp, threads, base)
 
 
 if __name__ == "__main__":
