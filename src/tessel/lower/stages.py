@@ -180,23 +180,14 @@ class StageCut:
         programs' rows along its first dimension, micro-batch `k` taking part `first + k`."""
         split = self.split
         rows_of: dict[str, list[str]] = {}
+        if parts > 1:
+            self.check_rows()
         for u in self.user_nodes:
             name = u.name
             if parts == 1:
                 rows_of[name] = [name]
                 continue
             shape, dtype = shapes[name]
-            if not shape or shape[0] != split.rows:
-                cutters = (
-                    "micro-batches"
-                    if parts == split.micro_batches
-                    else "micro-batches and replicas"
-                )
-                raise StageError(
-                    f"model input {name!r} of shape {shape} has no batch dimension of "
-                    f"{split.rows} rows first; {cutters} split every input along its first "
-                    "dimension"
-                )
             rows_of[name] = []
             for k in range(split.micro_batches):
                 start = (first + k) * split.rows
@@ -205,6 +196,19 @@ class StageCut:
                 body.append(call(new, _SLICE, [ref(name), 0, start, start + split.rows, 1]))
                 rows_of[name].append(new)
         return rows_of
+
+    def check_rows(self) -> None:
+        """Each micro-batch or replica is its rows of every model input: the inputs have the
+        programs' rows first."""
+        split = self.split
+        for u in self.user_nodes:
+            shape, _ = self.rp.shapes[u.name]
+            if not shape or shape[0] != split.rows:
+                raise StageError(
+                    f"model input {u.name!r} of shape {shape} has no batch dimension of "
+                    f"{split.rows} rows first; micro-batches and replicas split every input "
+                    "along its first dimension"
+                )
 
     def staged(
         self,

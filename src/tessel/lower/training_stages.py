@@ -100,7 +100,8 @@ class _TrainingCut(StageCut):
         self.gradient_stage = [weight_stage[fqn] for fqn in gradients]  # the stage returning it
         self.of_weights: set[str] = set()  # calls made of weights (and constants) alone
         self.pos = self._assign()
-        self._check_rows()
+        if split.micro_batches * split.dp > 1:
+            self.check_rows()
         # every handoff of the pipeline: (value, sender, receiver), in the order the passes
         # take them; the same for every replica and tensor-parallel rank
         self.routes = self._routes()
@@ -227,20 +228,6 @@ class _TrainingCut(StageCut):
 
     def _pass(self, pos: int) -> tuple[Phase, int]:
         return self._phase(pos), self.stage_of(pos)
-
-    def _check_rows(self) -> None:
-        """Each micro-batch is its rows of every model input: the inputs have them first."""
-        split = self.split
-        if split.micro_batches * split.dp == 1:
-            return
-        for u in self.user_nodes:
-            shape, _ = self.rp.shapes[u.name]
-            if not shape or shape[0] != split.rows:
-                raise StageError(
-                    f"model input {u.name!r} of shape {shape} has no batch dimension of "
-                    f"{split.rows} rows first; micro-batches and replicas split every input "
-                    "along its first dimension"
-                )
 
     def _elsewhere(self, value: str, s: int) -> bool:
         """Whether `value` is a weight or a value that another stage than `s` holds or makes."""

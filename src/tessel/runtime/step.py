@@ -226,7 +226,6 @@ class TrainingStep:
                 self.gathers_of[id(gm)] = gather_weights(gm, inputs, self._gather, self._weight)
             self.gathers = self.gathers_of[id(program)]
         self.program = program
-        self.backward = backward
         # a pipeline stage sums each micro-batch's gradients into `sums`: the gradient buffer,
         # or (reduce-scattered) a whole one beside it
         self.micro_batch = 0
