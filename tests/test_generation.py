@@ -9,12 +9,22 @@ import pytest
 import torch
 from tests.differential.test_o1 import _jamba
 from tests.differential.zoo import FAMILIES
+from torch import fx
 
 from tessel.capture.generation import capture_gears
 from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.config.sampling import Sampling, sampling_for
-from tessel.decoding import choose, decode, new_tokens_for, penalize, processed, warped
+from tessel.decoding import (
+    Choice,
+    choose,
+    choosing,
+    decode,
+    new_tokens_for,
+    penalize,
+    processed,
+    warped,
+)
 from tessel.package.fields import Field, PackageError
 from tessel.package.manifest import Gears
 
@@ -31,7 +41,9 @@ def _gears(model: torch.nn.Module, generation: Generation) -> Gears:
 
 
 def _tokens(captured, gears: Gears, ids, mask=None, new=12, **options) -> torch.Tensor:
-    return torch.stack(list(decode(captured.run, gears, ids, mask, new, **options)), dim=1)
+    return torch.stack(
+        list(decode(choosing(captured.run), gears, ids, mask, new, **options)), dim=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +115,38 @@ def test_seeded_sampling_follows_its_seed(llama) -> None:
     )
 
 
+def _noise(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.empty(shape).exponential_(generator=g)
+
+
 def test_choose_keeps_to_top_k_and_top_p() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g)
     top3 = logits.topk(3).indices
-    drawn = [choose(logits, Sampling(do_sample=True, top_k=3), g) for _ in range(200)]
+    top_k = Sampling(do_sample=True, top_k=3)
+    drawn = [choose(logits, top_k, _noise(g, 3, 50)) for _ in range(200)]
     for row in range(3):
         assert {int(d[row]) for d in drawn} <= set(top3[row].tolist())
     # a nucleus smaller than the likeliest token's probability keeps that token alone
     assert torch.equal(
-        choose(logits, Sampling(do_sample=True, top_p=1e-6), g), logits.argmax(dim=-1)
+        choose(logits, Sampling(do_sample=True, top_p=1e-6), _noise(g, 3, 50)),
+        logits.argmax(dim=-1),
     )
+
+
+def test_a_drawn_token_follows_the_probabilities() -> None:
+    """Racing the probabilities against exponential noise draws each token as often as its
+    probability says: 20,000 draws of one row, every count within 4 standard deviations."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, float("-inf")]])
+    probs = logits.softmax(dim=-1)[0]
+    draws = 20_000
+    sampling = Sampling(do_sample=True, top_k=0)
+    made = choose(logits.expand(draws, -1), sampling, _noise(g, draws, 6))
+    counts = torch.bincount(made, minlength=6).double()
+    spread = (draws * probs * (1 - probs)).double().sqrt()
+    assert counts[5] == 0  # a token of probability 0 is never drawn
+    assert ((counts - draws * probs).abs() <= 4 * spread + 1).all(), counts.tolist()
 
 
 def test_finished_rows_give_the_pad_token_and_the_loop_stops(llama) -> None:
@@ -153,9 +186,10 @@ def test_the_repetition_penalty_equals_transformers(llama) -> None:
 
 def test_the_penalty_divides_positive_scores_and_multiplies_negative_ones() -> None:
     logits = torch.tensor([[2.0, -2.0, 4.0, 1.0]])
-    seen = torch.tensor([[0, 1, 0]])  # a token held twice is penalised once
-    assert penalize(logits, seen, 2.0).tolist() == [[1.0, -4.0, 4.0, 1.0]]
-    assert penalize(logits, seen, 1.0).tolist() == logits.tolist()
+    seen = torch.tensor([[0, 1, 0, 2]])  # a token held twice is penalised once
+    counted = torch.tensor([[True, True, True, False]])  # the last is left padding
+    assert penalize(logits, seen, counted, 2.0).tolist() == [[1.0, -4.0, 4.0, 1.0]]
+    assert penalize(logits, seen, counted, 1.0).tolist() == logits.tolist()
 
 
 def test_a_row_stops_at_any_of_several_eos_tokens(llama) -> None:
@@ -325,7 +359,16 @@ def test_the_scores_equal_transformers_logits_processors() -> None:
             + [MinNewTokensLengthLogitsProcessor(prompt, n, eos)
                for n in [sampling.min_new_tokens] if n]
         )(seen, logits.clone())  # fmt: skip
-        ours = processed(logits, seen, (mask == 0).sum(dim=1), new, sampling, eos)
+        # the choice's fixed-shaped history: the tokens from column `begin`, other ids around
+        begin = draw(0, 4)
+        slots = begin + prompt + new + draw(0, 4)
+        history = torch.randint(0, 6, (rows, slots), generator=g)
+        history[:, begin : begin + prompt + new] = seen
+        counted = torch.zeros(rows, slots, dtype=torch.bool)
+        counted[:, begin : begin + prompt] = mask.bool()
+        counted[:, begin + prompt : begin + prompt + new] = True
+        span = torch.tensor([begin, begin + prompt + new, new])
+        ours = processed(logits, history, counted, span, sampling, tuple(eos.tolist()))
         assert torch.equal(ours, theirs), sampling
 
 
@@ -521,3 +564,44 @@ def test_a_program_writes_in_place_only_into_the_state_it_declares() -> None:
         check({"format": FORMAT, "nodes": nodes, "state": ["cache", "written"]})
     with pytest.raises(ProgramError, match="not a list of input names"):
         check({"format": FORMAT, "nodes": nodes, "state": "cache"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gear_program_ends_in_the_requests_choice(dtype) -> None:
+    """A worker's gear returns each row's token: the request's choice traced onto the end of
+    the program makes the tokens the choice makes of the program's logits, for greedy and
+    drawn tokens under every processor and cutoff, whatever the logits' dtype."""
+    from tessel.runtime.generating import ending_in
+
+    rows, slots, vocab = 3, 10, 40
+    program = fx.symbolic_trace(_Head())
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, vocab, generator=g).to(dtype)
+    hidden = torch.randn(rows, 8, generator=g).to(dtype)
+    history = torch.randint(0, 6, (rows, slots), generator=g)
+    counted = torch.rand(rows, slots, generator=g) < 0.7
+    span = torch.tensor([1, 8, 3])
+    settings = [
+        Sampling(),
+        Sampling(repetition_penalty=2.0, no_repeat_ngram_size=2, min_length=9),
+        Sampling(min_new_tokens=5, suppress_tokens=(0, 4)),
+        Sampling(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3),
+        Sampling(do_sample=True, min_p=0.1, typical_p=0.8, epsilon_cutoff=0.01, eta_cutoff=0.01),
+    ]
+    made = set()
+    for sampling in settings:
+        choice = Choice(sampling, (1, 2), rows, slots, vocab)
+        noise = torch.empty(choice.noise_shape).exponential_(generator=g)
+        extra = (history, counted, span, noise)
+        ended = ending_in(program, choice.traced(torch.device("cpu")))
+        first, token = ended(weight, hidden, *extra)
+        assert torch.equal(first, hidden * 2)  # the program's other outputs stay
+        assert token.dtype == torch.long and token.shape == (rows,)
+        assert torch.equal(token, choice(hidden @ weight, *extra)), sampling
+        made.add(tuple(token.tolist()))
+    assert len(made) > 2  # the settings chose differently: each ran its own processors
+
+
+class _Head(torch.nn.Module):
+    def forward(self, weight: torch.Tensor, hidden: torch.Tensor):
+        return hidden * 2, hidden @ weight

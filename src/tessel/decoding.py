@@ -1,18 +1,21 @@
 """The generation loop over a package's gears: a prompt through a prefill gear, then one decode
-call per new token, each call's token chosen from its logits.
+call per new token, each call ending in its tokens' choice.
 
 The loop is the same wherever the gears run (the build's check against eager, and every
-worker of a session); `run(length, inputs)` calls the gear of `length` tokens. Tokens are
-chosen by `choose` alone, from logits and a generator seeded from the call's seed, so every
-caller given the same logits makes the same tokens.
+worker of a session). A request's `Choice` (its processors, then the likeliest token or one
+drawn against noise from a generator seeded from the call's seed) is a function of the gear's
+logits and of fixed-shaped inputs the loop keeps, so a worker runs it inside each gear's
+program, and every caller given the same logits makes the same tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+from torch import fx
 
 from tessel.config.errors import ConfigError
 from tessel.config.sampling import NEW_TOKENS, Sampling
@@ -43,65 +46,78 @@ def new_tokens_for(
 
 
 def penalize(
-    logits: torch.Tensor, seen: torch.Tensor, penalty: float, skip: torch.Tensor | None = None
+    logits: torch.Tensor, history: torch.Tensor, counted: torch.Tensor, penalty: float
 ) -> torch.Tensor:
-    """`logits` `[B, vocab]` in fp32 with the score of every token of `seen` `[B, tokens]` (each
-    row's tokens so far, its first `skip[row]` left out: the left padding) divided by
-    `penalty`, or multiplied where it is negative, as `transformers`'
+    """`logits` `[B, vocab]` in fp32 with the score of every token the row of `history`
+    `[B, slots]` holds where `counted` is set (its prompt less the left padding, and its new
+    tokens) divided by `penalty`, or multiplied where it is negative, as `transformers`'
     `RepetitionPenaltyLogitsProcessor` does."""
     scores = logits.float()
     if penalty == 1:
         return scores
     vocab = scores.shape[-1]
-    if skip is not None:  # left-out tokens go to a spare column past the vocabulary
-        seen = seen.masked_fill(torch.arange(seen.shape[1]) < skip[:, None], vocab)
+    seen = history.masked_fill(~counted, vocab)  # tokens not counted go to a spare column
     spare = torch.cat([scores, scores.new_zeros(len(scores), 1)], dim=1)
     held = spare.gather(1, seen)
     spare = spare.scatter(1, seen, torch.where(held < 0, held * penalty, held / penalty))
     return spare[:, :vocab]
 
 
-def ban_repeated_ngrams(scores: torch.Tensor, seen: torch.Tensor, n: int) -> torch.Tensor:
-    """`scores` with every token that would end an n-gram of `n` tokens the row of `seen` holds
-    already set to -inf, as `transformers`' `NoRepeatNGramLogitsProcessor` does."""
-    if n == 0 or seen.shape[1] < n:
+def ban_repeated_ngrams(
+    scores: torch.Tensor, history: torch.Tensor, span: torch.Tensor, n: int
+) -> torch.Tensor:
+    """`scores` with every token that would end an n-gram of `n` tokens already in the row's
+    tokens so far (columns `span[0]` to `span[1]` of `history`) set to -inf, as
+    `transformers`' `NoRepeatNGramLogitsProcessor` does."""
+    slots = history.shape[1]
+    if n == 0 or slots < n:
         return scores
     vocab = scores.shape[-1]
-    prefix = seen[:, seen.shape[1] + 1 - n :]
-    windows = seen.unfold(1, n, 1)
-    matches = (windows[..., :-1] == prefix[:, None]).all(dim=-1)
+    begin, end = span[0], span[1]
+    suffix = (end - n + 1 + torch.arange(n - 1)).clamp(0, slots - 1)  # the last n - 1 tokens
+    prefix = history.index_select(1, suffix)
+    windows = history.unfold(1, n, 1)  # [B, slots - n + 1, n], by first column
+    first = torch.arange(slots - n + 1)
+    inside = (first >= begin) & (first + n <= end)
+    matches = (windows[..., :-1] == prefix[:, None]).all(dim=-1) & inside
     banned = torch.zeros(len(scores), vocab + 1, dtype=torch.bool)
-    banned.scatter_(1, torch.where(matches, windows[..., -1], vocab), True)
+    banned = banned.scatter(1, torch.where(matches, windows[..., -1], vocab), True)
     return scores.masked_fill(banned[:, :vocab], float("-inf"))
 
 
 def processed(
     logits: torch.Tensor,
-    seen: torch.Tensor,
-    padding: torch.Tensor,
-    new: int,
+    history: torch.Tensor,
+    counted: torch.Tensor,
+    span: torch.Tensor,
     sampling: Sampling,
-    stops: torch.Tensor,
+    stops: Sequence[int],
 ) -> torch.Tensor:
     """Each row's scores `[B, vocab]` (fp32) before its token is chosen: the logits after the
     penalty, the n-gram ban, the minimum lengths and the suppressed tokens, in `transformers`'
-    order. `seen` holds each row's prompt as given and its `new` tokens so far; `padding`
-    counts its left padding."""
-    scores = penalize(logits, seen, sampling.repetition_penalty, padding)
-    scores = ban_repeated_ngrams(scores, seen, sampling.no_repeat_ngram_size)
-    if len(stops) and (seen.shape[1] < sampling.min_length or new < sampling.min_new_tokens):
-        scores = scores.index_fill(1, stops, float("-inf"))
+    order. The row's tokens so far (its prompt as given and its new ones) are columns
+    `span[0]` to `span[1]` of `history`, `span[2]` of them new; `counted` marks those the
+    penalty counts."""
+    scores = penalize(logits, history, counted, sampling.repetition_penalty)
+    scores = ban_repeated_ngrams(scores, history, span, sampling.no_repeat_ngram_size)
+    if stops and (sampling.min_length or sampling.min_new_tokens):
+        early = (span[1] - span[0] < sampling.min_length) | (span[2] < sampling.min_new_tokens)
+        held_back = scores.index_fill(1, torch.tensor(stops), float("-inf"))
+        scores = torch.where(early, held_back, scores)
     if sampling.suppress_tokens:
         scores = scores.index_fill(1, torch.tensor(sampling.suppress_tokens), float("-inf"))
     return scores
 
 
-def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """Each row's next token from its logits `[B, vocab]`."""
+def choose(scores: torch.Tensor, sampling: Sampling, noise: torch.Tensor) -> torch.Tensor:
+    """Each row's next token from its scores `[B, vocab]`: the likeliest, or where sampling
+    one drawn from the warped scores' probabilities by racing them against `noise` `[B,
+    vocab]` (independent exponential draws: the token of the largest probability over its
+    draw is distributed as the probabilities are)."""
     if not sampling.do_sample:
-        return logits.argmax(dim=-1)
-    probs = warped(logits, sampling).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        return scores.argmax(dim=-1)
+    probs = warped(scores, sampling).softmax(dim=-1)
+    return (probs / noise.clamp(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def warped(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -129,8 +145,9 @@ def warped(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop = scores.softmax(dim=-1) < sampling.epsilon_cutoff
         scores = scores.masked_fill(_keeping_the_likeliest(drop, scores), float("-inf"))
     if sampling.eta_cutoff > 0:  # a cutoff that falls as the row's entropy rises
-        eta = torch.tensor(sampling.eta_cutoff)
-        entropy = torch.distributions.Categorical(logits=scores).entropy()[:, None]
+        eta = scores.new_tensor(sampling.eta_cutoff)
+        categorical = torch.distributions.Categorical(logits=scores, validate_args=False)
+        entropy = categorical.entropy()[:, None]
         drop = scores.softmax(dim=-1) < torch.minimum(eta, eta.sqrt() * torch.exp(-entropy))
         scores = scores.masked_fill(_keeping_the_likeliest(drop, scores), float("-inf"))
     return scores
@@ -281,8 +298,96 @@ def check_request(
     return mask, gear
 
 
+@dataclass(frozen=True)
+class Choice:
+    """How a request chooses every row's next token from its gear's logits: the processors,
+    then the likeliest token or a drawn one (`processed`, `choose`). It is a function of
+    fixed-shaped tensors, so a worker traces it once per request's settings and runs it as the
+    end of each gear's program; every rank holding the same logits chooses the same tokens.
+
+    Its inputs after the logits `[rows, vocab]`: `history` `[rows, slots]` (each row's
+    tokens so far, at columns `span[0]` to `span[1]`), `counted` (those the penalty counts),
+    `span` (those two columns, and the count of new tokens among them) and `noise` (a draw
+    per token where sampling, else empty)."""
+
+    sampling: Sampling  # its seed left out: the seed draws the noise, not the program
+    stops: tuple[int, ...]
+    rows: int
+    slots: int
+    vocab: int
+
+    @classmethod
+    def of(cls, sampling: Sampling, stops: tuple[int, ...], gears: GearShapes) -> Choice:
+        """The choice of a request: its stop tokens count only to hold them back from rows
+        shorter than the minimum lengths, and its seed only draws the noise."""
+        minimum = sampling.min_length or sampling.min_new_tokens
+        return cls(
+            replace(sampling, seed=0),
+            stops if minimum else (),
+            gears.max_batch_size,
+            gears.max_seq_len,
+            gears.vocab_size,
+        )
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        history: torch.Tensor,
+        counted: torch.Tensor,
+        span: torch.Tensor,
+        noise: torch.Tensor,
+    ) -> torch.Tensor:
+        # a copy always: the traced function starts with it whatever the logits' dtype
+        scores = logits.to(torch.float32, copy=True)
+        scores = processed(scores, history, counted, span, self.sampling, self.stops)
+        return choose(scores, self.sampling, noise)
+
+    def example(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Inputs of the shapes and dtypes each call is given (the logits last: their dtype is
+        the program's), on `device`."""
+        return (
+            torch.zeros(self.rows, self.slots, dtype=torch.long, device=device),
+            torch.zeros(self.rows, self.slots, dtype=torch.bool, device=device),
+            torch.zeros(3, dtype=torch.long, device=device),
+            torch.ones(self.noise_shape, device=device),
+        )
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return (self.rows, self.vocab) if self.sampling.do_sample else (0,)
+
+    def traced(self, device: torch.device) -> fx.GraphModule:
+        """The choice as a program of aten operators on `device`, its inputs in call order."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        logits = torch.zeros(self.rows, self.vocab, device=device)
+        with torch.no_grad():
+            return make_fx(self)(logits, *self.example(device))
+
+
+# a gear's call: `(length, gear inputs, choice, choice inputs)` to each row's chosen token
+Step = Callable[
+    [int, tuple[torch.Tensor, ...], Choice, tuple[torch.Tensor, ...]], torch.Tensor | None
+]
+
+
+def choosing(run: Callable[[int, tuple[torch.Tensor, ...]], torch.Tensor]) -> Step:
+    """A `Step` over `run`, a gear's call that returns its logits: the choice run after it, in
+    this process (the build's check against eager, and the captured gears)."""
+
+    def step(
+        length: int,
+        inputs: tuple[torch.Tensor, ...],
+        choice: Choice,
+        extra: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        return choice(run(length, inputs), *extra)
+
+    return step
+
+
 def decode(
-    run: Callable[[int, tuple[torch.Tensor, ...]], torch.Tensor],
+    step: Step,
     gears: GearShapes,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -296,14 +401,16 @@ def decode(
     `eos_token_id`, one id or any of several, give `pad_token_id`), until `max_new_tokens`
     or every row has finished.
 
-    `run(length, (input_ids, position_ids, cache_position, attention_mask))` calls the gear of
-    `length` tokens on the cache's `max_batch_size` rows and returns the last token's logits
-    (None where this caller holds none); rows past the request's are padding that attends to
-    nothing. `share(token, rows)`, where given, returns the token the caller holding the
-    logits chose (`token` there, None elsewhere), so every caller feeds the same one.
+    `step(length, (input_ids, position_ids, cache_position, attention_mask), choice, extra)`
+    calls the gear of `length` tokens on the cache's `max_batch_size` rows and returns the
+    token `choice` makes of its last token's logits given `extra` (None where this caller
+    holds no logits); rows past the request's are padding that attends to nothing.
+    `share(token, rows)`, where given, returns the token the caller holding the logits chose
+    (`token` there, None elsewhere), so every caller feeds the same one.
     """
     mask, gear = check_request(gears, input_ids, attention_mask, max_new_tokens)
-    stops = torch.tensor(stop_tokens(eos_token_id, gears.vocab_size), dtype=torch.long)
+    stops = stop_tokens(eos_token_id, gears.vocab_size)
+    choice = Choice.of(sampling, stops, gears)
     rows, length = input_ids.shape
     batch, slots = gears.max_batch_size, gears.max_seq_len
     ids = torch.full((batch, gear), pad_token_id, dtype=torch.long)
@@ -313,33 +420,48 @@ def decode(
     positions = (valid[:, :gear].cumsum(dim=1) - 1).clamp(min=0)
     generator = torch.Generator().manual_seed(sampling.seed)
     finished = torch.zeros(rows, dtype=torch.bool)
-    seen = input_ids.long()  # every row's prompt as given and its tokens so far
-    padding = (mask == 0).sum(dim=1)
+    # every row's tokens so far, as the choice reads them: its prompt as given and its new
+    # tokens, the penalty counting all but the left padding
+    history = torch.full((batch, slots), pad_token_id, dtype=torch.long)
+    history[:, :gear] = ids
+    counted = valid.bool()
+    begin = gear - length
     start = getattr(gears, "decoder_start_token_id", None)
     if start is not None:  # an encoder-decoder: the decoder's own tokens, from its start token
-        seen = torch.full((rows, 1), start, dtype=torch.long)
-        padding = torch.zeros_like(padding)
-    logits = run(gear, (ids, positions, torch.arange(gear), valid))
+        history[:rows, 0] = start
+        counted = torch.zeros(batch, slots, dtype=torch.bool)
+        counted[:rows, 0] = True
+        begin = 0
+    written = gear if start is None else 1  # the column of the next new token
+
+    def extra(new: int) -> tuple[torch.Tensor, ...]:
+        span = torch.tensor([begin, written, new])
+        noise = torch.empty(choice.noise_shape)
+        if sampling.do_sample:
+            noise.exponential_(generator=generator)
+        return history, counted, span, noise
+
+    token = step(gear, (ids, positions, torch.arange(gear), valid), choice, extra(0))
     last = positions[:, -1]
-    for step in range(max_new_tokens):
-        token = None
-        if logits is not None:
-            scores = processed(logits[:rows], seen, padding, step, sampling, stops)
-            token = choose(scores, sampling, generator)
+    for new in range(max_new_tokens):
+        token = None if token is None else token[:rows].cpu()
         if share is not None:
             token = share(token, rows)
         if token is None:
-            raise ValueError("decode: run returned no logits and no share was given")
-        if len(stops):
+            raise ValueError("decode: step returned no token and no share was given")
+        if stops:
             token = token.masked_fill(finished, pad_token_id)
-            finished |= torch.isin(token, stops)
-        seen = torch.cat([seen, token[:, None]], dim=1)
+            finished |= torch.isin(token, torch.tensor(stops))
         yield token
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        if new == max_new_tokens - 1 or bool(finished.all()):
             return
-        slot = gear + step
+        history[:rows, written] = token
+        counted[:rows, written] = True
+        written += 1
+        slot = gear + new
         valid[:rows, slot] = 1
         last = last + 1
         fed = torch.full((batch, 1), pad_token_id, dtype=torch.long)
         fed[:rows, 0] = token
-        logits = run(1, (fed, last[:, None].clone(), torch.tensor([slot]), valid.clone()))
+        inputs = (fed, last[:, None].clone(), torch.tensor([slot]), valid.clone())
+        token = step(1, inputs, choice, extra(new + 1))

@@ -18,7 +18,7 @@ import torch
 from tessel.capture import CapturedModel
 from tessel.capture.generation import GenerationStep
 from tessel.config.soc import SocProfile, soc_profile
-from tessel.decoding import decode
+from tessel.decoding import choosing, decode
 from tessel.dtypes import torch_dtype
 from tessel.errors import TesselError
 from tessel.package.plan_report import Verified
@@ -138,8 +138,8 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
 
     steps = 4
     pad = gears.pad_for(())  # no row stops: the pad only fills the rows past the prompt's
-    want = list(decode(eager_run, gears, prompt, None, steps, pad_token_id=pad))
-    got = list(decode(built_run, gears, prompt, None, steps, pad_token_id=pad))
+    want = list(decode(choosing(eager_run), gears, prompt, None, steps, pad_token_id=pad))
+    got = list(decode(choosing(built_run), gears, prompt, None, steps, pad_token_id=pad))
     worst = 0.0
     for step, (e, b) in enumerate(zip(seen["eager"], seen["built"])):
         rows = prompt.shape[0]

@@ -1,16 +1,19 @@
 """Generation on a worker: the package's gears over the cache this rank holds, run in a loop.
 
 Every rank runs the same loop (`tessel.decoding.decode`) on the same request, with no word from
-the session between tokens. Without pipeline stages each gear's program ends with the logits
-whole on every rank, so every rank chooses the same token. With stages only the last stage's
-ranks hold the logits: its first rank chooses the token and broadcasts it, a token per row,
-to every rank. Rank 0 hands the tokens to the session: each step's as it is made where the
+the session between tokens. Each gear's program is run with the request's choice traced onto
+its end, so the program returns each row's next token, not its logits. Without pipeline stages
+the logits are whole on every rank, so every rank's program chooses the same token. With stages
+only the last stage's ranks hold the logits: its first rank's token is broadcast, a token per
+row, to every rank. Rank 0 hands the tokens to the session: each step's as it is made where the
 request streams, all at the end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
@@ -18,7 +21,7 @@ import torch.distributed as dist
 from torch import fx
 
 from tessel.config.sampling import Sampling
-from tessel.decoding import decode
+from tessel.decoding import Choice, decode
 from tessel.package.manifest import Gears
 
 
@@ -31,16 +34,40 @@ class LoadedGears:
     programs: dict[int, fx.GraphModule]
     weights: list[torch.Tensor]
     logits_rank: int = 0  # the rank that chooses the tokens where not every rank can
+    # each gear ending in the choices of the latest requests' settings, the latest last
+    chosen: OrderedDict[tuple[int, Choice], fx.GraphModule] = field(default_factory=OrderedDict)
 
     @property
     def device(self) -> torch.device:
         return self.weights[0].device if self.weights else torch.device("cpu")
 
-    def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """The last token's logits of the gear of `length` tokens on `inputs` (None on a
-        pipeline stage before the last, which returns none)."""
-        outputs = self.programs[length](*self.weights, *(x.to(self.device) for x in inputs))
-        return outputs[-1].cpu() if outputs else None
+    def run(
+        self,
+        length: int,
+        inputs: tuple[torch.Tensor, ...],
+        choice: Choice,
+        extra: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor | None:
+        """Each row's token, as `choice` makes it from the logits of the gear of `length`
+        tokens on `inputs` (None on a pipeline stage before the last, which holds none)."""
+        program = self._ending_in(length, choice)
+        args = (*inputs, *extra) if program is not self.programs[length] else inputs
+        outputs = program(*self.weights, *(x.to(self.device) for x in args))
+        return outputs[-1] if outputs else None
+
+    def _ending_in(self, length: int, choice: Choice) -> fx.GraphModule:
+        """The gear of `length` tokens with `choice` run on its logits, traced once for a few
+        requests' settings (the gear itself where it returns no logits)."""
+        key = (length, choice)
+        if key not in self.chosen:
+            program = self.programs[length]
+            if not _outputs(program):
+                return program
+            self.chosen[key] = ending_in(program, choice.traced(self.device))
+            while len(self.chosen) > _CHOICES_KEPT * len(self.programs):
+                self.chosen.popitem(last=False)
+        self.chosen.move_to_end(key)
+        return self.chosen[key]
 
     def share(self, token: torch.Tensor | None, rows: int) -> torch.Tensor:
         """The token `logits_rank` chose, `[rows]`, on every rank (`token` is this rank's own
@@ -50,6 +77,41 @@ class LoadedGears:
         sent = token.to(self.device, torch.int64).contiguous()  # a collective's, on its device
         dist.broadcast(sent, src=self.logits_rank)
         return sent.cpu()
+
+
+_CHOICES_KEPT = 4  # requests' settings whose programs a rank keeps, per gear
+
+
+def _outputs(program: fx.GraphModule) -> tuple[fx.Node, ...]:
+    return tuple(program.graph.output_node().args[0])  # type: ignore[arg-type]
+
+
+def ending_in(program: fx.GraphModule, choice: fx.GraphModule) -> fx.GraphModule:
+    """`program` whose last output, the logits, is replaced by what `choice` (a traced
+    function of those logits and inputs of its own) returns from it; the choice's other
+    inputs follow the program's."""
+    graph = fx.Graph()
+    mapped: dict[fx.Node, fx.Node] = {}
+    outputs = graph.graph_copy(program.graph, mapped)
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    logits, *rest = [n for n in choice.graph.nodes if n.op == "placeholder"]
+    taken = {logits: outputs[-1]}  # type: ignore[index]
+    for placeholder in rest:
+        with graph.inserting_after(anchor):
+            anchor = taken[placeholder] = graph.placeholder(f"choice_{placeholder.name}")
+    attributes = {
+        n.target: operator.attrgetter(n.target)(program)
+        for n in program.graph.nodes
+        if n.op in ("get_attr", "call_module")
+    }
+    for node in choice.graph.nodes:  # the choice's constants, under names of their own
+        if node.op == "get_attr":
+            name = f"choice_{node.target}"
+            attributes[name] = operator.attrgetter(node.target)(choice)
+            taken[node] = graph.get_attr(name)
+    token = graph.graph_copy(choice.graph, taken)
+    graph.output((*outputs[:-1], token))  # type: ignore[misc]
+    return fx.GraphModule(attributes, graph)
 
 
 def generate_on_rank(
