@@ -87,30 +87,23 @@ def _outputs(program: fx.GraphModule) -> tuple[fx.Node, ...]:
 
 
 def ending_in(program: fx.GraphModule, choice: fx.GraphModule) -> fx.GraphModule:
-    """`program` whose last output, the logits, is replaced by what `choice` (a traced
-    function of those logits and inputs of its own) returns from it; the choice's other
-    inputs follow the program's."""
+    """One program: `program` (called as it is, not traced again) whose last output, the
+    logits, is replaced by what `choice` (a traced function of those logits and inputs of its
+    own) makes of it; the choice's other inputs follow the program's."""
     graph = fx.Graph()
-    mapped: dict[fx.Node, fx.Node] = {}
-    outputs = graph.graph_copy(program.graph, mapped)
-    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    logits, *rest = [n for n in choice.graph.nodes if n.op == "placeholder"]
-    taken = {logits: outputs[-1]}  # type: ignore[index]
-    for placeholder in rest:
-        with graph.inserting_after(anchor):
-            anchor = taken[placeholder] = graph.placeholder(f"choice_{placeholder.name}")
-    attributes = {
-        n.target: operator.attrgetter(n.target)(program)
-        for n in program.graph.nodes
-        if n.op in ("get_attr", "call_module")
-    }
-    for node in choice.graph.nodes:  # the choice's constants, under names of their own
-        if node.op == "get_attr":
-            name = f"choice_{node.target}"
-            attributes[name] = operator.attrgetter(node.target)(choice)
-            taken[node] = graph.get_attr(name)
-    token = graph.graph_copy(choice.graph, taken)
-    graph.output((*outputs[:-1], token))  # type: ignore[misc]
+    inputs = [graph.placeholder(n.name) for n in program.graph.find_nodes(op="placeholder")]
+    logits, *rest = choice.graph.find_nodes(op="placeholder")
+    extra = {p: graph.placeholder(f"choice_{p.name}") for p in rest}
+    called = graph.call_module("gear", tuple(inputs))
+    outputs = [
+        graph.call_function(operator.getitem, (called, i)) for i in range(len(_outputs(program)))
+    ]
+    attributes: dict[str, object] = {"gear": program}
+    for node in choice.graph.find_nodes(op="get_attr"):  # the choice's constants
+        attributes[f"choice_{node.target}"] = operator.attrgetter(node.target)(choice)
+        extra[node] = graph.get_attr(f"choice_{node.target}")
+    token = graph.graph_copy(choice.graph, {logits: outputs[-1], **extra})
+    graph.output((*outputs[:-1], token))
     return fx.GraphModule(attributes, graph)
 
 
