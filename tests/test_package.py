@@ -467,7 +467,10 @@ def test_weights_stream_out_and_load_back_as_the_safetensors_library_reads_them(
 
     from safetensors.torch import load, save
 
-    from tessel.package.safetensors_io import tensors_from_buffer, write_safetensors
+    from tessel.package.safetensors_io import read_tensors, write_safetensors
+
+    def streamed(data: bytes) -> dict[str, torch.Tensor]:
+        return read_tensors(io.BytesIO(data), len(data), hashlib.sha256())
 
     tensors = _mixed_tensors()
     out = io.BytesIO()
@@ -475,12 +478,46 @@ def test_weights_stream_out_and_load_back_as_the_safetensors_library_reads_them(
     ours = bytearray(out.getvalue())
     for read in (
         load(bytes(ours)),
-        tensors_from_buffer(ours),
-        tensors_from_buffer(bytearray(save(tensors))),
+        streamed(bytes(ours)),
+        streamed(save(tensors)),
     ):
         assert read.keys() == tensors.keys()
         for k, t in tensors.items():
             assert read[k].dtype == t.dtype and torch.equal(read[k], t), k
+
+
+def test_each_tensor_is_read_into_memory_of_its_own_and_every_byte_hashed() -> None:
+    import io
+
+    from tessel.package.safetensors_io import read_tensors, write_safetensors
+
+    tensors = _mixed_tensors()
+    out = io.BytesIO()
+    write_safetensors(out, tensors)
+    data = out.getvalue()
+    digest = hashlib.sha256()
+    read = read_tensors(io.BytesIO(data), len(data), digest)
+    assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    for name, tensor in read.items():
+        if tensor.numel():  # no view of a buffer the whole file was read into
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes, name
+
+
+def test_safetensors_whose_tensors_overlap_are_refused() -> None:
+    import io
+
+    from tessel.package.safetensors_io import SafetensorsFormatError, read_tensors
+
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    data = len(raw).to_bytes(8, "little") + raw + bytes(12)
+    with pytest.raises(SafetensorsFormatError, match="overlaps the tensor before it") as err:
+        read_tensors(io.BytesIO(data), len(data), hashlib.sha256())
+    assert err.value.name == "b"
 
 
 def test_corrupt_weights_header_names_the_member(built, tmp_path):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import struct
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +55,6 @@ SUFFIX = ".tessel"
 CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
 _READ_CHUNK = 16 << 20  # a member is read into its buffer in pieces this big
 _MAX_MANIFEST = 64 << 20  # a manifest is JSON of a few KiB to a few MiB
-
-
-def _sha(data: bytes | bytearray) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 Member = Union[bytes, Mapping[str, "torch.Tensor"]]  # raw bytes, or tensors stored as safetensors
@@ -337,11 +334,26 @@ class Package(_Members):
     def _read_checked(self, name: str) -> bytearray:
         """A member's bytes, read into one buffer and checked against the manifest's SHA-256.
 
-        Members are stored, so the bytes are read from the file straight into the buffer: a
-        worker holds its weights once, with no temporary copy beside them while they load.
-        """
-        expected = self.manifest.files.get(name)
-        if expected is None:
+        Members are stored, so the bytes are read from the file straight into the buffer, with
+        no temporary copy beside them."""
+        digest = hashlib.sha256()
+        with self._reading(name) as (f, size):
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < len(data):
+                n = f.readinto(view[got : got + _READ_CHUNK])
+                if not n:
+                    raise EOFError(f"member ends after {got} of {len(data)} bytes")
+                got += n
+            digest.update(data)
+        self._check(name, digest)
+        return data
+
+    @contextlib.contextmanager
+    def _reading(self, name: str) -> Iterator[tuple[io.FileIO, int]]:
+        """The package file at the start of member `name`'s bytes, and their count; a member
+        that cannot be read raises `PackageError`."""
+        if name not in self.manifest.files:
             raise PackageError(self.path, f"member {name!r} is not listed in the manifest")
         try:
             with open(self.path, "rb", buffering=0) as f:
@@ -358,20 +370,15 @@ class Package(_Members):
                 if sig != b"PK\x03\x04" or method != zipfile.ZIP_STORED:
                     raise ValueError("its local header disagrees with the directory")
                 f.seek(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
-                data = bytearray(size)
-                view, got = memoryview(data), 0
-                while got < len(data):
-                    n = f.readinto(view[got : got + _READ_CHUNK])
-                    if not n:
-                        raise EOFError(f"member ends after {got} of {len(data)} bytes")
-                    got += n
+                yield f, size
         except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError) as exc:
             raise PackageError(self.path, f"member {name!r} cannot be read ({exc})") from exc
-        if _sha(data) != expected:
+
+    def _check(self, name: str, digest: Any) -> None:
+        if digest.hexdigest() != self.manifest.files[name]:
             raise PackageError(
                 self.path, f"member {name!r} fails its checksum: the file was altered"
             )
-        return data
 
     def verify(self) -> None:
         """Read every member and check its checksum."""
@@ -383,17 +390,32 @@ class Package(_Members):
         return parse_json(self.read(name), self.path, f"member {name!r}")
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """A safetensors member's tensors, as views of the one buffer it was read into."""
-        from tessel.package.safetensors_io import SafetensorsFormatError, tensors_from_buffer
+        """A safetensors member's tensors, each read into memory of its own, once the whole
+        member is checked against its checksum."""
+        from tessel.package.safetensors_io import SafetensorsFormatError, read_tensors
 
-        data = self._read_checked(name)
-        try:
-            return tensors_from_buffer(data)
-        except SafetensorsFormatError as exc:
-            where = f"tensor {exc.name!r} of " if exc.name else ""
+        digest = hashlib.sha256()
+        failure = None
+        with self._reading(name) as (f, size):
+            start = f.tell()
+            try:
+                tensors = read_tensors(f, size, digest)
+            except SafetensorsFormatError as exc:  # the checksum's word comes first
+                failure = exc
+                rest = start + size - f.tell()
+                while rest > 0:
+                    chunk = f.read(min(rest, _READ_CHUNK))
+                    if not chunk:
+                        raise EOFError(f"member ends {rest} bytes short") from None
+                    digest.update(chunk)
+                    rest -= len(chunk)
+        self._check(name, digest)
+        if failure is not None:
+            where = f"tensor {failure.name!r} of " if failure.name else ""
             raise PackageError(
-                self.path, f"{where}member {name!r} is not valid safetensors: {exc}"
-            ) from exc
+                self.path, f"{where}member {name!r} is not valid safetensors: {failure}"
+            ) from failure
+        return tensors
 
 
 def submodel_weights(
