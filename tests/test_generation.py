@@ -566,6 +566,16 @@ def test_a_program_writes_in_place_only_into_the_state_it_declares() -> None:
         check({"format": FORMAT, "nodes": nodes, "state": "cache"})
 
 
+# greedy and drawn, under every processor and cutoff
+_CHOICE_SETTINGS = (
+    Sampling(),
+    Sampling(repetition_penalty=2.0, no_repeat_ngram_size=2, min_length=9),
+    Sampling(min_new_tokens=5, suppress_tokens=(0, 4)),
+    Sampling(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3),
+    Sampling(do_sample=True, min_p=0.1, typical_p=0.8, epsilon_cutoff=0.01, eta_cutoff=0.01),
+)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_gear_program_ends_in_the_requests_choice(dtype) -> None:
     """A worker's gear returns each row's token: the request's choice traced onto the end of
@@ -581,15 +591,8 @@ def test_a_gear_program_ends_in_the_requests_choice(dtype) -> None:
     history = torch.randint(0, 6, (rows, slots), generator=g)
     counted = torch.rand(rows, slots, generator=g) < 0.7
     span = torch.tensor([1, 8, 3])
-    settings = [
-        Sampling(),
-        Sampling(repetition_penalty=2.0, no_repeat_ngram_size=2, min_length=9),
-        Sampling(min_new_tokens=5, suppress_tokens=(0, 4)),
-        Sampling(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3),
-        Sampling(do_sample=True, min_p=0.1, typical_p=0.8, epsilon_cutoff=0.01, eta_cutoff=0.01),
-    ]
     made = set()
-    for sampling in settings:
+    for sampling in _CHOICE_SETTINGS:
         choice = Choice(sampling, (1, 2), rows, slots, vocab)
         noise = torch.empty(choice.noise_shape).exponential_(generator=g)
         extra = (history, counted, span, noise)
@@ -600,6 +603,15 @@ def test_a_gear_program_ends_in_the_requests_choice(dtype) -> None:
         assert torch.equal(token, choice(hidden @ weight, *extra)), sampling
         made.add(tuple(token.tolist()))
     assert len(made) > 2  # the settings chose differently: each ran its own processors
+
+
+def test_the_choice_traces_on_the_device_of_its_gear() -> None:
+    """Every tensor the traced choice makes for itself is made on the device it is traced
+    for (a CUDA worker's gear): traced on meta, nothing on the CPU is met."""
+    for sampling in _CHOICE_SETTINGS:
+        traced = Choice(sampling, (1, 2), 3, 10, 40).traced(torch.device("meta"))
+        for node in traced.graph.find_nodes(op="get_attr"):
+            assert getattr(traced, node.target).device.type == "meta", (sampling, node)
 
 
 class _Head(torch.nn.Module):

@@ -10,6 +10,7 @@ program, and every caller given the same logits makes the same tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -72,15 +73,17 @@ def ban_repeated_ngrams(
     slots = history.shape[1]
     if n == 0 or slots < n:
         return scores
-    vocab = scores.shape[-1]
+    vocab, at = scores.shape[-1], scores.device
     begin, end = span[0], span[1]
-    suffix = (end - n + 1 + torch.arange(n - 1)).clamp(0, slots - 1)  # the last n - 1 tokens
+    suffix = (end - n + 1 + torch.arange(n - 1, device=at)).clamp(
+        0, slots - 1
+    )  # the last n - 1 tokens
     prefix = history.index_select(1, suffix)
     windows = history.unfold(1, n, 1)  # [B, slots - n + 1, n], by first column
-    first = torch.arange(slots - n + 1)
+    first = torch.arange(slots - n + 1, device=at)
     inside = (first >= begin) & (first + n <= end)
     matches = (windows[..., :-1] == prefix[:, None]).all(dim=-1) & inside
-    banned = torch.zeros(len(scores), vocab + 1, dtype=torch.bool)
+    banned = torch.zeros(len(scores), vocab + 1, dtype=torch.bool, device=at)
     banned = banned.scatter(1, torch.where(matches, windows[..., -1], vocab), True)
     return scores.masked_fill(banned[:, :vocab], float("-inf"))
 
@@ -102,10 +105,11 @@ def processed(
     scores = ban_repeated_ngrams(scores, history, span, sampling.no_repeat_ngram_size)
     if stops and (sampling.min_length or sampling.min_new_tokens):
         early = (span[1] - span[0] < sampling.min_length) | (span[2] < sampling.min_new_tokens)
-        held_back = scores.index_fill(1, torch.tensor(stops), float("-inf"))
+        held_back = scores.index_fill(1, scores.new_tensor(stops, dtype=torch.long), -math.inf)
         scores = torch.where(early, held_back, scores)
     if sampling.suppress_tokens:
-        scores = scores.index_fill(1, torch.tensor(sampling.suppress_tokens), float("-inf"))
+        suppressed = scores.new_tensor(sampling.suppress_tokens, dtype=torch.long)
+        scores = scores.index_fill(1, suppressed, -math.inf)
     return scores
 
 
