@@ -614,6 +614,24 @@ def test_the_choice_traces_on_the_device_of_its_gear() -> None:
             assert getattr(traced, node.target).device.type == "meta", (sampling, node)
 
 
+def test_a_choice_is_given_the_history_only_where_a_processor_reads_it() -> None:
+    """A device is sent each row's tokens so far every step only for the penalty and the
+    n-gram ban; the tokens then equal those made with the history always given."""
+    g = torch.Generator().manual_seed(0)
+    logits, noise = torch.randn(3, 40, generator=g), _noise(g, 3, 40)
+    history = torch.randint(0, 6, (3, 10), generator=g)
+    span, nothing = torch.tensor([1, 8, 3]), torch.empty(0, dtype=torch.long)
+    reads = []
+    for sampling in _CHOICE_SETTINGS:
+        choice = Choice(sampling, (1, 2), 3, 10, 40)
+        drawn = noise if sampling.do_sample else nothing.float()
+        reads.append(choice.history_shape != (0,))
+        if not reads[-1]:
+            given = choice(logits, history, history > 2, span, drawn)
+            assert torch.equal(choice(logits, nothing, nothing.bool(), span, drawn), given)
+    assert reads == [False, True, False, False, False]
+
+
 class _Head(torch.nn.Module):
     def forward(self, weight: torch.Tensor, hidden: torch.Tensor):
         return hidden * 2, hidden @ weight

@@ -70,9 +70,9 @@ def ban_repeated_ngrams(
     """`scores` with every token that would end an n-gram of `n` tokens already in the row's
     tokens so far (columns `span[0]` to `span[1]` of `history`) set to -inf, as
     `transformers`' `NoRepeatNGramLogitsProcessor` does."""
-    slots = history.shape[1]
-    if n == 0 or slots < n:
+    if n == 0 or history.shape[1] < n:
         return scores
+    slots = history.shape[1]
     vocab, at = scores.shape[-1], scores.device
     begin, end = span[0], span[1]
     suffix = (end - n + 1 + torch.arange(n - 1, device=at)).clamp(
@@ -350,10 +350,19 @@ class Choice:
         """Inputs of the shapes and dtypes each call is given (the logits last: their dtype is
         the program's), on `device`."""
         return (
-            torch.zeros(self.rows, self.slots, dtype=torch.long, device=device),
-            torch.zeros(self.rows, self.slots, dtype=torch.bool, device=device),
+            torch.zeros(self.history_shape, dtype=torch.long, device=device),
+            torch.zeros(self.history_shape, dtype=torch.bool, device=device),
             torch.zeros(3, dtype=torch.long, device=device),
             torch.ones(self.noise_shape, device=device),
+        )
+
+    @property
+    def history_shape(self) -> tuple[int, ...]:
+        """The shape of `history` and `counted`: empty where no processor reads them, so a
+        device is not sent them every step for nothing."""
+        s = self.sampling
+        return (
+            (self.rows, self.slots) if s.repetition_penalty != 1 or s.no_repeat_ngram_size else (0,)
         )
 
     @property
@@ -438,12 +447,17 @@ def decode(
         begin = 0
     written = gear if start is None else 1  # the column of the next new token
 
+    read = choice.history_shape == tuple(history.shape)  # else an empty history is given
+    nothing = torch.empty(0, dtype=torch.long)
+
     def extra(new: int) -> tuple[torch.Tensor, ...]:
         span = torch.tensor([begin, written, new])
         noise = torch.empty(choice.noise_shape)
         if sampling.do_sample:
             noise.exponential_(generator=generator)
-        return history, counted, span, noise
+        if read:
+            return history, counted, span, noise
+        return nothing, nothing.bool(), span, noise
 
     token = step(gear, (ids, positions, torch.arange(gear), valid), choice, extra(0))
     last = positions[:, -1]
