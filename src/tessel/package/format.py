@@ -31,6 +31,7 @@ from tessel.package.manifest import (
     Submodel,
     valid_member_name,
 )
+from tessel.package.streams import read_into, skip
 from tessel.sharding.geometry import piece
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ __all__ = [
 
 SUFFIX = ".tessel"
 CONSTANT_PREFIX = "__constant__."  # weights-file keys of constants a traced program holds
-_READ_CHUNK = 16 << 20  # a member is read into its buffer in pieces this big
 _MAX_MANIFEST = 64 << 20  # a manifest is JSON of a few KiB to a few MiB
 
 
@@ -339,13 +339,7 @@ class Package(_Members):
         digest = hashlib.sha256()
         with self._reading(name) as (f, size):
             data = bytearray(size)
-            view, got = memoryview(data), 0
-            while got < len(data):
-                n = f.readinto(view[got : got + _READ_CHUNK])
-                if not n:
-                    raise EOFError(f"member ends after {got} of {len(data)} bytes")
-                got += n
-            digest.update(data)
+            read_into(f, memoryview(data), digest)
         self._check(name, digest)
         return data
 
@@ -402,13 +396,7 @@ class Package(_Members):
                 tensors = read_tensors(f, size, digest)
             except SafetensorsFormatError as exc:  # the checksum's word comes first
                 failure = exc
-                rest = start + size - f.tell()
-                while rest > 0:
-                    chunk = f.read(min(rest, _READ_CHUNK))
-                    if not chunk:
-                        raise EOFError(f"member ends {rest} bytes short") from None
-                    digest.update(chunk)
-                    rest -= len(chunk)
+                skip(f, start + size - f.tell(), digest)
         self._check(name, digest)
         if failure is not None:
             where = f"tensor {failure.name!r} of " if failure.name else ""

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from tessel.dtypes import dtype_name, torch_dtype
+from tessel.package.streams import Digest, Stream, read_into, skip
 
 # safetensors dtype codes <-> torch dtypes
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -160,21 +161,6 @@ def parse_header(raw: bytes, size: int) -> tuple[list[Entry], dict[str, str]]:
     return entries, {str(k): str(v) for k, v in meta.items()}
 
 
-class Stream(Protocol):
-    """A binary file being read: a member of a package, or bytes in memory."""
-
-    def readinto(self, buffer: memoryview, /) -> int | None: ...
-
-
-class Digest(Protocol):
-    """A running hash (`hashlib`'s)."""
-
-    def update(self, data: memoryview, /) -> None: ...
-
-
-_CHUNK = 16 << 20  # bytes read at a time
-
-
 def read_tensors(stream: Stream, size: int, digest: Digest) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file of `size` bytes that `stream` is at, each read
     straight from the file into memory of its own (never a buffer of the whole file that the
@@ -183,10 +169,10 @@ def read_tensors(stream: Stream, size: int, digest: Digest) -> dict[str, torch.T
     A tensor of its own is also what a matrix product reads fastest: on CPU, products over
     views into one buffer of the file ran 10-15% slower than over the same values copied."""
     prefix = bytearray(8)
-    _read_into(stream, memoryview(prefix)[: min(8, size)], digest)
+    read_into(stream, memoryview(prefix)[: min(8, size)], digest)
     n = header_length(bytes(prefix[: min(8, size)]), size)
     raw = bytearray(n)
-    _read_into(stream, memoryview(raw), digest)
+    read_into(stream, memoryview(raw), digest)
     entries, _ = parse_header(bytes(raw), size)
     at, out = 8 + n, {}
     for e in sorted(entries, key=lambda e: (e.begin, e.end)):
@@ -196,29 +182,11 @@ def read_tensors(stream: Stream, size: int, digest: Digest) -> dict[str, torch.T
                 f"before ends at {at}",
                 e.name,
             )
-        _skip(stream, e.begin - at, digest)
+        skip(stream, e.begin - at, digest)
         tensor = torch.empty(e.shape, dtype=e.dtype)
         if tensor.numel():
-            _read_into(stream, tensor.reshape(-1).view(torch.uint8).numpy().data, digest)
+            read_into(stream, tensor.reshape(-1).view(torch.uint8).numpy().data, digest)
         out[e.name] = tensor
         at = max(at, e.end)
-    _skip(stream, size - at, digest)
+    skip(stream, size - at, digest)
     return out
-
-
-def _read_into(stream: Stream, view: memoryview, digest: Digest) -> None:
-    got = 0
-    while got < len(view):
-        n = stream.readinto(view[got : got + _CHUNK])
-        if not n:
-            raise EOFError(f"the data ends after {got} of {len(view)} bytes")
-        digest.update(view[got : got + n])
-        got += n
-
-
-def _skip(stream: Stream, count: int, digest: Digest) -> None:
-    """Read past `count` bytes that hold no tensor (still hashed)."""
-    scratch = memoryview(bytearray(min(count, _CHUNK)))
-    while count > 0:
-        _read_into(stream, scratch[: min(count, len(scratch))], digest)
-        count -= len(scratch)

@@ -50,20 +50,19 @@ class LoadedGears:
     ) -> torch.Tensor | None:
         """Each row's token, as `choice` makes it from the logits of the gear of `length`
         tokens on `inputs` (None on a pipeline stage before the last, which holds none)."""
+        program = self.programs[length]
+        if not _outputs(program):  # a stage before the last: no logits, nothing to choose
+            program(*self.weights, *(x.to(self.device) for x in inputs))
+            return None
         program = self._ending_in(length, choice)
-        args = (*inputs, *extra) if program is not self.programs[length] else inputs
-        outputs = program(*self.weights, *(x.to(self.device) for x in args))
-        return outputs[-1] if outputs else None
+        return program(*self.weights, *(x.to(self.device) for x in (*inputs, *extra)))[-1]
 
     def _ending_in(self, length: int, choice: Choice) -> fx.GraphModule:
         """The gear of `length` tokens with `choice` run on its logits, traced once for a few
-        requests' settings (the gear itself where it returns no logits)."""
+        requests' settings."""
         key = (length, choice)
         if key not in self.chosen:
-            program = self.programs[length]
-            if not _outputs(program):
-                return program
-            self.chosen[key] = ending_in(program, choice.traced(self.device))
+            self.chosen[key] = ending_in(self.programs[length], choice.traced(self.device))
             while len(self.chosen) > _CHOICES_KEPT * len(self.programs):
                 self.chosen.popitem(last=False)
         self.chosen.move_to_end(key)
