@@ -466,7 +466,7 @@ def test_onnx_and_pytorch_flags_do_not_mix(files, capsys):
     assert "llama.onnx is an ONNX file: build it with --framework=5" in capsys.readouterr().err
     args = _build_args(files, "x.py:build", **{"--framework": "pytorch", "--input_shape": "x:1"})
     assert main(args) == 2
-    assert "--input_shape: fixes an ONNX model's input shapes" in capsys.readouterr().err
+    assert "--input_shape: fixes the input shapes of an ONNX model" in capsys.readouterr().err
     assert main(_build_args(files, "llama.onnx", **{"--weights": str(files)})) == 2
     assert "--weights: streams a PyTorch model's weights" in capsys.readouterr().err
 

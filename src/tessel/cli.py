@@ -250,10 +250,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--input_shape",
-        help='ONNX models: the input shapes, "name:1,3,224,224;name2:1,16" (ATC\'s syntax), '
-        "fixing their dynamic dimensions; every dimension a positive integer. Required where a "
-        "dimension is dynamic. A generation build: the prompt, input_ids:BATCH,LENGTH, each -1 "
-        "set by --dynamic_dims",
+        help='ONNX models and .pt2 files: the input shapes, "name:1,3,224,224;name2:1,16" '
+        "(ATC's syntax), fixing their dynamic dimensions; every dimension a positive integer. "
+        "Required where an ONNX dimension is dynamic; a .pt2 builds at its recorded shapes "
+        "without it. A generation build: the prompt, input_ids:BATCH,LENGTH, each -1 set by "
+        "--dynamic_dims",
     )
     b.add_argument(
         "--dynamic_dims",

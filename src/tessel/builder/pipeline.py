@@ -37,7 +37,7 @@ from tessel.builder.training import build_training
 from tessel.builder.verify import check_against_eager, check_generation, worth_checking
 from tessel.builder.weights import streamed_weights
 from tessel.capture import CapturedModel, capture
-from tessel.capture.export import split_inputs
+from tessel.capture.export import program_example, split_inputs
 from tessel.capture.held import check_weights_present
 from tessel.config.cluster import (
     ClusterConfig,
@@ -347,6 +347,8 @@ def _capture_or_choose(
     if isinstance(model, CapturedModel):
         return _Shape(dims, model)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if isinstance(model, torch.export.ExportedProgram) and not args and not kwargs:
+        args, kwargs = program_example(model)  # a batch to split over replicas and stages
     if graph_parallel and wants_choice(cluster, policy, model):
         with phase("weighing the mesh shapes the cluster allows"):
             choice = choose_mesh(

@@ -20,6 +20,7 @@ from tessel.capture.decompose import decompose_in_place
 from tessel.capture.grouped_queries import group_query_rows
 from tessel.capture.held import describe_outputs, output_names, without_cache
 from tessel.capture.portable import portable_attention, zero_fill_allocations
+from tessel.capture.program_inputs import check_inputs, recorded_example
 from tessel.capture.pt2 import RefusedArchiveError, load_pt2
 from tessel.capture.stamp import CannotStamp, find_stacks, stamp_out, stamping
 from tessel.capture.training import (
@@ -89,9 +90,12 @@ def capture(
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     cache_off = False
     if isinstance(model, ExportedProgram):
-        ep = model
-        if not args and not kwargs and model.example_inputs is not None:
-            args, kwargs = model.example_inputs  # what torch.export.save kept
+        if not args and not kwargs:
+            args, kwargs = program_example(model)
+        args, kwargs, dynamic = check_inputs(
+            model, args, kwargs, where="the program", source="build()", key="example_inputs"
+        )
+        ep = _at_sizes(model, args, kwargs) if dynamic else model
     else:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(
@@ -117,6 +121,35 @@ def capture(
     shapes = _output_values(ep)[len(_output_values(ep)) - len(outputs) :]
     log.info("%s", describe_outputs(outputs, shapes, cache_off))
     return CapturedModel(ep, values, names, source, args, kwargs, outputs)
+
+
+def program_example(program: ExportedProgram) -> tuple[tuple, dict]:
+    """The example `(args, kwargs)` a program was saved with (`torch.export.load` reads
+    them), or else ones at the sizes its placeholders record (see `program_inputs`)."""
+    if program.example_inputs is not None:
+        args, kwargs = program.example_inputs
+        return tuple(args), dict(kwargs)
+    return recorded_example(program, source="build()")
+
+
+def _at_sizes(program: ExportedProgram, args: tuple, kwargs: dict) -> ExportedProgram:
+    """A program with dynamic dimensions exported again at the sizes of `args` and `kwargs`
+    (checked against its ranges by `check_inputs`), so that every size in it is a number. Its
+    module runs only the operators it holds; a condition the program asserts on its sizes that
+    these break is refused by name."""
+    module = program.module()
+    try:
+        with torch.no_grad():
+            return _export_aten(module, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - torch's guards on sizes raise many types
+        text = str(exc).strip()
+        reason = text.splitlines()[0] if text else type(exc).__name__
+        shapes = [list(x.shape) for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        raise ConfigError(
+            "build()",
+            "example_inputs",
+            f"the program does not take inputs of shapes {shapes}: {reason}",
+        ) from None
 
 
 # the training captures `training_capture_reused` offers, newest last
@@ -324,23 +357,17 @@ def load_model_spec(
         from tessel.capture.onnx import load_onnx
 
         return (*load_onnx(spec, input_shape), None)
+    if spec.endswith(".onnx"):
+        raise ConfigError("--model", None, f"{spec} is an ONNX file: build it with --framework=5")
+    if spec.endswith(".pt2"):
+        return load_pt2_spec(spec, input_shape), None, None
     if input_shape:
         raise ConfigError(
             "--input_shape",
             None,
-            "fixes an ONNX model's input shapes (--framework=5); a PyTorch model's example "
-            "inputs give its shapes",
+            "fixes the input shapes of an ONNX model (--framework=5) or a .pt2; a "
+            "file.py:function's example inputs give its shapes",
         )
-    if spec.endswith(".onnx"):
-        raise ConfigError("--model", None, f"{spec} is an ONNX file: build it with --framework=5")
-    if spec.endswith(".pt2"):
-        path = Path(spec)
-        if not path.is_file():
-            raise ConfigError("--model", None, f"file not found: {spec}")
-        try:
-            return load_pt2(path), None, None
-        except RefusedArchiveError as exc:
-            raise ConfigError(path, None, str(exc)) from None
     if ":" not in spec:
         raise ConfigError(
             "--model", None, f"expected a .pt2 file or file.py:function, found {spec!r}"
@@ -367,6 +394,24 @@ def load_model_spec(
             "optimizer) for a training step",
         )
     return result if len(result) == 3 else (*result, None)
+
+
+def load_pt2_spec(spec: str, input_shape: str | dict | None = None) -> ExportedProgram:
+    """`--model x.pt2`: the program read as data (`load_pt2`), holding example inputs at the
+    sizes its placeholders record, or at those `input_shape` (ATC's `--input_shape` text, or a
+    dict of input name to shape) fixes within what the program takes."""
+    from tessel.capture.onnx import parse_input_shape
+
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError("--model", None, f"file not found: {spec}")
+    shapes = parse_input_shape(input_shape)
+    try:
+        program = load_pt2(path)
+    except RefusedArchiveError as exc:
+        raise ConfigError(path, None, str(exc)) from None
+    program.example_inputs = recorded_example(program, shapes, where=str(path))
+    return program
 
 
 def split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tuple, dict]:

@@ -181,7 +181,7 @@ def load_onnx(
         raise ConfigError(str(path), None, f"is not an ONNX model: {exc}") from exc
     fixed = parse_input_shape(input_shape)
     inputs = _fix_inputs(model, fixed, str(path))
-    _check_input_sizes(inputs)
+    check_input_sizes(inputs)
     names = _exported_names(model)  # before folding: the exporter's record of its own folds
     model = _fold(onnx, model, str(path), names)  # what the fixed shapes decide is no operator's
     _register_converters()
@@ -210,7 +210,7 @@ def load_onnx(
     return gm, examples
 
 
-def _check_input_sizes(inputs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+def check_input_sizes(inputs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
     """Every input's example fits this machine's available memory, checked before any is
     made (a dimension of 10^12 would otherwise end in the allocator)."""
     import psutil
