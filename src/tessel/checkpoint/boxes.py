@@ -25,6 +25,7 @@ def coords(index: int, dev_matrix: Sequence[int]) -> tuple[int, ...]:
 def check_divisible(name: str, p: ParamLayout, shape: Sequence[int], src: str) -> None:
     """A layout must name every dim of its tensor; the optimizer shard must divide dim 0's
     slice. Other dims may split unevenly (see the module docstring)."""
+    _check_resolved(name, p, src)
     splits = p.splits()
     if len(shape) != len(splits):
         raise StrategyError(
@@ -47,8 +48,22 @@ def check_divisible(name: str, p: ParamLayout, shape: Sequence[int], src: str) -
         )
 
 
+def _check_resolved(name: str | None, p: ParamLayout, src: str | None) -> None:
+    """A layout as `check_param` leaves it: an optimizer shard of a size with its step (-1,
+    the whole data-parallel group, resolved to both), so no box divides by zero or runs
+    backwards."""
+    if p.opt_shard_size < 0 or (p.opt_shard_size > 0 and p.opt_shard_step <= 0):
+        raise StrategyError(
+            src,
+            f"params.{name}.opt_shard_size" if name else "opt_shard_size",
+            f"is {p.opt_shard_size} with opt_shard_step {p.opt_shard_step}, not resolved to a "
+            "group size and its step: read the record through load_strategy or check_param",
+        )
+
+
 def device_box(p: ParamLayout, index: int, shape: Sequence[int]) -> Box:
     """The box held by flat device index ``index`` (optimizer shard applied inside dim 0)."""
+    _check_resolved(None, p, None)
     n = len(p.dev_matrix)
     c = coords(index, p.dev_matrix)
     box = []

@@ -153,7 +153,9 @@ class Strategy:
 
 
 def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> ParamLayout:
-    """Validate one layout and resolve opt_shard_size -1 / a missing step; returns the result.
+    """Validate one layout and resolve its optimizer shard; returns the result: size -1 read as
+    MindSpore means it (the parameter's whole data-parallel group, see `_whole_group`), size 1
+    as none, and a step of 0 as the stride of the fastest data-parallel axis.
 
     `key` is the record's key path in the file (default `params.<name>`). Ids and sizes are
     bounded by MAX_ID: MindSpore stores them as 32-bit ints.
@@ -220,10 +222,13 @@ def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> 
             f"is {p.opt_shard_step}; allowed: 0 (derive it) or 1..{p.device_num}",
         )
     size, step = p.opt_shard_size, p.opt_shard_step
-    if size == -1:
-        size = p.repeat()
-    if size < 0:
-        raise StrategyError(src, f"{key}.opt_shard_size", f"is {size}; allowed: -1, 0 or > 0")
+    # the data-parallel axes (dev_matrix indices): those the tensor map leaves unused, of size
+    # above 1 (an axis of size 1 holds no replica); the last of them varies fastest
+    dp_axes = [i for i in range(n) if (n - 1 - i) not in p.used_axes() and p.dev_matrix[i] > 1]
+    if size == -1 and p.repeat() > 1:
+        size, step = _whole_group(p, dp_axes, step, src, key)
+    elif size == -1:
+        size = 0  # the data-parallel group is the rank alone: nothing to shard
     if size == 1:
         size = 0
     if size > 0:
@@ -242,13 +247,69 @@ def check_param(name: str, p: ParamLayout, src: str, key: str | None = None) -> 
                 f"{key}.opt_shard_size",
                 f"is {size} but each slice has {p.repeat()} replicas; it must divide that",
             )
-        if step <= 0:
-            unused = [i for i in range(n) if (n - 1 - i) not in p.used_axes()]
-            inner = max(unused) if unused else n - 1
+        if step <= 0:  # the group's ranks lie the fastest data-parallel axis's stride apart
+            inner = max(dp_axes) if dp_axes else n - 1
             step = math.prod(p.dev_matrix[inner + 1 :])
     else:
         step = 0
     return replace(p, opt_shard_size=size, opt_shard_step=step)
+
+
+def _whole_group(
+    p: ParamLayout, dp_axes: list[int], step: int, src: str, key: str
+) -> tuple[int, int]:
+    """`opt_shard_size: -1` as MindSpore means it: the optimizer shard spans the parameter's
+    whole data-parallel group (every rank holding its model-parallel slice, `repeat()` of them),
+    a rank's shard being its place in that group. Those ranks lie one stride apart (the
+    `opt_shard_step`) when no model-parallel axis of size above 1 lies between two data-parallel
+    ones; returns (size, step). A step given that is not that stride contradicts -1, and a group
+    that no stride walks has no step: both are refused by name."""
+    n = len(p.dev_matrix)
+    first, last = min(dp_axes), max(dp_axes)
+    between = [i for i in range(first, last) if i not in dp_axes and p.dev_matrix[i] > 1]
+    if between:
+        raise StrategyError(
+            src,
+            f"{key}.opt_shard_size",
+            f"is -1 (the whole data-parallel group), but the data-parallel device axes "
+            f"{[n - 1 - i for i in dp_axes]} of dev_matrix {list(p.dev_matrix)} lie apart "
+            f"(axis {n - 1 - between[0]} between them shards the tensor), so no "
+            "opt_shard_step walks that group; give a size and step that walk one of those axes",
+        )
+    stride = math.prod(p.dev_matrix[last + 1 :])
+    if step not in (0, stride):
+        raise StrategyError(
+            src,
+            f"{key}.opt_shard_step",
+            f"is {step}, but opt_shard_size -1 shards over the whole data-parallel group, "
+            f"whose {p.repeat()} ranks lie {stride} apart; allowed: 0 (derive it) or {stride}",
+        )
+    return p.repeat(), stride
+
+
+def check_strategy(strategy: Strategy) -> Strategy:
+    """`strategy` with every record checked and resolved (`check_param`: `opt_shard_size: -1`,
+    a missing step), as a file's are when read: one built in memory (the `Strategy` and
+    `ParamLayout` classes are public) reaches the converters through here too. Its stages must
+    agree on the per-stage device count, and every global rank it places lie in 0..MAX_ID."""
+    params = {name: check_param(name, p, strategy.source) for name, p in strategy.params.items()}
+    checked = Strategy(params, strategy.source, dict(strategy.extra))
+    check_ranks(checked)
+    return checked
+
+
+def check_ranks(strategy: Strategy) -> None:
+    """Every global rank a strategy places (`stage * stage_device_num + index`, or its rank
+    list's) lies in 0..MAX_ID, as MindSpore's 32-bit rank ids do; the per-stage device counts
+    agree (see `Strategy.stage_device_num`)."""
+    n = strategy.stage_device_num
+    for name, p in strategy.params.items():
+        if p.rank_list is None and (max(p.stages) + 1) * n - 1 > MAX_ID:
+            raise StrategyError(
+                strategy.source,
+                f"params.{key_text(name)}.stages",
+                f"stage {max(p.stages)} of {n} devices per stage places ranks above {MAX_ID}",
+            )
 
 
 _STAGE_PREFIX = re.compile(r"([0-9]+)-(.+)", re.S)

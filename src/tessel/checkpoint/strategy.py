@@ -35,6 +35,8 @@ from tessel.checkpoint.records import (
     ParamLayout,
     Strategy,
     check_param,
+    check_ranks,
+    check_strategy,
     checked_dtype_name,
     merge_stage_prefixed,
 )
@@ -240,9 +242,12 @@ def _strategy_from_json(data: Any, src: str) -> Strategy:
 
 
 def load_strategy(path: str | os.PathLike | Strategy | None) -> Strategy | None:
-    """Read a strategy file: tessel JSON, MindSpore JSON, or MindSpore protobuf (.ckpt / other)."""
-    if path is None or isinstance(path, Strategy):
-        return path
+    """Read a strategy file: tessel JSON, MindSpore JSON, or MindSpore protobuf (.ckpt / other).
+    A `Strategy` object is checked as a file's records are (`check_strategy`)."""
+    if path is None:
+        return None
+    if isinstance(path, Strategy):
+        return check_strategy(path)
     src = str(path)
     if "\0" in src:
         raise StrategyError(repr(src), None, "a path cannot contain a NUL byte")
@@ -269,7 +274,7 @@ def load_strategy(path: str | os.PathLike | Strategy | None) -> Strategy | None:
         st = strategy_from_protobuf(raw, src)
     if not st.params:
         raise StrategyError(src, None, "has no sliced parameter")
-    st.stage_device_num  # noqa: B018 - validates consistency
+    check_ranks(st)
     return st
 
 
