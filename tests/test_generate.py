@@ -12,7 +12,8 @@ import psutil
 import pytest
 import torch
 from tests.conftest import is_multiprocessing_helper
-from tests.differential.zoo import FAMILIES
+from tests.differential.zoo import FAMILIES, VOCAB
+from tests.generation_families import ENCODER_DECODERS, MAKERS, ZOO, alone_tokens
 from tests.training import conftest as training_conftest
 
 import tessel
@@ -26,18 +27,24 @@ from tessel.package import Package
 from tessel.plan import PlanError, has_rule
 from tessel.report import inspect_json, state_bytes
 
-# Every decoder-only family on 3 devices whose memory forbids replicated weights (shards that
-# do not divide), and once more in a rotation of the other device counts and memories, so that
-# each of them is met by two families or more (by device count, so each Session's workers are
-# reused)
-DECODERS = (
-    "gpt2", "llama", "mistral", "gemma2", "falcon", "gpt_neox", "phi3", "opt", "bloom",
-    "mixtral", "deepseek_v3", "mamba",
-)  # fmt: skip
+# Every decoder-only family of the zoo on 3 devices whose memory forbids replicated weights
+# (shards that do not divide), and once more in a rotation of the other device counts and
+# memories, so that each of them is met by two families or more (by device count, so each
+# Session's workers are reused)
+DECODERS = ZOO
 ROTATION = ((1, "default"), (2, "tight"), (4, "default"), (2, "default"), (4, "tight"))
+# the families built for generation alone at 1 device, 2 devices whose memory forbids
+# replicated weights, and 3; the rest of them once
+BESIDE = ("mpt", "granitemoe", "jamba", "bamba", "bart", "marian")
+ONCE = (
+    ("falcon_alibi", 3, "tight"), ("granitemoehybrid", 3, "tight"), ("mbart", 2, "tight"),
+    ("pegasus", 1, "default"),
+)  # fmt: skip
 RUNS = sorted(
     [(f, 3, "tight") for f in DECODERS]
-    + [(f, *ROTATION[i % len(ROTATION)]) for i, f in enumerate(DECODERS)],
+    + [(f, *ROTATION[i % len(ROTATION)]) for i, f in enumerate(DECODERS)]
+    + [(f, *run) for f in BESIDE for run in ((1, "default"), (2, "tight"), (3, "default"))]
+    + list(ONCE),
     key=lambda run: run[1],
 )
 GENERATION = Generation(max_batch_size=2, max_seq_len=40, prefill_lengths=(8,))
@@ -56,7 +63,7 @@ def _build(
     generation: Generation = GENERATION,
     settings: dict | None = None,
 ):
-    model = FAMILIES[family].make().model
+    model = MAKERS[family]()
     for key, value in (settings or {}).items():  # the model's own generation_config
         setattr(model.generation_config, key, value)
     cluster: object = devices
@@ -67,9 +74,10 @@ def _build(
 
 
 def _prompts(family: str) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = FAMILIES[family].inputs(2, 1)[0][:, :8]
+    """Two prompts of 8 and 5 tokens, the second padded on the left (no special ids)."""
+    ids = torch.randint(3, VOCAB - 1, (2, 8), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # the second prompt is 5 tokens, padded on the left
+    mask[1, :3] = 0
     return ids, mask
 
 
@@ -77,6 +85,8 @@ def _prompts(family: str) -> tuple[torch.Tensor, torch.Tensor]:
 def test_generate_equals_transformers_generate(
     family: str, devices: int, memory: str, sessions, tmp_path
 ) -> None:
+    """A left-padded batch of two prompts of different lengths: each row's tokens are those
+    transformers' generate makes of its prompt alone, unpadded, with its own cache."""
     model, built = _build(family, devices, memory)
     gears = built.manifest.generation
     assert gears is not None and gears.prefill_lengths == (8,)
@@ -90,7 +100,7 @@ def test_generate_equals_transformers_generate(
         family, built, path, sessions.setdefault(devices, tessel.Session()), stream=True
     )
     assert torch.equal(got, want)
-    prompt = _prompts(family)[0].shape[1]
+    prompt = 1 if family in ENCODER_DECODERS else _prompts(family)[0].shape[1]
     assert torch.equal(torch.stack(streamed, dim=1), want[:, prompt:])
 
 
@@ -98,8 +108,8 @@ def _generate_both_ways(family, built, path, session, *, stream=False):
     """transformers' tokens (a fresh copy of the model: the build leaves it as it was) and the
     session's for the family's prompts; with `stream`, the session's streamed steps too."""
     ids, mask = _prompts(family)
-    pad = built.manifest.generation.pad_token_id
-    want = _transformers_tokens(FAMILIES[family].make().model, ids, mask, pad)
+    gears = built.manifest.generation
+    want = _transformers_tokens(MAKERS[family](), ids, mask, gears.pad_for(gears.eos_token_id))
     session.load_graph(0, {}, path)
     try:
         got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
@@ -113,12 +123,9 @@ def _generate_both_ways(family, built, path, session, *, stream=False):
     return want, got, streamed
 
 
-def _transformers_tokens(model, ids, mask, pad_token_id: int) -> torch.Tensor:
-    """transformers' greedy tokens over its static cache, as tessel's are compared with."""
-    return model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-        cache_implementation="static", pad_token_id=pad_token_id,
-    )  # fmt: skip
+def _transformers_tokens(model, ids, mask, pad_token_id: int, **settings) -> torch.Tensor:
+    """transformers' greedy tokens for each prompt alone, as tessel's are compared with."""
+    return alone_tokens(model, ids, mask, NEW, pad_token_id, **settings)
 
 
 def _session_tokens(session, path, ids, mask) -> torch.Tensor:
@@ -156,10 +163,8 @@ def test_eager_attention_decodes_over_the_cache_as_it_is(rows, sessions, tmp_pat
         assert torch.equal(got, want)
         return
     ids = _prompts("gemma2")[0][:1]
-    want = FAMILIES["gemma2"].make().model.generate(
-        ids, max_new_tokens=NEW, do_sample=False, cache_implementation="static",
-        pad_token_id=built.manifest.generation.pad_token_id,
-    )  # fmt: skip
+    gears = built.manifest.generation
+    want = _transformers_tokens(MAKERS["gemma2"](), ids, None, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(1, tessel.Session())
     session.load_graph(0, {}, path)
     try:
@@ -206,7 +211,7 @@ def test_the_model_settings_are_generates_defaults(llama_with_settings, sessions
     model = FAMILIES["llama"].make().model
     for key, value in MODEL_SETTINGS.items():
         setattr(model.generation_config, key, value)
-    want = model.generate(ids, attention_mask=mask, do_sample=False, cache_implementation="static")
+    want = alone_tokens(model, ids, mask, 9, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(2, tessel.Session())
     session.load_graph(0, {}, tessel.save(built, tmp_path / "llama"))
     try:
@@ -342,17 +347,8 @@ def test_seeded_sampling_gives_the_same_tokens_at_any_device_count(
     llama_packages, sessions
 ) -> None:
     ids, mask = _prompts("llama")
-    want = (
-        FAMILIES["llama"]
-        .make()
-        .model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=12,
-            do_sample=False,
-            cache_implementation="static",
-        )
-    )
+    gears = Package.open(llama_packages[1]).manifest.generation
+    want = alone_tokens(MAKERS["llama"](), ids, mask, 12, gears.pad_for(gears.eos_token_id))
     drawn = {}
     for n, path in llama_packages.items():
         session = sessions.setdefault(4 if n == "2x2" else n, tessel.Session())
@@ -421,17 +417,9 @@ def test_bad_requests_get_tessels_errors(llama_packages, sessions, tmp_path) -> 
         firsts = [next(i for i, t in enumerate(row) if t in ends) for row in free.tolist()]
         got = session.generate(0, ids, max_new_tokens=8, eos_token_id=ends)
         assert got.shape == (2, 4 + 1 + max(firsts))
-        want = (
-            FAMILIES["llama"]
-            .make()
-            .model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=8,
-                do_sample=False,
-                cache_implementation="static",
-                eos_token_id=ends,
-            )
+        gears = Package.open(llama_packages[2]).manifest.generation
+        want = alone_tokens(
+            MAKERS["llama"](), ids, None, 8, gears.pad_for(tuple(ends)), eos_token_id=ends
         )
         assert torch.equal(got, want)
     finally:
@@ -455,13 +443,16 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
         )
     assert err.value.key.endswith("pipe_stage_num")
     with pytest.raises(ConfigError, match="an encoder-decoder: its prefill gears") as err:
-        tessel.build(_t5(), cluster=1, generation=Generation(1, 16, (1, 8)))
+        tessel.build(MAKERS["t5"](), cluster=1, generation=Generation(1, 16, (1, 8)))
     assert err.value.key == "prefill_lengths"
     # an encoder-decoder's stages cut the chain of its encoder's layers, then its decoder's
     layers = r"more than the model's 4 layers \(model.encoder.block.\*, model.decoder.block.\*\)"
     with pytest.raises(ConfigError, match=layers) as err:
         tessel.build(
-            _t5(), cluster=5, policy=ParallelOption(pipe_stage_num=5), generation=GENERATION
+            MAKERS["t5"](),
+            cluster=5,
+            policy=ParallelOption(pipe_stage_num=5),
+            generation=GENERATION,
         )
     assert err.value.key.endswith("pipe_stage_num")
     with pytest.raises(ConfigError, match="cannot share evenly") as err:
@@ -562,7 +553,8 @@ def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    want = _transformers_tokens(_qwen2(), ids, mask, built.manifest.generation.pad_token_id)
+    gears = built.manifest.generation
+    want = _transformers_tokens(_qwen2(), ids, mask, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(devices, tessel.Session())
     assert torch.equal(_session_tokens(session, path, ids, mask), want)
 
@@ -667,7 +659,8 @@ def test_pipeline_stages_generate_transformers_tokens(
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    want = _transformers_tokens(make(), ids, mask, manifest.generation.pad_token_id)
+    gears = manifest.generation
+    want = _transformers_tokens(make(), ids, mask, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(devices, tessel.Session())
     assert torch.equal(_session_tokens(session, path, ids, mask), want)
 
@@ -697,23 +690,6 @@ def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> No
     assert said and float(said.group(1)) * 1024 == pytest.approx(device, rel=1e-3), message
 
 
-def _t5() -> torch.nn.Module:
-    """A small T5 whose greedy tokens vary (a random T5 at its initial scale repeats one token):
-    its weights scaled up."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=256, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    model = T5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)
-    return model
-
-
 def test_a_stage_cut_reading_state_off_its_stage_is_refused(monkeypatch) -> None:
     """Each stage's ranks hold their own state, and every gear reads it there: a cut that would
     read a layer's cache on a stage other than the one holding it is refused, not built with
@@ -732,7 +708,7 @@ def test_a_stage_cut_reading_state_off_its_stage_is_refused(monkeypatch) -> None
     monkeypatch.setattr(built_stages, "plan_stages", cache_moved)
     with pytest.raises(StageError, match="reads the state cache_2, which stage 0 holds"):
         tessel.build(
-            _t5(),
+            MAKERS["t5"](),
             cluster=2,
             policy=ParallelOption(pipe_stage_num=2),
             generation=Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(8,)),
@@ -753,7 +729,7 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     devices each holding less than half of the weights, the tokens (the decoder's start token
     first) are transformers' own, for prompts of different lengths in one batch and through
     either prefill gear."""
-    model = _t5()
+    model = MAKERS["t5"]()
     generation = Generation(
         max_batch_size=2, max_seq_len=GENERATION.max_seq_len, prefill_lengths=(4, 8)
     )
@@ -770,7 +746,7 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     gears = built.manifest.generation
     assert gears.decoder_start_token_id == 0
     shapes = {s.name: s.shape for s in gears.state}
-    assert {"cross_0", "encoder_mask", "decoder_start"} <= set(shapes)
+    assert {"cross_0", "encoder_mask"} <= set(shapes)
     # the decoder's cache holds every slot; cross-attention only the longest prompt's
     assert (
         shapes["cache_0"][2] == GENERATION.max_seq_len
@@ -792,13 +768,13 @@ def test_an_encoder_decoder_generates_transformers_tokens(
             ids = torch.randint(2, 256, (2, length), generator=torch.Generator().manual_seed(3))
             mask = torch.ones_like(ids)
             mask[1, : length // 3 + 1] = 0
-            want = _t5().generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+            want = _transformers_tokens(MAKERS["t5"](), ids, mask, gears.pad_for(()))
             got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
             assert torch.equal(got, want), length
             kinds |= {len(set(row)) for row in want.tolist()}
         # a repetition penalty counts the decoder's tokens, not the encoder's prompt
-        want = _t5().generate(
-            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, repetition_penalty=1.5
+        want = _transformers_tokens(
+            MAKERS["t5"](), ids, mask, gears.pad_for(()), repetition_penalty=1.5
         )
         got = session.generate(
             0, ids, attention_mask=mask, max_new_tokens=NEW, repetition_penalty=1.5

@@ -427,6 +427,20 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"never make this token; again for each of several {model_default}",
     )
     g.add_argument(
+        "--forced-bos-token-id",
+        type=int,
+        metavar="TOKEN_ID",
+        help=f"make this token where a row holds one token (an encoder-decoder's first) "
+        f"{model_default}",
+    )
+    g.add_argument(
+        "--forced-eos-token-id",
+        type=int,
+        action="append",
+        metavar="TOKEN_ID",
+        help=f"make this token last; again for each of several {model_default}",
+    )
+    g.add_argument(
         "--eos-token-id",
         type=int,
         action="append",

@@ -43,7 +43,7 @@ def new_tokens_for(
             )
     wanted = NEW_TOKENS if wanted is None else int(wanted)  # type: ignore[call-overload]
     gear = next((n for n in gears.prefill_lengths if n >= prompt_length), None)
-    return wanted if gear is None else min(wanted, gears.max_seq_len - gear + 1)
+    return wanted if gear is None else min(wanted, new_tokens_room(gears, gear))
 
 
 def penalize(
@@ -97,20 +97,34 @@ def processed(
     stops: Sequence[int],
 ) -> torch.Tensor:
     """Each row's scores `[B, vocab]` (fp32) before its token is chosen: the logits after the
-    penalty, the n-gram ban, the minimum lengths and the suppressed tokens, in `transformers`'
-    order. The row's tokens so far (its prompt as given and its new ones) are columns
-    `span[0]` to `span[1]` of `history`, `span[2]` of them new; `counted` marks those the
-    penalty counts."""
+    penalty, the n-gram ban, the minimum lengths, the forced first and last tokens and the
+    suppressed tokens, in `transformers`' order. The row's tokens so far (its prompt as given
+    and its new ones) are columns `span[0]` to `span[1]` of `history`, `span[2]` of them new,
+    and the call makes `span[3]` more after this one; `counted` marks those the penalty
+    counts."""
     scores = penalize(logits, history, counted, sampling.repetition_penalty)
     scores = ban_repeated_ngrams(scores, history, span, sampling.no_repeat_ngram_size)
     if stops and (sampling.min_length or sampling.min_new_tokens):
         early = (span[1] - span[0] < sampling.min_length) | (span[2] < sampling.min_new_tokens)
         held_back = scores.index_fill(1, scores.new_tensor(stops, dtype=torch.long), -math.inf)
         scores = torch.where(early, held_back, scores)
+    if sampling.forced_bos_token_id is not None:  # where the row holds one token
+        scores = torch.where(
+            span[1] - span[0] == 1, _only(scores, (sampling.forced_bos_token_id,)), scores
+        )
+    if sampling.forced_eos_token_id:  # the call's last token
+        scores = torch.where(span[3] == 0, _only(scores, sampling.forced_eos_token_id), scores)
     if sampling.suppress_tokens:
         suppressed = scores.new_tensor(sampling.suppress_tokens, dtype=torch.long)
         scores = scores.index_fill(1, suppressed, -math.inf)
     return scores
+
+
+def _only(scores: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """Scores of 0 for `tokens` and -inf for every other, as `transformers`' forcing
+    processors set them."""
+    kept = scores.new_tensor(tokens, dtype=torch.long)
+    return torch.full_like(scores, -math.inf).index_fill(1, kept, 0.0)
 
 
 def choose(scores: torch.Tensor, sampling: Sampling, noise: torch.Tensor) -> torch.Tensor:
@@ -291,7 +305,7 @@ def check_request(
             "max_new_tokens",
             f"must be an int of at least 1, found {max_new_tokens!r}",
         )
-    room = gears.max_seq_len - gear + 1
+    room = new_tokens_room(gears, gear)
     if max_new_tokens > room:
         raise ConfigError(
             "generate()",
@@ -300,6 +314,15 @@ def check_request(
             f"{gears.max_seq_len} slots holds {room} new tokens",
         )
     return mask, gear
+
+
+def new_tokens_room(gears: GearShapes, gear: int) -> int:
+    """How many new tokens the cache holds after a prompt in the prefill gear of `gear`
+    tokens: the slots after the prompt, and the last token, which is made and never written
+    (an encoder-decoder's decoder has every slot for its own tokens, its start token first)."""
+    if getattr(gears, "decoder_start_token_id", None) is not None:
+        return gears.max_seq_len
+    return gears.max_seq_len - gear + 1
 
 
 @dataclass(frozen=True)
@@ -311,8 +334,8 @@ class Choice:
 
     Its inputs after the logits `[rows, vocab]`: `history` `[rows, slots]` (each row's
     tokens so far, at columns `span[0]` to `span[1]`), `counted` (those the penalty counts),
-    `span` (those two columns, and the count of new tokens among them) and `noise` (a draw
-    per token where sampling, else empty)."""
+    `span` (those two columns, the count of new tokens among them, and how many the call
+    makes after this one) and `noise` (a draw per token where sampling, else empty)."""
 
     sampling: Sampling  # its seed left out: the seed draws the noise, not the program
     stops: tuple[int, ...]
@@ -352,7 +375,7 @@ class Choice:
         return (
             torch.zeros(self.history_shape, dtype=torch.long, device=device),
             torch.zeros(self.history_shape, dtype=torch.bool, device=device),
-            torch.zeros(3, dtype=torch.long, device=device),
+            torch.zeros(4, dtype=torch.long, device=device),
             torch.ones(self.noise_shape, device=device),
         )
 
@@ -445,13 +468,15 @@ def decode(
         counted = torch.zeros(batch, slots, dtype=torch.bool)
         counted[:rows, 0] = True
         begin = 0
-    written = gear if start is None else 1  # the column of the next new token
+    # the column of the next new token, in the history and the cache: after the prompt, or
+    # after an encoder-decoder's start token (its decoder's slots are its own from 0)
+    first = written = gear if start is None else 1
 
     read = choice.history_shape == tuple(history.shape)  # else an empty history is given
     nothing = torch.empty(0, dtype=torch.long)
 
     def extra(new: int) -> tuple[torch.Tensor, ...]:
-        span = torch.tensor([begin, written, new])
+        span = torch.tensor([begin, written, new, max_new_tokens - 1 - new])
         noise = torch.empty(choice.noise_shape)
         if sampling.do_sample:
             noise.exponential_(generator=generator)
@@ -461,6 +486,10 @@ def decode(
 
     token = step(gear, (ids, positions, torch.arange(gear), valid), choice, extra(0))
     last = positions[:, -1]
+    if start is not None:  # the decoder's slots from here: its start token's alone
+        valid = torch.zeros(batch, slots, dtype=torch.long)
+        valid[:rows, 0] = 1
+        last = torch.zeros(batch, dtype=torch.long)
     for new in range(max_new_tokens):
         token = None if token is None else token[:rows].cpu()
         if share is not None:
@@ -476,7 +505,7 @@ def decode(
         history[:rows, written] = token
         counted[:rows, written] = True
         written += 1
-        slot = gear + new
+        slot = first + new
         valid[:rows, slot] = 1
         last = last + 1
         fed = torch.full((batch, 1), pad_token_id, dtype=torch.long)

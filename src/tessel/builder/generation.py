@@ -44,6 +44,7 @@ from tessel.config.parallel_option import ParallelOption
 from tessel.config.sampling import (
     MODEL_SETTINGS,
     SAMPLING_SETTINGS,
+    UNSUPPORTED_SETTINGS,
     Setting,
     check_settings_in_range,
 )
@@ -395,35 +396,6 @@ def _pack(
     )
 
 
-# generation_config settings that `transformers`' `generate` applies unasked and tessel's loop
-# does not, each with the value that leaves decoding as it is: a model that sets one otherwise
-# is refused at build, never generated from without it
-UNSUPPORTED_SETTINGS: dict[str, object] = {
-    "num_beams": 1,
-    "num_beam_groups": 1,
-    "num_return_sequences": 1,
-    "diversity_penalty": 0.0,
-    "penalty_alpha": None,
-    "dola_layers": None,
-    "constraints": None,
-    "force_words_ids": None,
-    "top_h": None,
-    "encoder_repetition_penalty": 1.0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "sequence_bias": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None,
-    "remove_invalid_values": False,
-    "guidance_scale": 1.0,
-    "watermarking_config": None,
-    "max_time": None,
-    "stop_strings": None,
-}
-
-
 def check_model_settings(model: torch.nn.Module) -> None:
     """Refuse a model whose `generation_config` sets what tessel's `generate` does not apply
     (beam search, a typical-p cutoff, banned words, ...): its tokens would differ from
@@ -459,12 +431,24 @@ def model_settings(settings: object, vocab: int | None = None) -> dict[str, Sett
         for key in MODEL_SETTINGS
         if getattr(settings, key, None) is not None
     }
+    eos = found.get("forced_eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):  # one id or several, as eos_token_id
+        found["forced_eos_token_id"] = [eos]
     if isinstance(found.get("suppress_tokens"), (list, tuple)):
         found["suppress_tokens"] = [
             t
             for t in found["suppress_tokens"]
             if vocab is None or not isinstance(t, int) or t < vocab
         ]
+    forced = [found.get("forced_bos_token_id"), *(found.get("forced_eos_token_id") or [])]
+    for token in forced:
+        if vocab is not None and isinstance(token, int) and token >= vocab:
+            key = "forced_bos_token_id" if token == forced[0] else "forced_eos_token_id"
+            raise ConfigError(
+                "model.generation_config",
+                key,
+                f"holds {token}, past the vocabulary of {vocab}; set it to None before building",
+            )
     try:
         check_settings_in_range(found)
     except ConfigError as exc:

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from tessel.capture import CapturedModel
-from tessel.capture.generation import GenerationStep
+from tessel.config.sampling import sampling_for
 from tessel.config.soc import SocProfile, soc_profile
-from tessel.decoding import choosing, decode
-from tessel.dtypes import torch_dtype
+from tessel.decoding import choosing, decode, new_tokens_room
 from tessel.errors import TesselError
 from tessel.package.plan_report import Verified
 from tessel.plan.candidates import node_seconds
@@ -109,58 +108,106 @@ def check_against_eager(
     return Verified(max_relative_diff=worst, seconds=round(seconds, 3))
 
 
+# a generation package is checked over a prefill and at least this many decode steps
+DECODE_STEPS = 8
+
+
 def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor | None) -> Verified:
-    """A generation package's prefill and three decode steps, every rank's gears run in this
-    process, against the model run eagerly over a cache of its own (greedy, on `prompt`, or
-    on random ids of the shortest gear's length). Each step's logits must agree within the
-    tolerance, and so must the tokens, unless the eager model's two likeliest are closer than
-    that (a tie either may break); raises `VerifyError` otherwise."""
+    """A generation package's gears, every rank run in this process, against `transformers`'
+    own `generate` of each prompt alone and unpadded, with its own cache (the model as the user
+    gave it, greedy, with its own `generation_config`): the gears run the prompts as one
+    left-padded batch, a prefill and `DECODE_STEPS` decode steps where the cache holds them.
+
+    The prompts are `prompt`'s rows where given, else random ids: one prompt shorter than the
+    shortest gear and, where the batch holds two, a second of another length. Each step's
+    logits must agree with `transformers`' within the model dtype's tolerance, and so must the
+    tokens, unless `transformers`' two likeliest (after its processors) are closer than that (a
+    tie either may break: that row is compared no further). Raises `VerifyError` naming the row
+    and the first token that differs."""
     gears = package.manifest.generation
     t = time.perf_counter()
-    if prompt is None:
-        g = torch.Generator().manual_seed(0)
-        rows = min(2, gears.max_batch_size)
-        prompt = torch.randint(0, gears.vocab_size, (rows, gears.prefill_lengths[0]), generator=g)
-    buffers = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype)) for s in gears.state}
-    eager = GenerationStep(model, buffers).eval()
+    ids, mask = _prompts(gears, prompt)
+    gear = next(n for n in gears.prefill_lengths if n >= ids.shape[1])
+    new = min(1 + DECODE_STEPS, new_tokens_room(gears, gear))
     built = InProcessModel(package)
     logits_rank = package.manifest.mesh.logits_rank
-    seen: dict[str, list[torch.Tensor]] = {"eager": [], "built": []}
-
-    def eager_run(length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        with torch.no_grad():
-            seen["eager"].append(eager(*inputs))
-        return seen["eager"][-1]
+    seen: list[torch.Tensor] = []
 
     def built_run(length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        seen["built"].append(built.run(list(inputs), length, logits_rank)[-1])
-        return seen["built"][-1]
+        seen.append(built.run(list(inputs), length, logits_rank)[-1])
+        return seen[-1]
 
-    steps = 4
-    pad = gears.pad_for(())  # no row stops: the pad only fills the rows past the prompt's
-    want = list(decode(choosing(eager_run), gears, prompt, None, steps, pad_token_id=pad))
-    got = list(decode(choosing(built_run), gears, prompt, None, steps, pad_token_id=pad))
+    sampling = sampling_for({"do_sample": False}, gears.defaults)
+    pad = gears.pad_for(gears.eos_token_id)
+    steps = decode(
+        choosing(built_run), gears, ids, mask, new, sampling, gears.eos_token_id, pad_token_id=pad
+    )
+    tokens = torch.stack(list(steps), dim=1)
+    dtype = next(model.parameters()).dtype
     worst = 0.0
-    for step, (e, b) in enumerate(zip(seen["eager"], seen["built"])):
-        rows = prompt.shape[0]
-        e, b = e[:rows].float(), b[:rows].float()
-        scale = max(1.0, e.abs().max().item())
-        allowed = tolerance(torch.float32) * scale
-        diff = (b - e).abs().max().item()
-        if not diff <= allowed:
-            raise VerifyError(
-                f"the built generation package disagrees with the model at step {step} "
-                f"({'prefill' if step == 0 else 'decode'}): the logits differ by up to {diff:.3g} "
-                f"(allowed {allowed:.3g}); the package was not written. Please report this "
-                "with the model and cluster"
+    for row in range(len(ids)):
+        alone = ids[row, mask[row].bool()][None]
+        want = _transformers_generate(model, alone, new, pad)
+        made = want.sequences[0, -len(want.logits) :]
+        for step, (expected, scores) in enumerate(zip(want.logits, want.scores)):
+            e, b = expected[0].float(), seen[step][row].float()
+            scale = max(1.0, e.abs().max().item())
+            allowed = tolerance(dtype) * scale
+            diff = (b - e).abs().max().item()
+            where = (
+                f"row {row} (a prompt of {alone.shape[1]} tokens, alone in transformers' "
+                f"generate), new token {step}"
             )
-        worst = max(worst, diff / scale)
-        if not torch.equal(want[step], got[step]):
-            top = e.topk(2, dim=-1).values
-            if (top[:, 0] - top[:, 1]).min().item() > allowed:
+            if not diff <= allowed:  # also refuses NaN
                 raise VerifyError(
-                    f"the built generation package chooses other tokens than the model at step "
-                    f"{step}: {got[step].tolist()} against {want[step].tolist()}"
+                    f"the built generation package disagrees with transformers' generate at "
+                    f"{where}: the logits differ by up to {diff:.3g} (allowed {allowed:.3g} for "
+                    f"{dtype}); the package was not written. Please report this with the model "
+                    "and cluster"
                 )
-            break  # a tie broken the other way: later steps see other tokens
+            worst = max(worst, diff / scale)
+            if int(tokens[row, step]) != int(made[step]):
+                top = scores[0].float().topk(2).values
+                if (top[0] - top[1]).item() > allowed:
+                    raise VerifyError(
+                        f"the built generation package chooses another token than "
+                        f"transformers' generate at {where}: {int(tokens[row, step])} against "
+                        f"{int(made[step])}; the package was not written. Please report this "
+                        "with the model and cluster"
+                    )
+                break  # a tie broken the other way: later steps see other tokens
     return Verified(max_relative_diff=worst, seconds=round(time.perf_counter() - t, 3))
+
+
+def _prompts(gears: Any, prompt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts a generation package is checked on, left padded, and their mask: `prompt`'s
+    rows as given, else random ids of two lengths (see `check_generation`)."""
+    if prompt is not None:
+        return prompt.long(), torch.ones_like(prompt, dtype=torch.long)
+    shortest = gears.prefill_lengths[0]
+    lengths = [max(1, shortest - 1)]
+    if gears.max_batch_size > 1:
+        other = max(1, lengths[0] // 2)
+        lengths.append(other if other != lengths[0] else shortest)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, gears.vocab_size, (len(lengths), max(lengths)), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, ids.shape[1] - length :] = 1
+    return ids * mask, mask
+
+
+def _transformers_generate(model: torch.nn.Module, ids: torch.Tensor, new: int, pad: int) -> Any:
+    """`transformers`' greedy generation of `new` tokens for the prompt `ids` (one row, no
+    padding), with the model's own cache and settings, and each step's logits and scores."""
+    with torch.no_grad():
+        return model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+            output_logits=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )

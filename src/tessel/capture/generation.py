@@ -1,4 +1,4 @@
-"""A causal LM captured for generation: a program per gear over one KV cache it writes in place.
+"""A causal LM captured for generation: a program per gear over one cache it writes in place.
 
 Every gear is one call of `GenerationStep`, the model wrapped with explicit inputs and nothing
 hidden between calls:
@@ -9,30 +9,43 @@ hidden between calls:
   for every row (a row's padding takes slots too, masked out);
 - `attention_mask [B, L]`: which of the cache's `L` slots hold a row's tokens.
 
-It returns the logits of the call's last token `[B, vocab]`. The cache is a buffer per layer's
-keys and values, `[B, kv heads, L, head dim]` (`cache_0`, `cache_1`, ...), written with
-`index_put_` at `cache_position`; the model builds its own masks (causal, sliding window,
-ALiBi) from the padding mask and the slots, as it does for `transformers`' static cache. A
-recurrent model (Mamba) keeps per layer a convolution state `[B, channels, kernel]` and a
-recurrent state `[B, channels, state size]` instead (`conv_state_0`, `recurrent_state_0`, ...),
-each overwritten whole by every call: a prefill gear starts them from its prompt, the decode
-gear carries them on; such a model reads the padding mask of the call's own tokens. Prefill
-gears (one per prompt length) and the decode gear (T = 1) share the buffers by name.
+It returns the logits of the call's last token `[B, vocab]`. What the model's call takes beside
+the tokens (`position_ids`, `use_cache`, `logits_to_keep`) is found by calling it, never read
+off its signature: a model that takes them through `**kwargs` is given them too.
 
-An encoder-decoder (T5) takes the same inputs. A prefill gear's tokens are the encoder's
-prompt: the encoder runs once, its keys and values for cross-attention are written per decoder
-layer into `cross_0`, `cross_1`, ... (slots for the longest prompt) at the prompt's slots, and
-the decoder's start token runs at the prompt's last slot. The gear keeps the prompt's padding
-mask (`encoder_mask`) and that slot (`decoder_start`) as state: the decode gear reads
-cross-attention through the one and lets the decoder attend from the other on, so the decoder's
-tokens sit in the slots the loop gives them.
-The decoder's keys and values are `cache_0`, `cache_1`, ... as above.
+The cache is a set of buffers per layer, named by the layer's index `i`:
+
+- a layer of attention keeps its keys and values `[B, kv heads, L, head dim]` (`cache_{2i}`,
+  `cache_{2i+1}`), written with `index_put_` at `cache_position`; the model builds its own
+  masks (causal, sliding window, ALiBi) from the padding mask and the slots, as it does over
+  `transformers`' static cache, and reads the slot of the call's first token as the cache's
+  length;
+- a recurrent layer (Mamba, a gated delta net, a short convolution) keeps a convolution state
+  `[B, channels, kernel]` (`conv_state_{i}`) and, where it has one, a recurrent state
+  (`recurrent_state_{i}`), each overwritten whole by every call: a prefill gear starts them
+  from its prompt, the decode gear carries them on. Such a layer reads the padding mask of
+  the call's own tokens: a model with recurrent layers alone is given that mask, a hybrid
+  (recurrent layers beside attention) the slots' mask with the call's own appended, whose
+  last `T` columns `transformers`' recurrent layers read.
+
+Prefill gears (one per prompt length) and the decode gear (T = 1) share the buffers by name.
+
+An encoder-decoder (T5, BART, Marian, Pegasus) takes the same inputs. A prefill gear's tokens
+are the encoder's prompt: each row is moved to the front of the gear (its padding after it),
+so an encoder that numbers its tokens without the mask numbers them as it does the prompt
+alone; the encoder runs once, its keys and values for cross-attention are written per decoder
+layer into `cross_{2i}`, `cross_{2i+1}` (slots for the longest prompt), and the prompt's
+padding mask is kept as state (`encoder_mask`), which every later call reads cross-attention
+through. The decoder's own tokens sit in its cache from slot 0: the start token at slot 0, the
+k-th new token at slot k, so a decoder that takes its positions from the cache's length (BART)
+or from relative distances (T5) sees the positions it has alone. Its `attention_mask` is the
+decoder's: the slots its tokens hold.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +57,6 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
     EncoderDecoderCache,
-    LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
 
@@ -55,7 +67,12 @@ from tessel.config.errors import ConfigError
 from tessel.config.generation import Generation
 from tessel.errors import TesselError
 
-_CALL = ("input_ids", "attention_mask", "cache", "use_cache")  # and position_ids, if taken
+KV, CONV, RECURRENT, CROSS = "cache_", "conv_state_", "recurrent_state_", "cross_"
+ENCODER_MASK = "encoder_mask"
+_LAYER = re.compile(r"(cache|cross|conv_state|recurrent_state)_(\d+)$")
+# what a one-token call may be given beside its tokens, the mask and the cache; each is passed
+# where the model's call takes it, which calling it finds out
+OPTIONAL_ARGUMENTS = ("use_cache", "position_ids", "logits_to_keep")
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -87,42 +104,128 @@ class _SlotLayer(CacheLayerMixin):
         return self.keys.shape[2], 0
 
     def get_seq_length(self) -> Any:
-        return self.cache.slots[0]  # the first query's slot: the mask's query offset
+        return self.cache.length()
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
 
 
 class _RecurrentLayer(LinearAttentionLayer):
-    """One recurrent layer's convolution and recurrent states, given: a call of more than one
-    token (a prefill gear) starts them from its own tokens, a one-token call carries them on."""
+    """One recurrent layer's convolution state and, where it has one, recurrent state, given:
+    a call of more than one token (a prefill gear) starts them from its own tokens, a one-token
+    call carries them on."""
 
-    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, carried: bool) -> None:
+    def __init__(
+        self,
+        cache: SlotCache,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor | None,
+        carried: bool,
+    ) -> None:
         super().__init__()
-        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
-        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.cache = cache
+        self.conv_states[0] = conv
+        self.is_conv_states_initialized[0] = True
+        if recurrent is not None:
+            self.recurrent_states[0] = recurrent
+            self.is_recurrent_states_initialized[0] = True
         self.conv_kernel_size[0] = conv.shape[-1]
         self.has_previous_state[0] = carried
         self.dtype, self.device = conv.dtype, conv.device
 
+    def get_seq_length(self) -> Any:
+        return self.cache.length()
 
-KV, CONV, RECURRENT, CROSS = "cache_", "conv_state_", "recurrent_state_", "cross_"
-ENCODER_MASK, DECODER_START = "encoder_mask", "decoder_start"
+
+class _SlotAndRecurrentLayer(_RecurrentLayer, CacheLayerMixin):
+    """A layer that keeps keys and values beside its recurrent states (Falcon-H1's attention
+    and Mamba side by side, Zamba2's shared attention): both, given."""
+
+    is_sliding = False
+
+    def __init__(
+        self,
+        cache: SlotCache,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor | None,
+        carried: bool,
+    ) -> None:
+        _RecurrentLayer.__init__(self, cache, conv, recurrent, carried)
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The buffers exist before the first call."""
+
+    update = _SlotLayer.update
+    get_mask_sizes = _SlotLayer.get_mask_sizes
+    get_max_length = _SlotLayer.get_max_length
 
 
 class SlotCache(Cache):
     """`transformers`' cache interface over given buffers, by name (see the module docstring),
-    written at `slots` (no counters)."""
+    written at `slots` (no counters): every layer, of attention or recurrent, reports the slot
+    of the call's first token as the cache's length."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+    def __init__(
+        self, buffers: dict[str, torch.Tensor], slots: torch.Tensor, length: int | None = None
+    ) -> None:
         self.slots = slots
-        values = list(buffers.values())
-        pairs = zip(values[0::2], values[1::2])
-        if not is_recurrent(list(buffers)):
-            super().__init__(layers=[_SlotLayer(self, k, v) for k, v in pairs])
-            return
+        self.counted = length
         carried = slots.shape[0] == 1
-        super().__init__(layers=[_RecurrentLayer(c, r, carried) for c, r in pairs])
+        by_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for name, buffer in buffers.items():
+            kind, index = _layer_of(name)
+            if kind in ("cache", "cross"):  # keys at 2i, values at 2i + 1
+                by_layer.setdefault(index // 2, {})["keys" if index % 2 == 0 else "values"] = buffer
+            else:
+                by_layer.setdefault(index, {})[kind] = buffer
+        layers: list[Any] = []
+        for i in range(max(by_layer) + 1 if by_layer else 0):
+            held = by_layer.get(i)
+            if held is None:
+                raise ValueError(f"a slot cache holds no buffers for layer {i}")
+            if "keys" in held and "conv_state" in held:
+                layers.append(
+                    _SlotAndRecurrentLayer(
+                        self,
+                        held["keys"],
+                        held["values"],
+                        held["conv_state"],
+                        held.get("recurrent_state"),
+                        carried,
+                    )
+                )
+            elif "keys" in held:
+                layers.append(_SlotLayer(self, held["keys"], held["values"]))
+            else:
+                layers.append(
+                    _RecurrentLayer(self, held["conv_state"], held.get("recurrent_state"), carried)
+                )
+        super().__init__(layers=layers)
+
+    def length(self) -> Any:
+        """The cache's length as the model reads it: the slot of the call's first token (the
+        position a model that counts them from the cache's length gives it), or the number
+        the cache was given where the model reads the length only to size its tensors."""
+        return self.slots[0] if self.counted is None else self.counted
+
+    def get_seq_length(self, layer_idx: int = 0) -> Any:
+        return self.length()
+
+    def get_query_offset(self, layer_idx: int = 0) -> Any:
+        return self.slots[0]  # the mask's: where the call's first token sits
+
+
+def _layer_of(name: str) -> tuple[str, int]:
+    """The kind (`cache`, `cross`, `conv_state`, `recurrent_state`) and index of a layer's
+    buffer."""
+    found = _LAYER.match(name)
+    if found is None:
+        raise ValueError(f"{name} is not a layer's cache buffer")
+    return found.group(1), int(found.group(2))
 
 
 class _SlotPair(EncoderDecoderCache):
@@ -134,100 +237,172 @@ class _SlotPair(EncoderDecoderCache):
         self.is_updated = dict.fromkeys(range(len(cross.layers)), written)
 
 
-def is_recurrent(cache_names: list[str]) -> bool:
-    """Whether a step's cache is recurrent states (read with the mask of the call's tokens)."""
+def is_recurrent(cache_names: Sequence[str]) -> bool:
+    """Whether a step's cache holds recurrent states (in some layers or all)."""
     return any(name.startswith(CONV) for name in cache_names)
+
+
+def is_hybrid(cache_names: Sequence[str]) -> bool:
+    """Whether a step's cache holds keys and values in some layers, recurrent states in others."""
+    return is_recurrent(cache_names) and any(name.startswith(KV) for name in cache_names)
+
+
+def state_kind(name: str) -> str:
+    """What a generation package's state buffer holds, in words (`tessel inspect` groups by it)."""
+    for prefix, kind in (
+        (KV, "keys and values"),
+        (CROSS, "cross-attention keys and values"),
+        (CONV, "convolution states"),
+        (RECURRENT, "recurrent states"),
+    ):
+        if name.startswith(prefix):
+            return kind
+    return "encoder mask" if name == ENCODER_MASK else "other"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A model's one-token call with a cache, as it went: the cache's buffers by name (zero,
+    on the meta device, for `batch` rows of `length` slots) and which of `OPTIONAL_ARGUMENTS`
+    the call took."""
+
+    buffers: dict[str, torch.Tensor]
+    takes: frozenset[str]
 
 
 def cache_shapes(
     model: torch.nn.Module, batch: int, length: int, prompt: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every layer's buffers by name (see the module docstring) for `batch` rows of `length`
-    tokens (an encoder-decoder's cross-attention: of the longest `prompt`), zero, on the meta
-    device: their shapes are what the model writes into a cache on a one-token call. A model
-    whose cache is neither keys and values per layer nor recurrent states per layer is
-    refused, naming the layer."""
+    """Every layer's buffers by name (see `probe`)."""
+    return probe(model, batch, length, prompt).buffers
+
+
+def probe(model: torch.nn.Module, batch: int, length: int, prompt: int | None = None) -> Probe:
+    """Call `model` on one token with a cache, as `transformers`' generate does, and read off
+    what it wrote: every layer's buffers by name (see the module docstring) for `batch` rows of
+    `length` slots (an encoder-decoder's cross-attention: of the longest `prompt`), and which of
+    `position_ids`, `use_cache` and `logits_to_keep` the call takes (an argument the call
+    refuses by name is left out and the call made again). A model whose cache is neither keys
+    and values nor recurrent states per layer is refused, naming the layer."""
     name = type(model).__name__
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    missing = [p for p in _CALL if p not in params]
-    if missing or not hasattr(model, "config"):
+    if not hasattr(model, "config"):
         raise ConfigError(
             "model",
             None,
-            f"{name} is not a transformers causal LM taking {', '.join(_CALL)}"
-            f" (it lacks {', '.join(missing) or 'a config'}); generation captures such a model",
+            f"{name} has no config: generation captures a transformers causal LM "
+            "(a *ForCausalLM or *ForConditionalGeneration model)",
         )
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    cache: Cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     one = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    call: dict[str, Any] = {}
+    given: dict[str, Any] = {"input_ids": one, "use_cache": True, "logits_to_keep": 1}
     if encoder_decoder:
-        if "decoder_input_ids" not in params or "encoder_outputs" not in params:
-            raise ConfigError(
-                "model",
-                None,
-                f"{name} is an encoder-decoder without decoder_input_ids and encoder_outputs; "
-                "generation captures a transformers *ForConditionalGeneration model",
-            )
-        cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))
-        call["decoder_input_ids"] = one
-    try:
-        with torch.no_grad():
-            out = model(input_ids=one, cache=cache, use_cache=True, **call)
-    except Exception as exc:  # noqa: BLE001 - the model's own failure, named in one line
-        raise ConfigError(
-            "model",
-            None,
-            f"{name} fails a one-token call with a cache ({type(exc).__name__}: {exc}); "
-            "generation captures a causal LM that writes keys and values into one",
-        ) from exc
+        given["decoder_input_ids"] = one
+    else:
+        given["position_ids"] = torch.zeros_like(one)
+    out, cache = _called(model, given, encoder_decoder)
     if getattr(out, "logits", None) is None:
         raise ConfigError(
             "model",
             None,
             f"{name} returns no logits: generation takes a causal LM (its *ForCausalLM class)",
         )
+    takes = frozenset(k for k in OPTIONAL_ARGUMENTS if k in given)
     if isinstance(cache, EncoderDecoderCache):
-        return _encoder_decoder_buffers(cache, name, batch, length, prompt or length)
+        return Probe(_encoder_decoder_buffers(cache, name, batch, length, prompt or length), takes)
     buffers: dict[str, torch.Tensor] = {}
-    kinds = set()
     for i, layer in enumerate(cache.layers):
-        if _recurrent_states(layer):
-            kinds.add("recurrent")
-            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
-            buffers[f"{CONV}{i}"] = torch.zeros(
-                (batch, *conv.shape[1:]), dtype=conv.dtype, device="meta"
-            )
-            buffers[f"{RECURRENT}{i}"] = torch.zeros(
-                (batch, *recurrent.shape[1:]), dtype=recurrent.dtype, device="meta"
-            )
-            continue
-        if not isinstance(layer, DynamicLayer) or getattr(layer, "keys", None) is None:
-            raise ConfigError(
-                "model",
-                None,
-                f"{name}'s layer {i} keeps a {type(layer).__name__} cache; tessel captures "
-                "caches of keys and values per layer, or of one convolution and one recurrent "
-                "state per layer (Mamba)",
-            )
-        kinds.add("keys and values")
-        for t in (layer.keys, layer.values):
-            shape = (batch, t.shape[1], length, *t.shape[3:])
-            buffers[f"{KV}{len(buffers)}"] = torch.zeros(shape, dtype=t.dtype, device="meta")
+        buffers.update(_layer_buffers(layer, i, name, batch, length))
     if not buffers:
         raise ConfigError("model", None, f"{name} wrote no keys or values into a cache")
-    if len(kinds) > 1:
+    return Probe(buffers, takes)
+
+
+def _called(model: torch.nn.Module, given: dict[str, Any], encoder_decoder: bool) -> tuple:
+    """The model's output on `given` over a new cache, and the cache; an optional argument
+    (`OPTIONAL_ARGUMENTS`) the call refuses is taken out of `given` and the call made again."""
+    name = type(model).__name__
+    while True:
+        cache: Cache = DynamicCache(config=model.config)
+        if encoder_decoder:
+            cache = EncoderDecoderCache(cache, DynamicCache(config=model.config))
+        try:
+            with torch.no_grad():
+                return model(**given, cache=cache), cache
+        except TypeError as exc:
+            refused = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+            key = refused.group(1) if refused else None
+            if key in OPTIONAL_ARGUMENTS and key in given:
+                del given[key]
+                continue
+            if key is not None:
+                raise ConfigError(
+                    "model",
+                    None,
+                    f"{name}'s call takes no {key}: generation captures a transformers "
+                    + (
+                        "*ForConditionalGeneration model taking decoder_input_ids and a cache"
+                        if encoder_decoder
+                        else "causal LM taking input_ids and a cache"
+                    ),
+                ) from exc
+            failed = exc
+        except Exception as exc:  # noqa: BLE001 - the model's own failure, named in one line
+            failed = exc
+        first = (str(failed).strip().splitlines() or [""])[0]
         raise ConfigError(
             "model",
             None,
-            f"{name} keeps keys and values in some layers and recurrent states in others; "
-            "generation over such a hybrid cache is not built yet",
+            f"{name} fails a one-token call with a cache ({type(failed).__name__}: {first}); "
+            "generation captures a causal LM that writes keys and values, or recurrent "
+            "states, into one",
+        ) from failed
+
+
+def _layer_buffers(
+    layer: Any, i: int, name: str, batch: int, length: int
+) -> dict[str, torch.Tensor]:
+    """Layer `i`'s buffers, shaped as its one-token call wrote them, for `batch` rows (and
+    `length` slots of keys and values)."""
+
+    def zeros(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=like.dtype, device="meta")
+
+    held: dict[str, torch.Tensor] = {}
+    recurrent = isinstance(layer, LinearAttentionLayer)
+    if recurrent:
+        if layer.number_of_states != 1 or layer.conv_states.get(0) is None:
+            raise ConfigError(
+                "model",
+                None,
+                f"{name}'s layer {i} keeps {layer.number_of_states} sets of recurrent states "
+                f"({type(layer).__name__}); tessel captures one convolution state and at most "
+                "one recurrent state per layer",
+            )
+        conv, state = layer.conv_states[0], layer.recurrent_states[0]
+        held[f"{CONV}{i}"] = zeros((batch, *conv.shape[1:]), conv)
+        if state is not None:
+            held[f"{RECURRENT}{i}"] = zeros((batch, *state.shape[1:]), state)
+    attends = isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
+    if attends:
+        for k, t in enumerate((layer.keys, layer.values)):
+            held[f"{KV}{2 * i + k}"] = zeros((batch, t.shape[1], length, *t.shape[3:]), t)
+    if recurrent and isinstance(layer, DynamicLayer) and not attends:
+        raise ConfigError(
+            "model",
+            None,
+            f"{name}'s layer {i} keeps keys and values beside its recurrent states and wrote "
+            "none on a one-token call; tessel captures the cache a call writes",
         )
-    return buffers
+    if not held:
+        raise ConfigError(
+            "model",
+            None,
+            f"{name}'s layer {i} keeps a {type(layer).__name__} cache; tessel captures layers "
+            "that keep keys and values, recurrent states (a convolution state and a recurrent "
+            "state: Mamba, Jamba, Bamba), or both",
+        )
+    return held
 
 
 def _encoder_decoder_buffers(
@@ -254,37 +429,29 @@ def _encoder_decoder_buffers(
                 shape = (batch, t.shape[1], slots, *t.shape[3:])
                 buffers[f"{prefix}{2 * i + k}"] = torch.zeros(shape, dtype=t.dtype, device="meta")
     buffers[ENCODER_MASK] = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
-    # per row, as all state is (data-parallel replicas each hold their rows)
-    buffers[DECODER_START] = torch.zeros(batch, dtype=torch.long, device="meta")
     return buffers
 
 
-def _recurrent_states(layer: CacheLayerMixin) -> bool:
-    """Whether `layer` holds one convolution and one recurrent state and nothing else."""
-    return (
-        isinstance(layer, LinearAttentionLayer)
-        and not isinstance(layer, LinearAttentionAndFullAttentionLayer)
-        and layer.number_of_states == 1
-        and layer.conv_states.get(0) is not None
-        and layer.recurrent_states.get(0) is not None
-    )
-
-
 class GenerationStep(torch.nn.Module):
-    """One gear's call of a causal LM over its cache buffers, by name (`cache_shapes`). See the
-    module docstring for its inputs."""
+    """One gear's call of a causal LM over its cache buffers, by name (`probe`), given what
+    its call `takes` (of `OPTIONAL_ARGUMENTS`). See the module docstring for its inputs."""
 
-    def __init__(self, model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buffers: dict[str, torch.Tensor],
+        takes: frozenset[str] = frozenset(OPTIONAL_ARGUMENTS),
+    ) -> None:
         super().__init__()
         self.model = model
-        params = inspect.signature(model.forward).parameters
-        self.takes_positions = "position_ids" in params  # ALiBi models count from the mask
-        # the head over the last token alone, as transformers' generate asks: a prompt's
-        # other tokens need no logits, and the head is the widest matmul of the model
-        self.last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.takes = takes
         self.cache_names = list(buffers)
         self.recurrent = is_recurrent(self.cache_names)
+        self.hybrid = is_hybrid(self.cache_names)
         self.encoder_decoder = ENCODER_MASK in buffers
+        # a number to report as the cache's length where the model reads it only to size its
+        # tensors (`sized_by_the_length`), so the trace needs no value of the slots
+        self.length: int | None = None
         for name, buffer in buffers.items():
             self.register_buffer(name, buffer, persistent=False)
 
@@ -297,48 +464,56 @@ class GenerationStep(torch.nn.Module):
     ) -> torch.Tensor:
         if self.encoder_decoder:
             return self._encoder_decoder(input_ids, cache_position, attention_mask)
-        cache = SlotCache({n: getattr(self, n) for n in self.cache_names}, cache_position)
-        positions = {"position_ids": position_ids} if self.takes_positions else {}
-        if self.recurrent:  # the padding of this call's own tokens
-            attention_mask = attention_mask.index_select(1, cache_position)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            use_cache=True,
-            **positions,
-            **self.last_logits,
+        cache = SlotCache(
+            {n: getattr(self, n) for n in self.cache_names}, cache_position, self.length
         )
+        own = attention_mask.index_select(1, cache_position)  # the padding of this call's tokens
+        if self.hybrid:  # the slots' mask for attention, the call's own last for recurrence
+            attention_mask = torch.cat([attention_mask, own], dim=1)
+        elif self.recurrent:
+            attention_mask = own
+        given: dict[str, Any] = {}
+        if "position_ids" in self.takes:
+            given["position_ids"] = position_ids
+        if "use_cache" in self.takes:
+            given["use_cache"] = True
+        if "logits_to_keep" in self.takes:
+            # the head over the last token alone, as transformers' generate asks: a prompt's
+            # other tokens need no logits, and the head is the widest matmul of the model
+            given["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **given)
         return out.logits[:, -1]
 
     def _encoder_decoder(
         self, input_ids: torch.Tensor, slots: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         """An encoder-decoder's call (see the module docstring): a prompt of more than one
-        token is encoded and the decoder's start token run; one token is decoded."""
+        token is encoded and the decoder's start token run at slot 0; one token is decoded at
+        its slot."""
         rows, length = input_ids.shape
         decoder = {n: getattr(self, n) for n in self.cache_names if n.startswith(KV)}
         cross = {n: getattr(self, n) for n in self.cache_names if n.startswith(CROSS)}
-        every_slot = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        config = self.model.config
-        prompt_slots = self.encoder_mask.shape[1]  # a prompt is written from slot 0
+        given = {"use_cache": True} if "use_cache" in self.takes else {}
         if length > 1:  # a prompt: encoded once, its cross-attention written at its slots
-            encoded = self.model.get_encoder()(
-                input_ids=input_ids, attention_mask=attention_mask.index_select(1, slots)
-            )
-            start = slots[-1:]
-            ids = torch.full_like(input_ids[:, :1], config.decoder_start_token_id)
-            cache = _SlotPair(SlotCache(decoder, start), SlotCache(cross, slots), written=False)
-            encoder_mask = attention_mask[:, :prompt_slots]
-            decoder_mask = attention_mask * (every_slot == start)
+            mask = attention_mask.index_select(1, slots)
+            # each row to the front, its padding after it: positions 0.. as the prompt alone
+            padding = length - mask.sum(dim=1, keepdim=True)
+            order = (torch.arange(length, device=mask.device) + padding) % length
+            ids, mask = input_ids.gather(1, order), mask.gather(1, order)
+            encoded = self.model.get_encoder()(input_ids=ids, attention_mask=mask)
+            encoder_mask = torch.zeros_like(self.encoder_mask).index_copy(1, slots, mask)
             self.encoder_mask.copy_(encoder_mask)
-            self.decoder_start.copy_(start.expand(rows))
+            start = torch.zeros(1, dtype=slots.dtype, device=slots.device)
+            ids = torch.full_like(input_ids[:, :1], self.model.config.decoder_start_token_id)
+            cache = _SlotPair(SlotCache(decoder, start), SlotCache(cross, slots), written=False)
+            every_slot = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+            decoder_mask = (every_slot == 0).to(attention_mask.dtype).expand(rows, -1)
             hidden = encoded[0]
-        else:  # a new token: the decoder alone, from its start on, over the prompt's cache
+        else:  # a new token: the decoder alone, over the prompt's cross-attention
             ids = input_ids
             cache = _SlotPair(SlotCache(decoder, slots), SlotCache(cross, slots), written=True)
             encoder_mask = self.encoder_mask
-            decoder_mask = attention_mask * (every_slot >= self.decoder_start[:, None])
+            decoder_mask = attention_mask
             # cross-attention reads the cache: the encoder's output only gives rows and dtype
             hidden = torch.zeros(1, 1, 1, dtype=self.model.dtype).expand(rows, 1, 1)
         out = self.model(
@@ -347,7 +522,7 @@ class GenerationStep(torch.nn.Module):
             decoder_input_ids=ids,
             decoder_attention_mask=decoder_mask,
             cache=cache,
-            use_cache=True,
+            **given,
         )
         return out.logits[:, -1]
 
@@ -444,11 +619,12 @@ def _step(model: torch.nn.Module, generation: Generation) -> GenerationStep:
     model = model.eval()
     b, n = generation.max_batch_size, generation.max_seq_len
     device = next(model.parameters()).device
+    found = probe(model, b, n, max(generation.prefill_lengths))
     buffers = {
         name: torch.zeros(t.shape, dtype=t.dtype, device=device)
-        for name, t in cache_shapes(model, b, n, max(generation.prefill_lengths)).items()
+        for name, t in found.buffers.items()
     }
-    return GenerationStep(model, buffers).eval()
+    return GenerationStep(model, buffers, found.takes).eval()
 
 
 def _gear(
@@ -462,9 +638,26 @@ def _gear(
     b, n = generation.max_batch_size, generation.max_seq_len
     with _entered_modules(step) as entered:
         try:
-            captured = capture(
-                step, gear_inputs(b, length, n), keep=keep, reuse_layers=reuse_layers
-            )
+            try:
+                captured = capture(
+                    step, gear_inputs(b, length, n), keep=keep, reuse_layers=reuse_layers
+                )
+            except TesselError:
+                raise
+            except Exception:
+                # a model that reads the cache's length as a number to size its tensors (MPT's
+                # ALiBi table) cannot be traced over a length that is a value of the slots; if
+                # the number changes none of its outputs, it is traced over a number instead
+                if (
+                    step.length is not None
+                    or step.encoder_decoder
+                    or not sized_by_the_length(step, generation)
+                ):
+                    raise
+                step.length = 0
+                captured = capture(
+                    step, gear_inputs(b, length, n), keep=keep, reuse_layers=reuse_layers
+                )
         except TesselError:
             raise
         except Exception as exc:  # noqa: BLE001 - the model's own code, named in one line
@@ -481,6 +674,39 @@ def _gear(
     for name in step.cache_names:  # the capture ran the model on its example inputs
         getattr(step, name).zero_()
     return captured
+
+
+def sized_by_the_length(step: GenerationStep, generation: Generation) -> bool:
+    """Whether `step`'s model reads the cache's length only to size its tensors: run eagerly,
+    a decode call after a prompt gives the same logits whether the cache reports the call's
+    slot as its length or 0. The step's buffers are left as they were."""
+    b, n = generation.max_batch_size, generation.max_seq_len
+    prompt = generation.prefill_lengths[0]
+    saved = {name: getattr(step, name).clone() for name in step.cache_names}
+    ones = torch.ones(b, prompt + 1, dtype=torch.long)
+    mask = torch.cat([ones, torch.zeros(b, n - prompt - 1, dtype=torch.long)], dim=1)
+    new = (
+        torch.ones(b, 1, dtype=torch.long),
+        torch.full((b, 1), prompt),
+        torch.tensor([prompt]),
+        mask,
+    )
+    outs = []
+    try:
+        with torch.no_grad():
+            for length in (None, 0):
+                step.length = length
+                for name, value in saved.items():
+                    getattr(step, name).copy_(value)
+                step(*gear_inputs(b, prompt, n))
+                outs.append(step(*new))
+    except Exception:  # noqa: BLE001 - the model cannot run eagerly over the slots either
+        return False
+    finally:
+        step.length = None
+        for name, value in saved.items():
+            getattr(step, name).copy_(value)
+    return torch.equal(outs[0], outs[1])
 
 
 @contextlib.contextmanager

@@ -21,9 +21,11 @@ class Sampling:
     the tokens above the `epsilon_cutoff` and `eta_cutoff` probabilities. Before either, greedy
     or sampled: the `repetition_penalty`, no n-gram of `no_repeat_ngram_size` tokens twice in a
     row, no eos token before the row holds `min_length` tokens (its prompt as given and its new
-    ones) and `min_new_tokens` new ones, and never a token of `suppress_tokens`. The defaults
-    are `transformers`' own (each cut off where it removes nothing), used where neither the
-    call nor the model (`MODEL_SETTINGS`) sets a value."""
+    ones) and `min_new_tokens` new ones, `forced_bos_token_id` where the row holds one token
+    (an encoder-decoder's first new token), `forced_eos_token_id` (one id or several) as the
+    call's last token, and never a token of `suppress_tokens`. The defaults are
+    `transformers`' own (each cut off where it removes nothing), used where neither the call
+    nor the model (`MODEL_SETTINGS`) sets a value."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -39,6 +41,8 @@ class Sampling:
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
     suppress_tokens: tuple[int, ...] = ()
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ConfigError:
@@ -81,6 +85,16 @@ class Sampling:
         ):
             raise bad("suppress_tokens", "must be a list of token ids")
         object.__setattr__(self, "suppress_tokens", tuple(banned))
+        bos = self.forced_bos_token_id
+        if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or bos < 0):
+            raise bad("forced_bos_token_id", "must be a token id or None")
+        eos = self.forced_eos_token_id
+        eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+        if not isinstance(eos, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos
+        ):
+            raise bad("forced_eos_token_id", "must be a token id or a list of them")
+        object.__setattr__(self, "forced_eos_token_id", tuple(eos))
         if not self.do_sample:  # greedy decoding takes none of them: refused, never ignored
             unsampled = {f.name: f.default for f in fields(self)}
             for key in SAMPLED_ONLY:
@@ -115,6 +129,8 @@ SAMPLING_SETTINGS = (
     "epsilon_cutoff",
     "eta_cutoff",
     "suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
 )
 # and how many tokens a call makes where it does not say
 LENGTH_SETTINGS = ("max_new_tokens", "max_length")
@@ -122,6 +138,33 @@ MODEL_SETTINGS = SAMPLING_SETTINGS + LENGTH_SETTINGS
 # a setting's value: a flag, a count, a number, or token ids (`suppress_tokens`)
 Setting = bool | int | float | list[int]
 NEW_TOKENS = 20  # transformers' default, where neither the call nor the model sets a length
+
+# generation_config settings that `transformers`' `generate` applies unasked and tessel's loop
+# does not, each with the value that leaves decoding as it is: a model that sets one otherwise
+# is refused at build, never generated from without it; a call may pass the neutral value, as
+# it may to `transformers`' `generate` (`num_beams=1`)
+UNSUPPORTED_SETTINGS: dict[str, object] = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "diversity_penalty": 0.0,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "constraints": None,
+    "force_words_ids": None,
+    "top_h": None,
+    "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "begin_suppress_tokens": None,
+    "exponential_decay_length_penalty": None,
+    "remove_invalid_values": False,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "max_time": None,
+    "stop_strings": None,
+}
 
 
 def sampling_for(asked: Mapping[str, object], model: Mapping[str, object]) -> Sampling:

@@ -503,8 +503,10 @@ def _model_settings(f: Field, vocab: int) -> dict[str, Setting]:
             if not isinstance(value.value, bool):
                 raise value.fail(f"expected true or false, found {value.value!r}")
             settings[key] = value.value
-        elif key == "suppress_tokens":
+        elif key in ("suppress_tokens", "forced_eos_token_id"):
             settings[key] = [x.int(low=0, high=vocab - 1) for x in value.list()]
+        elif key == "forced_bos_token_id":
+            settings[key] = value.int(low=0, high=vocab - 1)
         else:
             settings[key] = value.number() if isinstance(value.value, float) else value.int()
     try:

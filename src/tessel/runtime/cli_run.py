@@ -223,6 +223,8 @@ def generate_command(args: argparse.Namespace) -> int:
         epsilon_cutoff=args.epsilon_cutoff,
         eta_cutoff=args.eta_cutoff,
         suppress_tokens=args.suppress_tokens,
+        forced_bos_token_id=args.forced_bos_token_id,
+        forced_eos_token_id=args.forced_eos_token_id,
         eos_token_id=args.eos_token_id,
         pad_token_id=args.pad_token_id,
     )

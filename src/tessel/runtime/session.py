@@ -28,7 +28,7 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
-from tessel.config.sampling import sampling_for
+from tessel.config.sampling import UNSUPPORTED_SETTINGS, sampling_for
 from tessel.decoding import check_request, new_tokens_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
@@ -493,6 +493,8 @@ class Session:
         epsilon_cutoff: float | None = None,
         eta_cutoff: float | None = None,
         suppress_tokens: Sequence[int] | None = None,
+        forced_bos_token_id: int | None = None,
+        forced_eos_token_id: int | Sequence[int] | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         stream: bool = False,
@@ -512,9 +514,18 @@ class Session:
         `max_new_tokens` defaults to the model's, else to what its `max_length`
         (`transformers`' 20 where unset) leaves after the prompt, at most what the cache holds.
         A `transformers` argument this loop does not take (beam search, `max_length`) is
-        refused by name, never ignored."""
+        refused by name, never ignored, unless it is given the value that leaves decoding as
+        it is (`num_beams=1`), as `transformers` takes it."""
+        unknown = {k: v for k, v in unknown.items() if UNSUPPORTED_SETTINGS.get(k, v) != v}
         if unknown:
             key = next(iter(unknown))
+            if key in UNSUPPORTED_SETTINGS:
+                raise ConfigError(
+                    "generate()",
+                    key,
+                    f"is {unknown[key]!r}, which tessel's generate does not build (it decodes "
+                    f"greedily or by sampling); {UNSUPPORTED_SETTINGS[key]!r} is taken",
+                )
             taken = [
                 p.name
                 for p in inspect.signature(Session.generate).parameters.values()
@@ -549,10 +560,15 @@ class Session:
             epsilon_cutoff=epsilon_cutoff,
             eta_cutoff=eta_cutoff,
             suppress_tokens=suppress_tokens,
+            forced_bos_token_id=forced_bos_token_id,
+            forced_eos_token_id=forced_eos_token_id,
         )
         sampling = sampling_for(asked, gears.defaults)
-        for banned in sampling.suppress_tokens:
-            token_id(banned, "suppress_tokens", gears.vocab_size)
+        for key in ("suppress_tokens", "forced_eos_token_id"):
+            for token in getattr(sampling, key):
+                token_id(token, key, gears.vocab_size)
+        if sampling.forced_bos_token_id is not None:
+            token_id(sampling.forced_bos_token_id, "forced_bos_token_id", gears.vocab_size)
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[None]
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
