@@ -281,11 +281,11 @@ def fix_shapes(
             if given is not None and given[i] != size:
                 if isinstance(dim, int):
                     allowed = f"{dim} only (a static dimension)"
-                elif size is None:
-                    allowed = f"{dim}, which tessel fixes only through a dimension that is it alone"
                 else:
                     symbols = ", ".join(sorted(str(s) for s in dim.free_symbols))
-                    allowed = f"{dim} for whole {symbols}: {size} at {_shown(values, dim)}"
+                    allowed = f"{dim} for whole {symbols}"
+                    if size is not None:
+                        allowed += f": {size} at {_shown(values, dim)}"
                 raise ConfigError(
                     source,
                     key,
@@ -299,7 +299,7 @@ def fix_shapes(
 
 def _size(dim: int | sympy.Expr, values: dict) -> int | None:
     """A dimension's size with its symbols at `values`; None where that is not a whole
-    number (a symbol that no dimension is alone, so no size binds)."""
+    number (a symbol that no given or recorded size binds)."""
     if isinstance(dim, int):
         return dim
     size = dim.xreplace(values)
