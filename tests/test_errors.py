@@ -52,6 +52,7 @@ EXAMPLES = {
         "rank 1 failed: ValueError: x", 1, "Traceback ..."
     ),
     "SessionError": lambda: _heavy("tessel.runtime.session", "SessionError")("initialize"),
+    "NodeError": lambda: _heavy("tessel.runtime.rendezvous", "NodeError")("node 1 is running"),
 }
 
 

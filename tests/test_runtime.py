@@ -171,10 +171,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_with_node_1_served(session, path, model, ids) -> str:
+def _run_with_node_1_served(session, path, model, ids, while_loaded=None) -> str:
     """Run `path` with node 1's workers started by `tessel serve` in another process, check
     the output against eager, and check that the server ends cleanly with the graph; returns
-    what the server wrote."""
+    what the server wrote. `while_loaded(server)` runs once the graph is loaded, before it runs."""
     remote = subprocess.Popen(
         [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
         env=subprocess_env(),
@@ -184,6 +184,8 @@ def _run_with_node_1_served(session, path, model, ids) -> str:
     )
     try:
         session.load_graph(0, {}, path)
+        if while_loaded is not None:
+            while_loaded(remote)
         (out,) = session.run_graph(0, [ids])
         with torch.no_grad():
             assert (out - model(ids)).abs().max().item() <= 1e-4
@@ -197,7 +199,10 @@ def _run_with_node_1_served(session, path, model, ids) -> str:
             remote.wait()
 
 
-def test_two_nodes_on_loopback(tmp_path, session):
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A model, its input and its package for two loopback nodes of one device each."""
+    tmp_path = tmp_path_factory.mktemp("nodes")
     port = _free_port()
     node = lambda i: {
         "node_id": i,
@@ -218,7 +223,137 @@ def test_two_nodes_on_loopback(tmp_path, session):
         tessel.build(model, (ids,), cluster=str(tmp_path / "numa_config_2node.json")),
         tmp_path / "two",
     )
-    _run_with_node_1_served(session, path, model, ids)
+    return model, ids, path
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@pytest.fixture
+def orphans_come_here():
+    """Processes orphaned during the test become this process's children (Linux), so the check
+    that no worker is left behind also sees the workers of a `tessel serve` that has exited."""
+    import ctypes
+
+    libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+    if libc is not None:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    yield
+    if libc is not None:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0)
+
+
+def test_two_nodes_on_loopback_where_a_second_claim_of_either_id_is_refused_by_name(
+    two_nodes, session, orphans_come_here, monkeypatch
+):
+    """Beside a running head and node 1, `tessel serve --node-id 0` and a second
+    `tessel serve --node-id 1` are refused within 10 s, naming the id and the process holding
+    it, before they start a worker; so are a second head and a second node 1 in this process.
+    The head and the rightful node 1 keep working."""
+    from tessel.runtime import session as session_module
+
+    model, ids, path = two_nodes
+    port = Package.open(path).manifest.cluster["cluster"][0]["cluster_nodes"][0]["port"]
+    host = re.escape(socket.gethostname())
+
+    def refused(rightful: subprocess.Popen) -> None:
+        said = [
+            rf"node 0 \(the head\) is already running at 127\.0\.0\.1:{port}: process "
+            rf"{os.getpid()} on host {host}, loading two\.tessel\. Each node runs once: stop "
+            r"that head first, or start this host with another node's id \(the cluster "
+            r"config's nodes are 0, the head, and 1\) as --node-id or the option tessel\.node_id",
+            rf"node 1 is already running: process {rightful.pid} on host {host}, loading "
+            rf"two\.tessel, which joined the head at 127\.0\.0\.1:{port}\. Each node runs "
+            r"once: stop that one first",
+        ]
+        for node_id, words in enumerate(said):  # one at a time: each has the cores to start
+            intruder = _serve(path, node_id)
+            try:
+                _, err = intruder.communicate(timeout=10)  # refused within 10 s, or this fails
+            finally:
+                if intruder.poll() is None:
+                    intruder.kill()
+                    intruder.wait()
+            assert intruder.returncode == 1, err
+            assert re.fullmatch(rf"tessel: error: {words}.*\n", err), err
+        monkeypatch.setattr(session_module, "_start_workers", _no_workers)
+        for node_id, words in enumerate(said):
+            with pytest.raises(tessel.NodeError, match=f"^{words}"):
+                tessel.Session().load_graph(0, {"tessel.node_id": node_id}, path)
+        monkeypatch.undo()
+
+    _run_with_node_1_served(session, path, model, ids, while_loaded=refused)
+
+
+def _serve(path, node_id: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", str(node_id)],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _no_workers(*args, **kwargs):
+    raise AssertionError("workers were started for a node whose id another holds")
+
+
+def test_a_head_whose_address_another_program_holds_is_refused_by_name(two_nodes, session):
+    _, _, path = two_nodes
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(
+            tessel.NodeError,
+            match=rf"^node 0 \(the head\) cannot listen at 127\.0\.0\.1:{port} \(node 0's "
+            r"ipaddr and port in the cluster config, or the option tessel\.master_port\): "
+            r"another program, not a tessel head, holds that port",
+        ):
+            session.load_graph(0, {"tessel.master_port": port}, path)
+
+
+def test_a_node_whose_head_never_answers_is_refused_after_the_load_timeout(two_nodes, session):
+    _, _, path = two_nodes
+    port = _free_port()
+    with pytest.raises(
+        tessel.NodeError,
+        match=rf"^node 1: no tessel head answered at 127\.0\.0\.1:{port} .* within 1 s "
+        r"\(tessel\.load_timeout_s\)",
+    ):
+        session.load_graph(
+            0, {"tessel.node_id": 1, "tessel.master_port": port, "tessel.load_timeout_s": 1}, path
+        )
+
+
+def test_a_claim_left_by_a_process_gone_from_this_host_is_taken_over():
+    """A node killed before it could give its id back leaves its claim; the next claimant on
+    its host finds the process gone and takes the id, while a live holder's stays refused."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tessel.runtime.rendezvous import _claim, _pid_space
+
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    host, pids = socket.gethostname(), _pid_space()
+    if pids is None:
+        pytest.skip("no /proc/self/ns/pid: a claim is never known gone here")
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    claims = {
+        "live": {"host": host, "pids": pids, "pid": os.getppid()},
+        "gone": {"host": host, "pids": pids, "pid": gone.pid},
+        # the same host name and pid, in another container's pid namespace: not known gone
+        "elsewhere": {"host": host, "pids": "pid:[1]", "pid": gone.pid},
+    }
+    for key, claim in claims.items():
+        store.set(key, json.dumps(claim))
+    mine = json.dumps({"host": host, "pids": pids, "pid": os.getpid()})
+    assert _claim(store, "live", mine) == claims["live"]
+    assert _claim(store, "elsewhere", mine) == claims["elsewhere"]
+    assert _claim(store, "gone", mine) is None
+    assert store.get("gone").decode() == mine
+    assert _claim(store, "free", mine) is None
 
 
 def test_nodes_given_different_packages_refuse_them_on_both_sides(tmp_path, session):

@@ -29,6 +29,7 @@ _EXPORTS = {
     "ConfigError": "tessel.config",
     "Generation": "tessel.config.generation",
     "TesselError": "tessel.errors",
+    "NodeError": "tessel.runtime",
     "Session": "tessel.runtime",
     "SessionError": "tessel.runtime",
     "WorkerError": "tessel.runtime",

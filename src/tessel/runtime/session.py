@@ -39,6 +39,7 @@ from tessel.progress import phase
 from tessel.runtime import cpu_cache, shared_memory
 from tessel.runtime.fork_server import stop_fork_server, worker_context
 from tessel.runtime.main_guard import unguarded_call_site
+from tessel.runtime.rendezvous import Meeting, meet
 from tessel.runtime.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -274,6 +275,7 @@ class _Workers:
     run_timeout: float
     key: tuple | None = None
     broken: bool = False
+    meeting: Meeting | None = None  # this node's place at the head's store, in a cluster of nodes
 
 
 @dataclass
@@ -404,16 +406,26 @@ class Session:
             if key is None or idle.key != key or not healthy:
                 _stop(idle, graceful=healthy)
                 idle = None
-        with _checkpoint_in_layout(options.get("checkpoint"), package) as resume:
+        meeting = None
+        if idle is None and distributed and len(cluster.nodes) > 1:
+            # the id is this node's, and the head's store answers, before any worker starts
+            # (or a checkpoint is converted for them): a second node of one id is refused here
+            with phase(f"node {node_id}: meeting at {addr}:{port}"):
+                meeting = meet(cluster, node_id, addr, port, load_timeout, package.path.name)
+        with (
+            _given_back_on_error(meeting),
+            _checkpoint_in_layout(options.get("checkpoint"), package) as resume,
+        ):
             if idle is not None:
                 workers = idle
                 _send_load(workers, str(package.path), resume)
             else:
                 workers = _start_workers(
                     package, local, addr, port, threads, run_timeout, distributed,
-                    reuse_memory, resume,
+                    reuse_memory, resume, meeting is not None,
                 )  # fmt: skip
                 workers.key = key
+                workers.meeting = meeting
             graph = _Graph(package, workers, learning_rate=learning_rate)
             self._graphs[graph_id] = graph
             what = "loading" if idle is not None else f"starting {len(local)} workers, loading"
@@ -706,6 +718,18 @@ class Session:
         return self._graphs[graph_id]
 
 
+@contextlib.contextmanager
+def _given_back_on_error(meeting: Meeting | None) -> Iterator[None]:
+    """A node's claimed id given back where its load fails (again where its workers held it
+    and were stopped: giving it back twice is no error)."""
+    try:
+        yield
+    except BaseException:
+        if meeting is not None:
+            meeting.leave()
+        raise
+
+
 def _pool_key(
     manifest: Any,
     local: list,
@@ -771,8 +795,9 @@ def _unload(workers: _Workers) -> bool:
 
 
 def _start_workers(
-    package, local, addr, port, threads, run_timeout, distributed, reuse_memory, resume=""
-) -> _Workers:
+    package, local, addr, port, threads, run_timeout, distributed, reuse_memory, resume="",
+    met=False,
+) -> _Workers:  # fmt: skip
     manifest = package.manifest
     ctx = worker_context()
     cache = ""
@@ -802,6 +827,7 @@ def _start_workers(
             shared_memory=meeting,
             resume=resume,
             log_level=logging.getLogger("tessel").getEffectiveLevel(),
+            store_at_head=met,
         )
         proc = ctx.Process(
             target=worker_main, args=(spec, child), daemon=True, name=f"tessel-rank{device.rank}"
@@ -1039,3 +1065,5 @@ def _stop(workers: _Workers, graceful: bool = True) -> None:
             proc.join()
     for conn in workers.conns:
         conn.close()
+    if workers.meeting is not None:  # once no worker uses the head's store
+        workers.meeting.leave()

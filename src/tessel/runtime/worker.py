@@ -55,6 +55,9 @@ class WorkerSpec:
     shared_memory: str = ""  # the compiled meeting point of same-machine groups (`shared_memory`)
     resume: str = ""  # a training checkpoint in the package's layout to start from
     log_level: int = logging.WARNING  # the session's: torch's own warnings show at DEBUG only
+    # the head's session hosts the store at master_addr:master_port (a cluster of several nodes,
+    # `tessel.runtime.rendezvous`), and every rank joins it; else rank 0 hosts it
+    store_at_head: bool = False
 
     @property
     def collective_timeout_s(self) -> float:
@@ -359,12 +362,20 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         device = _device(spec)
         groups: dict[tuple[int, ...], str] = {}
         if spec.distributed:
+            timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
+            meeting: dict = {"init_method": f"tcp://{spec.master_addr}:{spec.master_port}"}
+            if spec.store_at_head:
+                meeting = {
+                    "store": dist.TCPStore(
+                        spec.master_addr, spec.master_port, is_master=False, timeout=timeout
+                    )
+                }
             dist.init_process_group(
                 spec.backend,
-                init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
                 rank=spec.rank,
                 world_size=spec.world_size,
-                timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+                timeout=timeout,
+                **meeting,
             )
         loaded = _load(spec, spec.package, device, groups, spec.resume)
         conn.send(("ready", spec.rank, None))
