@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +69,37 @@ def load_rank(d: Path, rank: int, prefix: str = "checkpoint_") -> dict:
     return load_file(str(d / f"rank_{rank}" / f"{prefix}{rank}.safetensors"))
 
 
+_ID = re.compile(rb'"tessel_checkpoint":"[0-9a-f]{32}"')
+
+
+def blank_id(raw: bytes) -> bytes:
+    """A safetensors file's bytes with the checkpoint id it records (made anew by every write)
+    blanked, so two writes of the same tensors compare equal."""
+    return _ID.sub(b'"tessel_checkpoint":"' + b"0" * 32 + b'"', raw, count=1)
+
+
 def files_bytes(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    """Every file under ``d`` by relative path, checkpoint ids blanked (``blank_id``)."""
+    return {
+        str(p.relative_to(d)): blank_id(p.read_bytes()) for p in sorted(d.rglob("*")) if p.is_file()
+    }
+
+
+def checkpoint_ids(d: Path) -> dict[str, str | None]:
+    """The checkpoint id each safetensors file under ``d`` records (None: none), by path."""
+    from tessel.checkpoint.st_io import read_header
+
+    return {
+        str(p.relative_to(d)): read_header(p)[1].get("tessel_checkpoint")
+        for p in sorted(d.rglob("*.safetensors"))
+    }
+
+
+def metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's metadata, to write it again with its tensors edited."""
+    from tessel.checkpoint.st_io import read_header
+
+    return read_header(path)[1]
 
 
 def prod(xs) -> int:

@@ -73,7 +73,7 @@ def test_progress_bar_is_shown_on_a_terminal_only(tmp_path):
     code, text = on_a_terminal(argv, tmp_path)
     assert code == 0, text
     assert "writing 4 files" in text and "100%" in text
-    piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    piped = subprocess.run([*argv, "--overwrite"], capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr
     assert "writing 4 files" not in piped.stderr and "%" not in piped.stderr
 

@@ -31,7 +31,7 @@ from tessel.parallel import (
     unified_safetensors,
 )
 
-from .helpers import files_bytes, make_full, ref_rank_slices, write_full
+from .helpers import blank_id, files_bytes, make_full, metadata, ref_rank_slices, write_full
 
 SHAPES = {"emb": (16, 8), "qkv": (24, 8), "out": (8, 24), "norm": (8,)}
 
@@ -216,12 +216,19 @@ def test_missing_file_in_map(tmp_path, src):
 
 
 def test_shape_mismatch_between_strategy_and_files(tmp_path, src):
+    """Rank files read with another strategy than theirs are refused: by the strategy's digest
+    they record, and where they record none (MindSpore's), by the slices they hold."""
     a_dir, a = src
     bad = tmp_path / "bad.json"
     lay = Layout((1, 4), ("dp", "tp"))
     save_strategy_file(bad, {"emb": (lay("None", "tp"), (16, 8), "float32")})
     only = tmp_path / "only.json"
     save_strategy_file(only, {"emb": (Layout((2,), ("tp",))("tp", "None"), (16, 8), "float32")})
+    with pytest.raises(CheckpointError, match=r"checkpoint_0.safetensors: was written for the "
+                       r"strategy with digest [0-9a-f]{32}, and .*bad.json has digest"):  # fmt: skip
+        convert_checkpoints(a_dir, tmp_path / "B", "p", bad, only)
+    for f in a_dir.glob("rank_*/*.safetensors"):  # as MindSpore writes them: no record
+        save_file(load_file(f), f)
     with pytest.raises(CheckpointError, match=r"emb.*\[4, 8\].*\[16, 2\]") as e:
         convert_checkpoints(a_dir, tmp_path / "B", "p", bad, only)
     assert "checkpoint_0.safetensors" in str(e.value) and "emb" in str(e.value)
@@ -244,7 +251,7 @@ def test_dtype_mismatch_in_rank_file(tmp_path, src, full):
     f = a_dir / "rank_1" / "checkpoint_1.safetensors"
     t = load_file(str(f))
     t["emb"] = t["emb"].to(torch.bfloat16)
-    save_file(t, str(f))
+    save_file(t, str(f), metadata(f))
     with pytest.raises(CheckpointError, match="emb.*bfloat16.*float32") as e:
         convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
     assert str(f) in str(e.value)
@@ -255,7 +262,7 @@ def test_param_missing_from_rank_file(tmp_path, src):
     f = a_dir / "rank_0" / "checkpoint_0.safetensors"
     t = load_file(str(f))
     del t["qkv"]
-    save_file(t, str(f))
+    save_file(t, str(f), metadata(f))
     with pytest.raises(CheckpointError, match="qkv.*missing"):
         convert_checkpoints(a_dir, tmp_path / "B", "p", a, _tp((1, 2), tmp_path / "b.json"))
 
@@ -350,16 +357,23 @@ def _existing_destination(dst: Path) -> None:
 
 
 def test_existing_destination_keeps_what_the_output_does_not_replace(tmp_path, src, full):
+    """Over an existing destination (with overwrite) the checkpoint is replaced whole, rank
+    directories with all they held; entries of other names are kept as they were."""
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "tp2.json")
     dst = tmp_path / "B"
     _existing_destination(dst)
     dst.chmod(0o750)
     notes = os.stat(dst / "notes.txt")
-    convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+    before = _digest(dst)
+    with pytest.raises(CheckpointError, match=r"B: is not empty \(it holds latest, logs, "
+                       r"notes.txt, \.\.\.\); .* --overwrite \(overwrite=True"):  # fmt: skip
+        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+    assert _digest(dst) == before
+    convert_checkpoints(a_dir, dst, "checkpoint_", a, b, overwrite=True)
     assert _check(dst, full, b) == 2
     assert (dst / "notes.txt").read_text() == "keep me"
-    assert (dst / "rank_0" / "notes.txt").read_text() == "keep me too"
+    assert sorted(p.name for p in (dst / "rank_0").iterdir()) == ["checkpoint_0.safetensors"]
     assert (dst / "logs" / "run.txt").read_text() == "keep the logs"
     assert os.readlink(dst / "latest") == "rank_0"
     assert os.stat(dst / "notes.txt").st_ino == notes.st_ino  # kept as a link, not copied
@@ -386,22 +400,23 @@ def test_failed_swap_leaves_existing_destination_as_it_was(tmp_path, src, monkey
         monkeypatch.setattr(publish, "exchange", lambda x, y: False)
         _fail_on_call(monkeypatch, "rename", lambda n: n == 2)
     with pytest.raises(CheckpointError, match="injected.*destination is unchanged"):
-        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
+        convert_checkpoints(a_dir, dst, "checkpoint_", a, b, overwrite=True)
     monkeypatch.undo()
     assert _digest(dst) == before and os.readlink(dst / "latest") == "rank_0"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
-def test_output_in_the_way_of_an_existing_entry(tmp_path, src):
+def test_an_entry_of_a_checkpoints_name_is_replaced_whatever_it_is(tmp_path, src, full):
+    """A file named as a rank directory is the old checkpoint's: replaced whole by the
+    directory, as a rank directory by a file would be."""
     a_dir, a = src
     b = _tp((1, 2), tmp_path / "tp2.json")
     dst = tmp_path / "B"
     dst.mkdir()
     (dst / "rank_1").write_text("a file where the output needs a directory")
-    before = _digest(dst)
-    with pytest.raises(CheckpointError, match="in the way of an output"):
-        convert_checkpoints(a_dir, dst, "checkpoint_", a, b)
-    assert _digest(dst) == before
+    convert_checkpoints(a_dir, dst, "checkpoint_", a, b, overwrite=True)
+    assert _check(dst, full, b) == 2
+    assert sorted(p.name for p in dst.iterdir()) == ["rank_0", "rank_1", "strategy.json"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
@@ -410,7 +425,7 @@ def test_symlinked_destination_replaces_the_tree_it_points_to(tmp_path, src, ful
     b = _tp((1, 2), tmp_path / "tp2.json")
     _existing_destination(tmp_path / "real")
     (tmp_path / "B").symlink_to("real")
-    convert_checkpoints(a_dir, tmp_path / "B", "checkpoint_", a, b)
+    convert_checkpoints(a_dir, tmp_path / "B", "checkpoint_", a, b, overwrite=True)
     assert os.readlink(tmp_path / "B") == "real"
     assert _check(tmp_path / "real", full, b) == 2
     assert (tmp_path / "real" / "notes.txt").read_text() == "keep me"
@@ -494,7 +509,8 @@ def test_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, src, monkeypa
     [
         (CheckpointError("src.safetensors", "qkv", "source file disappeared"), CheckpointError,
          "src.safetensors: qkv: source file disappeared"),
-        (OSError(errno.ENOSPC, "No space left on device", "f"), OSError, "No space left"),
+        (OSError(errno.ENOSPC, "No space left on device", "f"), CheckpointError,
+         "B: could not be written: No space left on device \\(f\\); the destination is unchanged"),
         (ZeroDivisionError("a bug"), RuntimeError, "(?s)writer process failed.*ZeroDivisionError: a bug"),
     ],
 )  # fmt: skip
@@ -517,8 +533,15 @@ def test_error_in_a_writer_process_reaches_the_caller(tmp_path, src, monkeypatch
 
 def test_output_would_overwrite_source(tmp_path, src):
     a_dir, a = src
-    with pytest.raises(CheckpointError, match="overwrite a source"):
-        convert_checkpoints(a_dir, a_dir, "checkpoint_", a, a)
+    with pytest.raises(CheckpointError, match="A: is the source .*A: the output replaces"):
+        convert_checkpoints(a_dir, a_dir, "checkpoint_", a, a, overwrite=True)
+    with pytest.raises(CheckpointError, match="A/rank_0: lies inside the source"):
+        convert_checkpoints(a_dir, a_dir / "rank_0", "checkpoint_", a, a, overwrite=True)
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: holds the source"):
+        convert_checkpoints(a_dir, tmp_path, "checkpoint_", a, a, overwrite=True)
+    files = {0: a_dir / "rank_0" / "checkpoint_0.safetensors"}
+    with pytest.raises(CheckpointError, match="lies beside the source file"):
+        convert_checkpoint_by_rank(0, files, a_dir / "rank_0" / "new.safetensors", a, a)
 
 
 def test_output_format_and_suffix(tmp_path, src):
@@ -554,7 +577,9 @@ def test_api_names_and_mindspore_aliases_give_the_same_files(tmp_path, src):
     convert_checkpoints(src_checkpoints_dir=a_dir, dst_checkpoints_dir=tmp_path / "M",
                         ckpt_prefix="c_", src_strategy_file=a, dst_strategy_file=b)  # fmt: skip
     assert files_bytes(tmp_path / "N") == files_bytes(tmp_path / "M")
-    assert set(files_bytes(tmp_path / "N")) == {"rank_0/c_0.safetensors", "rank_1/c_1.safetensors"}
+    assert set(files_bytes(tmp_path / "N")) == {
+        "rank_0/c_0.safetensors", "rank_1/c_1.safetensors", "strategy.json"
+    }  # fmt: skip
     files = {r: a_dir / f"rank_{r}" / f"checkpoint_{r}.safetensors" for r in (0, 1)}
     convert_checkpoint_by_rank(rank_id=0, checkpoint_files_map=files,
                                save_file=tmp_path / "r" / "new.safetensors",
@@ -563,7 +588,7 @@ def test_api_names_and_mindspore_aliases_give_the_same_files(tmp_path, src):
                                src_strategy_file=a, dst_strategy_file=b)  # fmt: skip
     new = (tmp_path / "r" / "new.safetensors").read_bytes()
     assert new == (tmp_path / "r" / "old.safetensors").read_bytes()
-    assert new == (tmp_path / "N" / "rank_0" / "c_0.safetensors").read_bytes()
+    assert blank_id(new) == blank_id((tmp_path / "N" / "rank_0" / "c_0.safetensors").read_bytes())
     kw = dict(max_shard_size=600)
     unified_safetensors(a_dir, a, tmp_path / "U1", process_num=2, **kw)
     unified_safetensors(a_dir, a, tmp_path / "U2", max_process_num=2, **kw)
@@ -603,6 +628,7 @@ def test_name_and_alias_together_is_a_type_error(tmp_path, src, call, words):
 
 def test_sharded_dir_without_strategy(tmp_path, src):
     a_dir, _ = src
+    (a_dir / "strategy.json").unlink()
     with pytest.raises(StrategyError, match="src_strategy_file"):
         convert_checkpoints(a_dir, tmp_path / "B", "p", None, None)
 

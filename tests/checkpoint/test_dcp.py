@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,19 @@ def test_metadata_read_with_restricted_unpickler(dcp_dir):
     meta = read_dcp_metadata(dcp_dir)
     assert set(meta.state_dict_metadata) == {"w", "b", "r", "m", "step"}
     assert list(meta.state_dict_metadata["w"].size) == [8, 6]
+
+
+def test_a_data_file_its_metadata_names_must_be_there(dcp_dir, tmp_path):
+    """A DCP directory records no tessel checkpoint id: every rank's data file its .metadata
+    names must be there, or it is refused by name before anything is written."""
+    partial = tmp_path / "partial"
+    shutil.copytree(dcp_dir, partial)
+    gone = sorted(partial.glob("*.distcp"))[-1]
+    gone.unlink()
+    with pytest.raises(CheckpointError, match=f"{gone}: is named by .*.metadata but does not "
+                       "exist: the directory does not hold the whole checkpoint"):  # fmt: skip
+        unified_safetensors(partial, None, tmp_path / "U")
+    assert not (tmp_path / "U").exists()
 
 
 def test_unify_dcp_equals_full(dcp_dir, tmp_path):

@@ -85,7 +85,7 @@ def test_the_model_directory_holds_the_state_dict_and_config_only(saved, tmp_pat
 
     states = tmp_path / "states"
     assert cli(["ckpt", "unify", str(src), str(dst), "--optimizer-states", str(states),
-                "--no-progress"]) == 0  # fmt: skip
+                "--overwrite", "--no-progress"]) == 0  # fmt: skip
     name = "optimizer.exp_avg.model.embed.weight"
     assert set(_tensors(states)) == {name}
     assert torch.equal(_tensors(states)[name], full[name])

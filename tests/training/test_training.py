@@ -782,7 +782,7 @@ def check_unified_checkpoint(saved, hf, model, reference, opt) -> None:
 
     states = hf.parent / "optimizer"
     code = cli(["ckpt", "unify", str(saved), str(hf), "--optimizer-states", str(states),
-                "--no-progress"])  # fmt: skip
+                "--overwrite", "--no-progress"])  # fmt: skip
     assert code == 0
     unified = {}
     for f in states.glob("*.safetensors"):
@@ -907,8 +907,11 @@ def test_a_dead_or_hung_worker_fails_the_step_saying_the_state_is_lost(sessions,
 
 def _tampered(source, target, rank: int, edit) -> str:
     """A copy of checkpoint `source` whose rank `rank` file `edit` rewrote (`edit` takes the
-    file's tensors and returns new ones, or bytes for the whole file)."""
+    file's tensors and returns new ones, kept with the file's metadata, the checkpoint's id
+    among it; or bytes for the whole file)."""
     from safetensors.torch import load_file, save_file
+
+    from tessel.checkpoint.st_io import read_header
 
     shutil.copytree(source, target)
     path = target / f"rank_{rank}" / f"checkpoint_{rank}.safetensors"
@@ -916,7 +919,7 @@ def _tampered(source, target, rank: int, edit) -> str:
     if isinstance(edited, bytes):
         path.write_bytes(edited)
     else:
-        save_file(edited, path)
+        save_file(edited, path, read_header(path)[1])
     return str(target)
 
 
@@ -979,14 +982,26 @@ def test_a_checkpoint_that_does_not_match_the_step_is_refused_naming_file_and_te
         assert words in message, (case, message)
     # and through a session, where each refusal stops the workers (a new pair starts for the
     # next load): a weight's dtype, an optimizer state missing (the step's own list of what it
-    # resumes holds the states too) and a file that is no safetensors. A missing weight and a
-    # shape take the dtype's path through the worker (the one comparison above)
-    for case in ("dtype", "state", "truncated"):
+    # resumes holds the states too). A missing weight and a shape take the dtype's path through
+    # the worker (the one comparison above)
+    for case in ("dtype", "state"):
         with pytest.raises(WorkerError) as failure:
             session.load_graph(0, {"checkpoint": str(tmp_path / case)}, path)
         message = str(failure.value)
         assert "\n" not in message and "rank_1/checkpoint_1.safetensors" in message, message
         assert cases[case][1] in message, (case, message)
+    # a file that is no safetensors, or one of another checkpoint (here one that records none),
+    # is refused before any worker reads it
+    with pytest.raises(CheckpointError, match=r"rank_1/checkpoint_1.safetensors: .*truncated"):
+        session.load_graph(0, {"checkpoint": str(tmp_path / "truncated")}, path)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(saved, mixed)
+    rank_1 = mixed / "rank_1" / "checkpoint_1.safetensors"
+    save_file_st(load_file(rank_1), rank_1)
+    with pytest.raises(CheckpointError, match=r"rank_1/checkpoint_1.safetensors: records no "
+                       r"checkpoint id, but .*rank_0/checkpoint_0.safetensors belongs to "
+                       r"checkpoint [0-9a-f]{32}: these files are parts of two checkpoints"):  # fmt: skip
+        session.load_graph(0, {"checkpoint": str(mixed)}, path)
     garbage = tmp_path / "garbage"
     shutil.copytree(saved, garbage)
     (garbage / "strategy.json").write_text("{not json")

@@ -24,9 +24,17 @@ from tessel.arguments import (
     prefixes,
 )
 from tessel.checkpoint.boxes import Box, device_box
-from tessel.checkpoint.convert import execute, execute_file, shape_bytes
+from tessel.checkpoint.convert import check_destination, execute, execute_file, shape_bytes
 from tessel.checkpoint.errors import CheckpointError, StrategyError
 from tessel.checkpoint.fill import FileJob, needed_holders, plan_file
+from tessel.checkpoint.identity import (
+    ID_KEY,
+    STRATEGY_KEY,
+    common_id,
+    derived_id,
+    new_checkpoint_id,
+    strategy_digest,
+)
 from tessel.checkpoint.jobs import (
     StrategyArg,
     full_dst,
@@ -36,6 +44,7 @@ from tessel.checkpoint.jobs import (
     rank_entries,
     rank_jobs,
     resolve_dst,
+    strategy_file,
 )
 from tessel.checkpoint.sources import (
     DCPSource,
@@ -161,8 +170,12 @@ def convert_checkpoint_by_rank(
     """Build destination rank ``rank_id``'s safetensors file ``save_file`` from ``{src rank: file}``.
 
     Only the files ``rank_list_for_convert`` names are needed. The output is written under a
-    temporary name beside ``save_file``, synced and renamed over it when complete. ``save_checkpoint_file_name`` is MindSpore's name
-    for ``save_file`` (keyword-only).
+    temporary name beside ``save_file``, synced and renamed over it when complete: it replaces
+    that one file, whole (the ranks of one conversion write their files into one directory).
+    It records the conversion it belongs to, an id every rank's call derives alike from the two
+    strategies and the source checkpoint's own id, and its strategy's digest, so readers refuse
+    it beside files of another conversion. ``save_checkpoint_file_name`` is MindSpore's name for
+    ``save_file`` (keyword-only).
     """
     save = Path(_pick_required("convert_checkpoint_by_rank", "save_file", save_file,
                                "save_checkpoint_file_name", save_checkpoint_file_name))  # fmt: skip
@@ -199,8 +212,10 @@ def convert_checkpoint_by_rank(
     )
     if not entries:
         raise StrategyError(dst.source, None, f"rank {rank_id} holds no parameter")
-    job = plan_file(source, entries, save.name, prefer=rank_id, allowed=set(files),
-                    metadata={"format": "pt", "tessel_rank": str(rank_id)})  # fmt: skip
+    digest = strategy_digest(dst)
+    ident = derived_id("by-rank", strategy_digest(src), digest, source.checkpoint_id or "")
+    meta = {"format": "pt", "tessel_rank": str(rank_id), STRATEGY_KEY: digest, ID_KEY: ident}
+    job = plan_file(source, entries, save.name, prefer=rank_id, allowed=set(files), metadata=meta)
     execute_file(job, save, forbidden=list(files.values()))
     return str(save)
 
@@ -215,6 +230,7 @@ def convert_checkpoints(
     output_format: str = "safetensors",
     progress: Progress = None,
     *,
+    overwrite: bool = False,
     src_checkpoints_dir: str | os.PathLike | None = None,
     dst_checkpoints_dir: str | os.PathLike | None = None,
     ckpt_prefix: str | None = None,
@@ -223,7 +239,10 @@ def convert_checkpoints(
 
     Source: ``src_dir/rank_{r}/*.safetensors`` plus its strategy, or a DCP directory (no
     strategy needed). Output: ``dst_dir/rank_{r}/{dst_prefix}{r}.safetensors`` for every
-    destination rank. ``process_num`` destination files are written in parallel by separate
+    destination rank and ``dst_dir/strategy.json``, the destination strategy. ``dst_dir`` must
+    be new or empty, or, with ``overwrite=True``, its checkpoint is replaced whole (files of
+    other names are kept; see ``tessel.checkpoint.identity``); it may not be, lie inside or
+    hold ``src_dir``. ``process_num`` destination files are written in parallel by separate
     processes. MindSpore's names ``src_checkpoints_dir``, ``dst_checkpoints_dir`` and
     ``ckpt_prefix`` are accepted as keyword-only aliases.
     """
@@ -233,9 +252,12 @@ def convert_checkpoints(
     dst_prefix = _pick_required(fn, "dst_prefix", dst_prefix, "ckpt_prefix", ckpt_prefix)
     file_prefix(fn, "dst_prefix", dst_prefix)
     integer(fn, "process_num", process_num, 1)
+    flag(fn, "overwrite", overwrite)
     _check_format(output_format)
-    jobs, source = plan_convert(src_dir, src_strategy_file, dst_strategy_file, dst_prefix)
-    return execute(jobs, dst_dir, process_num, progress, source.holder_files())
+    check_destination(dst_dir, [src_dir], overwrite)
+    jobs, source, files = plan_convert(src_dir, src_strategy_file, dst_strategy_file, dst_prefix)
+    return execute(jobs, dst_dir, process_num, progress, source.holder_files(), files,
+                   overwrite=overwrite, sources=[src_dir])  # fmt: skip
 
 
 def _parse_size(size: int | str) -> int:
@@ -279,6 +301,7 @@ class UnifyPlan:
     `model_state_dict.json` (`recorded` False) has every tensor in `model`."""
 
     source: Source
+    src_dir: str
     model: Shards
     optimizer: Shards
     files: dict[str, bytes]
@@ -369,6 +392,7 @@ def plan_unify(
         )
     return UnifyPlan(
         source=source,
+        src_dir=str(src_dir),
         model=_shards(source, model_pairs, limit),
         optimizer=_shards(source, optimizer_pairs, limit, prefix="optimizer"),
         files=config_files(src_dir) if isinstance(source, RankSource) else {},
@@ -394,11 +418,14 @@ def write_unified(
     process_num: int = 1,
     progress: Progress = None,
     part: tuple[int, int] = (1, 1),
+    overwrite: bool = False,
 ) -> list[str]:
     """Write a UnifyPlan: the model's shards, index and config files into `dst_dir`, and where
     `optimizer_states_dir` is given the optimizer states' shards and index there (first, so the
     model directory appears last). `part=(k, n)` writes the k-th of n parts of each shard list;
-    part 1 writes the indexes and config files. Returns the paths written."""
+    part 1 writes the indexes and config files; each part keeps the others' files in place.
+    Each directory must be new or empty (or hold only other parts' files), or with `overwrite`
+    its checkpoint is replaced (see ``convert.check_destination``). Returns the paths written."""
     k, n = part
     forbidden = plan.source.holder_files()
     outputs = [(plan.model, dst_dir, INDEX_NAME, plan.files)]
@@ -416,15 +443,56 @@ def write_unified(
                 str(optimizer_states_dir), None, "must be another directory than the model's"
             )
         outputs.insert(0, (plan.optimizer, optimizer_states_dir, OPTIMIZER_INDEX_NAME, {}))
-    out = []
+    # the parts of a split unification are separate calls: they derive one id from the plan,
+    # and each keeps the files of the others that record it
+    ident = new_checkpoint_id() if n == 1 else derived_id("unify", *_plan_words(plan))
+    keeps = []
     for shards, directory, index_name, files in outputs:
+        names = set(shards.weight_map.values()) | set(files) | {index_name}
+        keep = _parts_kept(directory, names, ident) if n > 1 else set()
+        check_destination(directory, [plan.src_dir], overwrite, keep)
+        keeps.append(keep)
+    out = []
+    for (shards, directory, index_name, files), keep in zip(outputs, keeps, strict=True):
         jobs = [j for i, j in enumerate(shards.jobs) if i % n == k - 1]
         extra: dict[str, bytes] = {}
         if k == 1:  # published with the shards, so the index never names missing files
             extra = {**files, index_name: unify_index(shards.weight_map, shards.total)}
-        out += execute(jobs, directory, process_num, progress, forbidden, extra)
+        out += execute(jobs, directory, process_num, progress, forbidden, extra,
+                       overwrite=overwrite, sources=[plan.src_dir], keep=keep,
+                       checkpoint_id=ident)  # fmt: skip
         out += [str(Path(directory) / name) for name in extra]
     return out
+
+
+def _parts_kept(directory: str | os.PathLike, names: set[str], ident: str) -> set[str]:
+    """Which of a split unification's file ``names`` in ``directory`` another part of it wrote:
+    its shards that record ``ident`` (a shard of the same name from another unification is not
+    kept), and its index and config files (part 1 writes them again)."""
+    kept = set()
+    for name in names:
+        if name.endswith(".safetensors"):
+            try:
+                if read_header(Path(directory) / name)[1].get(ID_KEY) != ident:
+                    continue
+            except CheckpointError:  # missing or unreadable
+                continue
+        kept.add(name)
+    return kept
+
+
+def _plan_words(plan: UnifyPlan) -> list[str]:
+    """What every part of one split unification shares: the source's id and layout, and each
+    output tensor's file, shape and dtype."""
+    source = plan.source
+    strategy = strategy_digest(source.strategy) if isinstance(source, RankSource) else ""
+    layout = [
+        [job.rel_path, op.name, op.dtype, list(op.shape)]
+        for shards in (plan.model, plan.optimizer)
+        for job in shards.jobs
+        for op in job.params
+    ]
+    return [source.checkpoint_id or "", strategy, json.dumps(layout)]
 
 
 def unified_safetensors(
@@ -439,6 +507,7 @@ def unified_safetensors(
     max_shard_size: int | str = "5GB",
     progress: Progress = None,
     *,
+    overwrite: bool = False,
     max_process_num: int | None = None,
     optimizer_states_dir: str | os.PathLike | None = None,
 ) -> list[str]:
@@ -453,13 +522,18 @@ def unified_safetensors(
     ``optimizer.safetensors.index.json``) where given, else nowhere. ``choice_func(name)`` may
     drop a tensor (False) or rename it (a str). ``split_dst_file=(k, n)`` writes only the k-th
     of n parts of the shard list, so several machines can share the work; part 1 writes the
-    index and config files. ``process_num`` shards are written in parallel (default 1);
-    MindSpore's name for it, ``max_process_num``, is accepted as a keyword-only alias.
+    index and config files, and each part keeps the other parts' files. ``dst_dir`` (and
+    ``optimizer_states_dir``) must be new or empty, or, with ``overwrite=True``, the checkpoint
+    there is replaced whole (files of other names are kept; see ``tessel.checkpoint.identity``);
+    neither may be, lie inside or hold ``src_dir``. ``process_num`` shards are written in
+    parallel (default 1); MindSpore's name for it, ``max_process_num``, is accepted as a
+    keyword-only alias.
     """
     fn = "unified_safetensors"
     process_num = _pick(fn, "process_num", process_num, "max_process_num", max_process_num,
                         default=1)  # fmt: skip
     integer(fn, "process_num", process_num, 1)
+    flag(fn, "overwrite", overwrite)
     optional_callable(fn, "choice_func", choice_func)
     _parse_size(max_shard_size)
     if split_dst_file and not (
@@ -488,7 +562,9 @@ def unified_safetensors(
             raise CheckpointError(None, "split_dst_file", f"is {split_dst_file}; need 1 <= k <= n")
         part = (k, n)
     plan = plan_unify(src_dir, src_strategy_file, max_shard_size, choice_func)
-    return write_unified(plan, dst_dir, optimizer_states_dir, process_num, progress, part)
+    return write_unified(
+        plan, dst_dir, optimizer_states_dir, process_num, progress, part, overwrite
+    )
 
 
 def shard_checkpoint(
@@ -498,20 +574,28 @@ def shard_checkpoint(
     dst_prefix: str = "checkpoint_",
     process_num: int = 1,
     progress: Progress = None,
+    *,
+    overwrite: bool = False,
 ) -> list[str]:
     """Pre-shard full tensors (a Hugging Face directory, or a DCP directory) for a strategy.
 
-    Writes ``dst/rank_{r}/{dst_prefix}{r}.safetensors`` for every rank, without a job.
+    Writes ``dst/rank_{r}/{dst_prefix}{r}.safetensors`` for every rank and ``dst/strategy.json``,
+    without a job. ``dst_dir`` must be new or empty, or, with ``overwrite=True``, its checkpoint
+    is replaced whole (files of other names are kept); it may not be, lie inside or hold
+    ``hf_dir``.
     """
     file_prefix("shard_checkpoint", "dst_prefix", dst_prefix)
     integer("shard_checkpoint", "process_num", process_num, 1)
+    flag("shard_checkpoint", "overwrite", overwrite)
+    check_destination(dst_dir, [hf_dir], overwrite)
     source: Source = DCPSource(hf_dir) if is_dcp_dir(hf_dir) else FullSource(hf_dir)
     dst = load_strategy(dst_strategy_file)
     if dst is None:
         raise StrategyError(None, "dst_strategy_file", "is required")
     dst = resolve_dst(dst, source)
     jobs = rank_jobs(source, dst, dst_prefix)
-    return execute(jobs, dst_dir, process_num, progress, source.holder_files())
+    return execute(jobs, dst_dir, process_num, progress, source.holder_files(),
+                   strategy_file(dst), overwrite=overwrite, sources=[hf_dir])  # fmt: skip
 
 
 def build_searched_strategy(strategy_filename: str | os.PathLike) -> dict[str, ParamLayout]:
@@ -661,9 +745,11 @@ def load_segmented_checkpoints(
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise CheckpointError(str(d), None, "holds no .safetensors files")
+    # clear errors for truncated or corrupt files, and for files of two checkpoints
+    metas = {str(f): read_header(f)[1] for f in files}
+    common_id({f: f for f in metas}, metas)
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        read_header(f)  # clear errors for truncated/corrupt files
         try:
             tensors = load_file(f)
         except SafetensorError as e:

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("convert", help="convert a distributed checkpoint to another strategy")
     c.add_argument("src", help="source dir: rank_{r}/*.safetensors, or a DCP directory")
-    c.add_argument("dst", help="destination dir (rank_{r}/{dst_prefix}{r}.safetensors)")
+    c.add_argument("dst", help="destination dir, new or empty (or see --overwrite): "
+                   "rank_{r}/{dst_prefix}{r}.safetensors and strategy.json")  # fmt: skip
     c.add_argument("--src-strategy", help="source strategy file (default: SRC/strategy.json; "
                    "not needed for DCP)")  # fmt: skip
     c.add_argument("--dst-strategy", help="destination strategy file (default: unsharded)")
@@ -40,8 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("src", metavar="SRC",
                    help="source dir: rank_{r}/*.safetensors, or a DCP directory")  # fmt: skip
     u.add_argument("dst", metavar="DST",
-                   help="output dir (model-0000k-of-0000n.safetensors + index); missing "
-                   "parent directories are made")  # fmt: skip
+                   help="output dir, new or empty (or see --overwrite): "
+                   "model-0000k-of-0000n.safetensors + index; missing parent directories are "
+                   "made")  # fmt: skip
     u.add_argument("--strategy", help="source strategy file (default: SRC/strategy.json; "
                    "not needed for DCP)")  # fmt: skip
     u.add_argument("--optimizer-states", metavar="DIR", dest="optimizer_states",
@@ -54,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("shard", help="pre-shard a Hugging Face checkpoint for a strategy")
     s.add_argument("hf_dir", help="directory of full-tensor safetensors (or a DCP directory)")
-    s.add_argument("dst", help="destination dir (rank_{r}/{dst_prefix}{r}.safetensors)")
+    s.add_argument("dst", help="destination dir, new or empty (or see --overwrite): "
+                   "rank_{r}/{dst_prefix}{r}.safetensors and strategy.json")  # fmt: skip
     s.add_argument("--strategy", required=True, help="destination strategy file")
     s.add_argument("--dst-prefix", "--prefix", dest="dst_prefix", default="checkpoint_",
                    help="output file prefix (dst_prefix)")  # fmt: skip
@@ -77,6 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-j", "--process-num", "--processes", dest="process_num", type=int, default=1,
                    help="parallel writer processes (process_num)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="write over a destination that is not empty: the checkpoint there "
+                   "(rank_<r> directories, strategy.json, *.safetensors, their index, "
+                   "model_state_dict.json, config.json, generation_config.json) is replaced "
+                   "whole, none of its files left; files of other names (a tokenizer) are "
+                   "kept. Without it a destination that is not empty is refused")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -84,7 +93,7 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
+def _run(jobs, dst, args, forbidden, extra_files, source_dir) -> list[str]:
     from tqdm import tqdm
 
     from tessel.checkpoint.convert import execute, nbytes_of
@@ -101,22 +110,25 @@ def _run(jobs, dst, args, forbidden, extra_files=None) -> list[str]:
         file=sys.stderr,
     )
     try:
-        return execute(jobs, dst, args.process_num, bar.update, forbidden, extra_files)
+        return execute(jobs, dst, args.process_num, bar.update, forbidden, extra_files,
+                       overwrite=args.overwrite, sources=[source_dir])  # fmt: skip
     finally:
         bar.close()
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from tessel.checkpoint.convert import check_destination
     from tessel.checkpoint.jobs import plan_convert
 
-    jobs, source = plan_convert(
+    check_destination(args.dst, [args.src], args.overwrite)
+    jobs, source, files = plan_convert(
         src_dir=args.src,
         src_strategy_file=args.src_strategy,
         dst_strategy_file=args.dst_strategy,
         dst_prefix=args.dst_prefix,
         strategy_arg="--src-strategy",
     )
-    out = _run(jobs, args.dst, args, source.holder_files())
+    out = _run(jobs, args.dst, args, source.holder_files(), files, args.src)
     print(f"wrote {len(out)} files to {args.dst}")
     return 0
 
@@ -147,7 +159,8 @@ def _unify(args: argparse.Namespace) -> int:
                desc=f"writing {jobs} files", disable=args.no_progress or not showing(),
                file=sys.stderr)  # fmt: skip
     try:
-        write_unified(plan, args.dst, states, args.process_num, bar.update)
+        write_unified(plan, args.dst, states, args.process_num, bar.update,
+                      overwrite=args.overwrite)  # fmt: skip
     finally:
         bar.close()
     if states is not None:
@@ -174,14 +187,16 @@ def _unify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from tessel.checkpoint.jobs import rank_jobs, resolve_dst
+    from tessel.checkpoint.convert import check_destination
+    from tessel.checkpoint.jobs import rank_jobs, resolve_dst, strategy_file
     from tessel.checkpoint.sources import DCPSource, FullSource, is_dcp_dir
     from tessel.checkpoint.strategy import load_strategy
 
+    check_destination(args.dst, [args.hf_dir], args.overwrite)
     source = DCPSource(args.hf_dir) if is_dcp_dir(args.hf_dir) else FullSource(args.hf_dir)
     dst = resolve_dst(load_strategy(args.strategy), source)
     jobs = rank_jobs(source, dst, args.dst_prefix)
-    out = _run(jobs, args.dst, args, source.holder_files())
+    out = _run(jobs, args.dst, args, source.holder_files(), strategy_file(dst), args.hf_dir)
     print(f"wrote {len(out)} rank files to {args.dst}")
     return 0
 
@@ -217,6 +232,8 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         source = open_source(path, args.strategy, strategy_arg="--strategy")
         info = {"kind": source.kind, "files": len(source.holder_files())}
+        if source.checkpoint_id:  # the checkpoint its files record (see identity)
+            info["checkpoint"] = source.checkpoint_id
         total = 0
         for n in source.names():
             shape, dt = source.info(n)

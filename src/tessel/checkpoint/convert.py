@@ -6,9 +6,11 @@ by the kernel (``copy_file_range``); otherwise one buffer the size of that outpu
 from the source regions and written. So peak memory is about the largest output slice.
 
 Outputs are published with ``tessel.checkpoint.publish``: a tree is built whole beside the
-destination and swapped in at once, a single file is written under a temporary name and renamed,
-so an error, Ctrl-C or kill at any moment leaves the old output or the complete new one. Sources
-are only ever opened read-only.
+destination and swapped in at once, replacing the checkpoint there whole (``identity`` names its
+files), a single file is written under a temporary name and renamed, so an error (a full disk),
+Ctrl-C or kill at any moment leaves the old output or the complete new one. A destination that
+is not empty is written only when asked (``overwrite``), and never one that is, lies inside or
+holds the source. Sources are only ever opened read-only.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import multiprocessing.connection as mp_connection
 import os
 import signal
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,6 +30,7 @@ import torch
 
 from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.fill import FileJob, OutParam
+from tessel.checkpoint.identity import ID_KEY, new_checkpoint_id
 from tessel.checkpoint.publish import StagedTree, pause_point, staged_file, sync_file
 from tessel.checkpoint.st_io import (
     DIRECT_RUN_BYTES,
@@ -265,6 +269,52 @@ def _write_small(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def check_destination(
+    dst: str | os.PathLike,
+    sources: Sequence[str | os.PathLike] = (),
+    overwrite: bool = False,
+    keep: Collection[str] = (),
+) -> None:
+    """Refuse a destination directory that is, lies inside or holds one of ``sources`` (the
+    output replaces the destination's checkpoint files, which would be the source's), and,
+    unless ``overwrite``, one that holds any entry not named in ``keep`` (the other parts of a
+    checkpoint written in parts): a checkpoint directory never holds two checkpoints."""
+    path = Path(os.path.realpath(dst))
+    for source in sources:
+        src = Path(os.path.realpath(source))
+        if path == src:
+            what = "is the source"
+        elif src in path.parents:
+            what = "lies inside the source"
+        elif path in src.parents:
+            what = "holds the source"
+        else:
+            continue
+        raise CheckpointError(
+            str(dst), None, f"{what} {source}: the output replaces the checkpoint files of "
+            "its destination, so write it to a directory apart from the source",
+        )  # fmt: skip
+    if overwrite:
+        return
+    try:
+        names = sorted(os.listdir(path))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise CheckpointError(str(dst), None, "exists and is not a directory") from None
+    except OSError as e:
+        raise CheckpointError(str(dst), None, f"cannot be listed: {e.strerror or e}") from None
+    found = [n for n in names if n not in keep]
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise CheckpointError(
+            str(dst), None, f"is not empty (it holds {shown}); write to a new or empty "
+            "directory, or give --overwrite (overwrite=True in Python) to replace the "
+            "checkpoint there: its rank directories, strategy, shards, index and config "
+            "files are replaced whole and files of other names are kept",
+        )  # fmt: skip
+
+
 def execute(
     jobs: Sequence[FileJob],
     dst_dir: str | os.PathLike,
@@ -272,17 +322,27 @@ def execute(
     progress: Callable[[int], None] | None = None,
     forbidden: Sequence[str] = (),
     extra_files: Mapping[str, bytes] | None = None,
+    *,
+    overwrite: bool = False,
+    sources: Sequence[str | os.PathLike] = (),
+    keep: Collection[str] = (),
+    checkpoint_id: str | None = None,
 ) -> list[str]:
-    """Write all jobs (and ``extra_files``, ``{relative path: bytes}``) as the tree ``dst_dir``;
-    returns the paths of the jobs' files.
+    """Write all jobs (and ``extra_files``, ``{relative path: bytes}``) as the checkpoint in
+    ``dst_dir``; returns the paths of the jobs' files.
 
-    The tree is built whole beside ``dst_dir`` and swapped in at once (see ``publish``), so a
-    failure, Ctrl-C or kill at any moment leaves the old ``dst_dir`` or the new one. Entries of
-    an existing ``dst_dir`` that no output replaces are kept. ``forbidden`` lists source files
-    that must never be overwritten.
+    ``check_destination`` is applied first (``sources``, ``overwrite``, ``keep``). The tree is
+    built whole beside ``dst_dir`` and swapped in at once (see ``publish``), so a failure (a
+    full disk), Ctrl-C or kill at any moment leaves the old ``dst_dir`` or the new one. The new
+    checkpoint replaces the old one whole; entries of other names are kept (see ``identity``).
+    Every file records ``checkpoint_id`` (a new id by default) in its metadata. ``forbidden``
+    lists source files that must never be overwritten.
     """
-    tree = StagedTree(dst_dir)
+    check_destination(dst_dir, sources, overwrite, keep)
+    tree = StagedTree(dst_dir, keep=keep)
     _check_forbidden(jobs, tree.dst, forbidden)
+    ident = checkpoint_id or new_checkpoint_id()
+    jobs = [replace(j, metadata={**j.metadata, ID_KEY: ident}) for j in jobs]
     made = _make_dirs(tree.dst.parent)
     ok = False
     try:
@@ -293,6 +353,14 @@ def execute(
                 _write_small(tree.path / rel, data)
             tree.publish()
         ok = True
+    except OSError as e:  # a full disk, a file system gone read-only, ...
+        where = f" ({e.filename})" if e.filename else ""
+        state = (
+            "the new checkpoint is in place" if tree.published else "the destination is unchanged"
+        )
+        raise CheckpointError(
+            str(tree.dst), None, f"could not be written: {e.strerror or e}{where}; {state}"
+        ) from None
     finally:
         if not ok:
             _remove_empty_dirs(made)
@@ -301,16 +369,32 @@ def execute(
 
 def execute_file(job: FileJob, path: str | os.PathLike, forbidden: Sequence[str] = ()) -> str:
     """Write one job's file at ``path`` (its ``rel_path`` is ignored) all-or-nothing: under a
-    temporary name beside it, synced, then renamed over ``path``."""
+    temporary name beside it, synced, then renamed over ``path``. ``forbidden`` lists the
+    source files: ``path`` may be none of them nor lie beside one (a second file in a source
+    rank's directory is taken for that rank's)."""
     target = Path(path)
-    if os.path.realpath(target) in {os.path.realpath(f) for f in forbidden}:
-        raise CheckpointError(str(target), None, "output would overwrite a source file")
+    real = Path(os.path.realpath(target))
+    for f in forbidden:
+        source = Path(os.path.realpath(f))
+        if real == source:
+            raise CheckpointError(str(target), None, "output would overwrite a source file")
+        if real.parent == source.parent:
+            raise CheckpointError(
+                str(target), None, f"lies beside the source file {f}, in the source "
+                "checkpoint's directory: write it to a directory apart from the source",
+            )  # fmt: skip
     made = _make_dirs(target.parent)
     ok = False
     try:
         with staged_file(target) as tmp:
             write_file(job, tmp)
         ok = True
+    except OSError as e:  # a full disk, a file system gone read-only, ...
+        where = f" ({e.filename})" if e.filename else ""
+        raise CheckpointError(
+            str(target), None, f"could not be written: {e.strerror or e}{where}; the file is "
+            "unchanged",
+        ) from None  # fmt: skip
     finally:
         if not ok:
             _remove_empty_dirs(made)

@@ -4,6 +4,7 @@ runs them). `tessel.parallel`'s API and the runtime's resume from a checkpoint b
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from tessel.checkpoint.boxes import Box, device_box
 from tessel.checkpoint.errors import CheckpointError, StrategyError
 from tessel.checkpoint.fill import FileJob, plan_file
+from tessel.checkpoint.identity import STRATEGY_KEY, strategy_digest
 from tessel.checkpoint.sources import (
     DCPSource,
     FullSource,
@@ -122,10 +124,20 @@ def full_dst(source: Source) -> Strategy:
     return Strategy(params, "<unsharded destination>")
 
 
+def strategy_file(strategy: Strategy) -> dict[str, bytes]:
+    """The ``strategy.json`` written beside the rank directories of a converted or sharded
+    checkpoint (its destination strategy, shapes and dtypes filled in), so the checkpoint says
+    its own layout as `Session.save_checkpoint`'s does: ``{name: bytes}``."""
+    return {STRATEGY_FILE: json.dumps(strategy.to_json(), indent=1).encode()}
+
+
 def rank_jobs(
     source: Source, dst: Strategy, prefix: str, ranks: Sequence[int] | None = None
 ) -> list[FileJob]:
+    """One file job per rank of ``dst`` holding a tensor: ``rank_{r}/{prefix}{r}.safetensors``,
+    recording its rank and its strategy's digest (the checkpoint's id is added when written)."""
     jobs = []
+    digest = strategy_digest(dst)
     allowed = None
     if isinstance(source, RankSource):
         allowed = set(source.files)
@@ -141,7 +153,7 @@ def rank_jobs(
                 f"rank_{r}/{prefix}{r}.safetensors",
                 prefer=prefer,
                 allowed=allowed,
-                metadata={"format": "pt", "tessel_rank": str(r)},
+                metadata={"format": "pt", "tessel_rank": str(r), STRATEGY_KEY: digest},
             )
         )
     return jobs
@@ -153,9 +165,10 @@ def plan_convert(
     dst_strategy_file: StrategyArg,
     dst_prefix: str = "checkpoint_",
     strategy_arg: str = "src_strategy_file",
-) -> tuple[list[FileJob], Source]:
-    """The jobs convert_checkpoints would run (used by the CLI for sizes and progress)."""
+) -> tuple[list[FileJob], Source, dict[str, bytes]]:
+    """What convert_checkpoints writes: the rank files' jobs, the source they read and the
+    files beside them (``strategy_file``)."""
     source = open_source(src_dir, src_strategy_file, strategy_arg=strategy_arg)
     dst = load_strategy(dst_strategy_file)
     dst = resolve_dst(dst, source) if dst is not None else full_dst(source)
-    return rank_jobs(source, dst, dst_prefix), source
+    return rank_jobs(source, dst, dst_prefix), source, strategy_file(dst)

@@ -4,14 +4,18 @@ A tree (a destination directory) is built whole in a hidden sibling directory an
 with the destination in one step: ``renameat2(RENAME_EXCHANGE)`` on Linux (``renamex_np`` with
 ``RENAME_SWAP`` on macOS) exchanges two directories atomically, so a reader, a crash or a
 ``kill -9`` sees either the complete old tree or the complete new one, and the destination stays
-an ordinary directory. Entries of the old destination that the new output does not replace are
-carried into the new tree first, as hard links (no data is copied), so the swap keeps them. The
-displaced old tree is deleted afterwards.
+an ordinary directory. The new tree replaces the old one's checkpoint whole: of the old
+destination's entries, those the new output does not hold are carried into the new tree first
+(as hard links: no data is copied) only where their names are not a checkpoint's own
+(``identity.is_checkpoint_name``: rank directories, strategy, shards, index, config), so a
+tokenizer beside the checkpoint is kept and a stale ``rank_3`` of an older checkpoint is not.
+The displaced old tree is deleted afterwards.
 
 Where the file system cannot exchange two directories (NFS, many FUSE file systems), nothing can
 replace a non-empty directory in one step: the old destination is renamed aside and the new one
 renamed in. Between those two renames the destination is missing while the old tree lies
-complete under a hidden name; the next run that writes this destination puts it back.
+complete under a hidden name (``aside_copy`` finds it, so readers can say where); the next run
+that writes this destination puts it back.
 
 A single file is written under a temporary name in its own directory, synced, then renamed over
 the target with ``os.replace``.
@@ -22,7 +26,9 @@ a displaced tree being deleted, ``tmp`` a single file being written. A live run 
 ``flock`` on its own ``new``/``tmp`` entry, so the next run tells the leftovers of a killed run
 (whose lock it can take) from the work of a live one and removes only those. Swapping, and
 clearing leftovers, happen under an ``flock`` on the parent directory, so two runs never swap
-one destination at the same time and a cleanup never sees a swap half done.
+one destination at the same time and a cleanup never sees a swap half done. A run that fails
+(a full disk, an error, Ctrl-C) removes its own staging before it returns; a killed run's is
+removed by the next run that writes the destination.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ import stat
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from tessel.atomic import replace_atomically
 from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.identity import is_checkpoint_name
 
 try:
     import fcntl
@@ -284,40 +291,50 @@ def exchange(a: Path, b: Path) -> bool:
 # carrying the old destination's other entries into the new tree
 
 
-def _carry_over(old: Path, new: Path) -> None:
-    """Give ``new`` every entry of ``old`` it lacks, recursively: files as hard links (a copy
-    where the file system has none), symlinks as symlinks; directories are merged."""
+def _carry_over(old: Path, new: Path, keep: Collection[str]) -> None:
+    """Give ``new`` each entry of ``old`` that it lacks and that is not a checkpoint's own (or
+    is named in ``keep``), whole: files as hard links (a copy where the file system has none),
+    symlinks as symlinks, directories with everything in them. An entry ``new`` holds is
+    replaced whole by it, never merged."""
     with os.scandir(old) as entries:
         for e in entries:
-            there = new / e.name
-            old_is_dir = e.is_dir(follow_symlinks=False)
-            if os.path.lexists(there):
-                new_is_dir = there.is_dir() and not there.is_symlink()
-                if old_is_dir and new_is_dir:
-                    _carry_over(Path(e.path), there)
-                    os.chmod(there, stat.S_IMODE(e.stat(follow_symlinks=False).st_mode))
-                elif old_is_dir or new_is_dir:
-                    raise CheckpointError(
-                        e.path, None, "is in the way of an output (a file where a directory "
-                        "must go, or the reverse); nothing was changed",
-                    )  # fmt: skip
+            if os.path.lexists(new / e.name):
                 continue  # replaced by the new output
-            if old_is_dir:
-                there.mkdir()
-                _carry_over(Path(e.path), there)
-                shutil.copystat(e.path, there, follow_symlinks=False)
-            elif e.is_symlink():
-                os.symlink(os.readlink(e.path), there)
-            elif e.is_file(follow_symlinks=False):
-                try:
-                    os.link(e.path, there, follow_symlinks=False)
-                except OSError:  # no hard links here (or not allowed): copy
-                    shutil.copy2(e.path, there, follow_symlinks=False)
-            else:
-                raise CheckpointError(
-                    e.path, None, "is not a file, directory or symlink, so it cannot be kept "
-                    "when the new output replaces the directory; nothing was changed",
-                )  # fmt: skip
+            if is_checkpoint_name(e.name) and e.name not in keep:
+                continue  # a file of the old checkpoint: the new one replaces it
+            _link_entry(e, new / e.name)
+
+
+def _link_entry(e: os.DirEntry, there: Path) -> None:
+    """Make ``there`` a copy of entry ``e`` that shares its files' data (hard links)."""
+    if e.is_dir(follow_symlinks=False):
+        there.mkdir()
+        with os.scandir(e.path) as inner:
+            for f in inner:
+                _link_entry(f, there / f.name)
+        shutil.copystat(e.path, there, follow_symlinks=False)
+    elif e.is_symlink():
+        os.symlink(os.readlink(e.path), there)
+    elif e.is_file(follow_symlinks=False):
+        try:
+            os.link(e.path, there, follow_symlinks=False)
+        except OSError:  # no hard links here (or not allowed): copy
+            shutil.copy2(e.path, there, follow_symlinks=False)
+    else:
+        raise CheckpointError(
+            e.path, None, "is not a file, directory or symlink, so it cannot be kept "
+            "when the new output replaces the directory; nothing was changed",
+        )  # fmt: skip
+
+
+def aside_copy(target: str | os.PathLike) -> Path | None:
+    """Where a run killed between the two renames of the fallback left ``target``'s old tree
+    complete (a hidden ``old`` sibling), or None."""
+    path = Path(os.path.abspath(target))
+    if not path.name:
+        return None
+    found = [p for kind, _, p in _leftovers(path) if kind == "old"]
+    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,15 +344,20 @@ def _carry_over(old: Path, new: Path) -> None:
 class StagedTree:
     """A new output tree built beside ``dst`` and swapped in whole by ``publish()``.
 
-    Use as a context manager: entering clears leftovers of killed runs and makes the (hidden,
+    The old destination's entries that the new tree lacks are kept, except a checkpoint's own
+    (``identity.is_checkpoint_name``) not named in ``keep`` (the other parts of a checkpoint
+    written in parts). Use as a context manager: entering clears leftovers of killed runs and makes the (hidden,
     locked) staging directory ``path``; leaving without ``publish()`` removes it, so an error or
     Ctrl-C leaves ``dst`` as it was. With ``parents``, entering also makes the directories
     above ``dst`` that are missing, and leaving without ``publish()`` removes those again.
     """
 
-    def __init__(self, dst: str | os.PathLike, parents: bool = False) -> None:
+    def __init__(
+        self, dst: str | os.PathLike, parents: bool = False, keep: Collection[str] = ()
+    ) -> None:
         self.dst = _resolve(dst)
         self._parents = parents
+        self._keep = frozenset(keep)
         self._made: list[Path] = []
         if self.dst.exists() and not self.dst.is_dir():
             raise CheckpointError(str(self.dst), None, "exists and is not a directory")
@@ -377,6 +399,11 @@ class StagedTree:
         if not self._published:
             self._remove_made()
 
+    @property
+    def published(self) -> bool:
+        """Whether the new tree is in place (the old one displaced)."""
+        return self._published
+
     def _remove_made(self) -> None:
         """Remove the parents this tree made, innermost first, where they are empty."""
         for d in reversed(self._made):
@@ -402,7 +429,7 @@ class StagedTree:
                 return
             if not self.dst.is_dir():
                 raise CheckpointError(str(self.dst), None, "exists and is not a directory")
-            _carry_over(self.dst, self.path)
+            _carry_over(self.dst, self.path, self._keep)
             os.chmod(self.path, stat.S_IMODE(self.dst.stat().st_mode))
             _sync_dirs(self.path)
             aside = self._swap()

@@ -16,8 +16,10 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tessel.checkpoint.boxes import Box, check_tiling, distinct_boxes, slice_shape
+from tessel.checkpoint.boxes import Box, check_tiling, device_box, distinct_boxes, slice_shape
 from tessel.checkpoint.errors import CheckpointError
+from tessel.checkpoint.identity import check_strategy, common_id
+from tessel.checkpoint.publish import aside_copy
 from tessel.checkpoint.st_io import TensorLoc, read_header
 from tessel.checkpoint.strategy import ParamLayout, Strategy
 
@@ -35,6 +37,7 @@ class Source:
 
     label = "source"
     kind = "source"
+    checkpoint_id: str | None = None  # the id its files record (see identity), if they do
 
     def names(self) -> list[str]:
         raise NotImplementedError
@@ -53,13 +56,34 @@ class Source:
 
 
 class _HeaderCache:
+    """Each file's header, read once: its tensors and its metadata."""
+
     def __init__(self) -> None:
-        self._cache: dict[str, dict[str, TensorLoc]] = {}
+        self._cache: dict[str, tuple[dict[str, TensorLoc], dict[str, str]]] = {}
 
     def get(self, path: str) -> dict[str, TensorLoc]:
+        return self.read(path)[0]
+
+    def meta(self, path: str) -> dict[str, str]:
+        return self.read(path)[1]
+
+    def read(self, path: str) -> tuple[dict[str, TensorLoc], dict[str, str]]:
         if path not in self._cache:
-            self._cache[path] = read_header(path)[0]
+            self._cache[path] = read_header(path)
         return self._cache[path]
+
+
+def _missing(directory: str | os.PathLike, what: str) -> CheckpointError:
+    """A checkpoint directory that does not exist, saying where an interrupted write on a file
+    system without an atomic exchange left its old tree, if one did."""
+    aside = aside_copy(directory)
+    if aside is None:
+        return CheckpointError(str(directory), None, f"{what} does not exist")
+    return CheckpointError(
+        str(directory), None, f"{what} does not exist: a write interrupted between its two "
+        f"renames left the old checkpoint complete at {aside}; the next tessel run writing "
+        "this directory puts it back (or move it back by hand)",
+    )  # fmt: skip
 
 
 def _rank_num(name: str) -> int | None:
@@ -71,7 +95,7 @@ def find_rank_files(src_dir: str | os.PathLike) -> dict[int, str]:
     """``{rank: file}`` for ``src_dir/rank_{r}/*.safetensors`` (the last file in name order)."""
     src = Path(src_dir)
     if not src.is_dir():
-        raise CheckpointError(str(src_dir), None, "checkpoint directory does not exist")
+        raise _missing(src_dir, "checkpoint directory")
     out: dict[int, str] = {}
     for d in sorted(src.iterdir()):
         r = _rank_num(d.name)
@@ -100,6 +124,45 @@ class RankSource(Source):
         self.label = str(Path(first).parent.parent) if first else strategy.source
         self._headers = _HeaderCache()
         self._resolved: dict[str, ParamLayout] = {}
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Refuse files that are not one checkpoint of this strategy, naming the file: a rank
+        the strategy does not have, files recording two checkpoints' ids or another strategy's
+        digest (see identity), a tensor whose stored slice is not the one the strategy gives its
+        rank (what is left to check for files that record no id, MindSpore's)."""
+        if not self.files:
+            return
+        world = self.strategy.world_size
+        extra = sorted(r for r in self.files if r >= world)
+        if extra:
+            raise CheckpointError(
+                self.files[extra[0]], None, f"is a file of rank {extra[0]}, but the strategy "
+                f"({self.strategy.source}) has {world} ranks (0..{world - 1}): the files are "
+                "not one checkpoint of this strategy",
+            )  # fmt: skip
+        metas = {r: self._headers.meta(f) for r, f in self.files.items()}
+        self.checkpoint_id = common_id(self.files, metas)
+        check_strategy(self.files, metas, self.strategy)
+        holders: dict[str, dict[int, int]] = {}
+        for r, path in sorted(self.files.items()):
+            for name, loc in self._headers.get(path).items():
+                if name not in self.strategy.params:
+                    continue
+                if name not in holders:
+                    holders[name] = self.strategy.holders(name)
+                if r not in holders[name]:
+                    continue
+                p = self.layout(name)
+                assert p.shape is not None
+                want = slice_shape(device_box(p, holders[name][r], p.shape))
+                if (loc.shape, loc.dtype) != (want, p.dtype):
+                    raise CheckpointError(
+                        path, name, f"is stored as {loc.dtype}{list(loc.shape)}, but the "
+                        f"strategy ({self.strategy.source}) gives rank {r} the slice "
+                        f"{p.dtype}{list(want)}: the file is not of a checkpoint of this "
+                        "strategy",
+                    )  # fmt: skip
 
     def names(self) -> list[str]:
         return list(self.strategy.params)
@@ -197,7 +260,7 @@ class FullSource(Source):
     def __init__(self, directory: str | os.PathLike) -> None:
         d = Path(directory)
         if not d.is_dir():
-            raise CheckpointError(str(directory), None, "directory does not exist")
+            raise _missing(directory, "directory")
         index = d / "model.safetensors.index.json"
         files: list[Path]
         if index.is_file():
@@ -211,13 +274,16 @@ class FullSource(Source):
         if not files:
             raise CheckpointError(str(directory), None, "holds no .safetensors files")
         self.locs: dict[str, TensorLoc] = {}
+        metas: dict[str, dict[str, str]] = {}
         for f in files:
-            for name, loc in read_header(f)[0].items():
+            locs, metas[str(f)] = read_header(f)
+            for name, loc in locs.items():
                 if name in self.locs:
                     raise CheckpointError(
                         str(f), name, f"tensor also appears in {self.locs[name].path}"
                     )
                 self.locs[name] = loc
+        self.checkpoint_id = common_id({f: f for f in metas}, metas)
         self.directory = str(d)
         self.label = self.directory
 
@@ -266,6 +332,12 @@ class DCPSource(Source):
             shape = tuple(int(s) for s in md.size)
             self._meta[fqn] = (shape, checked_dtype_name(md.properties.dtype), md.chunks)
         self._locs: dict[tuple[str, Box], TensorLoc] = {}
+        for f in self.holder_files():  # every rank's data file its metadata names
+            if not os.path.isfile(f):
+                raise CheckpointError(
+                    f, None, f"is named by {Path(self.directory) / '.metadata'} but does not "
+                    "exist: the directory does not hold the whole checkpoint",
+                )  # fmt: skip
 
     def names(self) -> list[str]:
         return list(self._meta)

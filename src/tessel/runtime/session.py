@@ -149,6 +149,9 @@ def _checkpoint_in_layout(checkpoint: Any, package: Package) -> Iterator[str]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(strategy, None, f"is not a strategy file's JSON ({exc})") from None
     if theirs == ours:
+        from tessel.checkpoint.identity import check_saved
+
+        check_saved(source, ours)  # the rank files the workers read: one checkpoint's
         yield str(source)
         return
     from tessel.checkpoint.convert import execute
@@ -157,8 +160,8 @@ def _checkpoint_in_layout(checkpoint: Any, package: Package) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="tessel-resume-") as tmp:
         dst_strategy = Path(tmp) / "strategy.json"
         dst_strategy.write_text(json.dumps(ours))
-        jobs, held = plan_convert(source, strategy, dst_strategy, "checkpoint_")
-        execute(jobs, Path(tmp) / "ranks", forbidden=held.holder_files())
+        jobs, held, files = plan_convert(source, strategy, dst_strategy, "checkpoint_")
+        execute(jobs, Path(tmp) / "ranks", forbidden=held.holder_files(), extra_files=files)
         yield str(Path(tmp) / "ranks")
 
 
@@ -635,25 +638,47 @@ class Session:
         `model_state_dict.json` (which tensors are the model's state_dict) and a transformers
         model's `config.json` and `generation_config.json`; built beside `path` (missing
         parent directories are made) and swapped in whole when every rank has written (a
-        directory every node can reach). `tessel ckpt unify` turns it into a Hugging Face
-        checkpoint; `load_graph` with `{"checkpoint": path}` resumes from it."""
+        directory every node can reach). A checkpoint already at `path` is replaced whole,
+        files of other names kept (see `tessel.checkpoint.identity`); each rank file records
+        this checkpoint's id and its strategy's digest. `tessel ckpt unify` turns it into a
+        Hugging Face checkpoint; `load_graph` with `{"checkpoint": path}` resumes from it."""
+        from tessel.checkpoint.identity import (
+            ID_KEY,
+            STRATEGY_KEY,
+            new_checkpoint_id,
+            strategy_json_digest,
+        )
         from tessel.checkpoint.publish import StagedTree, sync_file
 
         graph = self._graph(graph_id)
         if graph.package.manifest.training is None:
             raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
         extra = _model_files(graph.package)
+        package = graph.package
+        strategy = package.json(package.manifest.strategy)
+        record = {
+            ID_KEY: new_checkpoint_id(),
+            STRATEGY_KEY: strategy_json_digest(strategy, f"{package.path} (its strategy)"),
+        }
         workers = graph.workers
         with StagedTree(path, parents=True) as tree:
             targets = workers.conns[:1] if workers.distributed else workers.conns
             for conn in targets:
                 with contextlib.suppress(OSError):
-                    conn.send(("save", str(tree.path)))
+                    conn.send(("save", str(tree.path), json.dumps(record)))
             try:
                 _poll(workers, time.monotonic() + workers.run_timeout, "saved", 0)
-            except BaseException:
+            except BaseException as exc:
                 workers.broken = True
                 _stop(workers, graceful=False)
+                if isinstance(exc, WorkerError):
+                    raise WorkerError(
+                        f"{exc}; the checkpoint was not saved ({tree.dst} is as it was), and "
+                        "the weights and optimizer states on the devices are lost: load the "
+                        "graph again from the last checkpoint",
+                        exc.rank,
+                        exc.worker_traceback,
+                    ) from None
                 raise
             for name, data in extra.items():
                 with open(tree.path / name, "wb") as f:

@@ -273,24 +273,40 @@ def _safetensors_dtype(code: str) -> str:
     return _SAFETENSORS_DTYPES.get(code, code)
 
 
-def _save_checkpoint(spec: WorkerSpec, loaded: _Loaded, directory: str) -> None:
+def _save_checkpoint(
+    spec: WorkerSpec, loaded: _Loaded, directory: str, record: dict[str, str]
+) -> None:
     """Write this rank's weights and optimizer states as `rank_<r>/checkpoint_<r>.safetensors`
-    under `directory` (rank 0 also the strategy file); returns when every rank has written."""
+    under `directory` (rank 0 also the strategy file), with `record` (the checkpoint's id and
+    its strategy's digest) in the file's metadata; returns when every rank has written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
+
+    from tessel.checkpoint.publish import sync_file
 
     names = json.loads(loaded.strategy)["params"]
     with torch.no_grad():
         tensors = loaded.step.state_dict(list(names))
     rank_dir = os.path.join(directory, f"rank_{spec.rank}")
     os.makedirs(rank_dir, exist_ok=True)
-    # copies: the weights are views of one buffer, and safetensors stores no shared memory
-    save_file(
-        {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
-        os.path.join(rank_dir, f"checkpoint_{spec.rank}.safetensors"),
-    )
-    if spec.rank == 0:
-        with open(os.path.join(directory, "strategy.json"), "wb") as f:
-            f.write(loaded.strategy)
+    path = os.path.join(rank_dir, f"checkpoint_{spec.rank}.safetensors")
+    try:
+        # copies: the weights are views of one buffer, and safetensors stores no shared memory
+        save_file(
+            {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+            path,
+            metadata={"format": "pt", "tessel_rank": str(spec.rank), **record},
+        )
+        with open(path, "rb") as f:  # on disk before the tree holding it is published
+            sync_file(f.fileno())
+        if spec.rank == 0:
+            path = os.path.join(directory, "strategy.json")
+            with open(path, "wb") as f:
+                f.write(loaded.strategy)
+                f.flush()
+                sync_file(f.fileno())
+    except (OSError, SafetensorError) as exc:  # a full disk, say
+        raise CheckpointError(path, None, f"could not be written: {exc}") from None
     if spec.distributed:
         dist.barrier()
 
@@ -490,7 +506,7 @@ def _serve(
         if command == _SAVE:
             if loaded is None or loaded.step is None:
                 raise RuntimeError("asked to save a checkpoint with no training model loaded")
-            _save_checkpoint(spec, loaded, message[1])
+            _save_checkpoint(spec, loaded, message[1], json.loads(message[2]))
             if leader:
                 conn.send(("saved", spec.rank, None))
             continue
