@@ -17,7 +17,13 @@ import zipfile
 import psutil
 import pytest
 import torch
-from tests.conftest import small_gpt2, small_llama, subprocess_env, token_ids
+from tests.conftest import (
+    ctrl_c_as_in_a_terminal,
+    small_gpt2,
+    small_llama,
+    subprocess_env,
+    token_ids,
+)
 
 import tessel
 from tessel.errors import TesselError
@@ -322,6 +328,33 @@ def test_a_node_whose_head_never_answers_is_refused_after_the_load_timeout(two_n
         session.load_graph(
             0, {"tessel.node_id": 1, "tessel.master_port": port, "tessel.load_timeout_s": 1}, path
         )
+
+
+def test_ctrl_c_ends_a_node_waiting_for_its_head(two_nodes):
+    """A `tessel serve` waiting at the head's address, where what listens never answers as a
+    store, ends at Ctrl-C, having started no worker."""
+    _, _, path = two_nodes
+    port = Package.open(path).manifest.cluster["cluster"][0]["cluster_nodes"][0]["port"]
+    with socket.socket() as silent:
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))
+        silent.listen()
+        node = subprocess.Popen(
+            [sys.executable, "-m", "tessel.cli", "serve", str(path), "--node-id", "1"],
+            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=ctrl_c_as_in_a_terminal,
+        )  # fmt: skip
+        try:
+            silent.settimeout(60)
+            waiting, _ = silent.accept()  # the node is waiting for the head's answer
+            with waiting:
+                node.send_signal(signal.SIGINT)
+                _, err = node.communicate(timeout=10)
+        finally:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert node.returncode == 130 and err == "tessel: interrupted\n", (node.returncode, err)
 
 
 def test_a_claim_left_by_a_process_gone_from_this_host_is_taken_over():
