@@ -17,7 +17,7 @@ from tests.differential.zoo import FAMILIES, HEADS, HIDDEN, LAYERS, VOCAB
 Maker = Callable[[], torch.nn.Module]
 
 
-def _model(config: str, model: str, **fields: object) -> Maker:
+def maker(config: str, model: str, **fields: object) -> Maker:
     """A maker of `transformers`' `model` class over `config(**fields)`, seeded, in eval mode."""
 
     def make() -> torch.nn.Module:
@@ -59,7 +59,7 @@ HYBRID = dict(
 def _t5() -> torch.nn.Module:
     """A small T5 whose greedy tokens vary (a random T5 at its initial scale repeats one
     token): its weights scaled up."""
-    model = _model(
+    model = maker(
         "T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN,
         d_ff=2 * HIDDEN, d_kv=HIDDEN // HEADS, num_layers=LAYERS, num_heads=HEADS,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
@@ -74,21 +74,21 @@ def _t5() -> torch.nn.Module:
 EXTRA: dict[str, tuple[str, Maker]] = {
     "mpt": (
         "ALiBi from a table sized by the model's own length",
-        _model(
+        maker(
             "MptConfig", "MptForCausalLM", vocab_size=VOCAB, d_model=HIDDEN, n_layers=LAYERS,
             n_heads=HEADS, max_seq_len=64,
         ),
     ),
     "falcon_alibi": (
         "Falcon configured with ALiBi",
-        _model(
+        maker(
             "FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
             num_hidden_layers=LAYERS, num_attention_heads=HEADS, alibi=True,
         ),
     ),
     "granitemoe": (
         "use_cache taken through **kwargs, experts",
-        _model(
+        maker(
             "GraniteMoeConfig", "GraniteMoeForCausalLM", num_key_value_heads=2,
             num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, hidden_size=HIDDEN,
             intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -97,7 +97,7 @@ EXTRA: dict[str, tuple[str, Maker]] = {
     ),
     "jamba": (
         "hybrid cache: Mamba layers beside attention layers, experts",
-        _model(
+        maker(
             "JambaConfig", "JambaForCausalLM", attn_layer_period=2, attn_layer_offset=1,
             expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
             mamba_expand=2, mamba_dt_rank=8, **HYBRID,
@@ -105,25 +105,32 @@ EXTRA: dict[str, tuple[str, Maker]] = {
     ),
     "bamba": (
         "hybrid cache: Mamba-2 layers beside attention layers, RoPE",
-        _model(
+        maker(
             "BambaConfig", "BambaForCausalLM", attn_layer_indices=[1, 3], mamba_expand=2,
             **MAMBA2_MIXER, **HYBRID,
         ),
     ),
     "granitemoehybrid": (
         "hybrid cache: Mamba-2 layers beside attention layers, experts",
-        _model(
+        maker(
             "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
             layer_types=["mamba", "attention", "mamba", "attention"], mamba_expand=2,
             num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=HIDDEN,
             **MAMBA2_MIXER, **HYBRID,
         ),
     ),
+    "falcon_h1": (
+        "attention and Mamba-2 side by side in every layer: keys, values and states in one",
+        maker(
+            "FalconH1Config", "FalconH1ForCausalLM", mamba_d_ssm=2 * HIDDEN, mamba_expand=2,
+            **MAMBA2_MIXER, **{**HYBRID, "num_hidden_layers": LAYERS},
+        ),
+    ),
     "t5": ("encoder-decoder, relative positions", _t5),
     "bart": (
         "encoder-decoder: learned positions from the cache's length, forced first and last "
         "tokens",
-        _model(
+        maker(
             "BartConfig", "BartForConditionalGeneration", pad_token_id=1, bos_token_id=0,
             eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=0,
             forced_eos_token_id=2, **SEQ2SEQ,
@@ -131,21 +138,21 @@ EXTRA: dict[str, tuple[str, Maker]] = {
     ),
     "mbart": (
         "encoder-decoder: pre-norm, a forced last token",
-        _model(
+        maker(
             "MBartConfig", "MBartForConditionalGeneration", pad_token_id=1, bos_token_id=0,
             eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2, **SEQ2SEQ,
         ),
     ),
     "marian": (
         "encoder-decoder: sinusoidal positions, the pad as start token",
-        _model(
+        maker(
             "MarianConfig", "MarianMTModel", pad_token_id=VOCAB - 1, eos_token_id=0,
             decoder_start_token_id=VOCAB - 1, forced_eos_token_id=0, **SEQ2SEQ,
         ),
     ),
     "pegasus": (
         "encoder-decoder: sinusoidal positions, the pad as start token",
-        _model(
+        maker(
             "PegasusConfig", "PegasusForConditionalGeneration", pad_token_id=0, eos_token_id=1,
             decoder_start_token_id=0, forced_eos_token_id=1, **SEQ2SEQ,
         ),
@@ -163,7 +170,7 @@ MAKERS: dict[str, Maker] = {
     **{name: make for name, (_, make) in EXTRA.items()},
 }
 ENCODER_DECODERS = ("t5", "bart", "mbart", "marian", "pegasus")
-HYBRIDS = ("jamba", "bamba", "granitemoehybrid")
+HYBRIDS = ("jamba", "bamba", "granitemoehybrid", "falcon_h1")
 
 # how the README names each family
 NAMES = {
@@ -186,6 +193,7 @@ NAMES = {
     "jamba": "Jamba",
     "bamba": "Bamba",
     "granitemoehybrid": "GraniteMoE-hybrid",
+    "falcon_h1": "Falcon-H1",
     "t5": "T5",
     "bart": "BART",
     "mbart": "mBART",

@@ -89,7 +89,7 @@ def test_inspect_shows_the_gears_and_the_cache(package) -> None:
     ).stdout
     # the gears' batches 1 and 2 run in the cache's two rows; lengths 8 and 16 are the prefills
     assert "generation: up to 2 rows of 32 tokens; prefill gears of 8, 16 tokens" in shown
-    assert "cache: 4 tensors" in shown
+    assert "cache, keys and values: 4 tensors" in shown
 
 
 def test_generate_from_token_ids_equals_transformers(package, tmp_path) -> None:

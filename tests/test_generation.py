@@ -634,3 +634,11 @@ def test_a_choice_is_given_the_history_only_where_a_processor_reads_it() -> None
 class _Head(torch.nn.Module):
     def forward(self, weight: torch.Tensor, hidden: torch.Tensor):
         return hidden * 2, hidden @ weight
+
+
+def test_a_one_token_prefill_gear_is_refused_for_recurrent_states() -> None:
+    """A recurrent model's one-token call carries its states on: a one-token prefill gear
+    would be the decode program and start a prompt from the last request's states."""
+    with pytest.raises(ConfigError, match="a 1-token prompt is padded") as err:
+        capture_gears(_hf_model("mamba"), Generation(1, 16, (1, 8)))
+    assert (err.value.source, err.value.key) == ("Generation", "prefill_lengths")

@@ -364,3 +364,20 @@ def test_a_program_node_is_read_only_in_its_kind_s_form():
     assert moved.name == "s_mb1" and moved.reads == ("a_mb1",)
     assert moved.args[2] == {"$group": [4, 5]}
     assert n.args[0] == ref("a")  # the node it came from is unchanged
+
+
+def test_a_moved_value_is_laid_out_as_captured_whatever_the_strides_of_its_size_1_dims() -> None:
+    """A value the captured graph held with dims nested (0, 1, 4, 2) and size-1 dims of any
+    stride, arriving nested otherwise: it is remade as captured, so the graph's view of it
+    runs (Mamba-2's chunked scan at 3 devices, GraniteMoE-hybrid)."""
+    from tessel.lower.trace import _laid_out
+
+    shape = (2, 8, 256, 1, 16, 1)
+    captured = torch.empty_strided(shape, (32768, 4096, 1, 256, 256, 1))
+    arrived = torch.empty_strided(shape, (32768, 16, 128, 32768, 1, 1))
+    arrived.copy_(torch.randn(shape))
+    with pytest.raises(RuntimeError):
+        arrived.view(16, 256, 16)
+    laid = _laid_out(arrived, captured)
+    assert torch.equal(laid, arrived)
+    assert torch.equal(laid.view(16, 256, 16), arrived.reshape(16, 256, 16))

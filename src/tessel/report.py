@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from tessel.config.generation import state_kind
 from tessel.config.mesh import axis_groups
 from tessel.errors import TesselError
 from tessel.package.manifest import Manifest, dtype_bytes
@@ -111,7 +112,11 @@ class Inspected:
             "source": plan.source,
             "training": report.get("training"),
             "generation": (
-                {**m.generation.to_json(), "state_bytes_per_rank": state_bytes(m)}
+                {
+                    **m.generation.to_json(),
+                    "state_bytes_per_rank": state_bytes(m),
+                    "state_kinds": state_kinds(m),
+                }
                 if m.generation is not None
                 else None
             ),
@@ -131,34 +136,69 @@ def state_bytes(manifest: Manifest) -> list[int]:
     ]
 
 
-def generation_lines(manifest: Manifest) -> list[str]:
-    """A generation package's gears, and its cache: shape, placement, bytes per rank."""
+def state_kinds(manifest: Manifest) -> list[dict]:
+    """A generation package's state by kind (keys and values, recurrent states, ...): its
+    tensors, their bytes in all and per rank, and how the first of them is held (the dim it is
+    split on over the ranks, or none)."""
     gears = manifest.generation
     if gears is None:
         return []
-    total = sum(math.prod(s.shape) * dtype_bytes(s.dtype) for s in gears.state)
-    held = state_bytes(manifest)
-    first = gears.state[0] if gears.state else None
+    by_kind: dict[str, list] = defaultdict(list)
+    for spec in gears.state:
+        by_kind[state_kind(spec.name)].append(spec)
+    kinds = []
+    for kind, specs in by_kind.items():
+        size = {s.name: dtype_bytes(s.dtype) for s in specs}
+        per_rank = [
+            sum(
+                math.prod(shape) * size[name]
+                for name, shape in sub.state_shapes().items()
+                if name in size
+            )
+            for sub in manifest.submodels
+        ]
+        first = specs[0]
+        local = manifest.submodels[0].state_shapes().get(first.name, first.shape)
+        split = [d for d, (n, m) in enumerate(zip(first.shape, local)) if n != m]
+        kinds.append(
+            {
+                "kind": kind,
+                "tensors": len(specs),
+                "shape": list(first.shape),
+                "rank_0_shape": list(local),
+                "split_dim": split[0] if split else None,
+                "bytes": sum(math.prod(s.shape) * size[s.name] for s in specs),
+                "bytes_per_rank": per_rank,
+            }
+        )
+    return kinds
+
+
+def generation_lines(manifest: Manifest) -> list[str]:
+    """A generation package's gears, and its state by kind: shape, placement, bytes per rank."""
+    gears = manifest.generation
+    if gears is None:
+        return []
     lines = [
         f"generation: up to {gears.max_batch_size} rows of {gears.max_seq_len} tokens; prefill "
         f"gears of {', '.join(map(str, gears.prefill_lengths))} tokens, then the decode gear",
     ]
-    if first is not None:
-        local = manifest.submodels[0].state_shapes().get(first.name, first.shape)
-        split = [d for d, (n, m) in enumerate(zip(first.shape, local)) if n != m]
-        stages = dict(zip(manifest.mesh.dim_names, manifest.mesh.shape)).get("pp", 1)
-        ranks = "every rank" if stages == 1 else "every rank of its layer's pipeline stage"
+    stages = dict(zip(manifest.mesh.dim_names, manifest.mesh.shape)).get("pp", 1)
+    ranks = "every rank" if stages == 1 else "every rank of its layer's pipeline stage"
+    for kind in state_kinds(manifest):
         how = (
-            f"split on dim {split[0]} over {ranks} (rank 0 holds {list(local)} of "
-            f"{list(first.shape)})"
-            if split
-            else f"whole on {ranks} ({list(first.shape)})"
+            f"split on dim {kind['split_dim']} over {ranks} (rank 0 holds "
+            f"{kind['rank_0_shape']} of {kind['shape']})"
+            if kind["split_dim"] is not None
+            else f"whole on {ranks} ({kind['shape']})"
         )
+        held = kind["bytes_per_rank"]
         lines.append(
-            f"cache: {len(gears.state)} tensors, {human_bytes(total)} in all, each {how}; "
-            f"per rank {human_bytes(min(held))}"
+            f"cache, {kind['kind']}: {kind['tensors']} tensors, {human_bytes(kind['bytes'])} "
+            f"in all, each {how}; per rank {human_bytes(min(held))}"
             + (f" to {human_bytes(max(held))}" if min(held) != max(held) else "")
-            + f" (total / {manifest.world_size}: {human_bytes(total / manifest.world_size)})"
+            + f" (total / {manifest.world_size}: "
+            f"{human_bytes(kind['bytes'] / manifest.world_size)})"
         )
     if gears.defaults:
         settings = ", ".join(f"{k}={v}" for k, v in gears.defaults.items())

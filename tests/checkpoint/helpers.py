@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tessel.checkpoint.strategy import ParamLayout, Strategy, write_strategy
-from tessel.parallel import shard_checkpoint
+from tessel.parallel import Layout, save_strategy_file, shard_checkpoint
 
 
 def _piece(t: torch.Tensor, k: int, dim: int, i: int) -> torch.Tensor:
@@ -104,3 +104,20 @@ def metadata(path: Path) -> dict[str, str]:
 
 def prod(xs) -> int:
     return math.prod(xs)
+
+
+# a small model's parameters, as the destination and publishing tests write them
+SMALL_SHAPES = {"emb": (16, 8), "qkv": (24, 8), "out": (8, 24), "norm": (8,)}
+
+
+def small_strategy(path: Path, dp: int, tp: int) -> Path:
+    """`SMALL_SHAPES` laid out over `dp` x `tp` ranks (embedding and qkv by rows, out by
+    columns, the norm replicated), saved at `path`."""
+    lay = Layout((dp, tp), ("dp", "tp"))
+    save_strategy_file(path, {
+        "emb": (lay("tp", "None"), SMALL_SHAPES["emb"], "float32"),
+        "qkv": (lay("tp", "None"), SMALL_SHAPES["qkv"], "float32"),
+        "out": (lay("None", "tp"), SMALL_SHAPES["out"], "float32"),
+        "norm": (lay("None"), SMALL_SHAPES["norm"], "float32"),
+    })  # fmt: skip
+    return path

@@ -37,17 +37,23 @@ from tessel.checkpoint.errors import CheckpointError
 from tessel.checkpoint.publish import PAUSE_ENV, PAUSE_MARKER_ENV, StagedTree
 from tessel.checkpoint.strategy import load_strategy
 from tessel.parallel import (
-    Layout,
     convert_checkpoint_by_rank,
     convert_checkpoints,
-    save_strategy_file,
     shard_checkpoint,
     unified_safetensors,
 )
 
-from .helpers import checkpoint_ids, files_bytes, make_full, ref_rank_slices, write_full
+from .helpers import (
+    SMALL_SHAPES,
+    checkpoint_ids,
+    files_bytes,
+    make_full,
+    ref_rank_slices,
+    small_strategy,
+    write_full,
+)
 
-SHAPES = {"emb": (16, 8), "qkv": (24, 8), "out": (8, 24), "norm": (8,)}
+SHAPES = SMALL_SHAPES
 SRC_DIR = str(Path(tessel.__file__).resolve().parents[1])  # the tessel this test imports
 FSIZE = 400  # bytes a writer's file may grow to in the full-disk cases: every output is larger
 # Starts one writer process per line of JSON on stdin and prints its pid; at end of input
@@ -152,17 +158,6 @@ for pid in pids:
 """
 
 
-def _strategy(path: Path, dp: int, tp: int) -> Path:
-    lay = Layout((dp, tp), ("dp", "tp"))
-    save_strategy_file(path, {
-        "emb": (lay("tp", "None"), SHAPES["emb"], "float32"),
-        "qkv": (lay("tp", "None"), SHAPES["qkv"], "float32"),
-        "out": (lay("None", "tp"), SHAPES["out"], "float32"),
-        "norm": (lay("None"), SHAPES["norm"], "float32"),
-    })  # fmt: skip
-    return path
-
-
 def _snapshot(d: Path) -> dict[str, str] | None:
     """SHA-256 of every file under ``d`` by relative path, checkpoint ids blanked and hidden
     files left out; None if ``d`` does not exist."""
@@ -223,7 +218,7 @@ def _by_rank(w: World, src: Path, save: Path) -> None:
 
 
 def _make_world(root: Path) -> World:
-    tp4 = _strategy(root / "tp4.json", 1, 4)
+    tp4 = small_strategy(root / "tp4.json", 1, 4)
     torch.manual_seed(0)
     model = Tiny()
     package = tessel.build(
@@ -232,8 +227,8 @@ def _make_world(root: Path) -> World:
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         cluster=2,
     ).save(root / "tiny")
-    w = World(root, root / "A", root / "O", tp4, _strategy(root / "tp2.json", 1, 2),
-              _strategy(root / "dp2tp2.json", 2, 2), make_full(SHAPES, seed=3),
+    w = World(root, root / "A", root / "O", tp4, small_strategy(root / "tp2.json", 1, 2),
+              small_strategy(root / "dp2tp2.json", 2, 2), make_full(SHAPES, seed=3),
               Path(package))  # fmt: skip
     shard_checkpoint(write_full(w.full, root / "A_hf"), w.new_src, tp4)
     shard_checkpoint(write_full(make_full(SHAPES, seed=1), root / "O_hf"), w.old_src, tp4)

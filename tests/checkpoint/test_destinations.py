@@ -23,30 +23,30 @@ from tessel.checkpoint.strategy import load_strategy
 from tessel.cli import main
 from tessel.parallel import (
     CheckpointError,
-    Layout,
     convert_checkpoint_by_rank,
     convert_checkpoints,
     load_distributed_checkpoint,
     load_segmented_checkpoints,
-    save_strategy_file,
     shard_checkpoint,
     unified_safetensors,
 )
 
-from .helpers import checkpoint_ids, files_bytes, make_full, metadata, ref_rank_slices, write_full
+from .helpers import (
+    SMALL_SHAPES,
+    checkpoint_ids,
+    files_bytes,
+    make_full,
+    metadata,
+    ref_rank_slices,
+    small_strategy,
+    write_full,
+)
 
-SHAPES = {"emb": (16, 8), "qkv": (24, 8), "out": (8, 24), "norm": (8,)}
+SHAPES = SMALL_SHAPES
 
 
 def _strategy(path: Path, tp: int) -> Path:
-    lay = Layout((1, tp), ("dp", "tp"))
-    save_strategy_file(path, {
-        "emb": (lay("tp", "None"), SHAPES["emb"], "float32"),
-        "qkv": (lay("tp", "None"), SHAPES["qkv"], "float32"),
-        "out": (lay("None", "tp"), SHAPES["out"], "float32"),
-        "norm": (lay("None"), SHAPES["norm"], "float32"),
-    })  # fmt: skip
-    return path
+    return small_strategy(path, 1, tp)
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,10 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
     tie either may break: that row is compared no further). Raises `VerifyError` naming the row
     and the first token that differs."""
     gears = package.manifest.generation
+    if not callable(getattr(model, "generate", None)):
+        return Verified(
+            skipped=f"{type(model).__name__} has no generate of transformers' to check against"
+        )
     t = time.perf_counter()
     ids, mask = _prompts(gears, prompt)
     gear = next(n for n in gears.prefill_lengths if n >= ids.shape[1])

@@ -64,11 +64,9 @@ from tessel._torch import OpOverload
 from tessel.capture.export import CapturedModel, capture
 from tessel.capture.training import mark_state
 from tessel.config.errors import ConfigError
-from tessel.config.generation import Generation
+from tessel.config.generation import CONV, CROSS, ENCODER_MASK, KV, RECURRENT, Generation
 from tessel.errors import TesselError
 
-KV, CONV, RECURRENT, CROSS = "cache_", "conv_state_", "recurrent_state_", "cross_"
-ENCODER_MASK = "encoder_mask"
 _LAYER = re.compile(r"(cache|cross|conv_state|recurrent_state)_(\d+)$")
 # what a one-token call may be given beside its tokens, the mask and the cache; each is passed
 # where the model's call takes it, which calling it finds out
@@ -245,19 +243,6 @@ def is_recurrent(cache_names: Sequence[str]) -> bool:
 def is_hybrid(cache_names: Sequence[str]) -> bool:
     """Whether a step's cache holds keys and values in some layers, recurrent states in others."""
     return is_recurrent(cache_names) and any(name.startswith(KV) for name in cache_names)
-
-
-def state_kind(name: str) -> str:
-    """What a generation package's state buffer holds, in words (`tessel inspect` groups by it)."""
-    for prefix, kind in (
-        (KV, "keys and values"),
-        (CROSS, "cross-attention keys and values"),
-        (CONV, "convolution states"),
-        (RECURRENT, "recurrent states"),
-    ):
-        if name.startswith(prefix):
-            return kind
-    return "encoder mask" if name == ENCODER_MASK else "other"
 
 
 @dataclass(frozen=True)
@@ -596,6 +581,14 @@ def capture_gears(
     cache; `reuse_layers=False` traces every layer, and ops `keep` holds for stay whole (see
     `capture`)."""
     step = _step(model, generation)
+    if step.recurrent and 1 in generation.prefill_lengths:
+        raise ConfigError(
+            "Generation",
+            "prefill_lengths",
+            f"holds 1 for {type(model).__name__}, whose recurrent states a one-token call "
+            "carries on (the decode gear) and a prefill gear starts afresh: the two cannot be "
+            "one program; a 1-token prompt is padded into the shortest gear of 2 tokens or more",
+        )
     prefill = {
         t: _gear(step, model, generation, t, reuse_layers, keep) for t in generation.prefill_lengths
     }
@@ -636,7 +629,7 @@ def _gear(
     keep: Callable[[Any], bool] | None,
 ) -> CapturedModel:
     b, n = generation.max_batch_size, generation.max_seq_len
-    with _entered_modules(step) as entered:
+    with _entered_modules(step) as entered, fixed_rotary_tables(model, n):
         try:
             try:
                 captured = capture(
@@ -674,6 +667,58 @@ def _gear(
     for name in step.cache_names:  # the capture ran the model on its example inputs
         getattr(step, name).zero_()
     return captured
+
+
+# rotary tables that `transformers` recomputes from a call's positions: dynamic NTK scaling
+# past the model's length, Phi-3's long factors past its original length
+_CHANGING_ROPE = ("dynamic", "longrope")
+
+
+@contextlib.contextmanager
+def fixed_rotary_tables(model: torch.nn.Module, max_seq_len: int) -> Iterator[None]:
+    """While it lasts, every rotary embedding of `model` whose table changes with the length
+    (`_CHANGING_ROPE`) keeps the table it starts with, which is the one `transformers` uses
+    for every position below the switch: a trace then needs no branch on the positions. A
+    `max_seq_len` past the switch is refused, naming it: the gears would keep the first table
+    where `transformers` changes it."""
+    held: list[tuple[torch.nn.Module, Any]] = []
+    for name, module in model.named_modules():
+        kinds = getattr(module, "rope_type", None)
+        types = kinds if isinstance(kinds, dict) else {None: kinds}
+        changing = {t: k for t, k in types.items() if isinstance(k, str) and k in _CHANGING_ROPE}
+        if not changing:
+            continue
+        for layer_type, kind in changing.items():
+            switch = _rope_switch(module, kind, layer_type)
+            if switch is not None and max_seq_len > switch:
+                raise ConfigError(
+                    "Generation",
+                    "max_seq_len",
+                    f"is {max_seq_len}, past the {switch} positions where "
+                    f"{type(model).__name__}'s rotary table ({name or 'the model'}, {kind} "
+                    f"scaling) changes with the length; tessel's gears keep one table: give "
+                    f"max_seq_len={switch} or less",
+                )
+        held.append((module, kinds))
+        fixed = {t: ("default" if t in changing else k) for t, k in types.items()}
+        module.rope_type = fixed if isinstance(kinds, dict) else fixed[None]
+    try:
+        yield
+    finally:
+        for module, kinds in held:
+            module.rope_type = kinds
+
+
+def _rope_switch(module: torch.nn.Module, kind: str, layer_type: str | None) -> int | None:
+    """The length past which a rotary embedding of `kind` changes its table."""
+    if kind == "longrope":
+        parameters = getattr(getattr(module, "config", None), "rope_parameters", None) or {}
+        if layer_type is not None:
+            parameters = parameters.get(layer_type, {})
+        switch = parameters.get("original_max_position_embeddings")
+    else:
+        switch = getattr(module, "original_max_seq_len", None)
+    return switch if isinstance(switch, int) else None
 
 
 def sized_by_the_length(step: GenerationStep, generation: Generation) -> bool:

@@ -7,6 +7,28 @@ from dataclasses import dataclass
 
 from tessel.config.errors import ConfigError
 
+# a generation package's state buffers, by name: a layer `i` of attention keeps its keys and
+# values as `cache_{2i}` and `cache_{2i+1}`, a recurrent layer its convolution and recurrent
+# states as `conv_state_{i}` and `recurrent_state_{i}`; an encoder-decoder's decoder layer
+# keeps its cross-attention's as `cross_{2i}` and `cross_{2i+1}`, beside the prompt's mask
+KV, CONV, RECURRENT, CROSS = "cache_", "conv_state_", "recurrent_state_", "cross_"
+ENCODER_MASK = "encoder_mask"
+STATE_KINDS = {
+    KV: "keys and values",
+    CROSS: "cross-attention keys and values",
+    CONV: "convolution states",
+    RECURRENT: "recurrent states",
+}
+
+
+def state_kind(name: str) -> str:
+    """What a generation package's state buffer holds, in words (`tessel inspect` groups the
+    state by it)."""
+    for prefix, kind in STATE_KINDS.items():
+        if name.startswith(prefix):
+            return kind
+    return "the prompt's mask" if name == ENCODER_MASK else "other state"
+
 
 @dataclass(frozen=True)
 class Generation:

@@ -503,10 +503,14 @@ def _laid_out(t: torch.Tensor, captured: Any) -> torch.Tensor:
     if not isinstance(captured, torch.Tensor) or tuple(t.shape) != tuple(captured.shape):
         return t
     want = tuple(captured.stride())
-    if t.stride() == want or t.dim() == 0:
+
+    def laid_as_wanted(x: torch.Tensor) -> bool:  # a dim of size 1 may have any stride
+        return all(a == b for a, b, n in zip(x.stride(), want, x.shape) if n != 1)
+
+    if laid_as_wanted(t) or t.dim() == 0:
         return t
     remade = _dense_copy(t, want)
-    return remade if remade.stride() == want else t
+    return remade if laid_as_wanted(remade) else t
 
 
 def _dense_copy(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from tessel.capture import CapturedModel
 from tessel.capture.layers import layer_of
 from tessel.capture.training import placed_like, read_state, state_outputs
 from tessel.config.cluster import ClusterConfig
+from tessel.config.generation import CONV, RECURRENT
 from tessel.config.mesh import MeshAxis, tensor_axes
 from tessel.config.parallel_option import ParallelOption
 from tessel.plan import cost, dp, ilp
@@ -45,7 +46,7 @@ from tessel.plan.problem import (
     pairwise,
 )
 from tessel.plan.stages import StageAssignment
-from tessel.plan.strategies import NodeStrategy, Partial, Replicate
+from tessel.plan.strategies import NodeStrategy, Partial, Replicate, Shard
 from tessel.units import human_bytes, two_sizes
 
 log = logging.getLogger(__name__)
@@ -315,20 +316,34 @@ def _candidates(
             )
         by_placeholder[template.name] = wanted
     choices = enumerate_candidates(graph, mesh, params, templates, banned, by_placeholder)
-    _state_as_written(graph, choices, {n for n, fqn in param_targets.items() if fqn in written})
+    state = {n: fqn for n, fqn in param_targets.items() if fqn in written}
+    _state_as_written(graph, choices, state)
     return param_targets, weight_tensors, families, choices
 
 
 def _state_as_written(
-    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], state: set[str]
+    graph: fx.Graph, choices: dict[fx.Node, NodeChoices], state: dict[str, str]
 ) -> None:
-    """Each state placeholder (by name in `state`) keeps only the placements in which its
-    in-place writers can take it: placed otherwise, the write would land in a copy."""
+    """Each state placeholder (placeholder name to FQN in `state`) keeps only the placements
+    in which its in-place writers can take it: placed otherwise, the write would land in a
+    copy. A recurrent layer's states are split only by rows or channels (dims 0 and 1): each
+    channel's state is its own, where a cut of the convolution's window or of the state size
+    would move or sum states across ranks every step."""
     for n in graph.nodes:
         if n.op != "placeholder" or n.name not in state or n not in choices:
             continue
         owner = choices[n].owner or n
         options = choices[owner]
+        if state[n.name].startswith((CONV, RECURRENT)):
+            by_channels = [
+                s
+                for s in options.strategies
+                if all(
+                    not isinstance(p, Shard) or p.dim <= 1
+                    for p in _placements(s.output_at(None)) or ()
+                )
+            ]
+            options.strategies[:] = by_channels or options.strategies
         for writer in n.users:
             if writer not in choices or not writes_into(writer, 0) or writer.args[0] is not n:
                 continue

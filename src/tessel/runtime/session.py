@@ -531,7 +531,11 @@ class Session:
         A `transformers` argument this loop does not take (beam search, `max_length`) is
         refused by name, never ignored, unless it is given the value that leaves decoding as
         it is (`num_beams=1`), as `transformers` takes it."""
-        unknown = {k: v for k, v in unknown.items() if UNSUPPORTED_SETTINGS.get(k, v) != v}
+        unknown = {
+            k: v
+            for k, v in unknown.items()
+            if k not in UNSUPPORTED_SETTINGS or UNSUPPORTED_SETTINGS[k] != v
+        }
         if unknown:
             key = next(iter(unknown))
             if key in UNSUPPORTED_SETTINGS:
