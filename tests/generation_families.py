@@ -10,9 +10,17 @@ of the families generation supports is this module's `NAMES` (tests/test_readme.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tests.differential.zoo import FAMILIES, HEADS, HIDDEN, LAYERS, VOCAB
+
+import tessel
+from tessel.capture.generation import capture_gear
+from tessel.config.cluster import cluster_from_dict
+from tessel.config.generation import Generation
+from tessel.demo import tight_cluster
+from tessel.plan import has_rule
 
 Maker = Callable[[], torch.nn.Module]
 
@@ -233,3 +241,71 @@ def alone_tokens(
     for row, tokens in enumerate(made):
         padded[row, : len(tokens)] = tokens
     return torch.cat([prefix, padded], dim=1)
+
+
+# the families' builds: a cache of 2 rows x 40 slots, one prefill gear of 8 tokens; 32 new
+# tokens (the 8-token gear leaves the 40 slots room for 33)
+GENERATION = Generation(max_batch_size=2, max_seq_len=40, prefill_lengths=(8,))
+NEW = 32
+
+
+def build_family(
+    family: str,
+    devices: int,
+    memory: str,
+    generation: Generation = GENERATION,
+    settings: dict | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """The family's model and its generation package for `devices` devices of the default
+    memory, or (`memory="tight"`) of the longest prompt's activations beside 1.15/N of the
+    weights; `settings` go into the model's own generation_config."""
+    model = MAKERS[family]()
+    for key, value in (settings or {}).items():
+        setattr(model.generation_config, key, value)
+    cluster: object = devices
+    if memory == "tight":
+        gear = capture_gear(model, generation, generation.prefill_lengths[-1], keep=has_rule)
+        cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
+    return model, tessel.build(model, cluster=cluster, generation=generation)
+
+
+def family_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 8 and 5 tokens, the second padded on the left (no special ids)."""
+    ids = torch.randint(3, VOCAB - 1, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids, mask
+
+
+def transformers_tokens(model, ids, mask, pad_token_id: int, **settings) -> torch.Tensor:
+    """transformers' greedy tokens (`NEW` of them) for each prompt alone, as tessel's are
+    compared with."""
+    return alone_tokens(model, ids, mask, NEW, pad_token_id, **settings)
+
+
+def session_tokens(session, path, ids, mask) -> torch.Tensor:
+    """The session's greedy tokens from the package at `path`, loaded for this call alone."""
+    session.load_graph(0, {}, path)
+    try:
+        return session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+    finally:
+        session.remove_graph(0)
+
+
+def generate_both_ways(family, built, path, session, *, stream=False):
+    """transformers' tokens (a fresh copy of the model: the build leaves it as it was) and the
+    session's for the family's prompts; with `stream`, the session's streamed steps too."""
+    ids, mask = family_prompts()
+    gears = built.manifest.generation
+    want = transformers_tokens(MAKERS[family](), ids, mask, gears.pad_for(gears.eos_token_id))
+    session.load_graph(0, {}, path)
+    try:
+        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
+        streamed = (
+            list(session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW, stream=True))
+            if stream
+            else None
+        )
+    finally:
+        session.remove_graph(0)
+    return want, got, streamed

@@ -7,21 +7,22 @@ import json
 import math
 import re
 import zipfile
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
 from tests.conftest import is_multiprocessing_helper
-from tests.differential.zoo import DECODER, FAMILIES, VOCAB
+from tests.differential.zoo import DECODER, FAMILIES
 from tests.generation_families import (
-    ENCODER_DECODERS,
-    HYBRIDS,
+    GENERATION,
     MAKERS,
-    NAMES,
-    ZOO,
+    NEW,
     alone_tokens,
-    maker,
+    build_family,
+    family_prompts,
+    generate_both_ways,
+    session_tokens,
+    transformers_tokens,
 )
 from tests.training import conftest as training_conftest
 
@@ -36,148 +37,9 @@ from tessel.package import Package
 from tessel.plan import PlanError, has_rule
 from tessel.report import inspect_json, state_bytes
 
-# Every decoder-only family of the zoo on 3 devices whose memory forbids replicated weights
-# (shards that do not divide), and once more in a rotation of the other device counts and
-# memories, so that each of them is met by two families or more (by device count, so each
-# Session's workers are reused)
-DECODERS = ZOO
-ROTATION = ((1, "default"), (2, "tight"), (4, "default"), (2, "default"), (4, "tight"))
-# the families built for generation alone at 1 device, 2 devices whose memory forbids
-# replicated weights, and 3; the rest of them once
-BESIDE = ("mpt", "granitemoe", "jamba", "bamba", "bart", "marian")
-ONCE = (
-    ("falcon_alibi", 3, "tight"), ("granitemoehybrid", 3, "tight"), ("falcon_h1", 2, "tight"),
-    ("mbart", 2, "tight"), ("pegasus", 1, "default"),
-)  # fmt: skip
-RUNS = sorted(
-    [(f, 3, "tight") for f in DECODERS]
-    + [(f, *ROTATION[i % len(ROTATION)]) for i, f in enumerate(DECODERS)]
-    + [(f, *run) for f in BESIDE for run in ((1, "default"), (2, "tight"), (3, "default"))]
-    + list(ONCE),
-    key=lambda run: run[1],
-)
-GENERATION = Generation(max_batch_size=2, max_seq_len=40, prefill_lengths=(8,))
-NEW = 32  # the 8-token gear leaves the 40 slots room for 33
-
-
 # the module's Sessions, one per device count, their workers checked gone when they close
 sessions = training_conftest.sessions
 no_leftover_workers = training_conftest.no_leftover_workers
-
-
-def _build(
-    family: str,
-    devices: int,
-    memory: str,
-    generation: Generation = GENERATION,
-    settings: dict | None = None,
-):
-    model = MAKERS[family]()
-    for key, value in (settings or {}).items():  # the model's own generation_config
-        setattr(model.generation_config, key, value)
-    cluster: object = devices
-    if memory == "tight":  # the longest prompt's activations beside 1.15/N of the weights
-        gear = capture_gear(model, generation, generation.prefill_lengths[-1], keep=has_rule)
-        cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
-    return model, tessel.build(model, cluster=cluster, generation=generation)
-
-
-def _prompts(family: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts of 8 and 5 tokens, the second padded on the left (no special ids)."""
-    ids = torch.randint(3, VOCAB - 1, (2, 8), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    return ids, mask
-
-
-@pytest.mark.parametrize("family,devices,memory", RUNS, ids=[f"{f}-{d}dev-{m}" for f, d, m in RUNS])
-def test_generate_equals_transformers_generate(
-    family: str, devices: int, memory: str, sessions, tmp_path
-) -> None:
-    """A left-padded batch of two prompts of different lengths: each row's tokens are those
-    transformers' generate makes of its prompt alone, unpadded, with its own cache."""
-    model, built = _build(family, devices, memory)
-    gears = built.manifest.generation
-    assert gears is not None and gears.prefill_lengths == (8,)
-    if memory == "tight":  # less than the weights and the cache, replicated
-        whole = sum(p.numel() * p.element_size() for p in model.parameters())
-        whole += sum(math.prod(s.shape) * 4 for s in gears.state)  # fp32
-        for rank in built.manifest.plan.ranks:
-            assert rank.weight_bytes < whole
-    path = tessel.save(built, tmp_path / family)
-    want, got, streamed = _generate_both_ways(
-        family, built, path, sessions.setdefault(devices, tessel.Session()), stream=True
-    )
-    assert torch.equal(got, want)
-    prompt = 1 if family in ENCODER_DECODERS else _prompts(family)[0].shape[1]
-    assert torch.equal(torch.stack(streamed, dim=1), want[:, prompt:])
-    if family in HYBRIDS:
-        _shows_each_state_by_kind(built)
-
-
-def _shows_each_state_by_kind(built) -> dict[str, dict]:
-    """A hybrid package's keys and values and its recurrent states, each counted and shown by
-    kind with its bytes per rank (`tessel inspect`'s JSON and text)."""
-    inspected = inspect_json(built.manifest)["generation"]["state_kinds"]
-    kinds = {k["kind"]: k for k in inspected}
-    assert {"keys and values", "convolution states", "recurrent states"} <= kinds.keys()
-    shown = str(built)
-    for kind in kinds.values():
-        assert sum(kind["bytes_per_rank"]) >= kind["bytes"] > 0, kind
-        assert f"cache, {kind['kind']}: {kind['tensors']} tensors" in shown, shown
-    assert sum(sum(k["bytes_per_rank"]) for k in inspected) == sum(state_bytes(built.manifest))
-    return kinds
-
-
-def test_a_hybrid_cache_too_large_for_one_device_is_split_as_each_kind_is() -> None:
-    """32 rows of Jamba's cache on 2 devices that cannot hold it whole: what is split is split
-    as its kind is, keys and values by heads or head size (never the slots they are written
-    at), a recurrent layer's convolution and recurrent states by channels (never the
-    convolution's window or the state size, which every step would move across ranks), at half
-    its bytes per rank; and the gears still give transformers' tokens (the build's check)."""
-    generation = Generation(max_batch_size=32, max_seq_len=24, prefill_lengths=(8,))
-    _, built = _build("jamba", 2, "tight", generation)
-    kinds = _shows_each_state_by_kind(built)
-    allowed = {"keys and values": (1, 3), "convolution states": (1,), "recurrent states": (1,)}
-    split = [k for k in kinds.values() if k["split_dim"] is not None]
-    assert any(k["kind"] != "keys and values" for k in split), kinds  # states split too
-    for kind in split:
-        assert kind["split_dim"] in allowed[kind["kind"]], kind
-        assert kind["bytes_per_rank"] == [kind["bytes"] // 2] * 2, kind
-    assert built.manifest.plan.verify.max_relative_diff is not None
-
-
-def _generate_both_ways(family, built, path, session, *, stream=False):
-    """transformers' tokens (a fresh copy of the model: the build leaves it as it was) and the
-    session's for the family's prompts; with `stream`, the session's streamed steps too."""
-    ids, mask = _prompts(family)
-    gears = built.manifest.generation
-    want = _transformers_tokens(MAKERS[family](), ids, mask, gears.pad_for(gears.eos_token_id))
-    session.load_graph(0, {}, path)
-    try:
-        got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
-        streamed = (
-            list(session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW, stream=True))
-            if stream
-            else None
-        )
-    finally:
-        session.remove_graph(0)
-    return want, got, streamed
-
-
-def _transformers_tokens(model, ids, mask, pad_token_id: int, **settings) -> torch.Tensor:
-    """transformers' greedy tokens for each prompt alone, as tessel's are compared with."""
-    return alone_tokens(model, ids, mask, NEW, pad_token_id, **settings)
-
-
-def _session_tokens(session, path, ids, mask) -> torch.Tensor:
-    """The session's greedy tokens from the package at `path`, loaded for this call alone."""
-    session.load_graph(0, {}, path)
-    try:
-        return session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
-    finally:
-        session.remove_graph(0)
 
 
 @pytest.mark.parametrize("rows", [2, 1])
@@ -189,7 +51,7 @@ def test_eager_attention_decodes_over_the_cache_as_it_is(rows, sessions, tmp_pat
     generation = Generation(
         max_batch_size=rows, max_seq_len=GENERATION.max_seq_len, prefill_lengths=(8,)
     )
-    model, built = _build("gemma2", 1, "default", generation)
+    model, built = build_family("gemma2", 1, "default", generation)
     predicted = built.manifest.plan.memory.rank_peak_bytes
     lowered = [rank.peak_bytes for rank in built.manifest.plan.ranks]
     assert all(abs(p - q) <= 0.05 * q for p, q in zip(predicted, lowered)), (predicted, lowered)
@@ -200,14 +62,14 @@ def test_eager_attention_decodes_over_the_cache_as_it_is(rows, sessions, tmp_pat
         for name in programs:
             _attends_to_the_cache_as_it_is(json.loads(z.read(name)))
     if rows == 2:
-        want, got, _ = _generate_both_ways(
+        want, got, _ = generate_both_ways(
             "gemma2", built, path, sessions.setdefault(1, tessel.Session())
         )
         assert torch.equal(got, want)
         return
-    ids = _prompts("gemma2")[0][:1]
+    ids = family_prompts()[0][:1]
     gears = built.manifest.generation
-    want = _transformers_tokens(MAKERS["gemma2"](), ids, None, gears.pad_for(gears.eos_token_id))
+    want = transformers_tokens(MAKERS["gemma2"](), ids, None, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(1, tessel.Session())
     session.load_graph(0, {}, path)
     try:
@@ -237,7 +99,7 @@ def llama_with_settings():
     """A cache of 4 rows x 256 slots, which outweighs the model, over 2 devices whose memory
     forbids replicated weights; the model carries `MODEL_SETTINGS`."""
     generation = Generation(max_batch_size=4, max_seq_len=256, prefill_lengths=(8,))
-    return _build("llama", 2, "tight", generation, MODEL_SETTINGS)
+    return build_family("llama", 2, "tight", generation, MODEL_SETTINGS)
 
 
 def test_the_model_settings_are_generates_defaults(llama_with_settings, sessions, tmp_path):
@@ -250,7 +112,7 @@ def test_the_model_settings_are_generates_defaults(llama_with_settings, sessions
     assert gears.eos_token_id == (3, 250)
     assert gears.defaults == {k: v for k, v in MODEL_SETTINGS.items() if k != "eos_token_id"}
     assert "decoding: the model's do_sample=True, temperature=0.7" in str(built)
-    ids, mask = _prompts("llama")
+    ids, mask = family_prompts()
     model = FAMILIES["llama"].make().model
     for key, value in MODEL_SETTINGS.items():
         setattr(model.generation_config, key, value)
@@ -358,7 +220,7 @@ def llama_packages(tmp_path_factory) -> dict[int | str, str]:
     root = tmp_path_factory.mktemp("llama_gen")
     generation = Generation(max_batch_size=2, max_seq_len=24, prefill_lengths=(4, 8))
     packages: dict[int | str, str] = {
-        n: str(tessel.save(_build("llama", n, "default", generation)[1], root / f"llama{n}"))
+        n: str(tessel.save(build_family("llama", n, "default", generation)[1], root / f"llama{n}"))
         for n in (1, 2, 4)
     }
     model = FAMILIES["llama"].make().model
@@ -389,7 +251,7 @@ def test_replicas_hold_their_rows_of_the_cache(llama_packages) -> None:
 def test_seeded_sampling_gives_the_same_tokens_at_any_device_count(
     llama_packages, sessions
 ) -> None:
-    ids, mask = _prompts("llama")
+    ids, mask = family_prompts()
     gears = Package.open(llama_packages[1]).manifest.generation
     want = alone_tokens(MAKERS["llama"](), ids, mask, 12, gears.pad_for(gears.eos_token_id))
     drawn = {}
@@ -597,16 +459,16 @@ def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     gears = built.manifest.generation
-    want = _transformers_tokens(_qwen2(), ids, mask, gears.pad_for(gears.eos_token_id))
+    want = transformers_tokens(_qwen2(), ids, mask, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(devices, tessel.Session())
-    assert torch.equal(_session_tokens(session, path, ids, mask), want)
+    assert torch.equal(session_tokens(session, path, ids, mask), want)
 
 
 def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> None:
     """256 new tokens leave each worker holding what 16 did: no step keeps a copy of the
     cache (8 MiB a rank here) or anything else, and every write lands in the cache itself."""
     generation = Generation(max_batch_size=8, max_seq_len=2048, prefill_lengths=(8,))
-    model, built = _build("llama", 2, "default", generation)
+    model, built = build_family("llama", 2, "default", generation)
     held = state_bytes(built.manifest)
     assert min(held) >= 4 * 2**20, held
     session = sessions.setdefault(2, tessel.Session())
@@ -630,7 +492,7 @@ def test_worker_memory_stays_flat_over_256_decode_steps(sessions, tmp_path) -> N
 
 def _llama(layers: int) -> torch.nn.Module:
     """The suite's Llama with `layers` layers: more than pipeline stages, cut unevenly."""
-    from tests.differential.zoo import DECODER, lm
+    from tests.differential.zoo import lm
 
     sizes = {**DECODER, "num_hidden_layers": layers}
     return lm("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **sizes)().model
@@ -703,9 +565,9 @@ def test_pipeline_stages_generate_transformers_tokens(
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     gears = manifest.generation
-    want = _transformers_tokens(make(), ids, mask, gears.pad_for(gears.eos_token_id))
+    want = transformers_tokens(make(), ids, mask, gears.pad_for(gears.eos_token_id))
     session = sessions.setdefault(devices, tessel.Session())
-    assert torch.equal(_session_tokens(session, path, ids, mask), want)
+    assert torch.equal(session_tokens(session, path, ids, mask), want)
 
 
 def test_a_stage_that_overflows_at_every_memory_is_named_with_its_layers() -> None:
@@ -811,12 +673,12 @@ def test_an_encoder_decoder_generates_transformers_tokens(
             ids = torch.randint(2, 256, (2, length), generator=torch.Generator().manual_seed(3))
             mask = torch.ones_like(ids)
             mask[1, : length // 3 + 1] = 0
-            want = _transformers_tokens(MAKERS["t5"](), ids, mask, gears.pad_for(()))
+            want = transformers_tokens(MAKERS["t5"](), ids, mask, gears.pad_for(()))
             got = session.generate(0, ids, attention_mask=mask, max_new_tokens=NEW)
             assert torch.equal(got, want), length
             kinds |= {len(set(row)) for row in want.tolist()}
         # a repetition penalty counts the decoder's tokens, not the encoder's prompt
-        want = _transformers_tokens(
+        want = transformers_tokens(
             MAKERS["t5"](), ids, mask, gears.pad_for(()), repetition_penalty=1.5
         )
         got = session.generate(
@@ -826,118 +688,3 @@ def test_an_encoder_decoder_generates_transformers_tokens(
     finally:
         session.remove_graph(0)
     assert max(kinds) > 3  # tokens that vary: the comparison can tell a wrong cache
-
-
-def test_every_zoo_family_that_generates_is_checked_against_transformers() -> None:
-    """The generation families checked against transformers' generate cover every family of
-    the differential suite whose model generates, and every one has the README's name."""
-    for name, family in FAMILIES.items():
-        if family.make().model.can_generate():
-            assert name in MAKERS, name
-    assert set(MAKERS) == set(NAMES)
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
-    listed = re.search(
-        r"of each prompt alone, in the test suite, on these families: ([^.]+)\.", readme
-    )
-    assert listed, "README.md lists no families generation is checked on"
-    assert listed[1].split(", ") == list(NAMES.values()), listed[1]
-    tested = {f for f, _, _ in RUNS} | {"t5"}  # T5 has a test of its own, below
-    assert tested == set(MAKERS), set(MAKERS) ^ tested
-
-
-def test_a_model_taking_its_arguments_through_kwargs_is_given_them(sessions, tmp_path) -> None:
-    """A causal LM whose call takes `use_cache` and `position_ids` only through `**kwargs`:
-    calling it finds it takes them, so it is built and given them, and a left-padded row gets
-    the positions it has alone (default positions would count its padding)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tessel.capture.generation import probe
-
-    class KwargsLlama(LlamaForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, cache=None, **kwargs):
-            return super().forward(
-                input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs
-            )
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return KwargsLlama(LlamaConfig(num_key_value_heads=2, **DECODER)).eval()
-
-    model = make()
-    assert probe(model, 2, 40, 8).takes == {"use_cache", "position_ids", "logits_to_keep"}
-    built = tessel.build(model, cluster=2, generation=GENERATION)
-    ids, mask = _prompts("llama")
-    gears = built.manifest.generation
-    want = _transformers_tokens(make(), ids, mask, gears.pad_for(gears.eos_token_id))
-    got = _session_tokens(
-        sessions.setdefault(2, tessel.Session()), tessel.save(built, tmp_path / "kw"), ids, mask
-    )
-    assert torch.equal(got, want)
-
-
-def test_a_cache_answering_the_wrong_length_fails_the_builds_check(monkeypatch) -> None:
-    """A fault in tessel's own cache (it answers the slot + 1 as its length, which BART's
-    decoder reads its positions from) is caught by the check against transformers' generate,
-    which shares none of it: the package is not written, and the error names the row and the
-    token."""
-    from tessel.builder.verify import VerifyError
-    from tessel.capture import generation as captured
-
-    monkeypatch.setattr(captured.SlotCache, "length", lambda cache: cache.slots[0] + 1)
-    with pytest.raises(VerifyError) as err:
-        tessel.build(MAKERS["bart"](), cluster=1, generation=Generation(2, 24, (8,)))
-    assert "row 0 (a prompt of 7 tokens, alone in transformers' generate), new token 0" in str(
-        err.value
-    ), err.value
-
-
-def test_rotary_tables_that_change_with_the_length_are_kept_below_the_switch() -> None:
-    """Dynamic NTK scaling (Llama) and long factors (Phi-3) change the rotary table past a
-    length: below it the gears keep the first table, and the build's check against
-    transformers' generate passes; a max_seq_len past it is refused by name."""
-    dynamic = maker(
-        "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2,
-        **{**DECODER, "max_position_embeddings": 24},
-        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-    )  # fmt: skip
-    built = tessel.build(dynamic(), cluster=1, generation=Generation(2, 24, (8,)))
-    assert built.manifest.plan.verify.max_relative_diff is not None
-    longrope = maker(
-        "Phi3Config", "Phi3ForCausalLM", pad_token_id=0, original_max_position_embeddings=16,
-        rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-            "long_factor": [4.0] * 8, "original_max_position_embeddings": 16,
-        },
-        **DECODER,
-    )  # fmt: skip
-    for make, switch in ((dynamic, 24), (longrope, 16)):
-        with pytest.raises(ConfigError, match=f"give max_seq_len={switch} or less") as err:
-            capture_gear(make(), Generation(1, switch + 1, (8,)), 8)
-        assert (err.value.source, err.value.key) == ("Generation", "max_seq_len")
-
-
-def test_beam_search_is_refused_at_build_and_taken_per_call_where_it_changes_nothing(
-    sessions, tmp_path
-) -> None:
-    """BART as released carries num_beams=4, which tessel does not build: the build refuses
-    it by name. Set to 1, it builds; a call may pass num_beams=1 (as to transformers'
-    generate), and is refused num_beams=4 by name."""
-    model = MAKERS["bart"]()
-    model.generation_config.num_beams = 4
-    with pytest.raises(ConfigError) as err:
-        tessel.build(model, cluster=1, generation=GENERATION)
-    assert (err.value.source, err.value.key) == ("model.generation_config", "num_beams")
-    model.generation_config.num_beams = 1
-    built = tessel.build(model, cluster=1, generation=GENERATION)
-    ids, mask = _prompts("bart")
-    session = sessions.setdefault(1, tessel.Session())
-    session.load_graph(0, {}, tessel.save(built, tmp_path / "bart"))
-    try:
-        plain = session.generate(0, ids, attention_mask=mask, max_new_tokens=4)
-        asked = session.generate(0, ids, attention_mask=mask, max_new_tokens=4, num_beams=1)
-        assert torch.equal(plain, asked)
-        with pytest.raises(ConfigError) as err:
-            session.generate(0, ids, attention_mask=mask, num_beams=4)
-        assert err.value.key == "num_beams"
-    finally:
-        session.remove_graph(0)

@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from tessel._torch import (
     C10D_FUNCTIONAL,
     MaskPartial,
+    OpOverload,
     clear_dtensor_caches,
     fake_process_group,
     local_tensor,
@@ -492,20 +493,22 @@ def _count_nodes(args: Any) -> int:
     )
 
 
-def _laid_out(t: torch.Tensor, captured: Any) -> torch.Tensor:
+def _laid_out(t: torch.Tensor, captured: Any, viewed: bool = False) -> torch.Tensor:
     """`t` with the strides the captured graph gave its value, where they differ.
 
     A gathered tensor comes back contiguous in its own order, which need not be the layout the
     captured graph had (a transposed value stays transposed there), and a `view` taken of it
     may then be impossible. Dense layouts are remade with a permute, a copy and the inverse
-    permute; anything else is left as it is.
+    permute; anything else is left as it is. For the input of a view (`viewed`), the strides
+    of size-1 dims, which no view reads, need not match: there a copy whose other dims nest as
+    captured serves.
     """
     if not isinstance(captured, torch.Tensor) or tuple(t.shape) != tuple(captured.shape):
         return t
     want = tuple(captured.stride())
 
-    def laid_as_wanted(x: torch.Tensor) -> bool:  # a dim of size 1 may have any stride
-        return all(a == b for a, b, n in zip(x.stride(), want, x.shape) if n != 1)
+    def laid_as_wanted(x: torch.Tensor) -> bool:
+        return all(a == b for a, b, n in zip(x.stride(), want, x.shape) if n != 1 or not viewed)
 
     if laid_as_wanted(t) or t.dim() == 0:
         return t
@@ -543,12 +546,14 @@ def _replicated(n: fx.Node, env: dict, mesh: DeviceMesh) -> Any:
     """Run a node on whole tensors and hand its result on as replicated DTensors."""
 
     whole = tuple(Replicate() for _ in range(mesh.ndim))
+    viewed = isinstance(n.target, OpOverload) and n.target.is_view
 
     def local(a: Any) -> Any:
         if isinstance(a, fx.Node):
             value = env[a]
             if isinstance(value, DTensor):
-                return _laid_out(local_tensor(_move(env, a, value, whole)), a.meta.get("val"))
+                moved = local_tensor(_move(env, a, value, whole))
+                return _laid_out(moved, a.meta.get("val"), viewed)
             return value
         return _whole(a, mesh)
 
