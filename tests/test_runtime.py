@@ -686,6 +686,25 @@ def test_a_loaded_graph_keeps_its_workers_to_itself(model_file, gpt2_files, sess
     _assert_matches(session, 1, gpt2, ids)
 
 
+@pytest.mark.timeout(120)
+def test_a_session_hands_tensors_over_after_the_sharing_thread_ended(model_file, session):
+    """A tensor reaches a worker as a file descriptor that multiprocessing's resource sharer,
+    one thread of the session's process, hands over. With that thread ended (its listener
+    left open), the next run would wait for ever; the session starts it again."""
+    from multiprocessing import connection, current_process, resource_sharer
+
+    llama, ids, path = model_file
+    session.load_graph(0, {}, path)
+    _assert_matches(session, 0, llama, ids)
+    sharer = resource_sharer._resource_sharer
+    ending = connection.Client(sharer._address, authkey=current_process().authkey)
+    ending.send(None)  # what ends the thread: it serves nothing after
+    ending.close()
+    sharer._thread.join(10)
+    assert not sharer._thread.is_alive()
+    _assert_matches(session, 0, llama, ids)
+
+
 def test_reuse_can_be_turned_off(model_file, session):
     _, _, path = model_file
     session.load_graph(0, {"tessel.reuse_workers": "false"}, path)

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_sharer
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -471,6 +472,7 @@ class Session:
         else:
             index = graph.next_replica
             graph.next_replica = (index + 1) % len(workers.conns)
+        _sharing_tensors()
         # a worker gone since the last run closed its pipe: the wait below says how it ended
         with contextlib.suppress(OSError):
             workers.conns[index].send(("run", tensors, graph.learning_rate))
@@ -624,6 +626,7 @@ class Session:
             "stream": stream,
         }
         prompt = input_ids.detach().long().cpu().contiguous()
+        _sharing_tensors()
         with contextlib.suppress(OSError):
             workers.conns[0].send(("generate", request, prompt, mask.cpu().contiguous()))
         if stream:
@@ -792,6 +795,19 @@ def _healthy(workers: _Workers) -> bool:
         return not any(c.poll() for c in workers.conns)
     except OSError:
         return False
+
+
+def _sharing_tensors() -> None:
+    """Make sure this process can hand tensors to its workers. A tensor sent down a worker's
+    pipe travels as a file descriptor that multiprocessing's resource sharer, one thread of
+    this process, gives the worker that asks for it; were that thread gone, every later send
+    would leave its worker waiting for ever, so a sharer whose thread has ended is reset (the
+    next send starts it again), and the log says so."""
+    sharer = resource_sharer._resource_sharer
+    thread = sharer._thread
+    if sharer._address is not None and (thread is None or not thread.is_alive()):
+        log.warning("the thread that hands tensors to the workers had ended; starting it again")
+        sharer._afterfork()  # drops the ended listener and its unsent descriptors
 
 
 def _send_load(workers: _Workers, path: str, resume: str = "") -> None:
