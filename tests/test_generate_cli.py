@@ -123,6 +123,32 @@ def test_generate_from_token_ids_equals_transformers(package, tmp_path) -> None:
     assert lines[-1] == f"wrote {tmp_path / 'out.safetensors'}"
 
 
+def test_generate_min_length_equals_transformers(package, tmp_path) -> None:
+    """`--min-length` (a flag made from `Sampling`'s field) reaches the loop: the greedy first
+    token as the eos token ends the row at once, unless the row must first hold 14 tokens."""
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    eos = int(_want(ids, mask, 1)[0, -1])
+    save_file({"input_ids": ids}, str(tmp_path / "prompt.safetensors"))
+    flags = ["--input-ids", str(tmp_path / "prompt.safetensors"), "--max-new-tokens=6"]
+    flags += [f"--eos-token-id={eos}", "--pad-token-id=0", "--min-length=14"]
+    out = str(tmp_path / "out.safetensors")
+    assert main(["generate", str(package), *flags, "--output", out]) == 0
+    want = _model().generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        min_length=14,
+        eos_token_id=eos,
+        pad_token_id=0,
+        do_sample=False,
+        cache_implementation="static",
+    )
+    got = load_file(out)["sequences"]
+    assert torch.equal(got, want)
+    assert eos not in got[0, 10:14].tolist()  # without --min-length, got[0, 10] is eos
+
+
 def _tokenizer(directory: Path):
     """A word-level tokenizer over the model's vocabulary: `w0` ... `w63`, `<pad>` at 0."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -10,6 +10,7 @@ import sys
 
 from tessel.checkpoint import cli as ckpt_cli
 from tessel.config.errors import ConfigError
+from tessel.config.sampling import SAMPLING_FIELDS, SAMPLING_SETTINGS
 from tessel.errors import TesselError
 
 
@@ -215,6 +216,39 @@ def _node_id_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# a flag spelled otherwise than its setting: one id a flag, repeated for several
+_FLAG_SPELLINGS = {"suppress_tokens": "--suppress-token"}
+
+
+def _sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """`tessel generate`'s decoding flags: one per `Sampling` field (`--min-length` for
+    `min_length`), its type and help from `SAMPLING_FIELDS`, its dest the field's name, so
+    the parsed settings go to `Session.generate` as they are. Each flag's default is None,
+    not asked: the model's setting, else `transformers`' default, as in `Session.generate`."""
+    for setting in SAMPLING_FIELDS:
+        flag = _FLAG_SPELLINGS.get(setting.name, "--" + setting.name.replace("_", "-"))
+        told = setting.help.replace("%", "%%")  # argparse formats help with %
+        if setting.several:
+            told += " One id a flag, again for each of several."
+        if setting.name in SAMPLING_SETTINGS:
+            told += " (default: the model's generation_config, else transformers')"
+        else:
+            told += f" (default: {setting.default})"
+        if setting.kind is bool:
+            parser.add_argument(
+                flag, dest=setting.name, action=argparse.BooleanOptionalAction, help=told
+            )
+            continue
+        parser.add_argument(
+            flag,
+            dest=setting.name,
+            type=setting.kind,
+            action="append" if setting.several else "store",
+            metavar="TOKEN_ID" if setting.several or setting.name.endswith("token_id") else None,
+            help=told,
+        )
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessel",
@@ -365,81 +399,12 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prompt", action="append", help="a prompt's text (with --tokenizer); repeat for a batch"
     )
-    model_default = "(default: the model's generation_config, else transformers')"
     g.add_argument(
         "--max-new-tokens",
         type=_positive("--max-new-tokens"),
         help="how many tokens to make (default: the model's, else 20, as transformers counts)",
     )
-    g.add_argument(
-        "--do-sample",
-        action=argparse.BooleanOptionalAction,
-        help=f"sample each token, or with --no-do-sample choose greedily {model_default}",
-    )
-    g.add_argument("--temperature", type=float, help=f"with sampling {model_default}")
-    g.add_argument(
-        "--top-k", type=int, help=f"keep the k likeliest tokens (0: all) {model_default}"
-    )
-    g.add_argument("--top-p", type=float, help=f"keep the nucleus of this mass {model_default}")
-    g.add_argument("--seed", type=int, help="the sampling seed (default: 0)")
-    g.add_argument(
-        "--repetition-penalty",
-        type=float,
-        help=f"divide the scores of tokens a row holds by it {model_default}",
-    )
-    g.add_argument(
-        "--no-repeat-ngram-size",
-        type=int,
-        help=f"never repeat an n-gram of this many tokens {model_default}",
-    )
-    g.add_argument(
-        "--min-new-tokens",
-        type=int,
-        help=f"make at least this many tokens before an eos token {model_default}",
-    )
-    g.add_argument(
-        "--min-p",
-        type=float,
-        help=f"with sampling, keep tokens at least this share as likely as the likeliest "
-        f"{model_default}",
-    )
-    g.add_argument(
-        "--typical-p",
-        type=float,
-        help=f"with sampling, keep the typical set of this mass {model_default}",
-    )
-    g.add_argument(
-        "--epsilon-cutoff",
-        type=float,
-        help=f"with sampling, drop tokens less likely than this {model_default}",
-    )
-    g.add_argument(
-        "--eta-cutoff",
-        type=float,
-        help=f"with sampling, drop tokens below this cutoff, lowered by the entropy {model_default}",
-    )
-    g.add_argument(
-        "--suppress-token",
-        type=int,
-        action="append",
-        dest="suppress_tokens",
-        metavar="TOKEN_ID",
-        help=f"never make this token; again for each of several {model_default}",
-    )
-    g.add_argument(
-        "--forced-bos-token-id",
-        type=int,
-        metavar="TOKEN_ID",
-        help=f"make this token where a row holds one token (an encoder-decoder's first) "
-        f"{model_default}",
-    )
-    g.add_argument(
-        "--forced-eos-token-id",
-        type=int,
-        action="append",
-        metavar="TOKEN_ID",
-        help=f"make this token last; again for each of several {model_default}",
-    )
+    _sampling_flags(g)
     g.add_argument(
         "--eos-token-id",
         type=int,

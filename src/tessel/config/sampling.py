@@ -6,8 +6,9 @@ resolves them. No torch: `tessel inspect` reads a package's settings with this m
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from tessel.config.errors import ConfigError
 
@@ -27,22 +28,87 @@ class Sampling:
     `transformers`' own (each cut off where it removes nothing), used where neither the call
     nor the model (`MODEL_SETTINGS`) sets a value."""
 
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    min_length: int = 0
-    min_new_tokens: int = 0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    epsilon_cutoff: float = 0.0
-    eta_cutoff: float = 0.0
-    suppress_tokens: tuple[int, ...] = ()
-    forced_bos_token_id: int | None = None
-    forced_eos_token_id: tuple[int, ...] = ()
+    # each field's `help` is what every front end (Session.generate's keywords, tessel
+    # generate's flags) tells its user: `SAMPLING_FIELDS`
+    do_sample: bool = field(
+        default=False,
+        metadata={"help": "Sample each token, or choose the likeliest (greedy)."},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "With sampling, divide the logits by it (below 1: sharper)."},
+    )
+    top_k: int = field(
+        default=50,
+        metadata={"help": "With sampling, keep the k likeliest tokens (0: all)."},
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "With sampling, keep the smallest set of tokens of this mass."},
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "With sampling, the seed of the draws: the same seed, the same tokens."},
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "Make the tokens a row holds this much less likely (1: no penalty)."},
+    )
+    no_repeat_ngram_size: int = field(
+        default=0,
+        metadata={"help": "Let no n-gram of this many tokens occur twice in a row (0: no ban)."},
+    )
+    min_length: int = field(
+        default=0,
+        metadata={
+            "help": "Make no eos token before a row holds this many tokens, its prompt's "
+            "included (0: none)."
+        },
+    )
+    min_new_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "Make no eos token before a row holds this many new tokens (0: none). "
+            "Where set, it overrules min_length."
+        },
+    )
+    min_p: float = field(
+        default=0.0,
+        metadata={
+            "help": "With sampling, keep the tokens at least this share as likely as the "
+            "likeliest (0: all)."
+        },
+    )
+    typical_p: float = field(
+        default=1.0,
+        metadata={"help": "With sampling, keep the locally typical set of this mass (1: all)."},
+    )
+    epsilon_cutoff: float = field(
+        default=0.0,
+        metadata={"help": "With sampling, drop the tokens less likely than this (0: none)."},
+    )
+    eta_cutoff: float = field(
+        default=0.0,
+        metadata={
+            "help": "With sampling, drop the tokens below this cutoff, lowered by the "
+            "entropy (0: none)."
+        },
+    )
+    suppress_tokens: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "Never make these tokens."},
+    )
+    forced_bos_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Make this token where a row holds one token (an encoder-decoder's "
+            "first new token)."
+        },
+    )
+    forced_eos_token_id: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "Make this token (or one of these) the call's last token."},
+    )
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ConfigError:
@@ -101,6 +167,33 @@ class Sampling:
                 if getattr(self, key) != unsampled[key]:
                     raise bad(key, "takes effect only with do_sample=True (greedy otherwise)")
 
+
+@dataclass(frozen=True)
+class SamplingField:
+    """One `Sampling` setting as a front end offers it (a keyword, a flag, a request's field):
+    derived from `Sampling`'s fields, so no front end restates their names, types or help."""
+
+    name: str
+    kind: type  # bool, int or float: the value's, or each token id's where `several`
+    several: bool  # token ids, one or more (`suppress_tokens`, `forced_eos_token_id`)
+    default: object  # `Sampling`'s: where neither the call nor the model sets it
+    help: str  # what it does, in short sentences
+
+
+def _sampling_fields() -> tuple[SamplingField, ...]:
+    hints = typing.get_type_hints(Sampling)
+    out = []
+    for f in fields(Sampling):
+        hint = hints[f.name]  # bool, int, float, int | None or tuple[int, ...]
+        kinds = [a for a in typing.get_args(hint) if a not in (type(None), Ellipsis)]
+        kind = kinds[0] if kinds else hint
+        several = typing.get_origin(hint) is tuple
+        out.append(SamplingField(f.name, kind, several, f.default, f.metadata["help"]))
+    return tuple(out)
+
+
+# every `Sampling` field, in its order, with its type, default and help
+SAMPLING_FIELDS = _sampling_fields()
 
 # the settings only a sampled token reads; the seed too, which only the call gives
 SAMPLED_ONLY = (

@@ -6,6 +6,7 @@ import argparse
 import math
 import signal
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tessel.atomic import replace_atomically
 from tessel.config.errors import ConfigError
+from tessel.config.sampling import Sampling
 from tessel.dtypes import dtype_name, torch_dtype
 from tessel.package import Package
 from tessel.package.manifest import Manifest
@@ -209,25 +211,9 @@ def generate_command(args: argparse.Namespace) -> int:
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
     else:
         ids, mask = read_prompt(args.input_ids)
-    sampling = dict(
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size,
-        min_new_tokens=args.min_new_tokens,
-        min_p=args.min_p,
-        typical_p=args.typical_p,
-        epsilon_cutoff=args.epsilon_cutoff,
-        eta_cutoff=args.eta_cutoff,
-        suppress_tokens=args.suppress_tokens,
-        forced_bos_token_id=args.forced_bos_token_id,
-        forced_eos_token_id=args.forced_eos_token_id,
-        eos_token_id=args.eos_token_id,
-        pad_token_id=args.pad_token_id,
-    )
+    # each Sampling field's flag has the field's name as its dest (tessel.cli); None: not asked
+    settings = {f.name: getattr(args, f.name) for f in fields(Sampling)}
+    settings.update(eos_token_id=args.eos_token_id, pad_token_id=args.pad_token_id)
     options = {} if args.node_id is None else {"tessel.node_id": args.node_id}
     initialize()
     try:
@@ -236,7 +222,7 @@ def generate_command(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         steps: list[torch.Tensor] = []
         shown = ""
-        for step in session.generate(0, ids, mask, args.max_new_tokens, stream=True, **sampling):
+        for step in session.generate(0, ids, mask, args.max_new_tokens, stream=True, **settings):
             if not steps:
                 first = time.perf_counter() - t
             steps.append(step)

@@ -29,7 +29,7 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
-from tessel.config.sampling import UNSUPPORTED_SETTINGS, sampling_for
+from tessel.config.sampling import UNSUPPORTED_SETTINGS, Sampling, sampling_for
 from tessel.decoding import check_request, new_tokens_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
 from tessel.errors import TesselError
@@ -566,24 +566,10 @@ class Session:
                 f"graph {graph_id} was built without generation (tessel.build(..., "
                 "generation=tessel.Generation(...)))",
             )
-        asked = dict(
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            min_length=min_length,
-            min_new_tokens=min_new_tokens,
-            min_p=min_p,
-            typical_p=typical_p,
-            epsilon_cutoff=epsilon_cutoff,
-            eta_cutoff=eta_cutoff,
-            suppress_tokens=suppress_tokens,
-            forced_bos_token_id=forced_bos_token_id,
-            forced_eos_token_id=forced_eos_token_id,
-        )
+        # each Sampling field is a keyword above (tests/test_sampling_settings.py keeps them
+        # equal); None: not asked
+        given = locals()
+        asked = {f.name: given[f.name] for f in dataclasses.fields(Sampling)}
         sampling = sampling_for(asked, gears.defaults)
         for key in ("suppress_tokens", "forced_eos_token_id"):
             for token in getattr(sampling, key):
