@@ -401,6 +401,12 @@ class Choice:
             return make_fx(self)(logits, *self.example(device))
 
 
+def draws(vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """One token's noise for a sampled row: `vocab` exponential draws from the row's own
+    generator."""
+    return torch.empty(vocab).exponential_(generator=generator)
+
+
 # a gear's call: `(length, gear inputs, choice, choice inputs)` to each row's chosen token
 Step = Callable[
     [int, tuple[torch.Tensor, ...], Choice, tuple[torch.Tensor, ...]], torch.Tensor | None
@@ -454,7 +460,9 @@ def decode(
     valid = torch.zeros(batch, slots, dtype=torch.long)
     valid[:rows, gear - length : gear] = mask
     positions = (valid[:, :gear].cumsum(dim=1) - 1).clamp(min=0)
-    generator = torch.Generator().manual_seed(sampling.seed)
+    # row r draws from its own generator, seeded `seed + r`: a row's draws do not depend on
+    # how many rows share the call, so a request alone draws what a served request does
+    generators = [torch.Generator().manual_seed(sampling.seed + r) for r in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool)
     # every row's tokens so far, as the choice reads them: its prompt as given and its new
     # tokens, the penalty counting all but the left padding
@@ -477,9 +485,10 @@ def decode(
 
     def extra(new: int) -> tuple[torch.Tensor, ...]:
         span = torch.tensor([begin, written, new, max_new_tokens - 1 - new])
-        noise = torch.empty(choice.noise_shape)
+        noise = torch.ones(choice.noise_shape)
         if sampling.do_sample:
-            noise.exponential_(generator=generator)
+            for row, generator in enumerate(generators):
+                noise[row] = draws(gears.vocab_size, generator)
         if read:
             return history, counted, span, noise
         return nothing, nothing.bool(), span, noise

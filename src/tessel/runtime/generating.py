@@ -20,9 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from tessel.config.generation import KV
 from tessel.config.sampling import Sampling
 from tessel.decoding import Choice, decode
 from tessel.package.manifest import Gears
+from tessel.sharding.geometry import Box
+
+# a cache tensor, the index of what was kept of it, and that copy
+Kept = tuple[torch.Tensor, tuple, torch.Tensor]
 
 
 @dataclass
@@ -34,6 +39,8 @@ class LoadedGears:
     programs: dict[int, fx.GraphModule]
     weights: list[torch.Tensor]
     logits_rank: int = 0  # the rank that chooses the tokens where not every rank can
+    # the cache's tensors among the weights, by name, each with its box of the whole cache
+    state: dict[str, tuple[torch.Tensor, Box]] = field(default_factory=dict)
     # each gear ending in the choices of the latest requests' settings, the latest last
     chosen: OrderedDict[tuple[int, Choice], fx.GraphModule] = field(default_factory=OrderedDict)
 
@@ -67,6 +74,32 @@ class LoadedGears:
                 self.chosen.popitem(last=False)
         self.chosen.move_to_end(key)
         return self.chosen[key]
+
+    def states(self, prefix: str) -> list[tuple[torch.Tensor, Box]]:
+        """This rank's cache tensors of one kind (`tessel.config.generation`'s prefixes)."""
+        return [held for name, held in self.state.items() if name.startswith(prefix)]
+
+    def keep(self, rows: list[int], start: int, stop: int) -> list[Kept]:
+        """A copy of what a prefill gear writing slots `start` to `stop` of every row would
+        overwrite in the cache rows `rows` on this rank: their keys and values at those slots,
+        their recurrent and convolution states whole (`restore` puts it back)."""
+        kept = []
+        for name, (tensor, box) in self.state.items():
+            low, high = box[0]
+            local = [r - low for r in rows if low <= r < high]
+            if not local:
+                continue
+            index: tuple = (torch.tensor(local, device=tensor.device),)
+            if name.startswith(KV):
+                index = (*index, slice(None), slice(start, stop))
+            kept.append((tensor, index, tensor[index].clone()))
+        return kept
+
+    @staticmethod
+    def restore(kept: list[Kept]) -> None:
+        """Put back what `keep` copied."""
+        for tensor, index, held in kept:
+            tensor[index] = held
 
     def share(self, token: torch.Tensor | None, rows: int) -> torch.Tensor:
         """The token `logits_rank` chose, `[rows]`, on every rank (`token` is this rank's own

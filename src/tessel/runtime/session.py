@@ -114,6 +114,11 @@ def initialize(config: dict[str, str] | None = None) -> None:
     _state["config"] = dict(config or {})
 
 
+def is_initialized() -> bool:
+    """Whether `initialize` was called (and `finalize` not since)."""
+    return bool(_state["initialized"])
+
+
 def finalize() -> None:
     """Stop every session's workers and release the runtime (GEFinalize)."""
     for session in list(_sessions):

@@ -31,6 +31,7 @@ from tessel.runtime import cpu_cache, shared_memory
 from tessel.runtime.generating import LoadedGears, generate_on_rank
 from tessel.runtime.gloo import collectives_as_all_reduces
 from tessel.runtime.loader import BACKWARD, load_programs
+from tessel.runtime.slots import serve_on_rank
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
 
@@ -77,7 +78,7 @@ def collective_timeout_s(run_timeout_s: float) -> float:
 
 
 # The words rank 0 broadcasts to say what every rank does next.
-_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS, _GENERATE = 0, 1, 2, 3, 4, 5, 6, 7
+_STOP, _RUN, _IDLE, _LOAD, _UNLOAD, _SAVE, _STATS, _GENERATE, _SERVE = range(9)
 
 
 def die_with_parent() -> None:
@@ -190,11 +191,13 @@ def _load(
                 step.load_state_dict(tensors)
     loaded_gears = None
     if gears is not None:  # by prompt length, the decode gear at 1
+        sub = package.submodel(spec.rank)
         loaded_gears = LoadedGears(
             gears,
             {n: p for n, p in programs.items() if isinstance(n, int)},
             weights,
             package.manifest.mesh.logits_rank,
+            {name: (weights[sub.weight_order.index(name)], box) for name, box in sub.state.items()},
         )
     _release_memory(device)  # what decoding the program left behind, before the first run
     return _Loaded(program, weights, package.manifest.inputs, step, strategy, loaded_gears)
@@ -459,6 +462,7 @@ _COMMANDS = {
     "save": _SAVE,
     "stats": _STATS,
     "generate": _GENERATE,
+    "serve": _SERVE,
 }
 
 
@@ -525,6 +529,20 @@ def _serve(
                 raise RuntimeError("asked to generate with a package built without generation")
             generate_on_rank(
                 loaded.gears, message, conn if leader else None, spec.distributed, device
+            )
+            continue
+        if command == _SERVE:
+            if loaded.gears is None:
+                raise RuntimeError("asked to serve a package built without generation")
+            shapes = loaded.gears.shapes
+            suppressed = shapes.defaults.get("suppress_tokens") or []
+            serve_on_rank(
+                loaded.gears,
+                conn if leader else None,
+                (lambda text: _broadcast_text(text, device)) if spec.distributed else None,
+                _keepalive_s(spec),
+                shapes.eos_token_id,
+                tuple(int(t) for t in suppressed),  # type: ignore[union-attr]
             )
             continue
         inputs: list[torch.Tensor] = []
