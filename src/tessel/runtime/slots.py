@@ -72,7 +72,7 @@ class Slots:
         self.pointer = 0
         self.valid = torch.zeros(self.size, self.length, dtype=torch.long)
         self.history = torch.full((self.size, self.length), self.pad, dtype=torch.long)
-        self.counts = {"prefills": 0, "decode_steps": 0, "compactions": 0}
+        self.counts = {"admissions": 0, "prefills": 0, "decode_steps": 0, "compactions": 0}
 
     # -- rank 0's decisions ---------------------------------------------------------------
 
@@ -196,6 +196,7 @@ class Slots:
         tokens = self._run(gear, inputs, set(admitted))
         self.gears.restore(kept)
         self.counts["prefills"] += 1
+        self.counts["admissions"] += len(admitted)
         events: list = []
         for r, row in admitted.items():
             events.append((row.rid, None, None))

@@ -318,7 +318,7 @@ class Engine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Rank 0's latest counts: `running`, `waiting`, `slots_used`, `prefills`,
+        """Rank 0's latest counts: `running`, `waiting`, `slots_used`, `admissions`, `prefills`,
         `decode_steps`, `compactions`."""
         return dict(self._counts.stats)
 

@@ -1,0 +1,225 @@
+"""The serving engine: requests at once, each equal to itself alone (greedy: `transformers`'
+own `generate` of its prompt; sampled: `Session.generate` of it alone with its seed), at 1 and
+2 devices and with data-parallel replicas; iteration-level scheduling; cancels; the queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from tests.generation_families import MAKERS
+
+import tessel
+from tessel.config.errors import ConfigError
+from tessel.config.parallel_option import ParallelOption
+from tessel.serving.engine import Engine
+from tessel.serving.errors import BadRequest, QueueFull
+from tessel.serving.settings import Limits, request_for
+
+GENERATION = tessel.Generation(max_batch_size=4, max_seq_len=32, prefill_lengths=(8, 16))
+SAMPLED = [
+    dict(temperature=0.8, top_k=20, top_p=0.9),
+    dict(temperature=1.2, min_p=0.05),
+    dict(temperature=0.7, repetition_penalty=1.3),
+    dict(temperature=1.0, top_p=0.8, top_k=0),
+]
+
+
+def _model() -> torch.nn.Module:
+    return MAKERS["llama"]()
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory) -> dict[str, str]:
+    """The small Llama's generation package on 1 device, 2 tensor-parallel devices, and two
+    data-parallel replicas of one device each (each holding two rows of the cache)."""
+    root = tmp_path_factory.mktemp("serve")
+    model = _model()
+    built = {
+        "1": tessel.build(model, cluster=1, generation=GENERATION),
+        "2": tessel.build(model, cluster=2, generation=GENERATION),
+        "dp2": tessel.build(
+            model,
+            cluster=2,
+            policy=ParallelOption(data_parallel_size=2, tensor_parallel_size=1),
+            generation=GENERATION,
+        ),
+    }
+    return {name: str(tessel.save(b, root / f"llama_{name}")) for name, b in built.items()}
+
+
+def _workload() -> list[tuple[list[int], int, dict]]:
+    """Sixteen requests of mixed prompt lengths and new-token counts, every other one greedy,
+    the others sampled with their own seeds and settings."""
+    g = torch.Generator().manual_seed(5)
+    work = []
+    for i in range(16):
+        length = int(torch.randint(2, 17, (1,), generator=g))
+        prompt = torch.randint(3, 60, (length,), generator=g).tolist()
+        room = GENERATION.max_seq_len - next(n for n in (8, 16) if n >= length) + 1
+        new = int(torch.randint(2, min(room, 20) + 1, (1,), generator=g))
+        fields = {} if i % 2 == 0 else {**SAMPLED[(i // 2) % len(SAMPLED)], "seed": i}
+        work.append((prompt, new, fields))
+    return work
+
+
+async def _serve(engine: Engine, work) -> list[list[int]]:
+    async def one(prompt, new, fields) -> list[int]:
+        return [
+            o.token async for o in engine.submit(engine.request(prompt, max_tokens=new, **fields))
+        ]
+
+    return await asyncio.gather(*(one(*w) for w in work))
+
+
+def _greedy_alone(model, prompt: list[int], new: int, eos: tuple[int, ...]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _sampled_alone(session, prompt: list[int], new: int, fields: dict) -> list[int]:
+    settings = {k: v for k, v in fields.items()}
+    settings["do_sample"] = True
+    out = session.generate(0, torch.tensor([prompt]), max_new_tokens=new, **settings)
+    return out[0, len(prompt) :].tolist()
+
+
+def _cut(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
+    """A reference's tokens up to and with its first stop token (a served request ends there)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.mark.parametrize("layout", ["1", "2", "dp2"])
+def test_sixteen_requests_at_once_each_equal_itself_alone(packages, layout) -> None:
+    work = _workload()
+    with Engine(packages[layout]) as engine:
+        eos = engine.limits.eos_token_id
+        first = asyncio.run(_serve(engine, work))
+        again = asyncio.run(_serve(engine, work))
+        stats = engine.stats
+    assert first == again
+    assert stats["admissions"] == 32 and stats["slots_used"] == 0
+    assert stats["compactions"] > 0 or layout != "1"
+    model = _model()
+    session = tessel.Session()
+    session.load_graph(0, {}, packages[layout])
+    try:
+        for i, ((prompt, new, fields), got) in enumerate(zip(work, first)):
+            if fields:
+                want = _sampled_alone(session, prompt, new, fields)
+            else:
+                want = _greedy_alone(model, prompt, new, eos)
+            assert got == _cut(want, eos), (i, fields)
+    finally:
+        session.close()
+
+
+def test_short_requests_join_a_long_one_and_finish_first(packages) -> None:
+    """Iteration-level scheduling: requests sent after a long one's first token share its
+    decode steps and end before it."""
+
+    async def run(engine: Engine) -> list[str]:
+        ended: list[str] = []
+        started = asyncio.Event()
+
+        async def long() -> None:
+            request = engine.request([5, 6, 7], max_tokens=24, ignore_eos=True)
+            async for _ in engine.submit(request):
+                started.set()
+            ended.append("long")
+
+        async def short(i: int) -> None:
+            await started.wait()
+            request = engine.request([8 + i, 9, 10], max_tokens=3, ignore_eos=True)
+            async for _ in engine.submit(request):
+                pass
+            ended.append(f"short{i}")
+
+        await asyncio.gather(long(), *(short(i) for i in range(3)))
+        return ended
+
+    with Engine(packages["1"]) as engine:
+        ended = asyncio.run(run(engine))
+        stats = engine.stats
+    assert ended[-1] == "long" and len(ended) == 4
+    assert stats["admissions"] == 4 and stats["prefills"] <= 4  # a call may admit several
+    # one request after another would need 24 + 3 x 3 decode steps
+    assert stats["decode_steps"] <= 24 + 2
+
+
+def test_a_request_left_early_frees_its_slot(packages) -> None:
+    async def run(engine: Engine) -> list[int]:
+        for i in range(6):
+            stream = engine.submit(engine.request([3 + i, 4], max_tokens=20, ignore_eos=True))
+            async for _ in stream:
+                break
+            await stream.aclose()
+        return [o.token async for o in engine.submit(engine.request([11, 12, 13], max_tokens=6))]
+
+    with Engine(packages["1"]) as engine:
+        eos = engine.limits.eos_token_id
+        got = asyncio.run(run(engine))
+        stats = engine.stats
+    assert stats["slots_used"] == 0 and stats["running"] == 0
+    assert got == _cut(_greedy_alone(_model(), [11, 12, 13], 6, eos), eos)
+
+
+def test_a_full_queue_refuses_what_exceeds_it(packages) -> None:
+    async def run(engine: Engine) -> list[object]:
+        async def one(i: int) -> object:
+            try:
+                return [o.token async for o in engine.submit(engine.request([3 + i], max_tokens=2))]
+            except QueueFull as exc:
+                return exc
+
+        return await asyncio.gather(*(one(i) for i in range(7)))
+
+    with Engine(packages["1"], max_queued_requests=1) as engine:
+        results = asyncio.run(run(engine))
+    refused = [r for r in results if isinstance(r, QueueFull)]
+    assert len(refused) == 2  # four slots and one place in the queue
+    assert "max-queued-requests" in str(refused[0])
+
+
+def test_a_package_without_gears_is_refused(tmp_path) -> None:
+    model = _model()
+    built = tessel.build(model, (torch.randint(0, 60, (1, 8)),), cluster=1)
+    path = tessel.save(built, tmp_path / "plain")
+    with pytest.raises(ConfigError, match="without generation gears"):
+        Engine(path)
+
+
+LIMITS = Limits(4, (8, 16), 32, 64, (2,), {})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fields", "param", "words"),
+    [
+        ([], {}, "prompt", "no token"),
+        ([1] * 17, {}, "prompt", "at most 16"),
+        ([70], {}, "prompt", "0 to 63"),
+        ([1, 2], {"max_tokens": 26}, "max_tokens", "holds 25"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens", "at least 1"),
+        ([1, 2], {"temperature": -1}, "temperature", "0 or more"),
+        ([1, 2], {"temperature": 0.5, "top_p": 0}, "top_p", "(0, 1]"),
+        ([1, 2], {"temperature": 0, "top_p": 0.5}, "top_p", "do_sample"),
+        ([1, 2], {"min_tokens": -1}, "min_tokens", "at least 0"),
+    ],
+)
+def test_a_bad_request_is_refused_naming_its_field(prompt, fields, param, words) -> None:
+    with pytest.raises(BadRequest) as caught:
+        request_for(LIMITS, prompt, **fields)
+    assert caught.value.param == param and words in str(caught.value)
+
+
+def test_greedy_with_neutral_sampling_fields_is_taken() -> None:
+    request = request_for(LIMITS, [1, 2], temperature=0, top_p=1, top_k=-1, seed=3)
+    assert not request.sampling.do_sample
+    assert request_for(LIMITS, [1, 2]).max_tokens == 25  # what the cache leaves
