@@ -116,6 +116,7 @@ class Inspected:
                     **m.generation.to_json(),
                     "state_bytes_per_rank": state_bytes(m),
                     "state_kinds": state_kinds(m),
+                    "serving": serving_limits(m),
                 }
                 if m.generation is not None
                 else None
@@ -203,7 +204,30 @@ def generation_lines(manifest: Manifest) -> list[str]:
     if gears.defaults:
         settings = ", ".join(f"{k}={v}" for k, v in gears.defaults.items())
         lines.append(f"decoding: the model's {settings} unless a call sets them")
+    serving = serving_limits(manifest)
+    if serving is not None:
+        lines.append(
+            f"serving (tessel serve): {serving['slots']} requests at once, one per cache row; "
+            f"prompts of up to {serving['longest_prompt']} tokens; up to "
+            f"{serving['longest_output']} new tokens after a prompt of "
+            f"{gears.prefill_lengths[0]} or fewer, the cache's {gears.max_seq_len} slots less "
+            "the prompt's prefill gear after a longer one"
+        )
     return lines
+
+
+def serving_limits(manifest: Manifest) -> dict | None:
+    """How many requests a generation package serves at once (its cache's rows), the longest
+    prompt it takes (its longest prefill gear) and the most new tokens a request can ask for
+    (after a prompt in its shortest gear); None where it has no gears."""
+    gears = manifest.generation
+    if gears is None:
+        return None
+    return {
+        "slots": gears.max_batch_size,
+        "longest_prompt": gears.prefill_lengths[-1],
+        "longest_output": gears.max_seq_len - gears.prefill_lengths[0] + 1,
+    }
 
 
 def inspect(manifest: Manifest) -> Inspected:

@@ -223,3 +223,17 @@ def test_greedy_with_neutral_sampling_fields_is_taken() -> None:
     request = request_for(LIMITS, [1, 2], temperature=0, top_p=1, top_k=-1, seed=3)
     assert not request.sampling.do_sample
     assert request_for(LIMITS, [1, 2]).max_tokens == 25  # what the cache leaves
+
+
+def test_inspect_says_how_many_requests_and_how_long(packages) -> None:
+    from tessel.package import Package
+    from tessel.report import generation_lines, inspect_json
+
+    manifest = Package.open(packages["2"]).manifest
+    assert inspect_json(manifest)["generation"]["serving"] == {
+        "slots": 4,
+        "longest_prompt": 16,
+        "longest_output": 32 - 8 + 1,
+    }
+    line = next(x for x in generation_lines(manifest) if x.startswith("serving"))
+    assert "4 requests at once" in line and "up to 16 tokens" in line and "up to 25 new" in line

@@ -26,6 +26,7 @@ step's tokens to the engine.
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,11 @@ class Slots:
         self.pointer = 0
         self.valid = torch.zeros(self.size, self.length, dtype=torch.long)
         self.history = torch.full((self.size, self.length), self.pad, dtype=torch.long)
-        self.counts = {"admissions": 0, "prefills": 0, "decode_steps": 0, "compactions": 0}
+        self.counts = dict.fromkeys(
+            ("admissions", "prefills", "decode_steps", "compactions", "gears_us", "scheduler_us"),
+            0,
+        )
+        self.gear_seconds = 0.0  # the gears' time so far, which the scheduler's leaves out
 
     # -- rank 0's decisions ---------------------------------------------------------------
 
@@ -276,9 +281,13 @@ class Slots:
             (self.history, self.valid.bool()) if penalized else (nothing, nothing.bool())
         )
         extra = (settings, sample, early, history, counted, noise)
+        began = time.perf_counter()
         token = self.gears.run(length, inputs, choice, extra)  # type: ignore[arg-type]
         if self.gears.logits_rank:
             token = self.gears.share(token, self.size)
+        spent = time.perf_counter() - began
+        self.gear_seconds += spent
+        self.counts["gears_us"] += int(spent * 1e6)
         assert token is not None
         return token.cpu()
 
@@ -312,6 +321,7 @@ def serve_on_rank(
                         waiting = deque(w for w in waiting if w[0] != message[1])
                     else:  # stop serving
                         stopping = True
+                started = time.perf_counter() - slots.gear_seconds
                 header = {"stop": True} if stopping else slots.plan(waiting, cancelled)
                 cancelled &= {row.rid for row in slots.rows if row is not None}
         if broadcast is not None:
@@ -326,3 +336,6 @@ def serve_on_rank(
             events = slots.apply(header)
         if conn is not None and (events or header["free"]):
             conn.send(("step", events, slots.stats(len(waiting))))
+        if conn is not None:  # the iteration's time outside the gears: the scheduler's own
+            own = time.perf_counter() - started - slots.gear_seconds
+            slots.counts["scheduler_us"] += int(own * 1e6)

@@ -152,6 +152,8 @@ class Engine:
         self._open: dict[int, _Open] = {}
         self._counts = _Counts()
         self._lock = threading.Lock()
+        self._idle = threading.Event()  # set while no request is open
+        self._idle.set()
         self._stopped: str | None = None  # why the engine takes no more requests
         self.healthy = False
         if not is_initialized():  # an engine is a runtime of its own where none was started
@@ -194,6 +196,7 @@ class Engine:
             rid = next(self._ids)
             held = _Open(request, asyncio.Queue(), loop, time.monotonic())
             self._open[rid] = held
+            self._idle.clear()
             self._counts.waiting += 1
             self._conn.send(("admit", rid, request.to_json()))
         last = held.sent_at
@@ -234,6 +237,8 @@ class Engine:
     def _forget(self, rid: int, cancel: bool) -> None:
         with self._lock:
             held = self._open.pop(rid, None)
+            if not self._open:
+                self._idle.set()
             if held is None:
                 return
             if held.admitted and not held.ended:
@@ -319,7 +324,8 @@ class Engine:
     @property
     def stats(self) -> dict[str, int]:
         """Rank 0's latest counts: `running`, `waiting`, `slots_used`, `admissions`, `prefills`,
-        `decode_steps`, `compactions`."""
+        `decode_steps`, `compactions`, and the microseconds spent in the gears (`gears_us`)
+        and in the scheduler around them (`scheduler_us`)."""
         return dict(self._counts.stats)
 
     def stop_admitting(self, why: str = "the engine is draining") -> None:
@@ -333,10 +339,7 @@ class Engine:
         """Stop admitting, then wait up to `timeout` seconds for the open requests to end;
         True if they all did."""
         self.stop_admitting()
-        end = time.monotonic() + timeout
-        while self._open and time.monotonic() < end and self._reader.is_alive():
-            await asyncio.sleep(0.01)
-        return not self._open
+        return await asyncio.to_thread(self._idle.wait, timeout)
 
     def close(self) -> None:
         """End every open request, stop the serving loop and the workers."""
