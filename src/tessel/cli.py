@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 
@@ -205,6 +206,114 @@ def _positive(flag: str):
         return int(value)
 
     return parse
+
+
+def _count(flag: str):
+    """An int flag value of 0 or more."""
+
+    def parse(value: str) -> int:
+        if not (value.isascii() and value.isdigit()):
+            raise ConfigError(flag, None, f"expected an int of 0 or more, found {value!r}")
+        return int(value)
+
+    return parse
+
+
+def _port(value: str) -> int:
+    """A TCP port, 0 for a free one."""
+    if not (value.isascii() and value.isdigit() and int(value) <= 65535):
+        raise ConfigError("--port", None, f"expected a port from 0 to 65535, found {value!r}")
+    return int(value)
+
+
+def _seconds(flag: str):
+    """A positive number of seconds."""
+
+    def parse(value: str) -> float:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds < math.inf:
+            raise ConfigError(flag, None, f"expected a positive number of seconds, found {value!r}")
+        return seconds
+
+    return parse
+
+
+def _serve_flags(s: argparse.ArgumentParser) -> None:
+    """`tessel serve`'s flags: the node, and how the head serves HTTP. The HTTP flags' defaults
+    are None (told in their help), so a node that is not the head can refuse them by name."""
+    from tessel.serving.server import (
+        DEFAULT_DRAIN_TIMEOUT,
+        DEFAULT_HOST,
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_QUEUED_REQUESTS,
+        DEFAULT_PORT,
+    )
+
+    s.add_argument("model", help="a .tessel offline model; the head serves one with generation")
+    s.add_argument(
+        "--node-id",
+        type=int,
+        default=None,
+        help="the cluster node this host is (default: the head, which serves HTTP; another "
+        "node of a multi-node model starts its workers and waits for the head)",
+    )
+    h = s.add_argument_group("HTTP, on the head")
+    h.add_argument(
+        "--host",
+        help=f"the address to listen at; 0.0.0.0 for every interface (default: {DEFAULT_HOST})",
+    )
+    h.add_argument(
+        "--port",
+        type=_port,
+        help="the port to listen at, not the cluster's own; 0: a free one, printed when the "
+        f"server is ready (default: {DEFAULT_PORT})",
+    )
+    h.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a saved Hugging Face tokenizer: text prompts, chat (its chat template), text "
+        "answers and stop strings (default: none; prompts are token ids)",
+    )
+    h.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in requests and /v1/models (default: the package file's stem)",
+    )
+    h.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="answer /v1/ only to requests bearing this key (Authorization: Bearer KEY) "
+        "(default: none, every request)",
+    )
+    h.add_argument(
+        "--max-queued-requests",
+        type=_count("--max-queued-requests"),
+        metavar="N",
+        help="requests that may wait beyond the free slots; more are answered 429 "
+        f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})",
+    )
+    h.add_argument(
+        "--queue-timeout",
+        type=_seconds("--queue-timeout"),
+        metavar="SECONDS",
+        help="a request waiting this long for a slot is answered 503 (default: none; it waits)",
+    )
+    h.add_argument(
+        "--max-body-bytes",
+        type=_positive("--max-body-bytes"),
+        metavar="BYTES",
+        help=f"larger request bodies are answered 413 (default: {DEFAULT_MAX_BODY_BYTES}, 1 MiB)",
+    )
+    h.add_argument(
+        "--drain-timeout",
+        type=_seconds("--drain-timeout"),
+        metavar="SECONDS",
+        help="on SIGTERM, how long open requests may still run before they are ended and the "
+        f"server exits (default: {DEFAULT_DRAIN_TIMEOUT:g})",
+    )
 
 
 def _node_id_flag(parser: argparse.ArgumentParser) -> None:
@@ -420,10 +529,19 @@ def make_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     s = sub.add_parser(
-        "serve", help="start this host's workers for a model whose cluster spans several nodes"
+        "serve",
+        help="serve a generation package over HTTP (OpenAI's routes), or start this host's "
+        "workers of a model whose cluster spans several nodes",
+        description="The head (no --node-id, or the head's) loads the package on its devices "
+        "and answers OpenAI's /v1/completions and /v1/chat/completions, many requests at once "
+        "(each a slot, a row of the package's cache), with /v1/models, /health and /metrics. "
+        "A prompt holds at most the package's longest prefill gear of tokens, and a prompt "
+        "and its max_tokens at most its max_seq_len (tessel inspect shows both, /v1/models "
+        "too). SIGTERM stops admitting, lets open requests finish (--drain-timeout) and "
+        "exits 0; a worker's death ends every request and exits 1. Another node of a "
+        "multi-node model (--node-id N) starts its workers and waits for the head.",
     )
-    s.add_argument("model", help="a .tessel offline model")
-    s.add_argument("--node-id", type=int, required=True, help="the cluster node this host is")
+    _serve_flags(s)
     s.set_defaults(func=_serve)
 
     d = sub.add_parser("demo", help="build and run a small Llama on a local cluster of CPU devices")

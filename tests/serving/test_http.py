@@ -18,11 +18,9 @@ from tessel.serving.http import app_for
 from tessel.serving.metrics import Metrics
 from tessel.serving.settings import Limits, Request, request_for
 
+from .words import word_tokenizer as _words
+
 EOS = 63
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}w1 {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}w20{% endif %}"
-)
 
 
 class ScriptedEngine:
@@ -84,26 +82,6 @@ class ScriptedEngine:
                 self.aborted += 1
                 if self.listener is not None:
                     self.listener.aborted()
-
-
-def _words(bos: bool = False, template: str | None = CHAT_TEMPLATE):
-    """The suite's word-level tokenizer (`w1` ... `w63`, `<pad>` at 0); with `bos`, `w3` is
-    its BOS, which encoding puts first."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, 64)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    extra = {}
-    if bos:
-        core.post_processor = processors.TemplateProcessing(
-            single="w3 $A", special_tokens=[("w3", 3)]
-        )
-        extra["bos_token"] = "w3"
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", **extra)
-    tokenizer.chat_template = template
-    return tokenizer
 
 
 @pytest.fixture

@@ -9,17 +9,12 @@ import pytest
 
 from tessel.serving.text import REPLACEMENT, Detokenizer, TextStream
 
+from .words import word_tokenizer
+
 
 @pytest.fixture(scope="module")
 def words():
-    """The suite's word-level tokenizer: `w1` ... `w63`, `<pad>` at 0, joined by spaces."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, 64)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
+    return word_tokenizer(template=None)
 
 
 @pytest.fixture(scope="module")
