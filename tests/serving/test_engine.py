@@ -237,3 +237,21 @@ def test_inspect_says_how_many_requests_and_how_long(packages) -> None:
     }
     line = next(x for x in generation_lines(manifest) if x.startswith("serving"))
     assert "4 requests at once" in line and "up to 16 tokens" in line and "up to 25 new" in line
+
+
+def test_a_hybrid_model_in_pipeline_stages_serves_each_request_as_alone(tmp_path) -> None:
+    """Jamba (attention beside Mamba layers) over two pipeline stages: an admission keeps the
+    other rows' keys, values, convolution and recurrent states, and the last stage's tokens
+    reach every rank."""
+    model = MAKERS["jamba"]()
+    policy = ParallelOption(pipe_stage_num=2)
+    built = tessel.build(model, cluster=2, policy=policy, generation=GENERATION)
+    path = tessel.save(built, tmp_path / "jamba_pp")
+    work = [(prompt, new, {}) for prompt, new, _ in _workload()[:8]]
+    with Engine(path) as engine:
+        eos = engine.limits.eos_token_id
+        got = asyncio.run(_serve(engine, work))
+        stats = engine.stats
+    assert stats["admissions"] == 8 and stats["prefills"] < 8  # rows admitted together
+    for i, ((prompt, new, _), tokens) in enumerate(zip(work, got)):
+        assert tokens == _cut(_greedy_alone(model, prompt, new, eos), eos), i
