@@ -175,7 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tessel.runtime.cli_run import serve_command
+    from tessel.serving.server import serve_command
 
     return serve_command(args)
 
@@ -257,8 +257,9 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
         "--node-id",
         type=int,
         default=None,
-        help="the cluster node this host is (default: the head, which serves HTTP; another "
-        "node of a multi-node model starts its workers and waits for the head)",
+        help="the cluster node this host is (default: the head, which serves HTTP; the "
+        "head's id serves HTTP where an HTTP flag is given too; a node's id alone starts that "
+        "node's workers and waits for the head)",
     )
     h = s.add_argument_group("HTTP, on the head")
     h.add_argument(
@@ -538,8 +539,8 @@ def make_parser() -> argparse.ArgumentParser:
         "A prompt holds at most the package's longest prefill gear of tokens, and a prompt "
         "and its max_tokens at most its max_seq_len (tessel inspect shows both, /v1/models "
         "too). SIGTERM stops admitting, lets open requests finish (--drain-timeout) and "
-        "exits 0; a worker's death ends every request and exits 1. Another node of a "
-        "multi-node model (--node-id N) starts its workers and waits for the head.",
+        "exits 0; a worker's death ends every request and exits 1. A node of a multi-node "
+        "model (--node-id N, no HTTP flag) starts its workers and waits for the head.",
     )
     _serve_flags(s)
     s.set_defaults(func=_serve)

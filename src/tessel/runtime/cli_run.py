@@ -132,51 +132,7 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# tessel serve's flags that only the head (the HTTP server) takes, by their dest
-HTTP_FLAGS = (
-    "host",
-    "port",
-    "tokenizer",
-    "served_model_name",
-    "api_key",
-    "max_queued_requests",
-    "queue_timeout",
-    "max_body_bytes",
-    "drain_timeout",
-)
-
-
 def serve_command(args: argparse.Namespace) -> int:
-    """The head (no --node-id, or the head's id) serves the package over HTTP; another node
-    runs its workers until the head's session stops them, and refuses the HTTP flags."""
-    from tessel.config.cluster import cluster_from_dict
-
-    given = {k: getattr(args, k) for k in HTTP_FLAGS if getattr(args, k, None) is not None}
-    package = Package.open(args.model)
-    manifest = package.manifest
-    cluster = cluster_from_dict(manifest.cluster, f"{args.model} (cluster)", manifest.soc_version)
-    head = cluster.head.node_id
-    if args.node_id is None or args.node_id == head:
-        from tessel.serving.server import HttpSettings, serve_http
-
-        options = {} if args.node_id is None else {"tessel.node_id": args.node_id}
-        initialize()
-        try:
-            return serve_http(args.model, HttpSettings(**given), options)
-        finally:
-            finalize()
-    if given:
-        flag = "--" + next(iter(given)).replace("_", "-")
-        raise ConfigError(
-            flag,
-            None,
-            f"is the head's: node {args.node_id} only starts its workers, and node {head} (the "
-            "head) serves HTTP; give the HTTP flags there",
-        )
-    return _serve_node(args)
-
-
-def _serve_node(args: argparse.Namespace) -> int:
     """Run this node's workers until the head node's session stops them."""
     initialize()
     try:

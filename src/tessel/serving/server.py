@@ -11,12 +11,13 @@ seconds, its workers stopped, so a supervisor restarts it.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,40 @@ class HttpSettings:
     queue_timeout: float | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+
+
+# tessel serve's flags that only the head (the HTTP server) takes, by their dest
+HTTP_FLAGS = tuple(f.name for f in fields(HttpSettings))
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`tessel serve`: the head serves the package over HTTP, without --node-id, or with the
+    head's id and an HTTP flag. A node's id alone (the head's too, as before) runs that node's
+    workers until the head's session stops them; a node not the head refuses the HTTP flags."""
+    from tessel.config.cluster import cluster_from_dict
+    from tessel.package import Package
+    from tessel.runtime.cli_run import serve_command as serve_node
+    from tessel.runtime.session import finalize, initialize
+
+    given = {k: getattr(args, k) for k in HTTP_FLAGS if getattr(args, k, None) is not None}
+    manifest = Package.open(args.model).manifest
+    cluster = cluster_from_dict(manifest.cluster, f"{args.model} (cluster)", manifest.soc_version)
+    head = cluster.head.node_id
+    if args.node_id is not None and not (args.node_id == head and given):
+        if given:
+            raise ConfigError(
+                "--" + next(iter(given)).replace("_", "-"),
+                None,
+                f"is the head's: node {args.node_id} only starts its workers, and node {head} "
+                "(the head) serves HTTP; give the HTTP flags there",
+            )
+        return serve_node(args)
+    options = {} if args.node_id is None else {"tessel.node_id": args.node_id}
+    initialize()
+    try:
+        return serve_http(args.model, HttpSettings(**given), options)
+    finally:
+        finalize()
 
 
 def _need_serve_extra() -> None:
