@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessel.serving.engine import Output
-from tessel.serving.errors import EngineStopped, QueueFull
+from tessel.serving.errors import EngineStopped, QueueFull, QueueTimeout
 from tessel.serving.http import app_for
 from tessel.serving.metrics import Metrics
 from tessel.serving.settings import Limits, Request, request_for
@@ -401,6 +401,9 @@ def test_the_engines_refusals_are_real_statuses(client, engine, stream) -> None:
     engine.refuse = EngineStopped("the engine is draining")
     r = client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_stopped"
+    engine.refuse = QueueTimeout("the request waited 0.5 s for a slot (--queue-timeout)")
+    r = client.post("/v1/completions", json={**ONE, "stream": stream})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "timeout"
     engine.refuse = None
     assert client.post("/v1/completions", json=ONE).status_code == 200
 

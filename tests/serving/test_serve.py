@@ -194,6 +194,19 @@ def test_the_openai_client_sync(server, client) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(prompt, want)
     assert chunks[-1].usage.completion_tokens == len(want)
 
+    # a stop string across two tokens: the text before it, the request ended there
+    whole = _text(prompt, want)
+    stop = _text(prompt + want[:2], want[2:4]).strip()
+    cut = client.completions.create(model="tiny", prompt=text, max_tokens=10, stop=[stop])
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (
+        whole[: whole.find(stop)],
+        "stop",
+    )
+    assert (
+        want[: len(cut.choices[0].model_extra["token_ids"])]
+        == cut.choices[0].model_extra["token_ids"]
+    )
+
     messages = [{"role": "user", "content": "w7 w8"}]
     chat_prompt = word_tokenizer().encode("w1 w7 w8 w20", add_special_tokens=False)
     want = _greedy(chat_prompt, 6)
