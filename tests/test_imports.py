@@ -50,6 +50,8 @@ LAYERS: list[set[str]] = [
     {"report", "summary", "plan_page"},
     {"checkpoint"},
     {"runtime"},
+    # the serving engine and its HTTP server, over a Session's workers
+    {"serving"},
     {"slices"},
     {"builder"},
     {"dataflow"},

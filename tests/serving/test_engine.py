@@ -255,3 +255,15 @@ def test_a_hybrid_model_in_pipeline_stages_serves_each_request_as_alone(tmp_path
     assert stats["admissions"] == 8 and stats["prefills"] < 8  # rows admitted together
     for i, ((prompt, new, _), tokens) in enumerate(zip(work, got)):
         assert tokens == _cut(_greedy_alone(model, prompt, new, eos), eos), i
+
+
+def test_every_sampling_setting_is_served_or_refused_by_name() -> None:
+    """The served fields are `Sampling`'s own: each of its settings is one a request sets by
+    name, one the model sets, or one a package setting it is refused for."""
+    import dataclasses
+
+    from tessel.config.sampling import Sampling
+    from tessel.serving.settings import FROM_THE_MODEL, NOT_SERVED, SERVED
+
+    placed = SERVED + FROM_THE_MODEL + NOT_SERVED
+    assert sorted(placed) == sorted(f.name for f in dataclasses.fields(Sampling))

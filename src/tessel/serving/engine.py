@@ -221,8 +221,7 @@ class Engine:
                 self._report("first_token" if count == 0 else "token_gap", now - last)
                 last = now
                 count += 1
-                yield item
-                if item.finish_reason is not None:
+                if item.finish_reason is not None:  # reported before a caller may stop reading
                     self._report(
                         "finished",
                         item.finish_reason,
@@ -230,6 +229,8 @@ class Engine:
                         len(request.prompt),
                         count,
                     )
+                yield item
+                if item.finish_reason is not None:
                     return
         finally:
             self._forget(rid, cancel=not held.ended)

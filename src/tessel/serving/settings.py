@@ -14,6 +14,11 @@ from tessel.config.errors import ConfigError
 from tessel.config.sampling import Sampling, sampling_for
 from tessel.serving.errors import BadRequest
 
+# the `Sampling` fields a served request sets by name (OpenAI's `temperature`, `top_p` and
+# `seed`, vLLM's extras); `do_sample` follows from the temperature, `min_new_tokens` is the
+# request's `min_tokens`, and `min_length` and `suppress_tokens` are the model's own
+SERVED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+FROM_THE_MODEL = ("do_sample", "min_length", "min_new_tokens", "suppress_tokens")
 # a package's own settings a served request cannot follow (they change its tokens and the
 # per-row choice does not build them): such a package is refused at start, by name
 NOT_SERVED = (
@@ -137,14 +142,8 @@ def request_for(
         )
     if top_k == -1:  # vLLM's "every token"
         top_k = 0
-    asked: dict[str, object] = {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "repetition_penalty": repetition_penalty,
-        "seed": seed,
-    }
+    sent = locals()
+    asked: dict[str, object] = {name: sent[name] for name in SERVED}
     if temperature is not None:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
             raise BadRequest(f"temperature must be a number, found {temperature!r}", "temperature")
