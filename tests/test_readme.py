@@ -12,6 +12,7 @@ The blocks run in the README's order in one workspace (a directory holding a cop
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -74,7 +75,13 @@ def workspace(tmp_path_factory) -> Path:
 
 def _run(argv: list[str], cwd: Path, where: str) -> str:
     done = subprocess.run(
-        argv, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=600
+        argv,
+        cwd=cwd,
+        # as in a shell whose virtual environment is active: `tessel` is this checkout's
+        env=subprocess_env(PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")])),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, (
         f"{where}: {shlex.join(argv)} failed\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
