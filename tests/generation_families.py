@@ -255,10 +255,13 @@ def build_family(
     memory: str,
     generation: Generation = GENERATION,
     settings: dict | None = None,
+    verify: bool | None = False,
 ) -> tuple[torch.nn.Module, Any]:
     """The family's model and its generation package for `devices` devices of the default
     memory, or (`memory="tight"`) of the longest prompt's activations beside 1.15/N of the
-    weights; `settings` go into the model's own generation_config."""
+    weights; `settings` go into the model's own generation_config. The build's own check
+    against `transformers` is left out unless `verify` says otherwise: the tests that build
+    here compare the package's tokens with `transformers`' themselves."""
     model = MAKERS[family]()
     for key, value in (settings or {}).items():
         setattr(model.generation_config, key, value)
@@ -266,7 +269,7 @@ def build_family(
     if memory == "tight":
         gear = capture_gear(model, generation, generation.prefill_lengths[-1], keep=has_rule)
         cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
-    return model, tessel.build(model, cluster=cluster, generation=generation)
+    return model, tessel.build(model, cluster=cluster, generation=generation, verify=verify)
 
 
 def family_prompts() -> tuple[torch.Tensor, torch.Tensor]:
