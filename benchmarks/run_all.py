@@ -14,6 +14,7 @@ BENCHMARKS = [
     ["bench_run.py", "--mesh", "2x2"],
     ["bench_start.py"],
     ["bench_generate.py"],
+    ["bench_serve.py"],
     ["bench_slices.py"],
     ["bench_weights.py"],
     ["bench_mesh.py"],
