@@ -57,7 +57,7 @@ HYBRID = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
     intermediate_size=2 * HIDDEN,
-    num_hidden_layers=4,
+    num_hidden_layers=LAYERS,  # a recurrent layer, then one of attention
     num_attention_heads=HEADS,
     num_key_value_heads=2,
     max_position_embeddings=64,
@@ -115,14 +115,14 @@ EXTRA: dict[str, tuple[str, Maker]] = {
         "hybrid cache: Mamba-2 layers beside attention layers, RoPE",
         maker(
             "BambaConfig", "BambaForCausalLM", attn_layer_indices=[1, 3], mamba_expand=2,
-            **MAMBA2_MIXER, **HYBRID,
+            **MAMBA2_MIXER, **{**HYBRID, "num_hidden_layers": 4},
         ),
     ),
     "granitemoehybrid": (
         "hybrid cache: Mamba-2 layers beside attention layers, experts",
         maker(
             "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
-            layer_types=["mamba", "attention", "mamba", "attention"], mamba_expand=2,
+            layer_types=["mamba", "attention"], mamba_expand=2,
             num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=HIDDEN,
             **MAMBA2_MIXER, **HYBRID,
         ),
@@ -131,7 +131,7 @@ EXTRA: dict[str, tuple[str, Maker]] = {
         "attention and Mamba-2 side by side in every layer: keys, values and states in one",
         maker(
             "FalconH1Config", "FalconH1ForCausalLM", mamba_d_ssm=2 * HIDDEN, mamba_expand=2,
-            **MAMBA2_MIXER, **{**HYBRID, "num_hidden_layers": LAYERS},
+            **MAMBA2_MIXER, **HYBRID,
         ),
     ),
     "t5": ("encoder-decoder, relative positions", _t5),
