@@ -225,7 +225,7 @@ def llama_packages(tmp_path_factory) -> dict[int | str, str]:
     }
     model = FAMILIES["llama"].make().model
     replicas = ParallelOption(data_parallel_size=2, tensor_parallel_size=2)
-    built = tessel.build(model, cluster=4, policy=replicas, generation=generation)
+    built = tessel.build(model, cluster=4, policy=replicas, generation=generation, verify=False)
     packages["2x2"] = str(tessel.save(built, root / "llama2x2"))
     return packages
 
@@ -451,7 +451,8 @@ def test_28_query_heads_over_4_kv_heads_generate_at_3_and_8_devices(
     model = _qwen2()
     gear = capture_gear(model, GENERATION, 8, keep=has_rule)
     cluster = cluster_from_dict(tight_cluster(gear, devices), "tight.json")
-    built = tessel.build(model, cluster=cluster, generation=GENERATION)
+    # the test compares the tokens with transformers' itself: the build's check is left out
+    built = tessel.build(model, cluster=cluster, generation=GENERATION, verify=False)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     assert all(rank.weight_bytes < whole for rank in built.manifest.plan.ranks)
     path = tessel.save(built, tmp_path / "qwen2")
@@ -647,7 +648,8 @@ def test_an_encoder_decoder_generates_transformers_tokens(
         policy = ParallelOption(data_parallel_size=replicas)
     elif stages > 1:
         policy = ParallelOption(pipe_stage_num=stages)
-    built = tessel.build(model, cluster=cluster, policy=policy, generation=generation)
+    # the test compares the tokens with transformers' itself: the build's check is left out
+    built = tessel.build(model, cluster=cluster, policy=policy, generation=generation, verify=False)
     gears = built.manifest.generation
     assert gears.decoder_start_token_id == 0
     shapes = {s.name: s.shape for s in gears.state}
