@@ -10,7 +10,6 @@ the request's numbers exactly as that loop computes them (`1 - top_p` in double,
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,6 @@ from torch import fx
 
 # a row's settings, in the order of the `settings` input's columns
 COLUMNS = ("temperature", "top_k", "top_p_cut", "min_p", "repetition_penalty")
-# what a free row (or a row's unset setting) holds: each one removes nothing
-NEUTRAL = {"temperature": 1.0, "top_k": 0.0, "top_p_cut": 0.0, "min_p": 0.0}
 
 
 def row_settings(request: dict | None) -> list[float]:
@@ -139,7 +136,3 @@ def _warped(scores: torch.Tensor, settings: torch.Tensor) -> torch.Tensor:
     min_p = settings[:, 3:4]
     drop = (probs < min_p * likeliest) & (min_p > 0) & (probs < likeliest)
     return scores.masked_fill(drop, float("-inf"))
-
-
-def stops_for(eos: Sequence[int]) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(int(t) for t in eos))

@@ -155,6 +155,7 @@ class Engine:
         self._idle = threading.Event()  # set while no request is open
         self._idle.set()
         self._stopped: str | None = None  # why the engine takes no more requests
+        self._dead = False  # a worker stopped: nothing more is sent to rank 0
         self.healthy = False
         if not is_initialized():  # an engine is a runtime of its own where none was started
             initialize()
@@ -246,7 +247,7 @@ class Engine:
                 self._counts.running -= 1
             elif not held.admitted:
                 self._counts.waiting -= 1
-            if cancel and self._stopped != "a worker stopped":
+            if cancel and not self._dead:
                 if held.admitted:
                     self._report("aborted")
                 with contextlib.suppress(OSError, ValueError):
@@ -300,6 +301,7 @@ class Engine:
     def _die(self, why: str) -> None:
         with self._lock:
             self.healthy = False
+            self._dead = True
             self._stopped = "a worker stopped"
             for held in self._open.values():
                 error = EngineStopped(f"the engine stopped: {why}")
