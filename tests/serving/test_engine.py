@@ -270,3 +270,16 @@ def test_every_sampling_setting_is_served_or_refused_by_name() -> None:
 
     placed = SERVED + FROM_THE_MODEL + NOT_SERVED
     assert sorted(placed) == sorted(f.name for f in dataclasses.fields(Sampling))
+
+
+def test_max_tokens_defaults_to_the_models_lengths_as_generate_counts_them() -> None:
+    """Left out, `max_tokens` is the model's `max_new_tokens`, else what its `max_length`
+    leaves after the prompt, at most what the cache leaves."""
+    with_new = Limits(4, (8, 16), 32, 64, (2,), {"max_new_tokens": 5})
+    assert request_for(with_new, [1, 2]).max_tokens == 5
+    with_length = Limits(4, (8, 16), 32, 64, (2,), {"max_length": 12})
+    assert request_for(with_length, [1, 2, 3]).max_tokens == 9
+    assert request_for(Limits(4, (8, 16), 32, 64, (2,), {"max_length": 99}), [1]).max_tokens == 25
+    with pytest.raises(BadRequest, match="leaves no new token") as caught:
+        request_for(with_length, [1] * 12)
+    assert caught.value.param == "max_tokens"

@@ -111,7 +111,8 @@ def request_for(
     field. `temperature` 0 means greedy, where the sampled-only fields may still be sent at
     their neutral values (`top_p` 1, `top_k` 0 or -1, `min_p` 0); a field left out is the
     model's own, as `Session.generate` resolves it. `max_tokens` defaults to the model's
-    `max_new_tokens`, else what the cache leaves after the prompt."""
+    `max_new_tokens`, else what its `max_length` leaves after the prompt, else what the cache
+    leaves, and never more than the cache leaves."""
     ids = list(prompt)
     if not ids:
         raise BadRequest("the prompt holds no token; a prompt needs at least one", "prompt")
@@ -129,8 +130,17 @@ def request_for(
             "prompt",
         )
     room = limits.room(len(ids))
-    if max_tokens is None:
+    if max_tokens is None:  # the model's, as Session.generate counts it, at most the room
         wanted = limits.defaults.get("max_new_tokens")
+        if wanted is None and "max_length" in limits.defaults:
+            wanted = int(limits.defaults["max_length"]) - len(ids)  # type: ignore[call-overload]
+            if wanted < 1:
+                raise BadRequest(
+                    f"max_tokens is not given, and the model's max_length "
+                    f"({limits.defaults['max_length']}) leaves no new token after a prompt of "
+                    f"{len(ids)} tokens; give max_tokens",
+                    "max_tokens",
+                )
         max_tokens = room if wanted is None else min(int(wanted), room)  # type: ignore[call-overload]
     max_tokens = _integer(max_tokens, "max_tokens", 1)
     if max_tokens > room:
