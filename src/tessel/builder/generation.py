@@ -117,22 +117,26 @@ def build_generation(
         gears = capture_gears(model, share, reuse_layers, keep=has_rule)
     timings["capture"] = time.perf_counter() - t
     options = dict(time_limit=time_limit, reuse_layers=reuse_layers, timings=timings)
-    # every gear holds the weights and the cache beside its own activations: the longest
-    # prompt's (no shorter prompt's are more), at the least, bound what the weights may take
     longest = max(gears.prefill)
-    peak, weights = least_memory_plan(gears.prefill[longest], dims.size("tp"))
-    reserve = peak - weights
     ep = gears.decode.program
     whole = sum(
         t.numel() * t.element_size() for t in {id(t): t for t in ep.state_dict.values()}.values()
     )
-    decode_first = whole / pp + reserve <= min(d.memory_bytes for d in cluster.devices)
+    smallest = min(d.memory_bytes for d in cluster.devices)
     # the gear that cuts the stages sees every weight it places: an encoder-decoder's decode
     # gear never reads the encoder, so its longest prefill gear cuts them (encoder layers
     # first, then decoder layers), and the decode gear follows
-    decode_first = decode_first and (
+    decode_first = whole / pp <= smallest and (
         pp == 1 or _weights_read(gears.decode) >= _weights_read(gears.prefill[longest])
     )
+    reserve = 0
+    if decode_first:
+        # every gear holds the weights and the cache beside its own activations: the longest
+        # prompt's (no shorter prompt's are more), at the least, bound what the weights may
+        # take. Where the weights alone overflow a device, memory binds without asking.
+        peak, weights = least_memory_plan(gears.prefill[longest], dims.size("tp"))
+        reserve = peak - weights
+        decode_first = whole / pp + reserve <= smallest
 
     def fit_gear(
         captured: CapturedModel,
