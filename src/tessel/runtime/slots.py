@@ -51,6 +51,22 @@ class _Row:
     new: int = 0  # tokens made
     last: int = 0  # its latest token, fed at the next decode step
     generator: torch.Generator | None = None
+    early: int = 0  # its stop tokens are held back while it has made fewer tokens than this
+    penalized: bool = False  # its repetition penalty is not 1
+
+    @classmethod
+    def admitted(cls, rid: int, request: dict, start: int) -> _Row:
+        prompt = len(request["prompt"])
+        seed = int(request["seed"])
+        return cls(
+            rid,
+            request,
+            start,
+            prompt,
+            generator=torch.Generator().manual_seed(seed) if request["do_sample"] else None,
+            early=max(int(request["min_length"]) - prompt, int(request["min_new_tokens"])),
+            penalized=float(request["repetition_penalty"]) != 1,
+        )
 
 
 class Slots:
@@ -71,6 +87,11 @@ class Slots:
         self.suppressed = suppressed
         self.rows: list[_Row | None] = [None] * self.size
         self.pointer = 0
+        # each row's choice settings and whether it draws: its request's while it holds the
+        # row, a free row's neutral ones otherwise
+        self.neutral = torch.tensor(row_settings(None), dtype=torch.float32)
+        self.settings = self.neutral.repeat(self.size, 1)
+        self.sample = torch.zeros(self.size, dtype=torch.bool)
         self.valid = torch.zeros(self.size, self.length, dtype=torch.long)
         self.history = torch.full((self.size, self.length), self.pad, dtype=torch.long)
         self.counts = dict.fromkeys(
@@ -156,6 +177,8 @@ class Slots:
     def _free(self, r: int) -> None:
         self.rows[r] = None
         self.valid[r] = 0
+        self.settings[r] = self.neutral
+        self.sample[r] = False
 
     def _compact(self, shift: int) -> None:
         """Move every row's slots `shift` to the left: the keys and values on this rank, the
@@ -186,9 +209,7 @@ class Slots:
             self.valid[r, t - p : t] = 1
             self.history[r] = self.pad
             self.history[r, t - p : t] = prompt
-            seed = int(request["seed"])
-            generator = torch.Generator().manual_seed(seed) if request["do_sample"] else None
-            admitted[r] = _Row(rid, request, t - p, p, generator=generator)
+            admitted[r] = _Row.admitted(rid, request, t - p)
         mask = self.valid.clone()
         for r in range(size):  # a free row attends to its own padding
             if self.rows[r] is None and r not in admitted:
@@ -198,6 +219,8 @@ class Slots:
         kept = self.gears.keep(others, t - gear, t)
         for r, row in admitted.items():
             self.rows[r] = row
+            self.settings[r] = torch.tensor(row_settings(row.request), dtype=torch.float32)
+            self.sample[r] = row.generator is not None
         tokens = self._run(gear, inputs, set(admitted))
         self.gears.restore(kept)
         self.counts["prefills"] += 1
@@ -210,18 +233,14 @@ class Slots:
 
     def _decode(self) -> list:
         t = self.pointer
-        ids = torch.full((self.size, 1), self.pad, dtype=torch.long)
-        positions = torch.zeros(self.size, 1, dtype=torch.long)
         active = {r: row for r, row in enumerate(self.rows) if row is not None}
-        for r, row in active.items():
-            ids[r, 0] = row.last
-            positions[r, 0] = row.position
-            self.valid[r, t] = 1
-            self.history[r, t] = row.last
+        ids = torch.tensor([[self.pad if row is None else row.last] for row in self.rows])
+        positions = torch.tensor([[0 if row is None else row.position] for row in self.rows])
+        held = torch.tensor(list(active))
+        self.valid[held, t] = 1
+        self.history[held, t] = ids[held, 0]
         mask = self.valid.clone()
-        for r in range(self.size):
-            if r not in active:
-                mask[r, t] = 1
+        mask[:, t] = 1  # a free row attends to its own padding
         tokens = self._run(1, (ids, positions, torch.tensor([t]), mask), set(active))
         self.pointer += 1
         self.counts["decode_steps"] += 1
@@ -247,23 +266,19 @@ class Slots:
     def _run(self, length: int, inputs: tuple[torch.Tensor, ...], rows: set[int]) -> torch.Tensor:
         """The gear of `length` on `inputs`, each row in `rows` choosing its token by its own
         request's settings (the others' tokens are dropped)."""
-        settings = torch.tensor([row_settings(None)] * self.size, dtype=torch.float32)
-        sample = torch.zeros(self.size, dtype=torch.bool)
-        early = torch.zeros(self.size, dtype=torch.bool)
-        noise_rows: dict[int, torch.Tensor] = {}
-        penalized = False
-        for r in rows:
-            row = self.rows[r]
-            assert row is not None
-            request = row.request
-            settings[r] = torch.tensor(row_settings(request), dtype=torch.float32)
-            penalized |= float(request["repetition_penalty"]) != 1
-            early[r] = (len(request["prompt"]) + row.new < int(request["min_length"])) | (
-                row.new < int(request["min_new_tokens"])
-            )
-            if row.generator is not None:
-                sample[r] = True
-                noise_rows[r] = draws(self.vocab, row.generator)
+        chosen = [self.rows[r] if r in rows else None for r in range(self.size)]
+        settings, sample = self.settings, self.sample
+        if len(rows) < sum(row is not None for row in self.rows):  # a prefill's admitted rows
+            choosing = torch.tensor([row is not None for row in chosen])
+            settings = torch.where(choosing[:, None], settings, self.neutral)
+            sample = sample & choosing
+        early = torch.tensor([row is not None and row.new < row.early for row in chosen])
+        penalized = any(row is not None and row.penalized for row in chosen)
+        noise_rows = {
+            r: draws(self.vocab, row.generator)
+            for r, row in enumerate(chosen)
+            if row is not None and row.generator is not None
+        }
         choice = RowChoice(
             self.size,
             self.length,

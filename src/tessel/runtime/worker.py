@@ -466,16 +466,28 @@ _COMMANDS = {
 }
 
 
+_FIRST_BYTES = 1024  # what one broadcast carries of a text: its length, then its first bytes
+
+
 def _broadcast_text(text: str, device: torch.device) -> str:
-    """Rank 0's `text` on every rank (a package path: the other ranks may have no pipe)."""
+    """Rank 0's `text` on every rank (a package path, a serving step's header: the other ranks
+    may have no pipe). A short text takes one broadcast, a longer one a second for the rest."""
     data = text.encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    first = torch.zeros(_FIRST_BYTES, dtype=torch.uint8)
+    head = len(data).to_bytes(8, "little") + data[: _FIRST_BYTES - 8]
+    first[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    first = first.to(device)
+    dist.broadcast(first, src=0)
+    received = first.cpu().numpy().tobytes()
+    size = int.from_bytes(received[:8], "little")
+    if size <= _FIRST_BYTES - 8:
+        return received[8 : 8 + size].decode()
+    rest = torch.zeros(size - (_FIRST_BYTES - 8), dtype=torch.uint8)
     if data:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
-    return bytes(buffer.cpu().tolist()).decode()
+        rest.copy_(torch.frombuffer(bytearray(data[_FIRST_BYTES - 8 :]), dtype=torch.uint8))
+    rest = rest.to(device)
+    dist.broadcast(rest, src=0)
+    return (received[8:] + rest.cpu().numpy().tobytes()).decode()
 
 
 def _serve(
