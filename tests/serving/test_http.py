@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessel.serving.engine import Output
+from tessel.serving.engine import Output, StopStringMatched
 from tessel.serving.errors import EngineStopped, QueueFull, QueueTimeout
 from tessel.serving.http import app_for
 from tessel.serving.metrics import Metrics
@@ -71,7 +71,13 @@ class ScriptedEngine:
                 elif made == request.max_tokens:
                     reason = "length"
                 ended = reason is not None  # as the engine's reader marks it, before
-                yield Output(token, reason)
+                try:
+                    yield Output(token, reason)
+                except StopStringMatched:  # the caller's stop string: finished, not aborted
+                    ended = True
+                    if self.listener is not None:
+                        self.listener.finished("stop", 0.01, len(request.prompt), made)
+                    return
                 if reason is not None:
                     if self.listener is not None:
                         self.listener.finished(reason, 0.01, len(request.prompt), made)

@@ -34,6 +34,12 @@ from tessel.serving.settings import NOT_SERVED, Limits, Request, request_for
 _log = logging.getLogger(__name__)
 
 
+class StopStringMatched(Exception):
+    """Thrown into `Engine.submit`'s iteration (`athrow`) by a caller that matched a stop
+    string: the request ends there, finished with reason "stop", its slot freed at the next
+    step (leaving the iteration otherwise counts it aborted)."""
+
+
 @dataclass(frozen=True)
 class Output:
     """One new token of a request; `finish_reason` is set on its last: "stop" (a stop token),
@@ -182,7 +188,8 @@ class Engine:
 
     async def submit(self, request: Request) -> AsyncIterator[Output]:
         """Queue `request` and yield its tokens as they are made. Leaving the iteration early
-        (a client gone, a stop string) frees its slot at the next step."""
+        (a client gone) frees its slot at the next step, the request counted aborted; a caller
+        that matched a stop string throws `StopStringMatched` into it instead."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._stopped is not None:
@@ -202,6 +209,7 @@ class Engine:
             self._conn.send(("admit", rid, request.to_json()))
         last = held.sent_at
         count = 0
+        stopped = False  # ended by the caller's stop string
         try:
             while True:
                 timeout = None
@@ -230,13 +238,18 @@ class Engine:
                         len(request.prompt),
                         count,
                     )
-                yield item
+                try:
+                    yield item
+                except StopStringMatched:
+                    stopped = True
+                    self._report("finished", "stop", now - held.sent_at, len(request.prompt), count)
+                    return
                 if item.finish_reason is not None:
                     return
         finally:
-            self._forget(rid, cancel=not held.ended)
+            self._forget(rid, cancel=not held.ended, aborted=not stopped)
 
-    def _forget(self, rid: int, cancel: bool) -> None:
+    def _forget(self, rid: int, cancel: bool, aborted: bool = True) -> None:
         with self._lock:
             held = self._open.pop(rid, None)
             if not self._open:
@@ -248,7 +261,7 @@ class Engine:
             elif not held.admitted:
                 self._counts.waiting -= 1
             if cancel and not self._dead:
-                if held.admitted:
+                if held.admitted and aborted:
                     self._report("aborted")
                 with contextlib.suppress(OSError, ValueError):
                     self._conn.send(("cancel", rid))

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tessel.serving.engine import StopStringMatched
 from tessel.serving.errors import BadRequest, EngineStopped, ServingError
 from tessel.serving.metrics import Metrics
 from tessel.serving.protocol import Asked, chat_asked, completion_asked, parse_json
@@ -341,11 +342,8 @@ class _Routes:
         engine = self.engine
         texts = None if self.tokenizer is None else TextStream(self.tokenizer, request.prompt, stop)
         outputs = engine.submit(request)
-        started = time.monotonic()
-        count = 0
         try:
             async for out in outputs:
-                count += 1
                 text = ""
                 reason = out.finish_reason
                 if texts is not None:
@@ -355,16 +353,8 @@ class _Routes:
                         text += texts.finish()
                     if texts.stopped is not None:
                         if reason is None:  # the request ends here, by the stop string
-                            metrics = self.metrics
-                            with (
-                                metrics.ending_by_stop_string()
-                                if metrics
-                                else contextlib.nullcontext()
-                            ):
-                                await outputs.aclose()  # type: ignore[attr-defined]
-                            if metrics is not None:
-                                seconds = time.monotonic() - started
-                                metrics.finished("stop", seconds, len(request.prompt), count)
+                            with contextlib.suppress(StopAsyncIteration):
+                                await outputs.athrow(StopStringMatched())  # type: ignore[attr-defined]
                         reason = "stop"
                 yield _Piece(index, text, [out.token], reason)
                 if texts is not None and texts.stopped is not None:

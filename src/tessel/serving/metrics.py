@@ -7,9 +7,7 @@ Names are `tessel_*`, each the twin of a vLLM metric (`vllm:num_requests_running
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -106,7 +104,6 @@ class Metrics:
             self.requests_rejected.labels(reason=reason)
         self._totals: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._ended_by_text = 0  # > 0: an abort reported now is a stop string's end
 
     # -- the engine's Listener ------------------------------------------------------------
 
@@ -131,8 +128,6 @@ class Metrics:
         self.generation_tokens.inc(generated_tokens)
 
     def aborted(self) -> None:
-        if self._ended_by_text:
-            return
         self.requests_aborted.inc()
 
     def loop(self, stats: dict[str, int]) -> None:
@@ -152,16 +147,6 @@ class Metrics:
                     getattr(self, name).inc(grown)
 
     # -- the HTTP layer's own -------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def ending_by_stop_string(self) -> Iterator[None]:
-        """While a request that matched a stop string is closed: the engine reports it as
-        aborted (its iteration left early), which it is not; the caller reports `finished`."""
-        self._ended_by_text += 1
-        try:
-            yield
-        finally:
-            self._ended_by_text -= 1
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text of every metric, and its content type."""
