@@ -4,8 +4,9 @@ ideal, and transformers' continuous batching, every row in one run (issue 80's f
 Models: the bench Llama of bench_generate (8 layers, width 1024, MLP 4096, 16 heads, 8 KV heads,
 vocab 32000), fp32, and a small one (2 layers, width 256, or half the bench's width where that
 is smaller), each at 1 and 2 devices with 4 and 8 slots: a package per setting,
-`Generation(max_batch_size=S, max_seq_len=256, prefill_lengths=(16, 32, 64))`, and one of a
-single row beside it for the limit. The workload: 200 requests, seeded, prompts of 8-48 random
+`Generation(max_batch_size=S, max_seq_len=256, prefill_lengths=(16, 32, 64),
+row_prefill=True)` (an admission's prefill computes its own row), and one of a single row
+beside it for the limit. The workload: 200 requests, seeded, prompts of 8-48 random
 tokens, 8-64 new tokens each, greedy, `ignore_eos` (every request makes all its tokens).
 Each worker runs `tessel.threads_per_worker` threads, the machine's cores split over the N
 workers (at least one each), as `tessel serve` sets them; transformers runs N x that in one.
@@ -31,9 +32,9 @@ Rows, per setting:
     and the steps an ideal first-come-first-served scheduler over S slots needs for this exact
     workload (simulated: admissions fill the free slots, each gives its first token, then one
     decode step runs every held slot; a slot frees the step its request ends). Ideal continuous
-    time = ideal steps x t(S) + its prefill calls x their gear's time on the S-row package (a
-    step's admissions of one gear share a call, as the engine runs them); ideal sequential =
-    sum over requests of prefill on the 1-row package + (new tokens - 1) x t(1).
+    time = ideal steps x t(S) + each admission's one-row prefill, taken as its gear's time on
+    the 1-row package; ideal sequential = sum over requests of prefill on the 1-row package +
+    (new tokens - 1) x t(1).
 Figures per row, medians over `--repeat` rounds (each row once per round, in turn, after one
 short warm-up of each): output tokens/s (every token made, from the first request sent to the
 last token), time to first token (from a request's sending) and between tokens, p50 and p99.
@@ -83,6 +84,7 @@ import torch
 
 HEADS, KV_HEADS = 16, 8
 GEARS = (16, 32, 64)
+ONE_ROW = True  # the S-row packages admit each request through a one-row prefill gear
 PROMPTS = (8, 48)  # prompt tokens, inclusive
 NEW_TOKENS = (8, 64)  # new tokens per request, inclusive
 RATES = (0.5, 1.0, 2.0)  # Poisson loads, times the sequential capacity
@@ -414,9 +416,10 @@ def limit(session, slots: int, steps: int, vocab: int, turns: int = 4) -> Limit:
     )
 
 
-def ideal_schedule(work: list[Req], slots: int) -> tuple[int, list[int], int]:
+def ideal_schedule(work: list[Req], slots: int, one_row: bool = True) -> tuple[int, list[int], int]:
     """An ideal FCFS scheduler over `slots` slots, every request waiting at the start: its
-    decode steps, its prefill calls (a gear each; one call per gear per step), admissions."""
+    decode steps, its prefill calls (a gear each: one per admission through one-row gears,
+    else one per gear per step), admissions."""
     waiting = deque(work)
     active: list[int] = []  # decode steps each held slot still needs
     steps, calls, admissions = 0, [], 0
@@ -426,9 +429,11 @@ def ideal_schedule(work: list[Req], slots: int) -> tuple[int, list[int], int]:
         while waiting and len(active) < slots:
             r = waiting.popleft()
             admissions += 1
+            if one_row:
+                calls.append(gear(len(r.prompt)))
             gears.add(gear(len(r.prompt)))
             active.append(r.new - 1)  # the prefill gives its first token
-        calls += sorted(gears)
+        calls += [] if one_row else sorted(gears)
         active = [a for a in active if a > 0]
         if active:
             steps += 1
@@ -438,9 +443,11 @@ def ideal_schedule(work: list[Req], slots: int) -> tuple[int, list[int], int]:
 
 def ideal(work: list[Req], slots: int, lim: Limit) -> dict[str, float]:
     """Ideal continuous and sequential tokens/s for this workload, and their ratio."""
-    steps, calls, admissions = ideal_schedule(work, slots)
+    steps, calls, admissions = ideal_schedule(work, slots, ONE_ROW)
     tokens = sum(r.new for r in work)
-    continuous = steps * lim.ts + sum(lim.prefills[g] for g in calls)
+    # a one-row gear's call is taken as the 1-row package's prefill of its length
+    prefill = lim.prefill1 if ONE_ROW else lim.prefills
+    continuous = steps * lim.ts + sum(prefill[g] for g in calls)
     sequential = sum(lim.prefill1[gear(len(r.prompt))] + (r.new - 1) * lim.t1 for r in work)
     return {
         "steps": steps,
@@ -804,7 +811,9 @@ def build(model, world: int, rows: int, length: int, where: str) -> str:
     """A generation package of `rows` slots on `world` devices, saved under `where`."""
     import tessel
 
-    generation = tessel.Generation(max_batch_size=rows, max_seq_len=length, prefill_lengths=GEARS)
+    generation = tessel.Generation(
+        max_batch_size=rows, max_seq_len=length, prefill_lengths=GEARS, row_prefill=ONE_ROW
+    )
     built = tessel.build(model, cluster=world, generation=generation)
     return str(tessel.save(built, os.path.join(where, f"llama_x{world}_s{rows}")))
 

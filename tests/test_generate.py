@@ -7,6 +7,7 @@ import json
 import math
 import re
 import zipfile
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -370,6 +371,19 @@ def test_generation_builds_refuse_what_they_cannot_take() -> None:
         tessel.build(
             model, cluster=1, generation=GENERATION, optimizer=torch.optim.SGD(model.parameters())
         )
+    # one-row prefill gears write keys and values, on one replica of one stage
+    rows = replace(GENERATION, row_prefill=True)
+    for family, cluster, policy, said in [
+        ("mamba", 1, None, "keeps recurrent states"),
+        ("t5", 1, None, "is an encoder-decoder"),
+        ("llama", 2, ParallelOption(data_parallel_size=2), "2 data-parallel replicas"),
+        ("llama", 2, ParallelOption(pipe_stage_num=2), "2 pipeline stages"),
+    ]:
+        with pytest.raises(ConfigError, match=said) as err:
+            tessel.build(MAKERS[family](), cluster=cluster, policy=policy, generation=rows)
+        assert err.value.key == "row_prefill", family
+    with pytest.raises(ConfigError, match="must be True or False"):
+        Generation(4, 24, (8,), row_prefill=1)  # type: ignore[arg-type]
     # what the model's generation_config sets that transformers' generate would apply and
     # tessel's cannot, or out of range: refused naming the setting, never generated without
     for key, value in [

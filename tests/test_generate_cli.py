@@ -38,7 +38,8 @@ def _model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> Path:
-    """The small Llama built by `tessel build` with two gears, on two devices."""
+    """The small Llama built by `tessel build` with two gears (and a one-row prefill gear of
+    each length, which `generate` leaves to servers), on two devices."""
     d = tmp_path_factory.mktemp("gen_cli")
     (d / "model.py").write_text(MODEL_PY.format(root=str(ROOT), vocab=VOCAB))
     cluster = json.loads((ROOT / "examples" / "cluster_4p.json").read_text())
@@ -54,6 +55,7 @@ def package(tmp_path_factory) -> Path:
             "--input_shape=input_ids:-1,-1",
             "--dynamic_dims=1,8;2,8;2,16",
             "--max_seq_len=32",
+            "--row_prefill",
             f"--cluster_config={d}/cluster_2p.json",
             "--distributed_cluster_build=1",
             "--enable_graph_parallel=1",
@@ -90,6 +92,7 @@ def test_inspect_shows_the_gears_and_the_cache(package) -> None:
     # the gears' batches 1 and 2 run in the cache's two rows; lengths 8 and 16 are the prefills
     assert "generation: up to 2 rows of 32 tokens; prefill gears of 8, 16 tokens" in shown
     assert "cache, keys and values: 4 tensors" in shown
+    assert "each admission's prefill computes its own row (one-row prefill gears)" in shown
 
 
 def test_generate_from_token_ids_equals_transformers(package, tmp_path) -> None:
@@ -261,3 +264,6 @@ def test_a_generation_build_refuses_what_it_cannot_capture(tmp_path, capsys) -> 
     two = ["--distributed_cluster_build=1", "--enable_graph_parallel=0"]
     assert main([*args, f"--model={tmp_path}/m.py:build", *two]) == 2
     assert "--enable_graph_parallel: must be 1 for a generation build" in capsys.readouterr().err
+    plain = ["build", f"--output={tmp_path}/y", f"--model={tmp_path}/m.py:build", "--row_prefill"]
+    assert main(plain) == 2
+    assert "--row_prefill: adds gears to a generation build" in capsys.readouterr().err

@@ -76,6 +76,34 @@ def test_captured_gears_equal_transformers_generate(llama) -> None:
     assert torch.equal(ours, theirs)
 
 
+def test_a_one_row_prefill_gear_writes_its_row_alone() -> None:
+    """`row_prefill`: the one-row gear given row 2 computes what the gear of every row computes
+    for row 2, writes row 2's keys and values at the call's slots, and no other row's."""
+    model = _hf_model("llama")
+    generation = Generation(
+        max_batch_size=4, max_seq_len=24, prefill_lengths=(8,), row_prefill=True
+    )
+    captured = capture_gears(model, generation)
+    assert captured.rows[8].input_names[-1] == "row"
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 200, (4, 8), generator=g)
+    positions = torch.arange(8).expand(4, 8).contiguous()
+    mask = torch.zeros(4, 24, dtype=torch.long)
+    mask[:, :8] = 1
+    every = captured.run(8, (ids, positions, torch.arange(8), mask))
+    written = {n: getattr(captured.step, n).clone() for n in captured.cache_names}
+    for name in captured.cache_names:
+        getattr(captured.step, name).fill_(7.0)
+    one = captured.run(
+        8, (ids[2:3], positions[2:3], torch.arange(8), mask[2:3], torch.tensor([2])), row=True
+    )
+    torch.testing.assert_close(one[0], every[2])
+    for name in captured.cache_names:
+        held = getattr(captured.step, name)
+        torch.testing.assert_close(held[2, :, :8], written[name][2, :, :8])
+        assert (held[2, :, 8:] == 7).all() and (held[[0, 1, 3]] == 7).all(), name
+
+
 def test_programs_write_the_cache_and_return_one_token_of_logits(llama) -> None:
     model, captured, _ = llama
     ep = captured.decode.program

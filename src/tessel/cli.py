@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+from dataclasses import replace
 
 from tessel.checkpoint import cli as ckpt_cli
 from tessel.config.errors import ConfigError
@@ -97,8 +98,15 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _generation(args: argparse.Namespace, framework: str):
-    """The `Generation` ATC's gear flags ask for, or None where none is given."""
+    """The `Generation` ATC's gear flags ask for (and `--row_prefill`), or None where none is
+    given."""
     if args.max_seq_len is None and not args.dynamic_dims:
+        if args.row_prefill:
+            raise ConfigError(
+                "command line",
+                "--row_prefill",
+                "adds gears to a generation build; give --max_seq_len and the gears' flags too",
+            )
         return None
     from tessel.config.generation import generation_from_flags
 
@@ -110,7 +118,8 @@ def _generation(args: argparse.Namespace, framework: str):
             "causal LM from file.py:function, found "
             + (f"--framework={args.framework}" if framework != "pytorch" else args.model),
         )
-    return generation_from_flags(args.input_shape, args.dynamic_dims, args.max_seq_len)
+    generation = generation_from_flags(args.input_shape, args.dynamic_dims, args.max_seq_len)
+    return replace(generation, row_prefill=args.row_prefill)
 
 
 def _check_generation_build(optimizer, graph_parallel: bool, devices: int) -> None:
@@ -413,6 +422,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="builds generation gears (tessel generate): the tokens, prompt and new, each row's "
         "KV cache holds on the devices; with --input_shape=input_ids:BATCH,LENGTH and "
         "--dynamic_dims for its -1s",
+    )
+    b.add_argument(
+        "--row_prefill",
+        action="store_true",
+        help="a generation build: also a one-row prefill gear per prompt length, which tessel "
+        "serve admits each request with (it writes that request's cache row alone, where the "
+        "other prefill gears compute every row); for caches of keys and values, on one replica "
+        "of one stage",
     )
     b.add_argument(
         "--soc_version", default="cpu", help="device kind: cpu, A100, H100, H200, Ascend910B, ..."

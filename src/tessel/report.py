@@ -211,15 +211,22 @@ def generation_lines(manifest: Manifest) -> list[str]:
             f"prompts of up to {serving['longest_prompt']} tokens; up to "
             f"{serving['longest_output']} new tokens after a prompt of "
             f"{gears.prefill_lengths[0]} or fewer, the cache's {gears.max_seq_len} slots less "
-            "the prompt's prefill gear after a longer one"
+            "the prompt's prefill gear after a longer one; "
+            + (
+                "each admission's prefill computes its own row (one-row prefill gears)"
+                if serving["admission_rows"] == 1
+                else f"each admission's prefill computes all {serving['slots']} rows (build "
+                "with row_prefill for one-row prefill gears)"
+            )
         )
     return lines
 
 
 def serving_limits(manifest: Manifest) -> dict | None:
     """How many requests a generation package serves at once (its cache's rows), the longest
-    prompt it takes (its longest prefill gear) and the most new tokens a request can ask for
-    (after a prompt in its shortest gear); None where it has no gears."""
+    prompt it takes (its longest prefill gear), the most new tokens a request can ask for
+    (after a prompt in its shortest gear), and the rows an admission's prefill computes (1
+    with one-row prefill gears, else every row); None where it has no gears."""
     gears = manifest.generation
     if gears is None:
         return None
@@ -227,6 +234,7 @@ def serving_limits(manifest: Manifest) -> dict | None:
         "slots": gears.max_batch_size,
         "longest_prompt": gears.prefill_lengths[-1],
         "longest_output": gears.max_seq_len - gears.prefill_lengths[0] + 1,
+        "admission_rows": 1 if gears.row_prefill else gears.max_batch_size,
     }
 
 

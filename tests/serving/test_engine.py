@@ -5,6 +5,10 @@ own `generate` of its prompt; sampled: `Session.generate` of it alone with its s
 from __future__ import annotations
 
 import asyncio
+import json
+import zipfile
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +17,14 @@ from tests.generation_families import MAKERS
 import tessel
 from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption
+from tessel.package import Package
+from tessel.package.fields import PackageError
 from tessel.serving.engine import Engine
 from tessel.serving.errors import BadRequest, QueueFull
 from tessel.serving.settings import Limits, request_for
 
 GENERATION = tessel.Generation(max_batch_size=4, max_seq_len=32, prefill_lengths=(8, 16))
+ROW_PREFILL = replace(GENERATION, row_prefill=True)
 SAMPLED = [
     dict(temperature=0.8, top_k=20, top_p=0.9),
     dict(temperature=1.2, min_p=0.05),
@@ -32,15 +39,16 @@ def _model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory) -> dict[str, str]:
-    """The small Llama's generation package on 1 device, 2 tensor-parallel devices, and two
-    data-parallel replicas of one device each (each holding two rows of the cache)."""
+    """The small Llama's generation package on 1 device, 2 tensor-parallel devices with
+    one-row prefill gears (each request admitted through its own), and two data-parallel
+    replicas of one device each (each holding two rows of the cache)."""
     root = tmp_path_factory.mktemp("serve")
     model = _model()
     # the tests compare each request's tokens with transformers' and Session.generate's:
     # the build's own check is left out
     built = {
         "1": tessel.build(model, cluster=1, generation=GENERATION, verify=False),
-        "2": tessel.build(model, cluster=2, generation=GENERATION, verify=False),
+        "2": tessel.build(model, cluster=2, generation=ROW_PREFILL, verify=False),
         "dp2": tessel.build(
             model,
             cluster=2,
@@ -109,6 +117,8 @@ def test_sixteen_requests_at_once_each_equal_itself_alone(packages, layout) -> N
         stats = engine.stats
     assert first == again
     assert stats["admissions"] == 32 and stats["slots_used"] == 0
+    if layout == "2":  # one-row prefill gears: a call per admission, writing its row alone
+        assert stats["prefills"] == 32
     assert stats["compactions"] > 0 or layout != "1"
     model = _model()
     session = tessel.Session()
@@ -229,7 +239,6 @@ def test_greedy_with_neutral_sampling_fields_is_taken() -> None:
 
 
 def test_inspect_says_how_many_requests_and_how_long(packages) -> None:
-    from tessel.package import Package
     from tessel.report import generation_lines, inspect_json
 
     manifest = Package.open(packages["2"]).manifest
@@ -237,9 +246,16 @@ def test_inspect_says_how_many_requests_and_how_long(packages) -> None:
         "slots": 4,
         "longest_prompt": 16,
         "longest_output": 32 - 8 + 1,
+        "admission_rows": 1,  # built with one-row prefill gears
     }
     line = next(x for x in generation_lines(manifest) if x.startswith("serving"))
     assert "4 requests at once" in line and "up to 16 tokens" in line and "up to 25 new" in line
+    assert "computes its own row" in line
+    every_row = Package.open(packages["1"]).manifest
+    assert inspect_json(every_row)["generation"]["serving"]["admission_rows"] == 4
+    assert "computes all 4 rows" in next(
+        x for x in generation_lines(every_row) if x.startswith("serving")
+    )
 
 
 def test_a_hybrid_model_in_pipeline_stages_serves_each_request_as_alone(tmp_path) -> None:
@@ -283,3 +299,29 @@ def test_max_tokens_defaults_to_the_models_lengths_as_generate_counts_them() -> 
     with pytest.raises(BadRequest, match="leaves no new token") as caught:
         request_for(with_length, [1] * 12)
     assert caught.value.param == "max_tokens"
+
+
+def test_a_manifest_whose_one_row_gears_differ_from_its_generation_section_is_refused(
+    packages, tmp_path
+) -> None:
+    """A package's `row_prefill` and every rank's `row_gears` agree, or it is not opened."""
+
+    def rewritten(edit) -> Path:
+        path = tmp_path / "edited.tessel"
+        with zipfile.ZipFile(packages["2"]) as zin, zipfile.ZipFile(path, "w") as zout:
+            for item in zin.infolist():
+                data = zin.read(item.filename)
+                if item.filename == "manifest.json":
+                    manifest = json.loads(data)
+                    edit(manifest)
+                    data = json.dumps(manifest).encode()
+                zout.writestr(item.filename, data)
+        return path
+
+    assert Package.open(packages["2"]).manifest.generation.row_prefill
+    unasked = rewritten(lambda m: m["generation"].pop("row_prefill"))
+    with pytest.raises(PackageError, match=r"one-row prefill gears for prompt lengths \[8, 16\]"):
+        Package.open(unasked)
+    missing = rewritten(lambda m: m["submodels"][1]["row_gears"].pop("16"))
+    with pytest.raises(PackageError, match=r"row_prefill asks for \[8, 16\]"):
+        Package.open(missing)

@@ -109,6 +109,15 @@ def build_generation(
             f"({policy.source}: graph_parallel_option.{POLICY_KEYS['dp']}) cannot share "
             f"evenly; give a multiple of {dp}",
         )
+    if generation.row_prefill and (dp > 1 or pp > 1):
+        axis = "data-parallel replicas" if dp > 1 else "pipeline stages"
+        raise ConfigError(
+            "Generation",
+            "row_prefill",
+            f"is set for {dp if dp > 1 else pp} {axis} ({policy.source}); one-row prefill "
+            "gears are built for one replica of one stage; build without row_prefill (a server "
+            "then admits requests with the prefill gears of every row)",
+        )
     timings: dict[str, float] = {}
     t = time.perf_counter()
     # each replica holds its rows of the cache: the gears are captured at its share
@@ -165,6 +174,7 @@ def build_generation(
         )  # fmt: skip
 
     prefill: dict[int, Fitted] = {}
+    rows: dict[int, Fitted] = {}
     if decode_first:  # memory does not bind: the gear that runs most places the weights
         try:
             level = Level(reserve=reserve + _replicas_bytes(gears.decode, dp))
@@ -173,6 +183,8 @@ def build_generation(
             given = _placed_as(decode, policy)
             for n, captured in gears.prefill.items():
                 prefill[n] = fit_gear(captured, given, _kept(captured, dp), decode, explain=False)
+            for n, captured in gears.rows.items():
+                rows[n] = fit_gear(captured, given, _kept(captured, dp), decode, explain=False)
         except PlanError as exc:
             log.info("the decode gear's placements leave a prefill gear no room (%s)", exc)
             decode_first = False
@@ -192,9 +204,13 @@ def build_generation(
             n: first if n == longest else fit_gear(captured, given, _kept(captured, dp), first)
             for n, captured in gears.prefill.items()
         }
+        rows = {
+            n: fit_gear(captured, given, _kept(captured, dp), first)
+            for n, captured in gears.rows.items()
+        }
     t = time.perf_counter()
     with phase("packing"):
-        manifest, members = _pack(gears, decode, prefill, model, cluster, soc_version, dp, pp)
+        manifest, members = _pack(gears, decode, prefill, rows, model, cluster, soc_version, dp, pp)
     timings["pack"] = time.perf_counter() - t
     return manifest, members, timings
 
@@ -298,13 +314,15 @@ def _pack(
     gears: CapturedGears,
     decode: Fitted,
     prefill: dict[int, Fitted],
+    row_gears: dict[int, Fitted],
     model: torch.nn.Module,
     cluster: ClusterConfig,
     soc_version: str,
     dp: int,
     pp: int,
 ) -> tuple[Manifest, dict]:
-    """The decode gear packed as the model, its prefill gears' programs added beside it; with
+    """The decode gear packed as the model, its prefill gears' programs (and one-row ones,
+    `row_gears`, on one replica of one stage) added beside it; with
     `dp` replicas, every rank's programs made from one replica's (`replica_programs`); with
     `pp` stages, the stage programs the fit cut (`build_gear_stages`)."""
     written = frozenset(gears.cache_names)
@@ -331,22 +349,25 @@ def _pack(
         written=written,
     )
     submodels = list(manifest.submodels)
-    for length, fitted in prefill.items():
-        seen: dict[bytes, str] = {}
-        if staged is not None:
-            _same_weights_as_decode(fitted, staged, length)
-        for rank, rp in enumerate(every_rank(fitted)):
-            data = json.dumps(rp.program).encode()
-            if data not in seen:
-                seen[data] = f"programs/prefill_{length}_{len(seen)}.json"
-                members[seen[data]] = data
-            sub = submodels[rank]
-            # a prefill gear may talk in groups the decode gear never needs
-            groups = [*sub.comm_groups]
-            groups += [tuple(g) for g in groups_in(rp.program) if tuple(g) not in groups]
-            submodels[rank] = replace(
-                sub, gears={**sub.gears, length: seen[data]}, comm_groups=tuple(groups)
-            )
+    for kind, fitted_gears in (("prefill", prefill), ("row_prefill", row_gears)):
+        for length, fitted in fitted_gears.items():
+            seen: dict[bytes, str] = {}
+            if staged is not None:
+                _same_weights_as_decode(fitted, staged, length)
+            for rank, rp in enumerate(every_rank(fitted)):
+                data = json.dumps(rp.program).encode()
+                if data not in seen:
+                    seen[data] = f"programs/{kind}_{length}_{len(seen)}.json"
+                    members[seen[data]] = data
+                sub = submodels[rank]
+                # a prefill gear may talk in groups the decode gear never needs
+                groups = [*sub.comm_groups]
+                groups += [tuple(g) for g in groups_in(rp.program) if tuple(g) not in groups]
+                if kind == "row_prefill":
+                    sub = replace(sub, row_gears={**sub.row_gears, length: seen[data]})
+                else:
+                    sub = replace(sub, gears={**sub.gears, length: seen[data]})
+                submodels[rank] = replace(sub, comm_groups=tuple(groups))
     held = dict(gears.step.named_buffers())
     settings = getattr(model, "generation_config", None)
     pad = getattr(settings, "pad_token_id", None)
@@ -375,6 +396,7 @@ def _pack(
         eos_token_id=tuple(dict.fromkeys(stops)),
         defaults=model_settings(settings, vocab),
         decoder_start_token_id=_decoder_start(model, gears),
+        row_prefill=bool(row_gears),
     )
     outputs = manifest.outputs[-1:]  # a gear's outputs: the state it writes, then the logits
     # the whole batch's inputs: a replica reads its rows of the batched ones

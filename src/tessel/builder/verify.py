@@ -23,6 +23,7 @@ from tessel.errors import TesselError
 from tessel.package.plan_report import Verified
 from tessel.plan.candidates import node_seconds
 from tessel.runtime.inprocess import InProcessModel, run_in_process
+from tessel.runtime.loader import row_gear
 
 # largest difference allowed, relative to the largest magnitude of the eager output (at least 1)
 TOLERANCE = {
@@ -149,27 +150,36 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
     tokens = torch.stack(list(steps), dim=1)
     dtype = next(model.parameters()).dtype
     worst = 0.0
+
+    def compare(expected: torch.Tensor, got: torch.Tensor, where: str) -> float:
+        """`got`'s logits against `transformers`' `expected`, as a share of their scale."""
+        e, b = expected.float(), got.float()
+        scale = max(1.0, e.abs().max().item())
+        allowed = tolerance(dtype) * scale
+        diff = (b - e).abs().max().item()
+        if not diff <= allowed:  # also refuses NaN
+            raise VerifyError(
+                f"the built generation package disagrees with transformers' generate at "
+                f"{where}: the logits differ by up to {diff:.3g} (allowed {allowed:.3g} for "
+                f"{dtype}); the package was not written. Please report this with the model "
+                "and cluster"
+            )
+        return diff / scale
+
+    wanted = []
     for row in range(len(ids)):
         alone = ids[row, mask[row].bool()][None]
         want = _transformers_generate(model, alone, new, pad)
+        wanted.append(want)
         made = want.sequences[0, -len(want.logits) :]
         for step, (expected, scores) in enumerate(zip(want.logits, want.scores)):
-            e, b = expected[0].float(), seen[step][row].float()
-            scale = max(1.0, e.abs().max().item())
-            allowed = tolerance(dtype) * scale
-            diff = (b - e).abs().max().item()
+            e = expected[0].float()
+            allowed = tolerance(dtype) * max(1.0, e.abs().max().item())
             where = (
                 f"row {row} (a prompt of {alone.shape[1]} tokens, alone in transformers' "
                 f"generate), new token {step}"
             )
-            if not diff <= allowed:  # also refuses NaN
-                raise VerifyError(
-                    f"the built generation package disagrees with transformers' generate at "
-                    f"{where}: the logits differ by up to {diff:.3g} (allowed {allowed:.3g} for "
-                    f"{dtype}); the package was not written. Please report this with the model "
-                    "and cluster"
-                )
-            worst = max(worst, diff / scale)
+            worst = max(worst, compare(e, seen[step][row], where))
             if int(tokens[row, step]) != int(made[step]):
                 top = scores[0].float().topk(2).values
                 if (top[0] - top[1]).item() > allowed:
@@ -180,7 +190,54 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
                         "with the model and cluster"
                     )
                 break  # a tie broken the other way: later steps see other tokens
+    if gears.row_prefill:
+        row_check = _check_row_gear(
+            built, logits_rank, gears, ids[0], mask[0], gear, wanted[0], compare
+        )
+        worst = max(worst, row_check)
     return Verified(max_relative_diff=worst, seconds=round(time.perf_counter() - t, 3))
+
+
+def _check_row_gear(
+    built: InProcessModel,
+    logits_rank: int,
+    gears: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    gear: int,
+    want: Any,
+    compare: Any,
+) -> float:
+    """The one-row prefill gear of `gear` tokens admitting the prompt `ids` (one row, left
+    padded by `mask`) into the cache's last row at slots 0 to `gear`, then a decode step of
+    every row, against `transformers`' first two steps of the prompt alone: the gear wrote
+    that row's keys and values where the decode gear reads them."""
+    last, prompt = gears.max_batch_size - 1, int(mask.sum())
+    slots = torch.zeros(1, gears.max_seq_len, dtype=torch.long)
+    slots[0, gear - prompt : gear] = 1
+    positions = torch.zeros(1, gear, dtype=torch.long)
+    positions[0, gear - prompt :] = torch.arange(prompt)
+    row_ids = torch.full((1, gear), gears.pad_for(gears.eos_token_id), dtype=torch.long)
+    row_ids[0, gear - prompt :] = ids[mask.bool()]
+    inputs = [row_ids, positions, torch.arange(gear), slots, torch.tensor([last])]
+    where = f"the one-row prefill gear's row {last} (a prompt of {prompt} tokens)"
+    first = built.run(inputs, row_gear(gear), logits_rank)[-1][0]
+    worst = compare(want.logits[0][0], first, f"{where}, new token 0")
+    if len(want.logits) < 2:
+        return worst
+    token = want.sequences[0, -len(want.logits)]
+    rows = gears.max_batch_size
+    step_ids = torch.full((rows, 1), gears.pad_for(gears.eos_token_id), dtype=torch.long)
+    step_ids[last, 0] = token
+    step_positions = torch.zeros(rows, 1, dtype=torch.long)
+    step_positions[last, 0] = prompt
+    step_mask = torch.zeros(rows, gears.max_seq_len, dtype=torch.long)
+    step_mask[:, gear] = 1
+    step_mask[last] = slots[0]
+    step_mask[last, gear] = 1
+    step = [step_ids, step_positions, torch.tensor([gear]), step_mask]
+    logits = built.run(step, 1, logits_rank)[-1][last]
+    return max(worst, compare(want.logits[1][0], logits, f"{where}, new token 1"))
 
 
 def _prompts(gears: Any, prompt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,10 +93,15 @@ class _SlotLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # an indexed write, which export keeps as the one op tessel makes in place: no
         # decomposition (a second trace of the model) is needed to reach it
-        slots = self.cache.slots
-        self.keys[:, :, slots] = key_states
-        self.values[:, :, slots] = value_states
-        return self.keys, self.values
+        slots, row = self.cache.slots, self.cache.row
+        if row is None:
+            self.keys[:, :, slots] = key_states
+            self.values[:, :, slots] = value_states
+            return self.keys, self.values
+        # a one-row call: its row of the cache written at the slots, and read whole
+        self.keys[row, :, slots] = key_states[0].transpose(0, 1)
+        self.values[row, :, slots] = value_states[0].transpose(0, 1)
+        return self.keys.index_select(0, row), self.values.index_select(0, row)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.keys.shape[2], 0
@@ -168,10 +173,15 @@ class SlotCache(Cache):
     of the call's first token as the cache's length."""
 
     def __init__(
-        self, buffers: dict[str, torch.Tensor], slots: torch.Tensor, length: int | None = None
+        self,
+        buffers: dict[str, torch.Tensor],
+        slots: torch.Tensor,
+        length: int | None = None,
+        row: torch.Tensor | None = None,
     ) -> None:
         self.slots = slots
         self.counted = length
+        self.row = row  # a one-row call's row of the cache (`[1]`), else None: every row
         carried = slots.shape[0] == 1
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
         for name, buffer in buffers.items():
@@ -446,11 +456,12 @@ class GenerationStep(torch.nn.Module):
         position_ids: torch.Tensor,
         cache_position: torch.Tensor,
         attention_mask: torch.Tensor,
+        row: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.encoder_decoder:
             return self._encoder_decoder(input_ids, cache_position, attention_mask)
         cache = SlotCache(
-            {n: getattr(self, n) for n in self.cache_names}, cache_position, self.length
+            {n: getattr(self, n) for n in self.cache_names}, cache_position, self.length, row
         )
         own = attention_mask.index_select(1, cache_position)  # the padding of this call's tokens
         if self.hybrid:  # the slots' mask for attention, the call's own last for recurrence
@@ -515,11 +526,15 @@ class GenerationStep(torch.nn.Module):
 # a gear's inputs, in order, and those with the batch's rows first (a replica reads its rows)
 GEAR_INPUTS = ("input_ids", "position_ids", "cache_position", "attention_mask")
 BATCH_INPUTS = (0, 1, 3)
+ROW_INPUT = "row"  # a one-row prefill gear's fifth input: the cache row it writes, `[1]`
 
 
-def gear_inputs(batch: int, length: int, max_seq_len: int) -> tuple[torch.Tensor, ...]:
-    """Example inputs of a gear of `length` tokens: a full prompt written from slot 0."""
-    return (
+def gear_inputs(
+    batch: int, length: int, max_seq_len: int, row: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a gear of `length` tokens: a full prompt written from slot 0; a
+    one-row gear (`row`, `batch` 1) takes the cache row it writes last (`ROW_INPUT`)."""
+    inputs = (
         torch.zeros(batch, length, dtype=torch.long),
         torch.arange(length).expand(batch, length).contiguous(),
         torch.arange(length),
@@ -531,6 +546,7 @@ def gear_inputs(batch: int, length: int, max_seq_len: int) -> tuple[torch.Tensor
             dim=1,
         ),
     )
+    return (*inputs, torch.zeros(1, dtype=torch.long)) if row else inputs
 
 
 @dataclass
@@ -542,15 +558,22 @@ class CapturedGears:
     prefill: dict[int, CapturedModel]
     decode: CapturedModel
     generation: Generation
+    # one-row prefill gears by prompt length (`Generation.row_prefill`), each writing the row
+    # it is given
+    rows: dict[int, CapturedModel] = field(default_factory=dict)
 
     @property
     def cache_names(self) -> list[str]:
         return self.step.cache_names
 
-    def run(self, length: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The captured gear of `length` tokens called in this process on `inputs`, writing
-        the step's cache buffers: the programs as captured, before any partitioning."""
-        ep = (self.decode if length == 1 else self.prefill[length]).program
+    def run(self, length: int, inputs: tuple[torch.Tensor, ...], row: bool = False) -> torch.Tensor:
+        """The captured gear of `length` tokens (`row`: the one-row gear, its row last in
+        `inputs`) called in this process on `inputs`, writing the step's cache buffers: the
+        programs as captured, before any partitioning."""
+        if row:
+            ep = self.rows[length].program
+        else:
+            ep = (self.decode if length == 1 else self.prefill[length]).program
         held = dict(self.step.named_parameters(remove_duplicate=False))
         held.update(self.step.named_buffers(remove_duplicate=False))
         signature = ep.graph_signature
@@ -589,11 +612,27 @@ def capture_gears(
             "carries on (the decode gear) and a prefill gear starts afresh: the two cannot be "
             "one program; a 1-token prompt is padded into the shortest gear of 2 tokens or more",
         )
+    one_row = generation.row_prefill and generation.max_batch_size > 1
+    if one_row and (step.recurrent or step.encoder_decoder):
+        kind = "is an encoder-decoder" if step.encoder_decoder else "keeps recurrent states"
+        raise ConfigError(
+            "Generation",
+            "row_prefill",
+            f"is set for {type(model).__name__}, which {kind}: one-row prefill gears write "
+            "keys and values only; build without row_prefill (a server then admits requests "
+            "with the prefill gears of every row)",
+        )
     prefill = {
         t: _gear(step, model, generation, t, reuse_layers, keep) for t in generation.prefill_lengths
     }
     decode = _gear(step, model, generation, 1, reuse_layers, keep)
-    return CapturedGears(step, prefill, decode, generation)
+    rows = {}
+    if one_row:
+        rows = {
+            t: _gear(step, model, generation, t, reuse_layers, keep, row=True)
+            for t in generation.prefill_lengths
+        }
+    return CapturedGears(step, prefill, decode, generation, rows)
 
 
 def capture_gear(
@@ -627,13 +666,14 @@ def _gear(
     length: int,
     reuse_layers: bool,
     keep: Callable[[Any], bool] | None,
+    row: bool = False,
 ) -> CapturedModel:
-    b, n = generation.max_batch_size, generation.max_seq_len
+    b, n = (1 if row else generation.max_batch_size), generation.max_seq_len
     with _entered_modules(step) as entered, fixed_rotary_tables(model, n):
         try:
             try:
                 captured = capture(
-                    step, gear_inputs(b, length, n), keep=keep, reuse_layers=reuse_layers
+                    step, gear_inputs(b, length, n, row), keep=keep, reuse_layers=reuse_layers
                 )
             except TesselError:
                 raise
@@ -649,7 +689,7 @@ def _gear(
                     raise
                 step.length = 0
                 captured = capture(
-                    step, gear_inputs(b, length, n), keep=keep, reuse_layers=reuse_layers
+                    step, gear_inputs(b, length, n, row), keep=keep, reuse_layers=reuse_layers
                 )
         except TesselError:
             raise

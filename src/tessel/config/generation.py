@@ -37,17 +37,26 @@ class Generation:
     The cache holds `max_batch_size` rows of `max_seq_len` tokens (prompt and new tokens
     together) on the devices. A prompt runs through the prefill gear of the shortest length in
     `prefill_lengths` that holds it, left padded; each new token runs through the decode gear.
+
+    With `row_prefill`, each prompt length also gets a prefill gear of one row that writes the
+    cache row it is given and no other: `tessel serve` admits a request with it, at the cost
+    of one row's prompt, where the other gears compute every row.
     """
 
     max_batch_size: int
     max_seq_len: int
     prefill_lengths: tuple[int, ...]
+    row_prefill: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_batch_size", "max_seq_len"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError("Generation", key, f"must be a positive int, found {value!r}")
+        if not isinstance(self.row_prefill, bool):
+            raise ConfigError(
+                "Generation", "row_prefill", f"must be True or False, found {self.row_prefill!r}"
+            )
         lengths = self.prefill_lengths
         if isinstance(lengths, int) and not isinstance(lengths, bool):
             lengths = (lengths,)

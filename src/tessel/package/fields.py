@@ -101,6 +101,11 @@ class Field:
             raise self.fail(f"found {self.value}; the most allowed is {high}")
         return self.value
 
+    def flag(self) -> bool:
+        if not isinstance(self.value, bool):
+            raise self._expect("true or false")
+        return self.value
+
     def number(self) -> float:
         ok = isinstance(self.value, (int, float)) and not isinstance(self.value, bool)
         if not ok or not math.isfinite(self.value):

@@ -203,6 +203,8 @@ class Submodel:
     comm_groups: tuple[tuple[int, ...], ...]
     # a generation package's prefill programs by prompt length (`program` is its decode gear)
     gears: Mapping[int, str] = field(default_factory=dict)
+    # its one-row prefill programs by prompt length (`Gears.row_prefill`)
+    row_gears: Mapping[int, str] = field(default_factory=dict)
     # the state this rank holds, zero at load and written by its programs: name -> its box,
     # a (start, stop) per dim of the whole tensor
     state: Mapping[str, Box] = field(default_factory=dict)
@@ -230,12 +232,10 @@ class Submodel:
             raise f.get("weight_order").fail("names a weight twice")
         tied_f = f.get("tied", optional=True)
         tied = {k: Tie.read(v) for k, v in tied_f.items()} if tied_f.value is not None else {}
-        gears = {}
-        gears_f = f.get("gears", optional=True)
-        for length, member in gears_f.items() if gears_f.value is not None else []:
-            if not length.isdigit() or int(length) < 1:
-                raise member.fail(f"names a prefill gear {length!r}; expected a prompt length")
-            gears[int(length)] = member.member(members)
+        gears, row_gears = (
+            _gears(f.get("gears", optional=True), members),
+            _gears(f.get("row_gears", optional=True), members),
+        )
         state_f = f.get("state", optional=True)
         state = {k: _box(v) for k, v in state_f.items()} if state_f.value is not None else {}
         if not set(state) <= set(order):
@@ -256,6 +256,7 @@ class Submodel:
             tied=tied,
             comm_groups=tuple(groups),
             gears=gears,
+            row_gears=row_gears,
             state=state,
             passes=f.get("passes", optional=True).optional(lambda p: Passes.read(p, members)),
         )
@@ -272,6 +273,11 @@ class Submodel:
             "tied": {k: t.to_json() for k, t in self.tied.items()},
             "comm_groups": [list(g) for g in self.comm_groups],
             **({"gears": {str(n): m for n, m in self.gears.items()}} if self.gears else {}),
+            **(
+                {"row_gears": {str(n): m for n, m in self.row_gears.items()}}
+                if self.row_gears
+                else {}
+            ),
             **(
                 {"state": {k: [list(d) for d in box] for k, box in self.state.items()}}
                 if self.state
@@ -443,6 +449,8 @@ class Gears:
     # an encoder-decoder's: the token its decoder starts from, which `generate` returns first
     # (the prompt went to the encoder); None for a decoder-only model
     decoder_start_token_id: int | None = None
+    # each prompt length has a one-row prefill gear too (every rank's `row_gears`)
+    row_prefill: bool = False
 
     def pad_for(self, eos_token_id: tuple[int, ...]) -> int:
         """The id finished rows are padded with: the model's, or where it sets none the first
@@ -474,6 +482,7 @@ class Gears:
             decoder_start_token_id=f.get("decoder_start_token_id", optional=True).optional(
                 lambda p: p.int(low=0, high=vocab - 1)
             ),
+            row_prefill=f.get("row_prefill", optional=True).optional(lambda p: p.flag()) or False,
         )
 
     def to_json(self) -> dict:
@@ -491,6 +500,7 @@ class Gears:
                 if self.decoder_start_token_id is not None
                 else {}
             ),
+            **({"row_prefill": True} if self.row_prefill else {}),
         }
 
 
@@ -706,6 +716,7 @@ class Manifest:
             names.add(s.program)
             names.update(s.weights)
             names.update(s.gears.values())
+            names.update(s.row_gears.values())
         return names
 
     def __repr__(self) -> str:
@@ -743,10 +754,29 @@ def _box(f: Field) -> Box:
     return tuple(box)
 
 
+def _gears(f: Field, members: frozenset[str]) -> dict[int, str]:
+    """A submodel's prefill programs (`gears`, `row_gears`): prompt length -> member."""
+    gears = {}
+    for length, member in f.items() if f.value is not None else []:
+        if not length.isdigit() or int(length) < 1:
+            raise member.fail(f"names a prefill gear {length!r}; expected a prompt length")
+        gears[int(length)] = member.member(members)
+    return gears
+
+
 def _checked_state(gears: Gears | None, subs: list[Field]) -> Gears | None:
-    """Every rank's state boxes lie inside the state the generation section declares."""
+    """Every rank's state boxes lie inside the state the generation section declares, and
+    every rank holds a one-row prefill gear per prompt length where the section says so."""
     declared = {x.name: x.shape for x in gears.state} if gears is not None else {}
     for sub in subs:
+        rows_f = sub.get("row_gears", optional=True)
+        held = sorted(int(n) for n, _ in rows_f.items()) if rows_f.value is not None else []
+        wanted = list(gears.prefill_lengths) if gears is not None and gears.row_prefill else []
+        if held != wanted:
+            raise (rows_f if rows_f.value is not None else sub).fail(
+                f"holds one-row prefill gears for prompt lengths {held}; the generation "
+                f"section's row_prefill asks for {wanted}"
+            )
         state_f = sub.get("state", optional=True)
         for name, box_f in state_f.items() if state_f.value is not None else []:
             if name not in declared:

@@ -42,7 +42,12 @@ class LoadedGears:
     # the cache's tensors among the weights, by name, each with its box of the whole cache
     state: dict[str, tuple[torch.Tensor, Box]] = field(default_factory=dict)
     # each gear ending in the choices of the latest requests' settings, the latest last
-    chosen: OrderedDict[tuple[int, Choice], fx.GraphModule] = field(default_factory=OrderedDict)
+    chosen: OrderedDict[tuple[int, bool, Choice], fx.GraphModule] = field(
+        default_factory=OrderedDict
+    )
+    # the one-row prefill gears by prompt length (`Gears.row_prefill`): each writes the row
+    # given as its last input
+    rows: dict[int, fx.GraphModule] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -54,23 +59,26 @@ class LoadedGears:
         inputs: tuple[torch.Tensor, ...],
         choice: Choice,
         extra: tuple[torch.Tensor, ...],
+        row: bool = False,
     ) -> torch.Tensor | None:
         """Each row's token, as `choice` makes it from the logits of the gear of `length`
-        tokens on `inputs` (None on a pipeline stage before the last, which holds none)."""
-        program = self.programs[length]
+        tokens on `inputs` (`row`: the one-row prefill gear, its row last in `inputs`); None
+        on a pipeline stage before the last, which holds none."""
+        program = (self.rows if row else self.programs)[length]
         if not _outputs(program):  # a stage before the last: no logits, nothing to choose
             program(*self.weights, *(x.to(self.device) for x in inputs))
             return None
-        program = self._ending_in(length, choice)
+        program = self._ending_in(length, row, choice)
         return program(*self.weights, *(x.to(self.device) for x in (*inputs, *extra)))[-1]
 
-    def _ending_in(self, length: int, choice: Choice) -> fx.GraphModule:
+    def _ending_in(self, length: int, row: bool, choice: Choice) -> fx.GraphModule:
         """The gear of `length` tokens with `choice` run on its logits, traced once for a few
         requests' settings."""
-        key = (length, choice)
+        key = (length, row, choice)
         if key not in self.chosen:
-            self.chosen[key] = ending_in(self.programs[length], choice.traced(self.device))
-            while len(self.chosen) > _CHOICES_KEPT * len(self.programs):
+            program = (self.rows if row else self.programs)[length]
+            self.chosen[key] = ending_in(program, choice.traced(self.device))
+            while len(self.chosen) > _CHOICES_KEPT * (len(self.programs) + len(self.rows)):
                 self.chosen.popitem(last=False)
         self.chosen.move_to_end(key)
         return self.chosen[key]

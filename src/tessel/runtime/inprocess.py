@@ -184,9 +184,10 @@ class InProcessModel:
             self.ranks.append(load_programs(package, rank, cpu, {} if self.single else name_of))
 
     def run(
-        self, inputs: list[torch.Tensor], gear: int | None = None, rank: int = 0
+        self, inputs: list[torch.Tensor], gear: int | str | None = None, rank: int = 0
     ) -> list[torch.Tensor]:
-        """`rank`'s outputs of the program (or the gear of `gear` tokens) on `inputs`."""
+        """`rank`'s outputs of the program (or the gear of `gear` tokens, or the one-row
+        prefill gear `row_gear(n)`) on `inputs`."""
         if self.single:
             programs, weights = self.ranks[0]
             with torch.no_grad():

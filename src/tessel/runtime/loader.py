@@ -26,7 +26,8 @@ def load_programs(
 ) -> tuple[dict[int | str | None, fx.GraphModule], list[torch.Tensor]]:
     """The rank's programs and its weight inputs in program order, its members read once: its
     program under None (a training pipeline stage's backward pass beside it, under
-    `BACKWARD`), or a generation package's gears by prompt length (1: decode)."""
+    `BACKWARD`), or a generation package's gears by prompt length (1: decode) and its one-row
+    prefill gears under `row_gear(length)`."""
     sub = package.submodel(rank)
     tensors = package.weights(sub)
     constants = {
@@ -45,6 +46,7 @@ def load_programs(
     ]
     main = 1 if package.manifest.generation is not None else None
     members: dict[int | str | None, str] = {**sub.gears, main: sub.program}
+    members.update({row_gear(n): member for n, member in sub.row_gears.items()})
     if sub.passes is not None:
         members[BACKWARD] = sub.passes.backward
     programs = {
@@ -54,8 +56,20 @@ def load_programs(
     return programs, weights
 
 
+_ROW_GEAR = "row_"
+
+
+def row_gear(length: int) -> str:
+    """The key of the one-row prefill gear of `length` tokens among a rank's programs."""
+    return f"{_ROW_GEAR}{length}"
+
+
 def _taken(package: Package, rank: int, key: int | str | None) -> int:
-    """What the program `key` of `rank` takes beside its weights and the model's inputs."""
+    """What the program `key` of `rank` takes beside its weights and the model's inputs: a
+    one-row prefill gear the row it writes, a training pipeline stage's pass what other passes
+    hand it."""
+    if isinstance(key, str) and key.startswith(_ROW_GEAR):
+        return 1
     passes = package.submodel(rank).passes
     if passes is None:
         return 0
@@ -96,6 +110,6 @@ def _program(
                 package.path,
                 f"the program {member} of rank {rank} takes {found} inputs; its weights and the "
                 f"model's inputs are {takes - taken}"
-                + (f", and its pipeline stage hands it {taken} more" if taken else ""),
+                + (f", and it takes {taken} more" if taken else ""),
             )
     return decode(program, constants, device, groups)

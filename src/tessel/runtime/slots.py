@@ -8,9 +8,11 @@ steps:
 
 - rows whose requests ended (a stop token, `max_tokens`, a cancel) are freed;
 - waiting requests are admitted first come, first served, each into a free row: its prompt
-  goes through the prefill gear of its length, ending at `t` (slots `t - gear` to `t`). The
-  gear runs on every row, so each rank first keeps the other rows' state it would write (their
-  keys and values at those slots, their recurrent states whole) and puts it back after: an
+  goes through the prefill gear of its length, ending at `t` (slots `t - gear` to `t`). Where
+  the package has one-row prefill gears (`Gears.row_prefill`), each admission runs its own,
+  which writes that row alone. Otherwise one gear of every row admits the step's requests of
+  its length, so each rank first keeps the other rows' state it would write (their keys and
+  values at those slots, their recurrent states whole) and puts it back after. Either way an
   admission changes no other row's tokens;
 - where a request needs more room than the slots after `t` leave, every row's slots move left
   by as many as the earliest still in use allows (a compaction), and `t` with them;
@@ -196,20 +198,18 @@ class Slots:
         self.counts["compactions"] += 1
 
     def _prefill(self, gear: int, admissions: list[list]) -> list:
+        """Admit `admissions` (row, request id, request, gear) through the prefill gear of
+        `gear` tokens: its one-row gear once per request where the package has one, else its
+        gear of every row once, the other rows' state kept and put back."""
+        if gear in self.gears.rows:
+            return [event for a in admissions for event in self._prefill_row(gear, *a[:3])]
         t, size = self.pointer, self.size
         ids = torch.full((size, gear), self.pad, dtype=torch.long)
         positions = torch.zeros(size, gear, dtype=torch.long)
-        admitted: dict[int, _Row] = {}
-        for r, rid, request, _ in admissions:
-            prompt = torch.tensor(request["prompt"], dtype=torch.long)
-            p = len(prompt)
-            ids[r, gear - p :] = prompt
-            positions[r, gear - p :] = torch.arange(p)
-            self.valid[r] = 0
-            self.valid[r, t - p : t] = 1
-            self.history[r] = self.pad
-            self.history[r, t - p : t] = prompt
-            admitted[r] = _Row.admitted(rid, request, t - p)
+        admitted = {
+            r: self._admitted(r, rid, request, gear, ids[r], positions[r])
+            for r, rid, request, _ in admissions
+        }
         mask = self.valid.clone()
         for r in range(size):  # a free row attends to its own padding
             if self.rows[r] is None and r not in admitted:
@@ -218,9 +218,7 @@ class Slots:
         others = [r for r in range(size) if self.rows[r] is not None]
         kept = self.gears.keep(others, t - gear, t)
         for r, row in admitted.items():
-            self.rows[r] = row
-            self.settings[r] = torch.tensor(row_settings(row.request), dtype=torch.float32)
-            self.sample[r] = row.generator is not None
+            self._hold(r, row)
         tokens = self._run(gear, inputs, set(admitted))
         self.gears.restore(kept)
         self.counts["prefills"] += 1
@@ -230,6 +228,49 @@ class Slots:
             events.append((row.rid, None, None))
             events.append(self._made(r, row, int(tokens[r])))
         return events
+
+    def _prefill_row(self, gear: int, r: int, rid: int, request: dict) -> list:
+        """Admit one request into row `r` through the one-row prefill gear of `gear` tokens,
+        which writes that row of the cache and no other."""
+        t = self.pointer
+        ids = torch.full((1, gear), self.pad, dtype=torch.long)
+        positions = torch.zeros(1, gear, dtype=torch.long)
+        row = self._admitted(r, rid, request, gear, ids[0], positions[0])
+        self._hold(r, row)
+        inputs = (ids, positions, torch.arange(t - gear, t), self.valid[r : r + 1].clone())
+        token = self._run(gear, (*inputs, torch.tensor([r])), {r}, one=r)
+        self.counts["prefills"] += 1
+        self.counts["admissions"] += 1
+        return [(rid, None, None), self._made(r, row, int(token[0]))]
+
+    def _admitted(
+        self,
+        r: int,
+        rid: int,
+        request: dict,
+        gear: int,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> _Row:
+        """Row `r` made the request's: its prompt written into `ids` and `positions` (the row's
+        own of a gear's inputs, left padded) and into the row's mask and tokens, ending at the
+        pointer."""
+        t = self.pointer
+        prompt = torch.tensor(request["prompt"], dtype=torch.long)
+        p = len(prompt)
+        ids[gear - p :] = prompt
+        positions[gear - p :] = torch.arange(p)
+        self.valid[r] = 0
+        self.valid[r, t - p : t] = 1
+        self.history[r] = self.pad
+        self.history[r, t - p : t] = prompt
+        return _Row.admitted(rid, request, t - p)
+
+    def _hold(self, r: int, row: _Row) -> None:
+        """Row `r` is `row`'s request's, with its choice settings."""
+        self.rows[r] = row
+        self.settings[r] = torch.tensor(row_settings(row.request), dtype=torch.float32)
+        self.sample[r] = row.generator is not None
 
     def _decode(self) -> list:
         t = self.pointer
@@ -263,15 +304,29 @@ class Slots:
             self._free(r)
         return (row.rid, token, reason)
 
-    def _run(self, length: int, inputs: tuple[torch.Tensor, ...], rows: set[int]) -> torch.Tensor:
+    def _run(
+        self,
+        length: int,
+        inputs: tuple[torch.Tensor, ...],
+        rows: set[int],
+        one: int | None = None,
+    ) -> torch.Tensor:
         """The gear of `length` on `inputs`, each row in `rows` choosing its token by its own
-        request's settings (the others' tokens are dropped)."""
-        chosen = [self.rows[r] if r in rows else None for r in range(self.size)]
-        settings, sample = self.settings, self.sample
-        if len(rows) < sum(row is not None for row in self.rows):  # a prefill's admitted rows
-            choosing = torch.tensor([row is not None for row in chosen])
-            settings = torch.where(choosing[:, None], settings, self.neutral)
-            sample = sample & choosing
+        request's settings (the others' tokens are dropped); with `one`, the one-row gear of
+        that row, whose token alone comes back."""
+        if one is None:
+            chosen = [self.rows[r] if r in rows else None for r in range(self.size)]
+            settings, sample = self.settings, self.sample
+            history, counted = self.history, self.valid
+            if len(rows) < sum(row is not None for row in self.rows):  # a prefill's rows
+                choosing = torch.tensor([row is not None for row in chosen])
+                settings = torch.where(choosing[:, None], settings, self.neutral)
+                sample = sample & choosing
+        else:
+            chosen = [self.rows[one]]
+            settings, sample = self.settings[one : one + 1], self.sample[one : one + 1]
+            history, counted = self.history[one : one + 1], self.valid[one : one + 1]
+        size = len(chosen)
         early = torch.tensor([row is not None and row.new < row.early for row in chosen])
         penalized = any(row is not None and row.penalized for row in chosen)
         noise_rows = {
@@ -280,7 +335,7 @@ class Slots:
             if row is not None and row.generator is not None
         }
         choice = RowChoice(
-            self.size,
+            size,
             self.length,
             self.vocab,
             sampled=bool(noise_rows),
@@ -288,18 +343,16 @@ class Slots:
             stops=self.stops,
             suppressed=self.suppressed,
         )
-        noise = torch.ones((self.size, self.vocab) if noise_rows else (0,))
+        noise = torch.ones((size, self.vocab) if noise_rows else (0,))
         for r, drawn in noise_rows.items():
             noise[r] = drawn
         nothing = torch.empty(0, dtype=torch.long)
-        history, counted = (
-            (self.history, self.valid.bool()) if penalized else (nothing, nothing.bool())
-        )
+        history, counted = (history, counted.bool()) if penalized else (nothing, nothing.bool())
         extra = (settings, sample, early, history, counted, noise)
         began = time.perf_counter()
-        token = self.gears.run(length, inputs, choice, extra)  # type: ignore[arg-type]
+        token = self.gears.run(length, inputs, choice, extra, row=one is not None)  # type: ignore[arg-type]
         if self.gears.logits_rank:
-            token = self.gears.share(token, self.size)
+            token = self.gears.share(token, size)
         spent = time.perf_counter() - began
         self.gear_seconds += spent
         self.counts["gears_us"] += int(spent * 1e6)

@@ -30,7 +30,7 @@ from tessel.package.manifest import Manifest, TensorSpec
 from tessel.runtime import cpu_cache, shared_memory
 from tessel.runtime.generating import LoadedGears, generate_on_rank
 from tessel.runtime.gloo import collectives_as_all_reduces
-from tessel.runtime.loader import BACKWARD, load_programs
+from tessel.runtime.loader import BACKWARD, load_programs, row_gear
 from tessel.runtime.slots import serve_on_rank
 from tessel.runtime.step import TrainingStep, data_parallel_group
 
@@ -198,6 +198,7 @@ def _load(
             weights,
             package.manifest.mesh.logits_rank,
             {name: (weights[sub.weight_order.index(name)], box) for name, box in sub.state.items()},
+            rows={n: programs[row_gear(n)] for n in sub.row_gears},
         )
     _release_memory(device)  # what decoding the program left behind, before the first run
     return _Loaded(program, weights, package.manifest.inputs, step, strategy, loaded_gears)
