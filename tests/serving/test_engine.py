@@ -15,10 +15,14 @@ import torch
 from tests.generation_families import MAKERS
 
 import tessel
+from tessel.capture.generation import capture_gear
+from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
 from tessel.config.parallel_option import ParallelOption
+from tessel.demo import tight_cluster
 from tessel.package import Package
 from tessel.package.fields import PackageError
+from tessel.plan import has_rule
 from tessel.serving.engine import Engine
 from tessel.serving.errors import BadRequest, QueueFull
 from tessel.serving.settings import Limits, request_for
@@ -39,16 +43,19 @@ def _model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory) -> dict[str, str]:
-    """The small Llama's generation package on 1 device, 2 tensor-parallel devices with
-    one-row prefill gears (each request admitted through its own), and two data-parallel
-    replicas of one device each (each holding two rows of the cache)."""
+    """The small Llama's generation package on 1 device; on 2 tensor-parallel devices too
+    small for replicated weights, with one-row prefill gears (each request admitted through
+    its own, the cache split); and on two data-parallel replicas of one device each (each
+    holding two rows of the cache)."""
     root = tmp_path_factory.mktemp("serve")
     model = _model()
+    gear = capture_gear(model, ROW_PREFILL, ROW_PREFILL.prefill_lengths[-1], keep=has_rule)
+    tight = cluster_from_dict(tight_cluster(gear, 2), "tight.json")
     # the tests compare each request's tokens with transformers' and Session.generate's:
     # the build's own check is left out
     built = {
         "1": tessel.build(model, cluster=1, generation=GENERATION, verify=False),
-        "2": tessel.build(model, cluster=2, generation=ROW_PREFILL, verify=False),
+        "2": tessel.build(model, cluster=tight, generation=ROW_PREFILL, verify=False),
         "dp2": tessel.build(
             model,
             cluster=2,
@@ -119,6 +126,8 @@ def test_sixteen_requests_at_once_each_equal_itself_alone(packages, layout) -> N
     assert stats["admissions"] == 32 and stats["slots_used"] == 0
     if layout == "2":  # one-row prefill gears: a call per admission, writing its row alone
         assert stats["prefills"] == 32
+        boxes = [s.state["cache_0"] for s in Package.open(packages["2"]).manifest.submodels]
+        assert boxes[0][1] != boxes[1][1], boxes  # each rank holds its heads of the cache
     assert stats["compactions"] > 0 or layout != "1"
     model = _model()
     session = tessel.Session()
