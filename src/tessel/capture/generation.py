@@ -94,6 +94,13 @@ class _SlotLayer(CacheLayerMixin):
         # an indexed write, which export keeps as the one op tessel makes in place: no
         # decomposition (a second trace of the model) is needed to reach it
         slots, row = self.cache.slots, self.cache.row
+        if row is None and self.cache.by_rows:
+            # every row, indexed by row as a one-row gear writes: no gear's plan then splits
+            # the cache by rows, where a one-row gear could not write its row
+            rows = torch.arange(self.keys.shape[0], device=slots.device)[:, None]
+            self.keys[rows, :, slots] = key_states.transpose(1, 2)
+            self.values[rows, :, slots] = value_states.transpose(1, 2)
+            return self.keys, self.values
         if row is None:
             self.keys[:, :, slots] = key_states
             self.values[:, :, slots] = value_states
@@ -178,10 +185,12 @@ class SlotCache(Cache):
         slots: torch.Tensor,
         length: int | None = None,
         row: torch.Tensor | None = None,
+        by_rows: bool = False,
     ) -> None:
         self.slots = slots
         self.counted = length
         self.row = row  # a one-row call's row of the cache (`[1]`), else None: every row
+        self.by_rows = by_rows  # a call of every row writes by row index too (`row_prefill`)
         carried = slots.shape[0] == 1
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
         for name, buffer in buffers.items():
@@ -447,6 +456,8 @@ class GenerationStep(torch.nn.Module):
         # a number to report as the cache's length where the model reads it only to size its
         # tensors (`sized_by_the_length`), so the trace needs no value of the slots
         self.length: int | None = None
+        # with one-row prefill gears: every gear writes its keys and values by row index
+        self.by_rows = False
         for name, buffer in buffers.items():
             self.register_buffer(name, buffer, persistent=False)
 
@@ -461,7 +472,11 @@ class GenerationStep(torch.nn.Module):
         if self.encoder_decoder:
             return self._encoder_decoder(input_ids, cache_position, attention_mask)
         cache = SlotCache(
-            {n: getattr(self, n) for n in self.cache_names}, cache_position, self.length, row
+            {n: getattr(self, n) for n in self.cache_names},
+            cache_position,
+            self.length,
+            row,
+            self.by_rows,
         )
         own = attention_mask.index_select(1, cache_position)  # the padding of this call's tokens
         if self.hybrid:  # the slots' mask for attention, the call's own last for recurrence
@@ -604,6 +619,7 @@ def capture_gears(
     cache; `reuse_layers=False` traces every layer, and ops `keep` holds for stay whole (see
     `capture`)."""
     step = _step(model, generation)
+    step.by_rows = generation.row_prefill and generation.max_batch_size > 1
     if step.recurrent and 1 in generation.prefill_lengths:
         raise ConfigError(
             "Generation",
