@@ -102,6 +102,14 @@ def test_a_one_row_prefill_gear_writes_its_row_alone() -> None:
         held = getattr(captured.step, name)
         torch.testing.assert_close(held[2, :, :8], written[name][2, :, :8])
         assert (held[2, :, 8:] == 7).all() and (held[[0, 1, 3]] == 7).all(), name
+    # every gear writes the cache by row index as the one-row gear does, so no plan of any
+    # gear splits the cache by rows (DTensor never splits an indexed dim), where a one-row
+    # gear could not write its row
+    for gear in (captured.decode, *captured.prefill.values(), *captured.rows.values()):
+        writes = gear.program.graph.find_nodes(
+            op="call_function", target=torch.ops.aten.index_put_.default
+        )
+        assert writes and all(w.args[1][0] is not None for w in writes)
 
 
 def test_programs_write_the_cache_and_return_one_token_of_logits(llama) -> None:
