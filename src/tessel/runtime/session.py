@@ -11,6 +11,7 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import sys
@@ -243,9 +244,32 @@ def _learning_rate(value: Any) -> float:
 
 
 def _free_port() -> int:
+    """A port free now for rank 0's store, below the range the system hands outgoing
+    connections (Linux's `ip_local_port_range`): a port asked of the system (bind to 0) comes
+    from that range, where any process's next connection may take it before rank 0 listens."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(_LOWEST_PORT, low), k=min(64, low - _LOWEST_PORT)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LOWEST_PORT = 20000  # below it lie the ports services are configured on
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the system hands outgoing connections (32768 where it does not say)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > _LOWEST_PORT + 64 else 32768
 
 
 def _option(options: dict, key: str, kind: type, default: Any) -> Any:
