@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import replace
 
@@ -143,7 +144,9 @@ def build_generation(
         # every gear holds the weights and the cache beside its own activations: the longest
         # prompt's (no shorter prompt's are more), at the least, bound what the weights may
         # take. Where the weights alone overflow a device, memory binds without asking.
-        peak, weights = least_memory_plan(gears.prefill[longest], dims.size("tp"))
+        peak, weights = least_memory_plan(
+            gears.prefill[longest], dims.size("tp"), enough=smallest - math.ceil(whole / pp)
+        )
         reserve = peak - weights
         decode_first = whole / pp + reserve <= smallest
 

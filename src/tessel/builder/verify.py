@@ -11,6 +11,7 @@ itself took (`worth_checking`); asked for, it always checks.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from tessel.config.sampling import sampling_for
 from tessel.config.soc import SocProfile, soc_profile
 from tessel.decoding import choosing, decode, new_tokens_room
 from tessel.errors import TesselError
+from tessel.package.manifest import Gears
 from tessel.package.plan_report import Verified
 from tessel.plan.candidates import node_seconds
 from tessel.runtime.inprocess import InProcessModel, run_in_process
@@ -201,12 +203,12 @@ def check_generation(package: Any, model: torch.nn.Module, prompt: torch.Tensor 
 def _check_row_gear(
     built: InProcessModel,
     logits_rank: int,
-    gears: Any,
+    gears: Gears,
     ids: torch.Tensor,
     mask: torch.Tensor,
     gear: int,
-    want: Any,
-    compare: Any,
+    want: Any,  # transformers' GenerateDecoderOnlyOutput of the prompt alone
+    compare: Callable[[torch.Tensor, torch.Tensor, str], float],
 ) -> float:
     """The one-row prefill gear of `gear` tokens admitting the prompt `ids` (one row, left
     padded by `mask`) into the cache's last row at slots 0 to `gear`, then a decode step of

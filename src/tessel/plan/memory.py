@@ -238,6 +238,15 @@ class Footprint:
     def weight_bytes(self, choice: dict[fx.Node, int]) -> int:
         return self.fixed + int(sum(b[choice[v]] for v, b in self.weights.items()))
 
+    def frugal_choice(self) -> dict[fx.Node, int]:
+        """Each decision's strategy holding the fewest bytes summed over every moment: one
+        concrete plan, found without a search, whose peak bounds the least from above."""
+        totals: dict[fx.Node, np.ndarray] = {}
+        for row in self.rows:
+            for v, b in row.linear.items():
+                totals[v] = totals[v] + b if v in totals else b
+        return {v: int(np.argmin(b)) for v, b in totals.items()}
+
     def peak_bytes(self, choice: dict[fx.Node, int], rank_0: bool = True) -> int:
         """The most one device holds at once under `choice`, weights included: rank 0's, or
         (`rank_0=False`) that of a rank the outputs are not gathered to."""

@@ -784,13 +784,17 @@ SIZING_GAP = 0.05
 
 
 def least_memory_plan(
-    captured: CapturedModel, world: int, gap: float = SIZING_GAP
+    captured: CapturedModel, world: int, gap: float = SIZING_GAP, enough: int | None = None
 ) -> tuple[int, int]:
     """(peak bytes, weight bytes) per device of a plan on `world` devices that needs the least
     memory (within `gap` of it), costs aside.
 
     A device holding `share`/N of the weights plus that plan's activations can hold no
     replicated weights; benchmarks, tests and the demo size their devices this way.
+
+    Where `enough` is given, a plan found without a search (each decision's strategy holding
+    the fewest bytes) answers instead when its peak is at most `enough`: for a caller asking
+    whether some plan fits within it, the search could only lower a peak that fits already.
     """
     graph = captured.program.graph_module.graph
     mesh = mesh_for(world)
@@ -799,6 +803,11 @@ def least_memory_plan(
     # in graph order: a set of nodes iterates by address, and HiGHS's path (and its answer
     # within the gap) follows the column order
     owners = dict.fromkeys(c.owner or n for n, c in choices.items())
+    if enough is not None:
+        frugal = {v: 0 for v in owners} | held.frugal_choice()
+        peak = held.peak_bytes(frugal)
+        if peak <= enough:
+            return peak, held.weight_bytes(frugal)
     sizes = {v: len(choices[v].strategies) for v in owners}
     least, found = least_memory(Problem(sizes, {}, {}, held.rows), gap=gap)
     choice = cast("dict[fx.Node, int]", found)  # the planner's decisions are graph nodes
