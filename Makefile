@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE=1
 export RAY_AUTH_MODE=disabled
 export RAY_USAGE_STATS_ENABLED=0
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint docs format bench clean
 
 # onnx2torch (ONNX input) goes in without its torchvision requirement, as the README's install
 # line says: PyPI's torchvision is built for CUDA torch and does not import beside the CPU torch
@@ -38,6 +38,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
 
+# the documentation site, into site/ (git-ignored): strict, so a warning (a broken link or anchor,
+# a page left out of mkdocs.yml's nav, a docstring mkdocstrings cannot read) fails it
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 format: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks examples
 	$(BIN)/ruff check --fix src tests benchmarks examples
@@ -46,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info .pytest_cache

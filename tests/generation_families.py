@@ -3,8 +3,9 @@
 zoo, and families built for generation alone (ALiBi, a model taking its arguments through
 `**kwargs`, hybrid caches, encoder-decoders with their `generation_config` as released).
 
-Each maker builds a small model from its config (random weights, seeded). The README's list
-of the families generation supports is this module's `NAMES` (tests/test_readme.py checks it).
+Each maker builds a small model from its config (random weights, seeded). The Generation guide's
+list of the families generation supports (docs/guides/generation.md) is this module's `NAMES`
+(tests/test_generate_families.py checks it).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ MAKERS: dict[str, Maker] = {
 ENCODER_DECODERS = ("t5", "bart", "mbart", "marian", "pegasus")
 HYBRIDS = ("jamba", "bamba", "granitemoehybrid", "falcon_h1")
 
-# how the README names each family
+# how the Generation guide (docs/guides/generation.md) names each family
 NAMES = {
     "gpt2": "GPT-2",
     "llama": "Llama",

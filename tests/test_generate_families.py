@@ -119,16 +119,18 @@ def test_a_hybrid_cache_too_large_for_one_device_is_split_as_each_kind_is() -> N
 
 def test_every_zoo_family_that_generates_is_checked_against_transformers() -> None:
     """The generation families checked against transformers' generate cover every family of
-    the differential suite whose model generates, and every one has the README's name."""
+    the differential suite whose model generates, and every one has the name the Generation
+    guide (docs/guides/generation.md) lists it by."""
     for name, family in FAMILIES.items():
         if family.make().model.can_generate():
             assert name in MAKERS, name
     assert set(MAKERS) == set(NAMES)
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    guide = Path(__file__).parents[1] / "docs" / "guides" / "generation.md"
+    text = " ".join(guide.read_text().split())
     listed = re.search(
-        r"of each prompt alone, in the test suite, on these families: ([^.]+)\.", readme
+        r"of each prompt alone, in the test suite, on these families: ([^.]+)\.", text
     )
-    assert listed, "README.md lists no families generation is checked on"
+    assert listed, "docs/guides/generation.md lists no families generation is checked on"
     assert listed[1].split(", ") == list(NAMES.values()), listed[1]
     tested = {f for f, _, _ in RUNS} | {"t5"}  # T5 has a test of its own, below
     assert tested == set(MAKERS), set(MAKERS) ^ tested

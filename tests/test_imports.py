@@ -5,7 +5,7 @@ The graph is read from the source with `ast`; nothing is imported. Every `import
 dependency: it runs when the function does). Imports under `if TYPE_CHECKING:` are left out:
 they never run, and only give a type to an annotation.
 
-The stage order is the README's architecture, written below as `LAYERS` (lowest first). A
+The stage order is the architecture (docs/architecture.md), written below as `LAYERS` (lowest first). A
 module may import from its own layer and the layers below it, never from a layer above; every
 top-level module and package of `src/tessel` is in exactly one layer, so a new one has to be
 placed before it can be imported.
@@ -20,7 +20,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tessel"
 
-# lowest first: the README's architecture, from the helpers every stage uses up to the entry
+# lowest first: the architecture (docs/architecture.md), from the helpers every stage uses up to the entry
 # points. A layer is a set of top-level packages and modules of `tessel` ("tessel" itself is
 # the package's __init__: the public names, resolved on first use)
 LAYERS: list[set[str]] = [
@@ -209,7 +209,7 @@ def test_every_top_level_module_is_in_one_layer():
     names = [name for layer in LAYERS for name in layer]
     assert len(names) == len(set(names)), "a name is in two layers"
     present = {_top(m) for m in _module_files(SRC)}
-    assert present - set(names) == set(), "place these in LAYERS (the README's architecture)"
+    assert present - set(names) == set(), "place these in LAYERS (docs/architecture.md)"
     assert set(names) - present == set(), "LAYERS names what src/tessel does not have"
 
 

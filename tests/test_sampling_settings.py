@@ -145,7 +145,7 @@ def test_generate_min_length_reaches_the_call(fake_run) -> None:
 
 
 def test_each_generate_flag_reaches_the_call(fake_run) -> None:
-    """Every flag as a user types it (the spellings the README and scripts use), under the
+    """Every flag as a user types it (the spellings the docs and scripts use), under the
     keyword of its setting."""
     flags = [
         "--do-sample",

@@ -439,7 +439,7 @@ def _export_rank(rank: int, world: int, port: int, family: str, folder: str) -> 
         dist.destroy_process_group()
 
 
-# each family at one count and each count by one family (the README's slice script runs a
+# each family at one count and each count by one family (the slice script of docs/guides/pre-sliced-and-onnx.md runs a
 # 4-rank torchrun job of its own)
 @pytest.mark.parametrize("family, world", [("llama", 4), ("gpt2", 2)])
 def test_a_model_parallelised_by_torch_exports_builds_and_runs_equal_to_eager(
