@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,24 +43,16 @@ from tessel.parallel.micro_batches import micro_batch_count, regroup_rows
 from tessel.parallel.pipeline import Pipeline
 from tessel.parallel.planned import PlannedNetwork, broadcast_bytes, planned_package
 from tessel.parallel.stage_cuts import balanced_stage_config, micro_batches_for
-from tessel.runtime.exchange import DEFAULT_FUSION, all_reduce_in_buckets
+from tessel.runtime.exchange import DEFAULT_FUSION, all_reduce_in_buckets, hold
 from tessel.sharding.placements import placement_str
-
-# gloo's worker thread drops a collective's tensors where the caller has let go of them first,
-# and dropping a Python tensor takes the GIL: a script that ends within the interpreter's
-# switch interval of its last collective aborts ("terminate called without an active
-# exception") when that thread takes the GIL of a finalizing interpreter. Holding the last
-# collectives' handles here leaves their tensors to the main thread, which drops them with
-# this module's globals at exit.
-_HELD: deque[dist.Work] = deque(maxlen=4)
 
 
 def _all_gather(parts: list[torch.Tensor], x: torch.Tensor) -> None:
-    """`dist.all_gather(parts, x)`, its handle held (`_HELD`)."""
+    """`dist.all_gather(parts, x)`, its handle held (`tessel.runtime.exchange.hold`)."""
     work = dist.all_gather(parts, x, async_op=True)
     assert work is not None
     work.wait()
-    _HELD.append(work)
+    hold(work)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ programs of `tessel.parallel`'s training scripts (units cut by `comm_fusion`: `I
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,19 @@ from tessel._torch import reduce_scatter_single
 # the units where `comm_fusion` sets none: up to 25 MB each (DDP's buckets), small enough that
 # the first ones are exchanged while the backward pass goes on
 DEFAULT_FUSION: tuple[str, Any] = ("size", 25.0)
+
+# gloo's worker thread drops a collective's tensors where the caller has let go of them first,
+# and dropping a Python tensor takes the GIL: a script that ends within the interpreter's
+# switch interval of its last collective aborts ("terminate called without an active
+# exception") when that thread takes the GIL of a finalizing interpreter. Holding the last
+# collectives' handles leaves their tensors to the main thread, which drops them with this
+# module's globals at exit.
+_HELD: deque[dist.Work] = deque(maxlen=8)
+
+
+def hold(work: dist.Work) -> None:
+    """Keep the waited-on `work` (and the tensors it holds) until a later one replaces it."""
+    _HELD.append(work)
 
 
 class Exchange:
@@ -62,6 +76,7 @@ class Exchange:
         ):
             work, buffer, then = self.pending.pop(0)
             work.wait()
+            hold(work)
             if then is not None:
                 then()
             held -= buffer.nbytes if buffer is not None else 0
