@@ -58,6 +58,8 @@ LAYERS: list[set[str]] = [
     {"parallel"},
     {"demo"},
     {"cli", "tessel"},
+    # the command line's reference page, made from its parser
+    {"cli_reference"},
 ]
 
 
