@@ -76,6 +76,22 @@ def test_misuse_of_a_session_is_a_tessel_error(model_file, session, tmp_path):
         session.load_graph(1, {}, path)
 
 
+def test_an_option_tessel_does_not_read_is_refused_by_name(model_file, session):
+    """GEInitialize's config and the Session's load options: a key tessel reads nothing from
+    is refused at the first call, never accepted and ignored; a near miss names the key."""
+    _, _, path = model_file
+    with pytest.raises(tessel.ConfigError, match="did you mean 'tessel.load_timeout_s'"):
+        session.load_graph(0, {"tessel.load_timeout": 5}, path)
+    with pytest.raises(tessel.ConfigError, match="Session\\(\\): tessel.threads: unknown option"):
+        tessel.Session({"tessel.threads": 2})
+    with pytest.raises(tessel.ConfigError, match="ge.exec.deviceId: each rank runs on the device"):
+        tessel.initialize({"ge.exec.deviceId": "0", "ge.graphRunMode": "0"})
+    with pytest.raises(tessel.ConfigError, match="allowed: ge.graphRunMode$"):
+        tessel.initialize({"ge.graphRunmode": "0"})
+    tessel.initialize({"ge.graphRunMode": "0"})
+    session.load_graph(0, {"tessel.load_timeout_s": 60.0, "ge.graphRunMode": 0}, path)
+
+
 def _altered(path, tmp_path):
     """The package with a byte of a weights member every rank reads flipped."""
     shared = set.intersection(*(set(s.weights) for s in Package.open(path).manifest.submodels))

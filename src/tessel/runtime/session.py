@@ -30,6 +30,7 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
+from tessel.config.fields import suggest
 from tessel.config.sampling import UNSUPPORTED_SETTINGS, Sampling, sampling_for
 from tessel.decoding import check_request, new_tokens_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
@@ -105,12 +106,48 @@ def _refuse_unguarded_main(call: str) -> None:
         )
 
 
+# GEInitialize's keys tessel reads: the run mode, which a package loaded must match
+INITIALIZE_OPTIONS = frozenset({"ge.graphRunMode"})
+# the keys `load_graph` reads from its options and the Session's
+LOAD_OPTIONS = INITIALIZE_OPTIONS | {
+    "checkpoint",
+    "tessel.learning_rate",
+    "tessel.node_id",
+    "tessel.load_timeout_s",
+    "tessel.run_timeout_s",
+    "tessel.reuse_workers",
+    "tessel.reuse_freed_memory",
+    "tessel.master_port",
+    "tessel.threads_per_worker",
+}
+# GE's keys with no meaning in tessel, and why: refused by name rather than ignored
+_NOT_BUILT = {
+    "ge.exec.deviceId": "each rank runs on the device its package's cluster config names, and "
+    "a session drives every device of the package: remove ge.exec.deviceId",
+}
+
+
+def _check_options(options: dict, known: frozenset[str] | set[str], what: str) -> None:
+    """Refuse a key tessel does not read (a setting accepted and ignored would be a silent
+    no-op), naming the closest known key."""
+    for key in options:
+        if key in _NOT_BUILT:
+            raise ConfigError(what, key, _NOT_BUILT[key])
+        if key not in known:
+            raise ConfigError(
+                what,
+                key,
+                f"unknown option; {suggest(str(key), known)}allowed: {', '.join(sorted(known))}",
+            )
+
+
 def initialize(config: dict[str, str] | None = None) -> None:
     """Start tessel's runtime (GEInitialize). Safe to call again."""
     _exit_if_importing_main()
     _refuse_unguarded_main("tessel.initialize()")
     if config is not None and not isinstance(config, dict):
         raise ConfigError("config", None, f"expected a dict, found {type(config).__name__}")
+    _check_options(config or {}, INITIALIZE_OPTIONS, "tessel.initialize()")
     _state["initialized"] = True
     _state["config"] = dict(config or {})
 
@@ -360,6 +397,7 @@ class Session:
             raise SessionError("call tessel.initialize() before creating a Session")
         if options is not None and not isinstance(options, dict):
             raise ConfigError("options", None, f"expected a dict, found {type(options).__name__}")
+        _check_options(options or {}, LOAD_OPTIONS, "Session()")
         self.options = dict(options or {})
         self._graphs: dict[int, _Graph] = {}
         self._idle: _Workers | None = None  # the workers of a removed graph, kept for reuse
@@ -386,6 +424,7 @@ class Session:
             )
         if options is not None and not isinstance(options, dict):
             raise ConfigError("options", None, f"expected a dict, found {type(options).__name__}")
+        _check_options(options or {}, LOAD_OPTIONS, "Session.load_graph()")
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError("path", None, f"expected a file path, found {type(path).__name__}")
         options = {**self.options, **(options or {})}
