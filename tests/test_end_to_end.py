@@ -84,3 +84,15 @@ def test_cann_build_api_names(tmp_path):
     assert manifest.mode == "partitioned" and manifest.world_size == 2
     assert [s.logical_device for s in manifest.submodels] == ["0:0:0", "0:0:1"]
     assert path.exists()
+
+
+def test_the_cann_build_api_refuses_an_option_it_does_not_read():
+    """build_initialize's and build_model's options: a key neither reads is refused by name
+    (with the closest known key) before anything is built, never accepted and ignored."""
+    with pytest.raises(tessel.ConfigError, match="did you mean 'ge.enableGraphParallel'"):
+        tessel.build_initialize({"ge.enableGraphParalel": "1"})
+    with pytest.raises(tessel.ConfigError, match="build_model options: ge.precision_mode"):
+        tessel.build_model(small_llama(), (token_ids(),), {"ge.precision_mode": "fp16"})
+    with pytest.raises(tessel.ConfigError, match="expected a dict, found list"):
+        tessel.build_initialize([tessel.CLUSTER_CONFIG])
+    tessel.build_finalize()

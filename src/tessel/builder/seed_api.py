@@ -13,6 +13,7 @@ from tessel.builder.pipeline import BuiltModel, build
 from tessel.builder.pipeline import save as _save
 from tessel.config.cluster import local_cluster, read_cluster_config
 from tessel.config.errors import ConfigError
+from tessel.config.fields import suggest
 
 CLUSTER_CONFIG = "ge.cluster_config"
 DISTRIBUTED_CLUSTER_BUILD = "ge.distributed_cluster_build"
@@ -28,19 +29,45 @@ _NAMES = {
     "graph_parallel_option_path": GRAPH_PARALLEL_OPTION_PATH,
 }
 _global: dict[str, str] = {}
+# the option keys build_initialize and build_model read (MODEL_RELATION_CONFIG is refused with
+# its own message: pre-sliced models have a build of their own)
+_OPTIONS = frozenset(
+    {CLUSTER_CONFIG, DISTRIBUTED_CLUSTER_BUILD, ENABLE_GRAPH_PARALLEL, GRAPH_PARALLEL_OPTION_PATH}
+    | {SOC_VERSION, MODEL_RELATION_CONFIG}
+)
+
+
+def _checked(options: dict[str, str] | None, call: str) -> dict[str, str]:
+    """`options`, refused where one is a key neither call reads: a setting accepted and
+    ignored would be a no-op."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"{call} options", None, f"expected a dict, found {type(options).__name__}"
+        )
+    for key in options:
+        if key not in _OPTIONS:
+            raise ConfigError(
+                f"{call} options",
+                key,
+                f"unknown option; {suggest(str(key), _OPTIONS)}allowed: {', '.join(sorted(_OPTIONS))}",
+            )
+    return options
 
 
 def build_initialize(options: dict[str, str] | None = None) -> None:
     """aclgrphBuildInitialize: global options, CLUSTER_CONFIG among them."""
+    checked = _checked(options, "build_initialize")
     _global.clear()
-    _global.update(options or {})
+    _global.update(checked)
 
 
 def build_model(
     model: torch.nn.Module, example_inputs: Any, options: dict[str, str] | None = None
 ) -> BuiltModel:
     """aclgrphBuildModel: DISTRIBUTED_CLUSTER_BUILD, ENABLE_GRAPH_PARALLEL, GRAPH_PARALLEL_OPTION_PATH."""
-    merged = {**_global, **(options or {})}
+    merged = {**_global, **_checked(options, "build_model")}
     if MODEL_RELATION_CONFIG in merged:
         raise ConfigError(
             "build options",
