@@ -115,7 +115,7 @@ class Engine:
                 self.path,
                 "generation.decoder_start_token_id",
                 "is set: this is an encoder-decoder, which tessel serve does not build yet "
-                "(its decoder's positions follow the cache's slots); use Session.generate",
+                "(its decoder's positions follow the cache's length); use Session.generate",
             )
         for key in NOT_SERVED:
             value = gears.defaults.get(key)
