@@ -5,6 +5,7 @@ fails here)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -13,6 +14,8 @@ from tests.conftest import ROOT
 from tessel.config import fields
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.parallel_option import parallel_option_from_dict
+from tessel.dataflow.deploy import parse_deploy_info
+from tessel.slices.relation import read_model_relation
 
 PAGE = ROOT / "docs" / "reference" / "input-files.md"
 
@@ -97,6 +100,53 @@ def test_the_cluster_config_table_is_the_readers_keys(monkeypatch) -> None:
     assert documented - accepted == set(), "in the table, not accepted by the reader"
 
 
+# every object the deploy info's reader checks (the older form's entries beside the newer)
+EVERY_DEPLOY_OBJECT = {
+    "keep_logic_device_order": False,
+    "dynamic_schedule_enable": False,
+    "batch_deploy_info": [
+        {
+            "flow_node_list": ["a", "b"],
+            "logic_device_list": "0:0:0:0",
+            "invoke_list": [{"invoke_name": "sub", "logic_device_list": "0:0:1:0"}],
+        }
+    ],
+    "deploy_info": [{"flow_node_name": "c", "logic_device_id": "0:0:1:0"}],
+}
+
+# every object the model relation config's reader checks
+EVERY_RELATION_OBJECT = {
+    "deploy_config": [
+        {"submodel_name": "rank0.pt2", "deploy_device_id_list": "0:0:0"},
+        {"submodel_name": "rank1.pt2", "deploy_device_id_list": "0:0:1"},
+    ],
+    "model_name_to_instance_id": [
+        {"submodel_name": "rank0.pt2", "model_instance_id": 0},
+        {"submodel_name": "rank1.pt2", "model_instance_id": 1},
+    ],
+    "rank_table": [{"rank_id": 0, "model_instance_id": 0}, {"rank_id": 1, "model_instance_id": 1}],
+    "comm_group": [{"group_name": "tp", "group_rank_list": "[0,1]"}],
+}
+
+
+def test_the_deploy_info_table_is_the_readers_keys(monkeypatch) -> None:
+    accepted = _accepted(lambda: parse_deploy_info(EVERY_DEPLOY_OBJECT, "deploy.json"), monkeypatch)
+    assert "batch_deploy_info[].invoke_list[].invoke_name" in accepted  # reached
+    documented = _table("Deploy info")
+    assert accepted - documented == set(), "accepted by the reader, not in the table"
+    assert documented - accepted == set(), "in the table, not accepted by the reader"
+
+
+def test_the_model_relation_table_is_the_readers_keys(monkeypatch, tmp_path) -> None:
+    path = tmp_path / "model_relation_config.json"
+    path.write_text(json.dumps(EVERY_RELATION_OBJECT))
+    accepted = _accepted(lambda: read_model_relation(path), monkeypatch)
+    assert "comm_group[].group_rank_list" in accepted  # reached
+    documented = _table("Model relation config")
+    assert accepted - documented == set(), "accepted by the reader, not in the table"
+    assert documented - accepted == set(), "in the table, not accepted by the reader"
+
+
 def test_a_key_missing_from_the_table_fails(monkeypatch) -> None:
     """The comparison sees a key the reader would accept and the table lacks."""
     accepted = _accepted(
@@ -107,7 +157,9 @@ def test_a_key_missing_from_the_table_fails(monkeypatch) -> None:
     assert "graph_parallel_option.brand_new" in accepted - _table("Policy")
 
 
-@pytest.mark.parametrize("heading", ["Cluster config", "Policy"])
+@pytest.mark.parametrize(
+    "heading", ["Cluster config", "Policy", "Deploy info", "Model relation config"]
+)
 def test_every_row_names_its_type_and_default(heading) -> None:
     section = PAGE.read_text().partition(f"\n## {heading}\n")[2].partition("\n## ")[0]
     rows = [r for r in section.splitlines() if r.startswith("| `")]
