@@ -10,6 +10,7 @@ import re
 
 import pytest
 from tests.conftest import ROOT
+from tests.test_hostile_files import RELATION
 
 from tessel.config import fields
 from tessel.config.cluster import cluster_from_dict
@@ -57,16 +58,6 @@ EVERY_POLICY_OBJECT = {
 }
 
 
-def test_the_policy_table_is_the_readers_keys(monkeypatch) -> None:
-    accepted = _accepted(
-        lambda: parallel_option_from_dict(EVERY_POLICY_OBJECT, "policy.json", 2), monkeypatch
-    )
-    assert "graph_parallel_option.tensor_sharding.gradient_sharding" in accepted  # reached
-    documented = _table("Policy")
-    assert accepted - documented == set(), "accepted by the reader, not in the table"
-    assert documented - accepted == set(), "in the table, not accepted by the reader"
-
-
 # every object the cluster config's reader checks, every key of each given
 EVERY_CLUSTER_OBJECT = {
     "cluster": [{
@@ -92,14 +83,6 @@ EVERY_CLUSTER_OBJECT = {
 }  # fmt: skip
 
 
-def test_the_cluster_config_table_is_the_readers_keys(monkeypatch) -> None:
-    accepted = _accepted(lambda: cluster_from_dict(EVERY_CLUSTER_OBJECT, "every.json"), monkeypatch)
-    assert "node_def[].item_topology[].links[].pair_item_id" in accepted  # reached
-    documented = _table("Cluster config")
-    assert accepted - documented == set(), "accepted by the reader, not in the table"
-    assert documented - accepted == set(), "in the table, not accepted by the reader"
-
-
 # every object the deploy info's reader checks (the older form's entries beside the newer)
 EVERY_DEPLOY_OBJECT = {
     "keep_logic_device_order": False,
@@ -114,52 +97,48 @@ EVERY_DEPLOY_OBJECT = {
     "deploy_info": [{"flow_node_name": "c", "logic_device_id": "0:0:1:0"}],
 }
 
-# every object the model relation config's reader checks
-EVERY_RELATION_OBJECT = {
-    "deploy_config": [
-        {"submodel_name": "rank0.pt2", "deploy_device_id_list": "0:0:0"},
-        {"submodel_name": "rank1.pt2", "deploy_device_id_list": "0:0:1"},
-    ],
-    "model_name_to_instance_id": [
-        {"submodel_name": "rank0.pt2", "model_instance_id": 0},
-        {"submodel_name": "rank1.pt2", "model_instance_id": 1},
-    ],
-    "rank_table": [{"rank_id": 0, "model_instance_id": 0}, {"rank_id": 1, "model_instance_id": 1}],
-    "comm_group": [{"group_name": "tp", "group_rank_list": "[0,1]"}],
+
+def _read_every_object(heading: str, tmp_path) -> None:
+    """Read the file of `heading`'s table holding every object its reader checks."""
+    if heading == "Cluster config":
+        cluster_from_dict(EVERY_CLUSTER_OBJECT, "every.json")
+    elif heading == "Policy":
+        parallel_option_from_dict(EVERY_POLICY_OBJECT, "policy.json", 2)
+    elif heading == "Deploy info":
+        parse_deploy_info(EVERY_DEPLOY_OBJECT, "deploy.json")
+    else:
+        path = tmp_path / "model_relation_config.json"
+        path.write_text(json.dumps(RELATION))  # it holds every object of the format
+        read_model_relation(path)
+
+
+# each table, and a key deep in its file that shows the reader reached every object
+TABLES = {
+    "Cluster config": "node_def[].item_topology[].links[].pair_item_id",
+    "Policy": "graph_parallel_option.tensor_sharding.gradient_sharding",
+    "Deploy info": "batch_deploy_info[].invoke_list[].invoke_name",
+    "Model relation config": "comm_group[].group_rank_list",
 }
 
 
-def test_the_deploy_info_table_is_the_readers_keys(monkeypatch) -> None:
-    accepted = _accepted(lambda: parse_deploy_info(EVERY_DEPLOY_OBJECT, "deploy.json"), monkeypatch)
-    assert "batch_deploy_info[].invoke_list[].invoke_name" in accepted  # reached
-    documented = _table("Deploy info")
+@pytest.mark.parametrize("heading", list(TABLES))
+def test_the_table_is_the_readers_keys(heading, monkeypatch, tmp_path) -> None:
+    accepted = _accepted(lambda: _read_every_object(heading, tmp_path), monkeypatch)
+    assert TABLES[heading] in accepted  # reached
+    documented = _table(heading)
     assert accepted - documented == set(), "accepted by the reader, not in the table"
     assert documented - accepted == set(), "in the table, not accepted by the reader"
 
 
-def test_the_model_relation_table_is_the_readers_keys(monkeypatch, tmp_path) -> None:
-    path = tmp_path / "model_relation_config.json"
-    path.write_text(json.dumps(EVERY_RELATION_OBJECT))
-    accepted = _accepted(lambda: read_model_relation(path), monkeypatch)
-    assert "comm_group[].group_rank_list" in accepted  # reached
-    documented = _table("Model relation config")
-    assert accepted - documented == set(), "accepted by the reader, not in the table"
-    assert documented - accepted == set(), "in the table, not accepted by the reader"
-
-
-def test_a_key_missing_from_the_table_fails(monkeypatch) -> None:
+def test_a_key_missing_from_the_table_fails(monkeypatch, tmp_path) -> None:
     """The comparison sees a key the reader would accept and the table lacks."""
     accepted = _accepted(
-        lambda: parallel_option_from_dict(EVERY_POLICY_OBJECT, "policy.json", 2),
-        monkeypatch,
-        extra=("brand_new",),
+        lambda: _read_every_object("Policy", tmp_path), monkeypatch, extra=("brand_new",)
     )
     assert "graph_parallel_option.brand_new" in accepted - _table("Policy")
 
 
-@pytest.mark.parametrize(
-    "heading", ["Cluster config", "Policy", "Deploy info", "Model relation config"]
-)
+@pytest.mark.parametrize("heading", list(TABLES))
 def test_every_row_names_its_type_and_default(heading) -> None:
     section = PAGE.read_text().partition(f"\n## {heading}\n")[2].partition("\n## ")[0]
     rows = [r for r in section.splitlines() if r.startswith("| `")]
