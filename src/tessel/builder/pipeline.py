@@ -95,7 +95,15 @@ class BuiltModel:
 
 
 def save(model: BuiltModel, path: str | Path) -> Path:
-    """Write an offline model to `path` (the `.tessel` suffix is added if missing)."""
+    """Write an offline model to `path`, published in one step when complete.
+
+    Args:
+        model: What `build` returned.
+        path: Where to write it; the `.tessel` suffix is added if missing.
+
+    Returns:
+        The path written.
+    """
     return model.save(path)
 
 
@@ -137,35 +145,52 @@ def build(
     param_dtype: torch.dtype | str | None = None,
     generation: Generation | None = None,
 ) -> BuiltModel:
-    """Build an offline model for `cluster`.
+    """Build an offline model for `cluster`: capture, plan, lower every rank, check, pack.
 
     With `graph_parallel` the planner shards every node over the cluster's devices (ATC's
-    algorithm-based partitioning, `--enable_graph_parallel`); without it the whole model is
-    deployed to every device and runs are load-balanced over the replicas. `reuse_layers=False` traces every layer of a
-    stack of identical layers, in capture and in lowering, instead of tracing one and copying it.
-    With `verify` the built model runs on the example inputs in this process and must agree with
-    the eager model, or `VerifyError` is raised and nothing is returned; it costs one forward pass
-    of the model plus one of every device's share. By default (None) the check runs where the
-    cost model puts it below what the build took, and the plan says when it was skipped.
+    algorithm-based partitioning, `--enable_graph_parallel`). Without it the whole model is
+    deployed to every device, and runs are load-balanced over the replicas.
 
-    With `weights` (a checkpoint directory as `save_pretrained` writes it, or a safetensors
-    file), `model` may hold its parameters on the meta device (`tessel.empty_weights()`): it is
-    captured and planned from shapes alone, and each rank's slices are read from the checkpoint
-    as the package is written, so the build never holds the model. There is then no eager model
-    to check against (`verify` must not be true).
+    Args:
+        model: The module to build, or a `torch.export` program. With `generation`, a
+            `transformers` causal LM or an encoder-decoder such as T5.
+        example_inputs: The inputs of one run (a tuple, a tensor or a dict). With
+            `generation` they are optional: the prompt the built gears are checked on.
+        cluster: A cluster config (a path, a dict or a `ClusterConfig`), or a device count
+            for a local cluster of CPU devices. Default: one local device.
+        policy: The partitioning policy (a path or a `ParallelOption`). Default: `auto`.
+        soc_version: The device kind the cluster's defaults come from (`cpu`, `H100`, ...).
+        graph_parallel: Shard every node over the devices (True), or replicate the model.
+        example_kwargs: Keyword inputs of one run, beside `example_inputs`.
+        time_limit: Seconds the planner's search may take before it settles for its best.
+        reuse_layers: Trace one layer of a stack of identical layers and copy it (True), or
+            trace every layer.
+        verify: Run the built model here and refuse to return it unless it agrees with the
+            eager model (True); skip the check (False); or check where the cost model puts
+            it below what the build took (None), the plan saying when it was skipped. The
+            check costs about three forward passes. A generation package is checked against
+            `transformers`' own `generate`.
+        weights: A checkpoint directory as `save_pretrained` writes it, or a safetensors
+            file. The model may then hold its parameters on the meta device
+            (`tessel.empty_weights()`), and each rank's slices are read as the package is
+            written. `verify` must not be True.
+        optimizer: A `torch.optim` SGD, Adam or AdamW over the model's parameters. The
+            package then holds a training step: the forward returns a scalar loss, and each
+            `Session.run_graph` runs forward, backward and the update.
+        param_dtype: A training step's compute dtype (`torch.bfloat16`), over fp32 master
+            weights, optimizer states and gradient exchange, as FSDP2's mixed precision
+            does. Default: the parameters' dtype.
+        generation: A `tessel.Generation`: the package holds prefill and decode gears over a
+            KV cache on the devices, for `Session.generate`.
 
-    With `optimizer` (torch.optim SGD, Adam or AdamW over the model's parameters), the package
-    holds a training step instead: the model's forward must return a scalar loss, and each
-    `Session.run_graph` runs forward, backward and the optimizer's update, returning the loss
-    (see `tessel.builder.training`). `param_dtype` (torch.bfloat16) makes the step compute in
-    bf16 over fp32 master weights, optimizer states and gradient exchange, as FSDP2's
-    `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` does; by
-    default the step computes in the dtype of the model's parameters (fp32 or bf16).
+    Returns:
+        The built model: its manifest (the plan), and `save` writes it as one `.tessel` file.
 
-    With `generation` (a `tessel.Generation`), `model` is a `transformers` causal LM (or an
-    encoder-decoder such as T5) and the package holds its gears: a prefill program per prompt length and a decode program, over a
-    KV cache each device holds and writes in place, for `Session.generate`. `example_inputs`
-    (token ids) are then optional: the prompt the built gears are checked on.
+    Raises:
+        ConfigError: An argument, a config file or a policy key is wrong.
+        PlanError: No plan fits the devices; the message names the size that would.
+        CaptureError: The model calls an operator tessel cannot lower.
+        VerifyError: The built model disagrees with its reference; nothing is returned.
     """
     timings: dict[str, float] = {}
     stored, verify = _streamed(model, weights, verify)

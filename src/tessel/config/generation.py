@@ -41,6 +41,16 @@ class Generation:
     With `row_prefill`, each prompt length also gets a prefill gear of one row that writes the
     cache row it is given and no other: `tessel serve` admits a request with it, at the cost
     of one row's prompt, where the other gears compute every row.
+
+    Args:
+        max_batch_size: The cache's rows: the most prompts one call, or one server, runs at
+            once.
+        max_seq_len: The tokens each row holds, prompt and new tokens together.
+        prefill_lengths: The prompt lengths of the prefill gears, each below `max_seq_len`.
+        row_prefill: Also build a one-row prefill gear per prompt length, for `tessel serve`.
+
+    Raises:
+        ConfigError: A size that is not a positive integer, or a prompt length out of range.
     """
 
     max_batch_size: int

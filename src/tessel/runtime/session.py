@@ -142,7 +142,16 @@ def _check_options(options: dict, known: frozenset[str] | set[str], what: str) -
 
 
 def initialize(config: dict[str, str] | None = None) -> None:
-    """Start tessel's runtime (GEInitialize). Safe to call again."""
+    """Start tessel's runtime (GEInitialize). Safe to call again.
+
+    Args:
+        config: GEInitialize's config. tessel reads `ge.graphRunMode` (`"0"` inference,
+            `"1"` training), which a loaded package must match; any other key is refused.
+
+    Raises:
+        ConfigError: A key tessel does not read, or a config that is not a dict.
+        SessionError: Called from a script's top level, where every worker would run it too.
+    """
     _exit_if_importing_main()
     _refuse_unguarded_main("tessel.initialize()")
     if config is not None and not isinstance(config, dict):
@@ -158,7 +167,10 @@ def is_initialized() -> bool:
 
 
 def finalize() -> None:
-    """Stop every session's workers and release the runtime (GEFinalize)."""
+    """Stop every session's workers and release the runtime (GEFinalize).
+
+    It runs at exit too, so no worker outlives the process that started it.
+    """
     for session in list(_sessions):
         session.close()
     stop_fork_server()
@@ -371,7 +383,15 @@ class _Graph:
 
 
 class Session:
-    """Loads offline models onto the cluster's devices and runs them.
+    """Loads offline models onto the cluster's devices and runs them (GE's `ge::Session`).
+
+    Args:
+        options: The load options every `load_graph` of this session takes, under its own
+            (the sessions guide's table lists them); a key tessel does not read is refused.
+
+    Raises:
+        SessionError: `tessel.initialize()` was not called.
+        ConfigError: An option tessel does not read.
 
     Options (also per `load_graph`): `tessel.node_id`, `tessel.master_port`,
     `tessel.threads_per_worker`, `tessel.load_timeout_s`, `tessel.run_timeout_s`,
@@ -410,8 +430,22 @@ class Session:
         self.close()
 
     def load_graph(self, graph_id: int, options: dict[str, Any] | None, path: str | Path) -> None:
-        """Load every rank of this node onto one worker per device (idle workers, where they
-        fit, or new ones that join the process groups); returns when every rank is ready."""
+        """Load every rank of this node onto one worker per device; return when all are ready.
+
+        Idle workers take the package where they fit; otherwise new ones start and join the
+        process groups.
+
+        Args:
+            graph_id: The id later calls name the graph by.
+            options: The load options, over the session's own (the sessions guide's table).
+            path: A `.tessel` package.
+
+        Raises:
+            ConfigError: An option tessel does not read, a graph id in use, or a run mode
+                that is not the package's.
+            PackageError: The package is missing, altered, or of another version.
+            WorkerError: A worker failed to start or to load; the message names the rank.
+        """
         _exit_if_importing_main()
         _refuse_unguarded_main("Session.load_graph")
         if not _state["initialized"]:
@@ -515,11 +549,22 @@ class Session:
     def run_graph(
         self, graph_id: int, inputs: list[torch.Tensor] | tuple | dict
     ) -> list[torch.Tensor]:
-        """Run a loaded graph; returns the same outputs as the single-device model.
+        """Run a loaded graph once.
 
-        A training package's run is one step (forward, backward, the optimizer's update on the
-        devices' weights) on the batch `inputs`; it returns `[loss]`, the loss the model
-        computes before the update.
+        A training package's run is one step: forward, backward, and the optimizer's update
+        of the weights on the devices.
+
+        Args:
+            graph_id: A loaded graph that is not a generation package.
+            inputs: The inputs, as a list in the package's order or a dict by name.
+
+        Returns:
+            The outputs the single-device model returns; for a training step, `[loss]`, the
+            loss before the update.
+
+        Raises:
+            ConfigError: Inputs of other names, shapes or dtypes than the package's.
+            WorkerError: A worker failed; a training step's weights are then lost.
         """
         graph = self._graph(graph_id)
         if graph.package.manifest.generation is not None:
@@ -585,22 +630,58 @@ class Session:
         stream: bool = False,
         **unknown: Any,
     ) -> Any:
-        """Generate from a generation package: token ids `[rows, prompt + new tokens]` (an
-        encoder-decoder's `[rows, 1 + new tokens]`, its decoder's start token first), as
-        `transformers`' `generate` returns them (rows finished at `eos_token_id`, one id or
-        any of several, padded with `pad_token_id`; the pad where the model sets none is the
-        first eos token, as in `transformers`). With `stream`, an iterator of each step's new
-        tokens `[rows]` instead. Prompts are padded on the left (`attention_mask` 0 over the
-        padding); the loop runs on the devices, every rank choosing each token.
+        """Generate from a generation package, as `transformers`' `generate` does.
 
-        A setting left None is the model's own (its `generation_config`, recorded at build),
-        else `transformers`' default, as `transformers`' `generate` chooses it: a model that
-        samples by default samples here too, with its temperature, top-k and top-p.
-        `max_new_tokens` defaults to the model's, else to what its `max_length`
-        (`transformers`' 20 where unset) leaves after the prompt, at most what the cache holds.
-        A `transformers` argument this loop does not take (beam search, `max_length`) is
-        refused by name, never ignored, unless it is given the value that leaves decoding as
-        it is (`num_beams=1`), as `transformers` takes it."""
+        Prompts are padded on the left (`attention_mask` 0 over the padding). The loop runs on
+        the devices, every rank choosing each token. A setting left None is the model's own
+        (its `generation_config`, recorded at build), else `transformers`' default, as
+        `transformers`' `generate` chooses it. A `transformers` argument this loop does not
+        take (beam search, `max_length`) is refused by name, never ignored, unless it is
+        given the value that leaves decoding as it is (`num_beams=1`).
+
+        Args:
+            graph_id: A loaded generation package.
+            input_ids: The prompts, `[rows, length]`.
+            attention_mask: 1 over each prompt's tokens, 0 over its left padding.
+            max_new_tokens: The new tokens per row. Default: the model's, else what its
+                `max_length` leaves after the prompt, at most what the cache holds.
+            do_sample: Sample each token, or choose the likeliest (greedy).
+            temperature: With sampling, divide the logits by it (below 1: sharper).
+            top_k: With sampling, keep the k likeliest tokens (0: all).
+            top_p: With sampling, keep the smallest set of tokens of this mass.
+            seed: With sampling, the seed of the draws: the same seed, the same tokens.
+            repetition_penalty: Make the tokens a row holds this much less likely (1: no
+                penalty).
+            no_repeat_ngram_size: Let no n-gram of this many tokens occur twice in a row (0: no
+                ban).
+            min_length: Make no eos token before a row holds this many tokens, its prompt's
+                included (0: none).
+            min_new_tokens: Make no eos token before a row holds this many new tokens (0: none).
+                Where set, it overrules min_length.
+            min_p: With sampling, keep the tokens at least this share as likely as the likeliest
+                (0: all).
+            typical_p: With sampling, keep the locally typical set of this mass (1: all).
+            epsilon_cutoff: With sampling, drop the tokens less likely than this (0: none).
+            eta_cutoff: With sampling, drop the tokens below this cutoff, lowered by the entropy
+                (0: none).
+            suppress_tokens: Never make these tokens.
+            forced_bos_token_id: Make this token where a row holds one token (an
+                encoder-decoder's first new token).
+            forced_eos_token_id: Make this token (or one of these) the call's last token.
+            eos_token_id: The token (or any of several) that ends a row.
+            pad_token_id: The token finished rows are padded with. Default: the model's,
+                else the first eos token.
+            stream: Return an iterator of each step's new tokens `[rows]` instead.
+
+        Returns:
+            Token ids `[rows, prompt + new tokens]` (an encoder-decoder's `[rows, 1 + new
+            tokens]`, its decoder's start token first), rows finished at `eos_token_id`
+            padded with `pad_token_id`; with `stream`, an iterator of each step's tokens.
+
+        Raises:
+            ConfigError: An argument this loop does not take, or a value out of range.
+            WorkerError: A worker failed; the message names the rank and the cause.
+        """
         unknown = {
             k: v
             for k, v in unknown.items()
@@ -692,8 +773,16 @@ class Session:
         return torch.cat([prompt, new.reshape(len(prompt), -1)], dim=1)
 
     def save_checkpoint(self, graph_id: int, path: str | Path) -> Path:
-        """Write a training graph's weights and optimizer states as a distributed checkpoint
-        in tessel's format: `rank_<r>/checkpoint_<r>.safetensors` per rank and
+        """Write a training graph's weights and optimizer states as a distributed checkpoint.
+
+        Args:
+            graph_id: A loaded training package.
+            path: The checkpoint's directory.
+
+        Returns:
+            The directory written.
+
+        The format is tessel's: `rank_<r>/checkpoint_<r>.safetensors` per rank and
         `strategy.json` (weights under their names, optimizer states as
         `optimizer.<key>.<weight>`, Adam's step count as `optimizer.step`), with
         `model_state_dict.json` (which tensors are the model's state_dict) and a transformers
@@ -750,7 +839,15 @@ class Session:
         return tree.dst
 
     def training_stats(self, graph_id: int) -> dict[str, int]:
-        """What a training graph's steps measured, the largest over its ranks:
+        """What a training graph's steps measured, the largest over its ranks.
+
+        Args:
+            graph_id: A loaded training package.
+
+        Returns:
+            The counts by name, as below.
+
+        The counts:
         `prefetch_peak_bytes`, the most gathered weights fetched ahead and held at once, and
         `prefetch_bytes`, the buffer that bounds them (0: no prefetch); on CPU workers with
         their block cache, its counts (`cpu_cache_hits`, `cpu_cache_misses`, ...: see
@@ -766,8 +863,15 @@ class Session:
         return _poll(workers, time.monotonic() + workers.run_timeout, "stats", 0)
 
     def set_learning_rate(self, graph_id: int, lr: float) -> None:
-        """The learning rate of every parameter group from the next step of a training graph
-        on (as `tessel.learning_rate` in the load options), so any schedule can drive it."""
+        """Set the learning rate of every parameter group from the next step on.
+
+        It is what `tessel.learning_rate` in the load options sets, so any schedule can
+        drive it.
+
+        Args:
+            graph_id: A loaded training package.
+            lr: The learning rate, a finite number >= 0.
+        """
         graph = self._graph(graph_id)
         if graph.package.manifest.training is None:
             raise ConfigError("graph_id", None, f"graph {graph_id} is not a training package")
@@ -775,7 +879,11 @@ class Session:
 
     def remove_graph(self, graph_id: int) -> None:
         """Unload a graph. Its workers stay, idle, for a later `load_graph` to reuse where they
-        can serve again (see the class docstring); otherwise they stop."""
+        can serve again (see the class docstring); otherwise they stop.
+
+        Args:
+            graph_id: The graph to unload; an id not loaded is no error.
+        """
         graph = self._graphs.pop(graph_id, None)
         if graph is None:
             return

@@ -16,7 +16,18 @@ from tessel.runtime.loader import load_rank
 def load_model(
     path: str | Path, device: str | torch.device = "cpu"
 ) -> Callable[..., list[torch.Tensor]]:
-    """Load a single-device offline model in this process; returns `run(*inputs) -> outputs`."""
+    """Load a single-device offline model in this process (AscendCL's aclmdlLoadFromFile).
+
+    Args:
+        path: A `.tessel` package built for one device, without `--distributed_cluster_build`.
+        device: The torch device to run it on.
+
+    Returns:
+        `run(*inputs) -> outputs`.
+
+    Raises:
+        PackageError: The package was built for distributed deployment: load it in a Session.
+    """
     package = Package.open(path)
     if package.manifest.mode != "replicated" or package.world_size != 1:
         raise PackageError(
