@@ -2,9 +2,9 @@
 the site's API pages render) and document every public parameter; `Session.generate`'s
 sampling settings say what `tessel.config.sampling.Sampling`, their one source, says.
 
-The core API is held to it: building, saving, the runtime and `Generation`. The rest of the
-public API (the serving engine, `tessel.parallel`, `tessel.checkpoint`, `tessel.dataflow`) is
-not yet."""
+The core API is held to it: building, saving, the runtime, `Generation` and the serving
+engine. The rest of the public API (`tessel.parallel`, `tessel.checkpoint`,
+`tessel.dataflow`) is not yet."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import tessel
 from tessel.config.sampling import Sampling
 from tessel.runtime.session import Session
+from tessel.serving.engine import Engine
 
 CORE = {
     "tessel.build": tessel.build,
@@ -32,6 +33,11 @@ CORE = {
             "load_graph", "run_graph", "generate", "save_checkpoint", "training_stats",
             "set_learning_rate", "remove_graph", "close",
         )
+    },
+    "tessel.serving.engine.Engine": Engine,
+    **{
+        f"tessel.serving.engine.Engine.{name}": getattr(Engine, name)
+        for name in ("request", "submit", "stop_admitting", "drain", "close")
     },
 }  # fmt: skip
 

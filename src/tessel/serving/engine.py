@@ -84,9 +84,22 @@ class _Counts:
 
 class Engine:
     """A generation package served: `request` checks a request, `submit` queues it and yields
-    its tokens. `max_queued_requests` bounds the requests waiting beyond the free slots (more
-    are refused with `QueueFull`); a request waiting longer than `queue_timeout` seconds for a
-    slot ends in `QueueTimeout`. `options` are the Session's (`tessel.*`, `ge.*`)."""
+    its tokens. Each row of the package's cache is a slot, held by one request from its
+    admission to its last token; the serving loop runs on the workers, off this process.
+
+    Args:
+        package: A `.tessel` generation package.
+        max_queued_requests: The requests that may wait beyond the free slots; more are
+            refused with `QueueFull`.
+        queue_timeout: Seconds a request may wait for a slot before it ends in
+            `QueueTimeout`. Default: no limit.
+        options: The Session's load options (`tessel.*`, `ge.*`).
+        listener: What the engine reports to as it runs (the server's metrics).
+
+    Raises:
+        ConfigError: A package without generation gears, an encoder-decoder, a replicated
+            package, or a model default that served requests do not build.
+    """
 
     def __init__(
         self,
@@ -182,14 +195,40 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def request(self, prompt: Sequence[int], **fields: Any) -> Request:
-        """A checked request (`BadRequest` naming the field otherwise); fields as
-        `tessel.serving.settings.request_for` takes them."""
+        """A checked request.
+
+        Args:
+            prompt: The prompt's token ids.
+
+        Returns:
+            The request, for `submit`. Its fields (`max_tokens`, `temperature`, `top_p`,
+            `top_k`, `min_p`, `repetition_penalty`, `seed`, `min_tokens`, `ignore_eos`) are
+            what `tessel.serving.settings.request_for` takes.
+
+        Raises:
+            BadRequest: A field out of range or a prompt too long, naming the field.
+        """
         return request_for(self.limits, prompt, **fields)
 
     async def submit(self, request: Request) -> AsyncIterator[Output]:
-        """Queue `request` and yield its tokens as they are made. Leaving the iteration early
-        (a client gone) frees its slot at the next step, the request counted aborted; a caller
-        that matched a stop string throws `StopStringMatched` into it instead."""
+        """Queue `request` and yield its tokens as they are made.
+
+        Leaving the iteration early (a client gone) frees its slot at the next step, the
+        request counted aborted. A caller that matched a stop string throws
+        `StopStringMatched` into it instead.
+
+        Args:
+            request: What `request` returned.
+
+        Returns:
+            An async iterator of the request's outputs: one per new token, the last with
+            its `finish_reason` ("stop" or "length").
+
+        Raises:
+            QueueFull: Every slot is taken and the queue is full.
+            QueueTimeout: The request waited past `queue_timeout`.
+            EngineStopped: The engine is draining, closed, or lost a worker.
+        """
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._stopped is not None:
@@ -345,15 +384,25 @@ class Engine:
         return dict(self._counts.stats)
 
     def stop_admitting(self, why: str = "the engine is draining") -> None:
-        """Refuse new requests (`EngineStopped`); those open run on."""
+        """Refuse new requests with `EngineStopped`; those open run on.
+
+        Args:
+            why: What the refusal says.
+        """
         with self._lock:
             if self._stopped is None:
                 self._stopped = why
                 self.healthy = False
 
     async def drain(self, timeout: float) -> bool:
-        """Stop admitting, then wait up to `timeout` seconds for the open requests to end;
-        True if they all did."""
+        """Stop admitting, then wait for the open requests to end.
+
+        Args:
+            timeout: Seconds to wait.
+
+        Returns:
+            True if every open request ended in time.
+        """
         self.stop_admitting()
         return await asyncio.to_thread(self._idle.wait, timeout)
 
