@@ -2,9 +2,9 @@
 the site's API pages render) and document every public parameter; `Session.generate`'s
 sampling settings say what `tessel.config.sampling.Sampling`, their one source, says.
 
-The core API is held to it: building, saving, the runtime, `Generation` and the serving
-engine. The rest of the public API (`tessel.parallel`, `tessel.checkpoint`,
-`tessel.dataflow`) is not yet."""
+The core API is held to it: building, saving, the runtime, `Generation`, the serving engine
+and `tessel.checkpoint`'s conversions. The rest of the public API (`tessel.parallel`, the
+other checkpoint functions, `tessel.dataflow`) is not yet."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import re
 import pytest
 
 import tessel
+from tessel.checkpoint import api as checkpoint_api
 from tessel.config.sampling import Sampling
 from tessel.runtime.session import Session
 from tessel.serving.engine import Engine
@@ -38,6 +39,13 @@ CORE = {
     **{
         f"tessel.serving.engine.Engine.{name}": getattr(Engine, name)
         for name in ("request", "submit", "stop_admitting", "drain", "close")
+    },
+    **{
+        f"tessel.checkpoint.{name}": getattr(checkpoint_api, name)
+        for name in (
+            "rank_list_for_convert", "convert_checkpoint_by_rank", "convert_checkpoints",
+            "unified_safetensors", "shard_checkpoint",
+        )
     },
 }  # fmt: skip
 

@@ -109,8 +109,16 @@ def rank_list_for_convert(
     """Source ranks whose files are needed to build destination rank ``rank_id`` (descending).
 
     Exactly the ranks read: if a slice has replicas, one is chosen so the set is irredundant
-    (the destination rank itself is preferred). ``src_strategy_file=None`` means an unsharded
-    source, so the answer is ``[0]``. No checkpoint files are read.
+    (the destination rank itself is preferred). No checkpoint files are read.
+
+    Args:
+        rank_id: The destination rank.
+        src_strategy_file: The source's strategy; None means an unsharded source, so the
+            answer is ``[0]``.
+        dst_strategy_file: The destination's strategy; None means one unsharded rank.
+
+    Returns:
+        The source ranks, descending.
     """
     integer("rank_list_for_convert", "rank_id", rank_id, 0)
     src = load_strategy(src_strategy_file)
@@ -174,8 +182,23 @@ def convert_checkpoint_by_rank(
     that one file, whole (the ranks of one conversion write their files into one directory).
     It records the conversion it belongs to, an id every rank's call derives alike from the two
     strategies and the source checkpoint's own id, and its strategy's digest, so readers refuse
-    it beside files of another conversion. ``save_checkpoint_file_name`` is MindSpore's name for
-    ``save_file`` (keyword-only).
+    it beside files of another conversion.
+
+    Args:
+        rank_id: The destination rank.
+        checkpoint_files_map: ``{source rank: its safetensors file}``, at least the ranks
+            ``rank_list_for_convert`` names.
+        save_file: The destination file, ending in ``.safetensors``.
+        src_strategy_file: The source's strategy; None means one unsharded file, rank 0's.
+        dst_strategy_file: The destination's strategy; None means one unsharded rank.
+        save_checkpoint_file_name: MindSpore's name for ``save_file`` (keyword-only).
+
+    Returns:
+        The path written.
+
+    Raises:
+        CheckpointError: A source file is missing, or ``save_file`` is no ``.safetensors``.
+        StrategyError: A strategy cannot be read, or the destination rank holds nothing.
     """
     save = Path(_pick_required("convert_checkpoint_by_rank", "save_file", save_file,
                                "save_checkpoint_file_name", save_checkpoint_file_name))  # fmt: skip
@@ -242,9 +265,30 @@ def convert_checkpoints(
     destination rank and ``dst_dir/strategy.json``, the destination strategy. ``dst_dir`` must
     be new or empty, or, with ``overwrite=True``, its checkpoint is replaced whole (files of
     other names are kept; see ``tessel.checkpoint.identity``); it may not be, lie inside or
-    hold ``src_dir``. ``process_num`` destination files are written in parallel by separate
-    processes. MindSpore's names ``src_checkpoints_dir``, ``dst_checkpoints_dir`` and
-    ``ckpt_prefix`` are accepted as keyword-only aliases.
+    hold ``src_dir``.
+
+    Args:
+        src_dir: The source checkpoint's directory.
+        dst_dir: The destination directory.
+        dst_prefix: The destination files' name before the rank.
+        src_strategy_file: The source's strategy (none for a DCP source).
+        dst_strategy_file: The destination's strategy; None means one unsharded rank.
+        process_num: Destination files written at once, by separate processes.
+        output_format: ``"safetensors"``, the one format written.
+        progress: Called once per file written.
+        overwrite: Replace a checkpoint already in ``dst_dir``.
+        src_checkpoints_dir: MindSpore's name for ``src_dir`` (keyword-only).
+        dst_checkpoints_dir: MindSpore's name for ``dst_dir`` (keyword-only).
+        ckpt_prefix: MindSpore's name for ``dst_prefix`` (keyword-only).
+
+    Returns:
+        The files written.
+
+    Raises:
+        CheckpointError: A destination that holds anything (without ``overwrite``), or that
+            is, lies inside or holds the source; a source file missing or of another
+            checkpoint.
+        StrategyError: A strategy that cannot be read or does not fit the checkpoint.
     """
     fn = "convert_checkpoints"
     src_dir = _pick_required(fn, "src_dir", src_dir, "src_checkpoints_dir", src_checkpoints_dir)
@@ -525,9 +569,30 @@ def unified_safetensors(
     index and config files, and each part keeps the other parts' files. ``dst_dir`` (and
     ``optimizer_states_dir``) must be new or empty, or, with ``overwrite=True``, the checkpoint
     there is replaced whole (files of other names are kept; see ``tessel.checkpoint.identity``);
-    neither may be, lie inside or hold ``src_dir``. ``process_num`` shards are written in
-    parallel (default 1); MindSpore's name for it, ``max_process_num``, is accepted as a
-    keyword-only alias.
+    neither may be, lie inside or hold ``src_dir``.
+
+    Args:
+        src_dir: The distributed checkpoint's directory.
+        src_strategy_file: Its strategy; None takes ``src_dir/strategy.json`` where there is
+            one (a DCP source needs none).
+        dst_dir: Where the shards go.
+        merge_with_redundancy: MindSpore's ``.ckpt`` option; only True is taken.
+        file_suffix: MindSpore's ``.ckpt`` option; only None is taken.
+        process_num: Shards written at once (default 1).
+        choice_func: Sees each tensor's name: False drops it, a string renames it.
+        split_dst_file: ``(k, n)`` writes only the k-th of n parts of the shard list.
+        max_shard_size: Bytes per shard, or a size such as ``"5GB"``.
+        progress: Called once per file written.
+        overwrite: Replace a checkpoint already in ``dst_dir``.
+        max_process_num: MindSpore's name for ``process_num`` (keyword-only).
+        optimizer_states_dir: Where a training checkpoint's optimizer states go.
+
+    Returns:
+        The files written.
+
+    Raises:
+        CheckpointError: A destination that holds anything (without ``overwrite``), or a
+            MindSpore ``.ckpt`` option tessel does not take.
     """
     fn = "unified_safetensors"
     process_num = _pick(fn, "process_num", process_num, "max_process_num", max_process_num,
@@ -583,6 +648,21 @@ def shard_checkpoint(
     without a job. ``dst_dir`` must be new or empty, or, with ``overwrite=True``, its checkpoint
     is replaced whole (files of other names are kept); it may not be, lie inside or hold
     ``hf_dir``.
+
+    Args:
+        hf_dir: The full tensors: a Hugging Face directory or a DCP directory.
+        dst_dir: Where the ranks' files go.
+        dst_strategy_file: The strategy to shard for.
+        dst_prefix: The files' name before the rank.
+        process_num: Files written at once, by separate processes.
+        progress: Called once per file written.
+        overwrite: Replace a checkpoint already in ``dst_dir``.
+
+    Returns:
+        The files written.
+
+    Raises:
+        StrategyError: No destination strategy, or one that does not fit the tensors.
     """
     file_prefix("shard_checkpoint", "dst_prefix", dst_prefix)
     integer("shard_checkpoint", "process_num", process_num, 1)
