@@ -3,8 +3,8 @@ the site's API pages render) and document every public parameter; `Session.gener
 sampling settings say what `tessel.config.sampling.Sampling`, their one source, says.
 
 The core API is held to it: building, saving, the runtime, `Generation`, the serving engine
-and `tessel.checkpoint`'s conversions. The rest of the public API (`tessel.parallel`, the
-other checkpoint functions, `tessel.dataflow`) is not yet."""
+and `tessel.checkpoint`'s functions. The rest of the public API (`tessel.parallel`'s training
+API, `tessel.dataflow`) is not yet."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ CORE = {
         f"tessel.checkpoint.{name}": getattr(checkpoint_api, name)
         for name in (
             "rank_list_for_convert", "convert_checkpoint_by_rank", "convert_checkpoints",
-            "unified_safetensors", "shard_checkpoint",
+            "unified_safetensors", "shard_checkpoint", "build_searched_strategy",
+            "merge_pipeline_strategys", "restore_group_info_list", "parameter_broadcast",
+            "load_segmented_checkpoints", "load_distributed_checkpoint",
         )
     },
 }  # fmt: skip

@@ -679,7 +679,17 @@ def shard_checkpoint(
 
 
 def build_searched_strategy(strategy_filename: str | os.PathLike) -> dict[str, ParamLayout]:
-    """Every parameter's layout in a strategy file (tessel JSON, MindSpore JSON or protobuf)."""
+    """Every parameter's layout in a strategy file (tessel JSON, MindSpore JSON or protobuf).
+
+    Args:
+        strategy_filename: The strategy file.
+
+    Returns:
+        ``{parameter name: its layout}``.
+
+    Raises:
+        StrategyError: The file cannot be read, or is inconsistent.
+    """
     if not isinstance(strategy_filename, (str, os.PathLike)):
         raise TypeError(f"strategy_filename must be a str, got {type(strategy_filename).__name__}")
     st = load_strategy(strategy_filename)
@@ -696,6 +706,17 @@ def merge_pipeline_strategys(
     Every ``*.json`` or ``*.ckpt`` file in the directories is read (byte-identical copies, as
     written by ranks of one stage, count once). A parameter listed by several stages (a shared
     weight) keeps all of them.
+
+    Args:
+        src_strategy_dirs: A directory, or several, holding the stages' strategy files.
+        dst_strategy_file: The merged tessel strategy file to write.
+
+    Returns:
+        The merged strategy.
+
+    Raises:
+        StrategyError: A directory is missing, holds no strategy files or mixes .json and
+            .ckpt ones, or a file cannot be read.
     """
     dirs = (
         [src_strategy_dirs]
@@ -734,7 +755,17 @@ def merge_pipeline_strategys(
 
 
 def restore_group_info_list(group_info_file_name: str | os.PathLike) -> list[int]:
-    """The ranks whose checkpoints equal this rank's, from a MindSpore group-info file."""
+    """The ranks whose checkpoints equal this rank's, from a MindSpore group-info file.
+
+    Args:
+        group_info_file_name: The group-info file a MindSpore rank saved.
+
+    Returns:
+        The ranks.
+
+    Raises:
+        StrategyError: The file is missing, empty or not a group-info file.
+    """
     from tessel.checkpoint.mindspore_proto import read_group_info
 
     p = Path(group_info_file_name)
@@ -759,6 +790,12 @@ def parameter_broadcast(
     Every rank of the job calls it: the groups of ranks holding one slice are made on all of
     them, in one order, and each parameter is broadcast within its group from its lowest rank
     (a DTensor's local shard, a plain tensor whole).
+
+    Args:
+        net: The network whose parameters are broadcast.
+        layout: A strategy file (or `Strategy`) naming the parameters of `net`.
+        cur_rank: This rank.
+        initial_rank: The first rank of this pipeline stage, where `layout`'s ranks start.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -810,7 +847,23 @@ def load_segmented_checkpoints(
     specify_prefix: str | Sequence[str] | None = None,
     choice_func: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load and merge every ``*.safetensors`` file in a directory (no pickle), optionally into net."""
+    """Load and merge every ``*.safetensors`` file in a directory (no pickle).
+
+    Args:
+        ckpt_file_dir: The directory; its files must belong to one checkpoint.
+        net: Where given, the merged tensors are loaded into it.
+        strict_load: Load into `net` with ``strict=True``.
+        filter_prefix: Leave out the tensors whose names start with it (or any of several).
+        specify_prefix: Keep only the tensors whose names start with it (or any of several).
+        choice_func: Sees each tensor's name; False leaves the tensor out.
+
+    Returns:
+        ``{name: tensor}`` of what was kept.
+
+    Raises:
+        CheckpointError: The directory is missing or empty, a file is corrupt, or its files
+            belong to two checkpoints.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -882,6 +935,25 @@ def load_distributed_checkpoint(
     checkpoint / DCP directory) with ``train_strategy_filename``; or ``unified_safetensors_dir``.
     Target: ``predict_strategy`` and ``rank_id`` (default: this process's rank, else 0); None means
     full tensors. Parameters of ``network`` that are DTensors get their own local shard.
+
+    Args:
+        network: The network to load into, or None to only return the tensors.
+        checkpoint_filenames: One safetensors file per training rank, in rank order, or a
+            checkpoint or DCP directory.
+        predict_strategy: The layout to load for; None means full tensors.
+        train_strategy_filename: The checkpoint's strategy.
+        strict_load: Refuse a parameter of `network` the checkpoint lacks.
+        rank_id: The rank to load for. Default: this process's rank, else 0.
+        unified_safetensors_dir: A directory of full tensors, instead of
+            `checkpoint_filenames`.
+        return_param_dict: Return the tensors read even where `network` is given.
+
+    Returns:
+        ``{name: tensor}`` where `network` is None or `return_param_dict` is set, else None.
+
+    Raises:
+        CheckpointError: A file is missing or of another checkpoint, or (with `strict_load`)
+            a parameter is not in the checkpoint.
     """
     fn = "load_distributed_checkpoint"
     flag(fn, "strict_load", strict_load)
