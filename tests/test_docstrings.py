@@ -2,9 +2,9 @@
 the site's API pages render) and document every public parameter; `Session.generate`'s
 sampling settings say what `tessel.config.sampling.Sampling`, their one source, says.
 
-The core API is held to it: building, saving, the runtime, `Generation`, the serving engine
-and `tessel.checkpoint`'s functions. The rest of the public API (`tessel.parallel`'s training
-API, `tessel.dataflow`) is not yet."""
+The core API is held to it: building, saving, the runtime, `Generation`, the serving engine,
+`tessel.checkpoint`'s functions and DataFlow's graph. The rest of the public API
+(`tessel.parallel`'s training API, DataFlow's nodes and process points) is not yet."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pytest
 import tessel
 from tessel.checkpoint import api as checkpoint_api
 from tessel.config.sampling import Sampling
+from tessel.dataflow import graph as flow_graph
+from tessel.dataflow import session as flow_session
 from tessel.runtime.session import Session
 from tessel.serving.engine import Engine
 
@@ -48,6 +50,13 @@ CORE = {
             "merge_pipeline_strategys", "restore_group_info_list", "parameter_broadcast",
             "load_segmented_checkpoints", "load_distributed_checkpoint",
         )
+    },
+    "tessel.dataflow.init": flow_session.init,
+    "tessel.dataflow.finalize": flow_session.finalize,
+    "tessel.dataflow.FlowGraph": flow_graph.FlowGraph,
+    **{
+        f"tessel.dataflow.FlowGraph.{name}": getattr(flow_graph.FlowGraph, name)
+        for name in ("feed_data", "feed", "fetch_data", "fetch")
     },
 }  # fmt: skip
 

@@ -43,7 +43,17 @@ def _now_us() -> int:
 
 
 class FlowGraph:
-    """A flow graph. `graph_options` are AddGraph options, e.g. the deploy-info path."""
+    """A flow graph: its nodes each run in worker processes on the devices its deploy info
+    names, and transactions flow through them in order.
+
+    Args:
+        outputs: The graph's outputs (a node's output, or a list of them); the graph is
+            every node they depend on.
+        graph_options: GE's AddGraph options, such as the deploy-info path
+            (`tessel.dataflow.DEPLOY_INFO_OPTION`).
+        name: The graph's name. Default: `FlowGraph_<n>`.
+        graphpp_builder_async: GE's option; the graph is built when it is first fed either way.
+    """
 
     def __init__(
         self,
@@ -209,7 +219,17 @@ class FlowGraph:
         timeout: int = -1,
         partial_inputs: bool = False,
     ) -> int:
-        """Feed tensors (torch or numpy) as one transaction; an empty dict needs the EOS flag."""
+        """Feed tensors (torch or numpy) as one transaction.
+
+        Args:
+            feed_dict: ``{FlowData: tensor}``; an empty dict needs the EOS flag in `flow_info`.
+            flow_info: The transaction's flags and user data.
+            timeout: Milliseconds the feed may wait; -1 waits as long as it takes.
+            partial_inputs: Feed only some of the graph's inputs.
+
+        Returns:
+            The return code, 0 on success.
+        """
         info = flow_info or FlowInfo()
         if not feed_dict:
             if not info.flow_flags & FlowFlag.DATA_FLOW_FLAG_EOS:
@@ -229,7 +249,16 @@ class FlowGraph:
     def feed(
         self, feed_dict: dict[FlowData, Any], timeout: int = -1, partial_inputs: bool = False
     ) -> int:
-        """Feed Python objects (tensors, arrays, anything picklable) as one transaction."""
+        """Feed Python objects (tensors, arrays, anything picklable) as one transaction.
+
+        Args:
+            feed_dict: ``{FlowData: object}``.
+            timeout: Milliseconds the feed may wait; -1 waits as long as it takes.
+            partial_inputs: Feed only some of the graph's inputs.
+
+        Returns:
+            The return code, 0 on success.
+        """
         return self._feed(self._values(feed_dict, partial_inputs), FlowInfo(), timeout)
 
     # ---- fetch ---------------------------------------------------------------------------
@@ -268,12 +297,32 @@ class FlowGraph:
     def fetch_data(
         self, indexes: list[int] | None = None, timeout: int = -1
     ) -> tuple[list[torch.Tensor], FlowInfo, int]:
-        """The next transaction's output tensors (in transaction order), its FlowInfo and code."""
+        """The next transaction's output tensors, in transaction order.
+
+        Args:
+            indexes: The outputs to return, by index. Default: all.
+            timeout: Milliseconds to wait; -1 waits as long as it takes.
+
+        Returns:
+            The tensors, the transaction's `FlowInfo`, and the return code.
+
+        Raises:
+            TransactionFailed: A node failed the transaction; the message names it and why.
+            FlowTimeout: Nothing arrived within `timeout`.
+        """
         outs, info, code = self._next(timeout)
         outs = [torch.from_numpy(o) if isinstance(o, np.ndarray) else o for o in outs]
         return self._select(outs, indexes) if outs else outs, info, code
 
     def fetch(self, indexes: list[int] | None = None, timeout: int = -1) -> tuple[list[Any], int]:
-        """The next transaction's outputs as Python objects, and the return code."""
+        """The next transaction's outputs as Python objects.
+
+        Args:
+            indexes: The outputs to return, by index. Default: all.
+            timeout: Milliseconds to wait; -1 waits as long as it takes.
+
+        Returns:
+            The outputs and the return code.
+        """
         outs, _, code = self._next(timeout)
         return (self._select(outs, indexes) if outs else outs), code

@@ -27,11 +27,13 @@ _executors: weakref.WeakSet = weakref.WeakSet()
 
 
 def init(flow_options: dict[str, str] | None = None) -> None:
-    """Start DataFlow with GE-style options (`ge.resourceConfigPath`, `ge.socVersion`, ...).
+    """Start DataFlow with GE-style options.
 
-    The cluster config comes from `ge.resourceConfigPath` or env RESOURCE_CONFIG_PATH; with
-    neither, a local cluster of CPU devices (`tessel.dataflow.local_devices`, default: CPU count,
-    at least 2).
+    Args:
+        flow_options: `ge.resourceConfigPath` (the cluster config; else the environment's
+            `RESOURCE_CONFIG_PATH`; with neither, a local cluster of CPU devices),
+            `ge.socVersion`, and `tessel.dataflow.local_devices` (the local cluster's devices,
+            default the CPU count, at least 2).
     """
     global _options, _cluster
     opts = {str(k): str(v) for k, v in (flow_options or {}).items()}
