@@ -3,8 +3,8 @@ the site's API pages render) and document every public parameter; `Session.gener
 sampling settings say what `tessel.config.sampling.Sampling`, their one source, says.
 
 The core API is held to it: building, saving, the runtime, `Generation`, the serving engine,
-`tessel.checkpoint`'s functions and DataFlow's graph. The rest of the public API
-(`tessel.parallel`'s training API, DataFlow's nodes and process points) is not yet."""
+`tessel.checkpoint`'s functions, `tessel.parallel`'s training API and DataFlow's graph.
+DataFlow's nodes and process points, and `Layout`, are not yet."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tessel.checkpoint import api as checkpoint_api
 from tessel.config.sampling import Sampling
 from tessel.dataflow import graph as flow_graph
 from tessel.dataflow import session as flow_session
+from tessel.parallel import annotate, auto_parallel, micro_batches, pipeline
 from tessel.runtime.session import Session
 from tessel.serving.engine import Engine
 
@@ -58,6 +59,21 @@ CORE = {
         f"tessel.dataflow.FlowGraph.{name}": getattr(flow_graph.FlowGraph, name)
         for name in ("feed_data", "feed", "fetch_data", "fetch")
     },
+    "tessel.parallel.AutoParallel": auto_parallel.AutoParallel,
+    **{
+        f"tessel.parallel.AutoParallel.{name}": getattr(auto_parallel.AutoParallel, name)
+        for name in (
+            "load_param_strategy_file", "save_param_strategy_file", "set_group_ckpt_save_file",
+            "dataset_strategy", "hsdp", "pipeline", "comm_fusion",
+        )
+    },
+    "tessel.parallel.shard": annotate.shard,
+    "tessel.parallel.reshard": annotate.reshard,
+    "tessel.parallel.nn.GradAccumulation": micro_batches.GradAccumulation,
+    "tessel.parallel.nn.MicroBatchInterleaved": micro_batches.MicroBatchInterleaved,
+    "tessel.parallel.nn.Pipeline": pipeline.Pipeline,
+    "tessel.parallel.nn.PipelineGradReducer": pipeline.PipelineGradReducer,
+    "tessel.parallel.sync_pipeline_shared_parameters": pipeline.sync_pipeline_shared_parameters,
 }  # fmt: skip
 
 

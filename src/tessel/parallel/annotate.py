@@ -255,8 +255,22 @@ def shard(
     level: int = 0,
 ) -> torch.nn.Module | Callable:
     """Run `fn` sharded (see the module docstring). A module is changed in place and returned;
-    a function comes back wrapped. `device` and `level` are accepted and unused, as in
-    MindSpore."""
+    a function comes back wrapped.
+
+    Args:
+        fn: A module or a function.
+        in_strategy: Each input's layout, or its split counts per dim (all of one kind).
+        out_strategy: Each output's layout or split counts. Default: as DTensor leaves them.
+        parameter_plan: ``{parameter name: layout}``, for a module's parameters.
+        device: MindSpore's backend name; it chooses nothing here (the job's devices do).
+        level: MindSpore's search level (0, 1 or 2); it chooses nothing here.
+
+    Returns:
+        The module, changed in place, or the wrapped function.
+
+    Raises:
+        TypeError: A strategy of the wrong type, or layouts mixed with split counts.
+    """
     if not isinstance(in_strategy, tuple):
         raise TypeError(f"shard: in_strategy must be a tuple, found {type(in_strategy).__name__}")
     if out_strategy is not None and not isinstance(out_strategy, tuple):
@@ -428,7 +442,15 @@ def distribute_parameters(
 
 def reshard(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """`tensor` placed as `layout` says: a DTensor is redistributed, a plain tensor is taken as
-    the whole tensor, held by every rank. One rank: the tensor unchanged."""
+    the whole tensor, held by every rank. One rank: the tensor unchanged.
+
+    Args:
+        tensor: A DTensor, or a plain tensor every rank holds whole.
+        layout: The placement to give it.
+
+    Returns:
+        The DTensor placed as `layout` says.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"reshard: tensor must be a Tensor, found {type(tensor).__name__}")
     if not isinstance(layout, Layout):

@@ -75,6 +75,15 @@ class AutoParallel(torch.nn.Module):
     `cluster` (tessel's addition) is the cluster config the planner costs and fits the plan
     on: a path, its JSON as a dict, or a ClusterConfig; by default local devices of the job's
     device type, one per rank.
+
+    Args:
+        network: The network to train; it returns its loss (planned modes).
+        parallel_mode: `"recursive_programming"`, `"sharding_propagation"` or `"semi_auto"`.
+        cluster: The cluster config the planner costs and fits the plan on.
+
+    Raises:
+        ParallelError: torch.distributed is not initialised, or a `Pipeline` is wrapped in
+            another mode than semi_auto.
     """
 
     def __init__(
@@ -137,7 +146,14 @@ class AutoParallel(torch.nn.Module):
         """Plan with the parameters' layouts from a strategy file (tessel JSON, MindSpore JSON
         or protobuf) kept as given, the rest decided around them (not semi_auto). Each layout
         splits over one device-matrix dim of all ranks, or is a dp x tp matrix whose dp splits
-        nothing (its size becomes the plan's replica count), as AutoParallel's plans save."""
+        nothing (its size becomes the plan's replica count), as AutoParallel's plans save.
+
+        Args:
+            file_path: The strategy file.
+
+        Raises:
+            ParallelError: In semi_auto, or after the first call.
+        """
         path = _path_argument("load_param_strategy_file", file_path)
         self._refuse_once_planned("load_param_strategy_file")
         if self.parallel_mode == "semi_auto":
@@ -149,7 +165,14 @@ class AutoParallel(torch.nn.Module):
 
     def save_param_strategy_file(self, file_path: str) -> None:
         """Write the trained parameters' layouts on the first call: tessel JSON for a `.json`
-        path, MindSpore's protobuf otherwise; `tessel ckpt` reads both."""
+        path, MindSpore's protobuf otherwise; `tessel ckpt` reads both.
+
+        Args:
+            file_path: Where to write the strategy file.
+
+        Raises:
+            ParallelError: With pipeline stages, where no layout over the job's ranks applies.
+        """
         path = _path_argument("save_param_strategy_file", file_path)
         self._refuse_for_stages("save_param_strategy_file")
         self._strategy_save = path
@@ -159,7 +182,14 @@ class AutoParallel(torch.nn.Module):
     def set_group_ckpt_save_file(self, file_path: str) -> None:
         """Write the communication groups (MindSpore's group-info protobuf) on the first call:
         the groups of the plan's program, or (semi_auto) of each mesh dim the parameters are
-        placed on, and the ranks holding the same shards as this one."""
+        placed on, and the ranks holding the same shards as this one.
+
+        Args:
+            file_path: Where to write the group-info file.
+
+        Raises:
+            ParallelError: With pipeline stages.
+        """
         path = _path_argument("set_group_ckpt_save_file", file_path)
         self._refuse_for_stages("set_group_ckpt_save_file")
         self._group_save = path
@@ -188,7 +218,11 @@ class AutoParallel(torch.nn.Module):
         "full_batch": every rank's call holds the whole batch; a tuple of per-input split
         counts (one tuple per input, each splitting it over every rank or none), or of
         `Layout`s (called with a tensor map: each rank's part of each input, ranks along a
-        dim the layout does not split holding the same part)."""
+        dim the layout does not split holding the same part).
+
+        Args:
+            config: `"data_parallel"`, `"full_batch"`, or a tuple as above.
+        """
         if config is None:
             raise ValueError("dataset_strategy: config must not be None")
         if isinstance(config, str):
@@ -239,7 +273,16 @@ class AutoParallel(torch.nn.Module):
         whole, then sliced; level2: reduce-scattered over the data-parallel replicas (over the
         tensor-parallel ranks a gradient leaves the program whole, and is sliced); level3: as
         level2, and the program gathers each such weight just before the nodes that read it,
-        in the forward pass and again in the backward, freeing it between."""
+        in the forward pass and again in the backward, freeing it between.
+
+        Args:
+            shard_size: The ranks a weight is stored sharded over; -1: all that replicate it.
+            threshold: The smallest weight stored sharded, in KB.
+            optimizer_level: `"level1"`, `"level2"` or `"level3"`, as above.
+
+        Raises:
+            ParallelError: In semi_auto, or after the first call.
+        """
         self._refuse_once_planned("hsdp")
         if self.parallel_mode == "semi_auto":
             raise ParallelError(
@@ -278,7 +321,19 @@ class AutoParallel(torch.nn.Module):
         about equal work (`stage_cuts`), in as few micro-batches as cover the stages; it then
         returns the whole batch's mean loss, and the optimizer is made over this rank's
         stage's parameters after it. The loss reaches every stage whatever
-        `output_broadcast` says."""
+        `output_broadcast` says.
+
+        Args:
+            stages: The pipeline stages (pipeline ranks).
+            output_broadcast: MindSpore's switch; the loss reaches every stage either way.
+            interleave: semi_auto: run a multiple of `stages` stages looped over the pipeline
+                ranks.
+            scheduler: `"1f1b"` or `"gpipe"`.
+
+        Raises:
+            ParallelError: Stages for a network this mode cannot cut, or a change after the
+                first call.
+        """
         integer("pipeline", "stages", stages, 1)
         if scheduler not in SCHEDULES:
             raise ValueError(
@@ -348,7 +403,11 @@ class AutoParallel(torch.nn.Module):
         program has made the bucket's gradients, while the backward pass goes on ("size"
         buckets gather gradients in the order they are made, as DDP's do). The program's own
         collectives, and hsdp's gathers and reduce-scatters (one per weight), are not fused:
-        `allgather` and `reducescatter` are refused."""
+        `allgather` and `reducescatter` are refused.
+
+        Args:
+            config: The fusion, as above.
+        """
         if not isinstance(config, dict):
             raise TypeError(f"comm_fusion: config must be a dict, found {type(config).__name__}")
         unknown = sorted(set(config) - {"openstate", "allreduce", "allgather", "reducescatter"})

@@ -115,14 +115,24 @@ def regroup_rows(x: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
 
 class GradAccumulation(_MicroBatches):
     """`network` run on `micro_size` dim-0 slices of its inputs, its outputs summed: one
-    backward accumulates the gradients of every micro-batch."""
+    backward accumulates the gradients of every micro-batch.
+
+    Args:
+        network: The network, returning its loss.
+        micro_size: The micro-batches each call's rows are cut into.
+    """
 
     def __init__(self, network: torch.nn.Module, micro_size: int) -> None:
         super().__init__(network, micro_size, "micro_size")
 
 
 class MicroBatchInterleaved(_MicroBatches):
-    """`network` run on `interleave_num` dim-0 slices of its inputs, its outputs summed."""
+    """`network` run on `interleave_num` dim-0 slices of its inputs, its outputs summed.
+
+    Args:
+        network: The network.
+        interleave_num: The slices each call's rows are cut into.
+    """
 
     def __init__(self, network: torch.nn.Module, interleave_num: int = 2) -> None:
         super().__init__(network, interleave_num, "interleave_num")

@@ -53,8 +53,15 @@ def _loss_forward(forward: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 class Pipeline(torch.nn.Module):
-    """`network` in pipeline stages (see the module docstring). `stage_config` maps module
-    names to stage indices; the modules of a stage come before those of the next one."""
+    """`network` in pipeline stages (see the module docstring). The modules of a stage come
+    before those of the next one.
+
+    Args:
+        network: The network to cut, returning its loss.
+        micro_size: The micro-batches each call's rows are cut into.
+        stage_config: ``{module name: stage index}``, each stage's modules before the
+            next stage's. Default: one stage, the whole network.
+    """
 
     def __init__(
         self,
@@ -527,7 +534,11 @@ def _contiguous_boundaries(pipe: Any, stages: int) -> None:
 
 def sync_pipeline_shared_parameters(net: torch.nn.Module) -> None:
     """Copy each parameter several pipeline stages hold (tied embeddings) from the first
-    stage holding it to the others. A network with fewer than 2 stages is left as it is."""
+    stage holding it to the others. A network with fewer than 2 stages is left as it is.
+
+    Args:
+        net: The `Pipeline` network, or the `AutoParallel` holding it.
+    """
     pipe = _find_pipeline(net)
     if pipe is None or pipe._stages is None or pipe.stages < 2:
         return
@@ -585,7 +596,14 @@ class PipelineGradReducer(torch.nn.Module):
     """The accumulated gradients of `parameters`, divided by `scale_sense` (MindSpore v2.6's
     semantics; `Pipeline` has already summed the micro-batches' gradients and reduced them
     over the data-parallel replicas). Called with no gradients, it scales the parameters'
-    own `.grad` in place and returns them."""
+    own `.grad` in place and returns them.
+
+    Args:
+        parameters: The parameters whose gradients it returns.
+        scale_sense: What the gradients are divided by (> 0).
+        opt_shard: MindSpore's switch for its sharded optimizer; the gradients come back
+            whole either way.
+    """
 
     def __init__(
         self,
