@@ -19,6 +19,7 @@ from tessel.checkpoint import api as checkpoint_api
 from tessel.config.sampling import Sampling
 from tessel.dataflow import graph as flow_graph
 from tessel.dataflow import session as flow_session
+from tessel.dataflow.pyflow import pyflow as flow_pyflow
 from tessel.parallel import annotate, auto_parallel, micro_batches, pipeline
 from tessel.runtime.session import Session
 from tessel.serving.engine import Engine
@@ -55,6 +56,7 @@ CORE = {
     "tessel.dataflow.init": flow_session.init,
     "tessel.dataflow.finalize": flow_session.finalize,
     "tessel.dataflow.FlowGraph": flow_graph.FlowGraph,
+    "tessel.dataflow.pyflow": flow_pyflow,
     **{
         f"tessel.dataflow.FlowGraph.{name}": getattr(flow_graph.FlowGraph, name)
         for name in ("feed_data", "feed", "fetch_data", "fetch")
@@ -96,7 +98,9 @@ def _parameters(obj) -> list[inspect.Parameter]:
     return [
         p
         for p in signature.parameters.values()
-        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        if p.name != "self"
+        and not p.name.startswith("_")  # a decorator's positional target
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
 
 

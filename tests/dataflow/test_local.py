@@ -602,3 +602,24 @@ def test_a_node_runs_only_a_udf_or_a_model_itself():
             df.FlowNode(1, 1, "n").add_process_point(other)
     node = df.FlowNode(1, 1, "n").add_process_point(df.FuncProcessPoint(py_func=lambda v: v))
     assert node.pp is not None and node.pp.name.startswith("FuncProcessPoint_")
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"stream_input": object()},
+        {"choice_output": object()},
+        {"visible_device_enable": True},
+        {"env_hook_func": print},
+    ],
+    ids=lambda setting: next(iter(setting)),
+)
+def test_a_pyflow_setting_not_built_is_refused_by_name(setting):
+    """CANN's @pyflow settings tessel does not build are refused, never accepted and ignored."""
+    from tessel.config.errors import ConfigError
+
+    key = next(iter(setting))
+    with pytest.raises(ConfigError, match=f"@pyflow: {key}: is not built"):
+        df.pyflow(**setting)(lambda x: x)
+    with pytest.raises(ConfigError, match="@pyflow: resources: names unknown resources"):
+        df.pyflow(resources={"num_tpus": 1})(lambda x: x)

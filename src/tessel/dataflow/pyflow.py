@@ -11,6 +11,7 @@ import functools
 import inspect
 from typing import Any
 
+from tessel.config.errors import ConfigError
 from tessel.dataflow.nodes import FlowNode, FlowOutput, Source
 from tessel.dataflow.process_points import FuncProcessPoint, FuncSpec, UdfSpec
 
@@ -81,11 +82,10 @@ class PyFlowNode(FlowNode):
 class PyFlow:
     """What `@pyflow` returns: still callable as the original, plus `.fnode()`."""
 
-    def __init__(self, target: Any, num_returns: int, resources: dict[str, Any], options: dict):
+    def __init__(self, target: Any, num_returns: int, resources: dict[str, Any]):
         self.target = target
         self.num_returns = num_returns
         self.resources = resources
-        self.options = options
         self._made = 0
         functools.update_wrapper(self, target, updated=())
 
@@ -152,22 +152,49 @@ def pyflow(
 ) -> Any:
     """Decorate a function or class so that `.fnode()` makes FlowNodes running it.
 
-    resources: `num_cpus`, `memory` (MB), `num_gpus`, `num_npus`; placement checks that the
-    chosen device has the GPUs/NPUs asked for.
+    Args:
+        num_returns: The outputs each call returns.
+        resources: `num_cpus`, `memory` (MB), `num_gpus`, `num_npus`; placement checks that
+            the chosen device has the GPUs or NPUs asked for.
+        stream_input: CANN's streamed inputs; not built, refused where given.
+        choice_output: CANN's chosen outputs; not built, refused where given.
+        visible_device_enable: CANN's device visibility for the node; not built, refused
+            where True.
+        env_hook_func: CANN's hook run before the node starts; not built, refused where
+            given.
+
+    Returns:
+        The decorated function or class, still callable as it was, with `.fnode()`.
+
+    Raises:
+        ConfigError: A setting that is not built, or an unknown resource.
     """
-    if stream_input is not None or choice_output is not None:
-        raise NotImplementedError("@pyflow: stream_input and choice_output are not supported yet")
+    not_built = {
+        "stream_input": stream_input is not None,
+        "choice_output": choice_output is not None,
+        "visible_device_enable": visible_device_enable is not False,
+        "env_hook_func": env_hook_func is not None,
+    }
+    for key, given in not_built.items():
+        if given:
+            raise ConfigError(
+                "@pyflow",
+                key,
+                "is not built in tessel's DataFlow yet; leave it out (a setting accepted and "
+                "not honoured would change what the node does without a word)",
+            )
     res = dict(resources or {})
     bad = set(res) - _RESOURCE_KEYS
     if bad:
-        raise ValueError(
-            f"@pyflow: unknown resources {sorted(bad)}; allowed {sorted(_RESOURCE_KEYS)}"
+        raise ConfigError(
+            "@pyflow",
+            "resources",
+            f"names unknown resources {sorted(bad)}; allowed {sorted(_RESOURCE_KEYS)}",
         )
 
     def wrap(target: Any) -> PyFlow:
         if not inspect.isclass(target):
             _check_generator(target)
-        opts = {"visible_device_enable": visible_device_enable, "env_hook_func": env_hook_func}
-        return PyFlow(target, int(num_returns), res, opts)
+        return PyFlow(target, int(num_returns), res)
 
     return wrap(_target) if _target is not None else wrap
