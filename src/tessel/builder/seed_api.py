@@ -13,7 +13,7 @@ from tessel.builder.pipeline import BuiltModel, build
 from tessel.builder.pipeline import save as _save
 from tessel.config.cluster import local_cluster, read_cluster_config
 from tessel.config.errors import ConfigError
-from tessel.config.fields import suggest
+from tessel.config.fields import Fields
 
 CLUSTER_CONFIG = "ge.cluster_config"
 DISTRIBUTED_CLUSTER_BUILD = "ge.distributed_cluster_build"
@@ -46,13 +46,7 @@ def _checked(options: dict[str, str] | None, call: str) -> dict[str, str]:
         raise ConfigError(
             f"{call} options", None, f"expected a dict, found {type(options).__name__}"
         )
-    for key in options:
-        if key not in _OPTIONS:
-            raise ConfigError(
-                f"{call} options",
-                key,
-                f"unknown option; {suggest(str(key), _OPTIONS)}allowed: {', '.join(sorted(_OPTIONS))}",
-            )
+    Fields(options, f"{call} options").check_keys(_OPTIONS)
     return options
 
 

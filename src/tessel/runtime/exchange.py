@@ -29,7 +29,7 @@ DEFAULT_FUSION: tuple[str, Any] = ("size", 25.0)
 # exception") when that thread takes the GIL of a finalizing interpreter. Holding the last
 # collectives' handles leaves their tensors to the main thread, which drops them with this
 # module's globals at exit.
-_HELD: deque[dist.Work] = deque(maxlen=8)
+_HELD: deque[dist.Work] = deque(maxlen=4)
 
 
 def hold(work: dist.Work) -> None:
@@ -47,8 +47,11 @@ class Exchange:
     `runtime/gloo.py`). The bytes moved are the ones gloo moves for it; the clone is saved.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, keep_last: bool = False) -> None:
         self.group = group
+        # a training script's process ends right after its last exchange (`hold`); a
+        # worker's step frees its buffers as soon as they are waited on
+        self.keep_last = keep_last
         self.pending: list[tuple[dist.Work, torch.Tensor | None, Callable[[], Any] | None]] = []
 
     def all_reduce(self, flat: torch.Tensor) -> None:
@@ -76,7 +79,8 @@ class Exchange:
         ):
             work, buffer, then = self.pending.pop(0)
             work.wait()
-            hold(work)
+            if self.keep_last:
+                hold(work)
             if then is not None:
                 then()
             held -= buffer.nbytes if buffer is not None else 0
@@ -124,7 +128,8 @@ class InFlight:
 
     def __init__(self, buckets: list[list[int]], group: Any) -> None:
         self.buckets = buckets
-        self.exchange = Exchange(group)
+        # its flat buffers live on as the gradients' views: holding their handles costs nothing
+        self.exchange = Exchange(group, keep_last=True)
         self.given: dict[int, torch.Tensor] = {}
         self.flats: list[torch.Tensor] = []  # the started units, each its gradients flat
 

@@ -30,7 +30,7 @@ import torch
 from tessel.checkpoint.errors import CheckpointError
 from tessel.config.cluster import cluster_from_dict
 from tessel.config.errors import ConfigError
-from tessel.config.fields import suggest
+from tessel.config.fields import Fields
 from tessel.config.sampling import UNSUPPORTED_SETTINGS, Sampling, sampling_for
 from tessel.decoding import check_request, new_tokens_for, stop_tokens, token_id
 from tessel.dtypes import dtype_name
@@ -130,15 +130,7 @@ _NOT_BUILT = {
 def _check_options(options: dict, known: frozenset[str] | set[str], what: str) -> None:
     """Refuse a key tessel does not read (a setting accepted and ignored would be a silent
     no-op), naming the closest known key."""
-    for key in options:
-        if key in _NOT_BUILT:
-            raise ConfigError(what, key, _NOT_BUILT[key])
-        if key not in known:
-            raise ConfigError(
-                what,
-                key,
-                f"unknown option; {suggest(str(key), known)}allowed: {', '.join(sorted(known))}",
-            )
+    Fields(options, what).check_keys(known, _NOT_BUILT)
 
 
 def initialize(config: dict[str, str] | None = None) -> None:
